@@ -1,0 +1,107 @@
+/* tf-antman memory core: C API.
+ *
+ * One `antman_mem` is the universal memory of one device: a limited BFC
+ * allocator over device memory whose upper limit can change at run time, and a
+ * host arena used when the device allocator is at its limit (paper §3.1.1,
+ * §4.1). No TensorFlow types cross this boundary, so a second framework can
+ * use the same core.
+ *
+ * Thread safety: every function may be called from any thread.
+ * Units: bytes, nanoseconds.
+ */
+#ifndef TF_ANTMAN_CC_CORE_ANTMAN_MEMORY_H_
+#define TF_ANTMAN_CC_CORE_ANTMAN_MEMORY_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ANTMAN_MEM_ABI_VERSION 1
+
+typedef enum {
+  /* Host RAM stands in for device memory, with a capacity budget. */
+  ANTMAN_BACKEND_EMULATED = 0,
+  /* CUDA driver API, loaded with dlopen at run time. */
+  ANTMAN_BACKEND_CUDA = 1,
+} antman_backend;
+
+typedef struct {
+  int backend;                  /* antman_backend */
+  int device_ordinal;           /* CUDA device ordinal; emulated: an id only */
+  uint64_t device_capacity;     /* emulated: budget (>0). CUDA: 0 = free memory */
+  uint64_t limit;               /* initial upper limit; 0 = device_capacity */
+  uint64_t host_capacity;       /* cap on host fallback bytes; 0 = no fallback */
+  uint64_t min_region;          /* smallest region the BFC grows by; 0 = 2 MiB */
+} antman_mem_config;
+
+typedef struct {
+  uint64_t limit;               /* upper limit in force */
+  uint64_t pending_limit;       /* requested, applied at next step boundary; 0 = none */
+  uint64_t device_capacity;
+  uint64_t in_use;              /* device bytes in live blocks (rounded sizes) */
+  uint64_t reserved;            /* device bytes held in regions (cached + in use) */
+  uint64_t peak_in_use;         /* lifetime peak of in_use */
+  uint64_t step_peak_in_use;    /* peak of in_use since the last step boundary */
+  uint64_t step_min_in_use;     /* minimum of in_use since the last step boundary */
+  uint64_t host_in_use;         /* bytes live in the host fallback arena */
+  uint64_t host_peak;           /* lifetime peak of host_in_use */
+  uint64_t step_host_peak;      /* peak of host_in_use since the last step boundary */
+  uint64_t host_capacity;
+  uint64_t host_fallbacks;      /* allocations served by host memory (count) */
+  uint64_t host_bytes_served;   /* total bytes ever served by host memory */
+  uint64_t device_allocs;       /* allocations served by device memory (count) */
+  uint64_t device_bytes_served; /* total bytes ever served by device memory */
+  uint64_t failed_allocs;       /* requests neither device nor host could serve */
+  uint64_t regions;             /* device regions currently held */
+  uint64_t shrink_regions_freed;  /* lifetime */
+  uint64_t shrink_bytes_freed;    /* lifetime */
+  uint64_t last_shrink_ns;        /* duration of the last shrink */
+  uint64_t last_shrink_unfreed;   /* bytes above the target the last shrink could not free */
+  uint64_t steps;                 /* step boundaries seen */
+} antman_mem_stats;
+
+typedef struct antman_mem antman_mem;
+
+/* Returns 0 and sets *out on success; otherwise a non-zero code and a message
+ * in err (NUL-terminated, truncated to errlen). */
+int antman_mem_create(const antman_mem_config* config, antman_mem** out,
+                      char* err, size_t errlen);
+void antman_mem_destroy(antman_mem* mem);
+
+/* Device memory first; host arena when the device allocator is at its limit.
+ * NULL when neither can serve (the caller reports out of memory). alignment is
+ * a power of two <= 4096. bytes == 0 returns NULL. */
+void* antman_mem_alloc(antman_mem* mem, size_t alignment, size_t bytes);
+void antman_mem_free(antman_mem* mem, void* ptr);
+
+/* 1 if ptr was served by the host arena, 0 if by device memory, -1 unknown. */
+int antman_mem_is_host(antman_mem* mem, const void* ptr);
+/* Size the allocator really holds for ptr (>= requested); 0 if unknown. */
+size_t antman_mem_allocated_size(antman_mem* mem, const void* ptr);
+
+/* Applies a new limit now: growth is immediate; a shrink releases whole free
+ * regions until reserved <= max(in_use rounded to regions, limit). Returns the
+ * bytes freed; *unfreed (may be NULL) gets how far reserved stays above limit. */
+uint64_t antman_mem_set_limit(antman_mem* mem, uint64_t limit, uint64_t* unfreed);
+/* Records a limit to apply at the next step boundary (last request wins). */
+void antman_mem_request_limit(antman_mem* mem, uint64_t limit);
+/* Releases every free cached region now; returns bytes freed. */
+uint64_t antman_mem_release_cached(antman_mem* mem);
+/* End of a mini-batch: applies a pending limit, then resets per-step stats. */
+void antman_mem_step_boundary(antman_mem* mem);
+
+void antman_mem_get_stats(antman_mem* mem, antman_mem_stats* out);
+
+/* Checks allocator invariants (no overlapping blocks, free neighbours
+ * coalesced, accounting equal to the sum of live blocks). 0 if all hold,
+ * otherwise non-zero with a description in err. For tests; takes the locks. */
+int antman_mem_check_invariants(antman_mem* mem, char* err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TF_ANTMAN_CC_CORE_ANTMAN_MEMORY_H_ */
