@@ -1,0 +1,109 @@
+// The emulated device: TF's CPU device standing in for a GPU. Its tensors are
+// served by the universal memory of the C core (device budget in host RAM plus
+// a separately counted host arena), and every op it runs passes the operator
+// manager, so the same memory and compute mechanisms as on a GPU run in TF here.
+//
+// Installed as the "CPU" device factory at a priority above TF's own (60 for
+// ThreadPoolDeviceFactory, 70 for GPUCompatibleCPUDeviceFactory in the
+// GPU-capable wheel), at configuration time, which Python does before
+// `import tensorflow` finishes; TF creates devices lazily afterwards (first
+// eager op or first Session), so the factory is in place before device creation.
+#include "cc/tf/emulated_device.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cc/tf/allocator.h"
+#include "cc/tf/runtime.h"
+#include "tensorflow/core/common_runtime/device_factory.h"
+#include "tensorflow/core/common_runtime/process_state.h"
+#include "tensorflow/core/common_runtime/threadpool_device.h"
+#include "tensorflow/core/public/session_options.h"
+
+namespace antman {
+namespace {
+
+using tensorflow::AsyncOpKernel;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelContext;
+
+class EmulatedDevice : public tensorflow::ThreadPoolDevice {
+ public:
+  EmulatedDevice(const tensorflow::SessionOptions& options, const std::string& name,
+                 int64_t capacity, tsl::Allocator* allocator, OpManager* op_manager)
+      : ThreadPoolDevice(options, name, tensorflow::Bytes(capacity), tensorflow::DeviceLocality(),
+                         allocator),
+        op_manager_(op_manager) {}
+
+  void Compute(OpKernel* op_kernel, OpKernelContext* context) override {
+    if (op_manager_->unthrottled()) {  // the whole hot-path cost at share 100%
+      ThreadPoolDevice::Compute(op_kernel, context);
+      return;
+    }
+    op_manager_->Run([&] { ThreadPoolDevice::Compute(op_kernel, context); });
+  }
+
+  void ComputeAsync(AsyncOpKernel* op_kernel, OpKernelContext* context,
+                    AsyncOpKernel::DoneCallback done) override {
+    if (op_manager_->unthrottled()) {
+      ThreadPoolDevice::ComputeAsync(op_kernel, context, std::move(done));
+      return;
+    }
+    op_manager_->RunAsync([this, op_kernel, context, done = std::move(done)](
+                              std::function<void()> finished) mutable {
+      ThreadPoolDevice::ComputeAsync(op_kernel, context,
+                                     [done = std::move(done), finished = std::move(finished)]() {
+                                       finished();
+                                       done();
+                                     });
+    });
+  }
+
+ private:
+  OpManager* op_manager_;
+};
+
+class EmulatedDeviceFactory : public tensorflow::DeviceFactory {
+ public:
+  absl::Status ListPhysicalDevices(std::vector<std::string>* devices) override {
+    devices->push_back("/physical_device:CPU:0");
+    return absl::OkStatus();
+  }
+
+  absl::Status CreateDevices(const tensorflow::SessionOptions& options,
+                             const std::string& name_prefix,
+                             std::vector<std::unique_ptr<tensorflow::Device>>* devices) override {
+    int n = 1;
+    auto it = options.config.device_count().find("CPU");
+    if (it != options.config.device_count().end()) n = it->second;
+    Runtime& rt = Runtime::Get();
+    for (int i = 0; i < n; ++i) {
+      std::string name = name_prefix + "/device:CPU:" + std::to_string(i);
+      if (i == 0 && rt.configured()) {
+        // One allocator object for the process: every device instance (eager
+        // context, each Session) draws on the same budget.
+        static UniversalTfAllocator* allocator = new UniversalTfAllocator(rt.mem());
+        devices->push_back(std::make_unique<EmulatedDevice>(
+            options, name, static_cast<int64_t>(rt.config().device_capacity), allocator,
+            rt.op_manager()));
+        rt.MarkDeviceCreated(name);
+      } else {
+        // Further CPU devices (device_count > 1) stay plain CPU devices.
+        devices->push_back(std::make_unique<tensorflow::ThreadPoolDevice>(
+            options, name, tensorflow::Bytes(256 << 20), tensorflow::DeviceLocality(),
+            tensorflow::ProcessState::singleton()->GetCPUAllocator(tsl::port::kNUMANoAffinity)));
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+void RegisterEmulatedDeviceFactory() {
+  tensorflow::DeviceFactory::Register("CPU", std::make_unique<EmulatedDeviceFactory>(),
+                                      kEmulatedFactoryPriority, /*is_pluggable_device=*/false);
+}
+
+}  // namespace antman

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine (run as root): Bazel, a virtualenv with the pinned TensorFlow, the
+# native libraries, and a development hook so `python` in .venv activates tf-antman from this
+# checkout when ANTMAN_* is set. Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+if ! command -v bazel >/dev/null 2>&1; then
+  echo "== installing Debian's bazel-bootstrap"
+  if [ "$(id -u)" -ne 0 ]; then echo "need root for apt-get (or install bazel-bootstrap yourself)" >&2; exit 1; fi
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q bazel-bootstrap
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import tensorflow, pynvml, watchdog, absl, pytest, matplotlib" >/dev/null 2>&1 \
+   || ! [ -x .venv/bin/ruff ]; then
+  echo "== installing Python packages (tensorflow==2.21.0 ...)"
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -r requirements-dev.txt
+fi
+
+echo "== building native libraries with Bazel"
+TF_ANTMAN_PYTHON=$ROOT/.venv/bin/python .venv/bin/python setup.py -q build_native
+
+# Development hook: the checkout on sys.path and the same autoload line the wheel installs.
+SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+{ echo "$ROOT"; .venv/bin/python -c "import sys; sys.path.insert(0, '$ROOT'); from tf_antman.importhook import PTH_LINE; print(PTH_LINE, end='')"; } > "$SITE/tf_antman-dev.pth"
+echo "== ready: .venv/bin/python (tf-antman from $ROOT)"

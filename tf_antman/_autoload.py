@@ -1,0 +1,9 @@
+"""Imported at interpreter start by tf_antman-autoload.pth, only when an ANTMAN_* variable is
+set (the .pth line checks os.environ itself, so without ANTMAN_* not even this package is
+imported and TensorFlow behaves as stock). Arranges for tf-antman to be activated around the
+first `import tensorflow` of an unchanged user script."""
+
+from tf_antman import importhook
+
+importhook.install()
+

@@ -1,0 +1,82 @@
+"""Turning tf-antman on in a process: validate settings, load and configure the native runtime
+before TensorFlow creates devices, then install the step hooks and the job agent."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from types import ModuleType
+
+from tf_antman import config, importhook, native
+from tf_antman._log import log
+from tf_antman.steps import StepTracker
+
+
+@dataclasses.dataclass
+class Active:
+    settings: config.Settings
+    native: native.Native
+    steps: StepTracker
+
+
+_active: Active | None = None
+
+
+def active() -> Active | None:
+    return _active
+
+
+def _tf_devices_exist() -> bool:
+    tf = sys.modules.get("tensorflow")
+    if tf is None:
+        return False
+    try:
+        from tensorflow.python.eager import context
+
+        return context.context()._context_handle is not None  # noqa: SLF001 - no public probe
+    except Exception:  # noqa: BLE001 - a TF without this internal: assume the worst
+        return True
+
+
+def activate(environ: Mapping[str, str] | None = None) -> Active | None:
+    """Validates ANTMAN_* settings and starts the runtime. Returns None if not enabled.
+    Raises config.ConfigError for a bad value and RuntimeError if it is too late."""
+    global _active
+    settings = config.load(environ)
+    if _active is not None:
+        if settings != _active.settings:
+            raise RuntimeError("tf-antman is already active with other settings: "
+                               + _active.settings.describe())
+        return _active
+    if not settings.enabled:
+        return None
+    if _tf_devices_exist():
+        raise RuntimeError("tf-antman must be enabled before TensorFlow creates its devices: "
+                           "call tf_antman.enable() before the first TensorFlow op, or set ANTMAN_* "
+                           "variables before starting Python")
+    lib = native.load()
+    lib.configure(settings.device, settings.device_id, settings.device_memory,
+                  settings.memory_limit, settings.host_memory, settings.compute_share)
+    _active = Active(settings=settings, native=lib, steps=StepTracker(lib, settings))
+    log.info("active (pid %d): %s", os.getpid(), settings.describe())
+    if "tensorflow" in sys.modules:
+        after_tensorflow(sys.modules["tensorflow"])
+    else:
+        importhook.on_import("tensorflow", after=after_tensorflow)
+    return _active
+
+
+def before_tensorflow() -> None:
+    activate()
+
+
+def after_tensorflow(_tf: ModuleType) -> None:
+    if _active is None:
+        return
+    from tf_antman import hooks
+
+    hooks.install_session_hook(_active.steps)
+    importhook.on_import("keras", after=lambda _k: hooks.install_keras_hook(_active.steps))
+    _active.steps.start_agent()

@@ -1,0 +1,194 @@
+"""ANTMAN_* environment variables: the one place that names, parses and validates them.
+
+A bad value raises ConfigError at start-up (when TensorFlow is imported or tf_antman.enable() is
+called) with the variable, the value and the accepted range; nothing is read mid-training.
+docs/configuration.md documents every variable and is checked against VARIABLES by a test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tf_antman.units import GiB, MiB, format_bytes, parse_bytes
+
+PREFIX = "ANTMAN_"
+MIN_DEVICE_MEMORY = 64 * MiB
+MAX_BYTES = 1 << 50  # 1 PiB: far above any device, small enough to be clearly a typo beyond it
+
+
+class ConfigError(ValueError):
+    """A bad ANTMAN_* value. `variable` names it."""
+
+    def __init__(self, variable: str, value: str, accepted: str) -> None:
+        super().__init__(f"{variable}={value!r} is invalid: accepted {accepted}")
+        self.variable = variable
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    enabled: bool
+    device: str  # "emulated" | "cuda"
+    device_id: int
+    device_memory: int  # bytes: the emulated device's capacity
+    memory_limit: int  # bytes: initial upper limit (<= device_memory)
+    host_memory: int  # bytes: cap on host fallback; 0 disables it
+    compute_share: float  # 0..1
+    job_dir: str | None
+    stats_interval_ms: int
+
+    def describe(self) -> str:
+        parts = [
+            f"device={self.device}:{self.device_id}",
+            f"device_memory={format_bytes(self.device_memory)}",
+            f"memory_limit={format_bytes(self.memory_limit)}",
+            f"host_memory={format_bytes(self.host_memory)}",
+            f"compute_share={self.compute_share:g}",
+            f"job_dir={self.job_dir or '-'}",
+        ]
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    name: str
+    kind: str
+    default: str
+    accepted: str
+    doc: str
+    parse: Callable[[str], Any]
+
+
+def _bool(v: str) -> bool:
+    low = v.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(v)
+
+
+def _int_range(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(v: str) -> int:
+        n = int(v.strip())
+        if not lo <= n <= hi:
+            raise ValueError(v)
+        return n
+
+    return parse
+
+
+def _bytes_range(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(v: str) -> int:
+        n = parse_bytes(v)
+        if not lo <= n <= hi:
+            raise ValueError(v)
+        return n
+
+    return parse
+
+
+def _share(v: str) -> float:
+    x = float(v.strip())
+    if not 0.0 <= x <= 1.0:  # also rejects NaN
+        raise ValueError(v)
+    return x
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        if v.strip().lower() not in options:
+            raise ValueError(v)
+        return v.strip().lower()
+
+    return parse
+
+
+def _path(v: str) -> str:
+    if not v.strip() or "\0" in v:
+        raise ValueError(v)
+    return os.path.abspath(v)
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("ANTMAN_ENABLE", "bool", "0 (1 if any other ANTMAN_* is set)", "0/1, true/false, yes/no, on/off",
+             "Turn tf-antman on for this process; set to 0 to keep it off despite other ANTMAN_* variables.",
+             _bool),
+    Variable("ANTMAN_DEVICE", "string", "emulated", "emulated or cuda",
+             "Backend: TF's CPU device standing in for a GPU, or a real GPU through the CUDA driver.",
+             _choice("emulated", "cuda")),
+    Variable("ANTMAN_DEVICE_ID", "int", "0", "0..1023",
+             "Which device this job runs on (the emulated device's id, reported in statistics).",
+             _int_range(0, 1023)),
+    Variable("ANTMAN_DEVICE_MEMORY", "size", "4GiB", "64MiB..1PiB",
+             "Capacity of the emulated device's memory (a budget in host RAM).",
+             _bytes_range(MIN_DEVICE_MEMORY, MAX_BYTES)),
+    Variable("ANTMAN_MEMORY_LIMIT", "size", "= ANTMAN_DEVICE_MEMORY", "1MiB..ANTMAN_DEVICE_MEMORY",
+             "Initial upper limit of device memory; above it tensors go to host memory.",
+             _bytes_range(MiB, MAX_BYTES)),
+    Variable("ANTMAN_HOST_MEMORY", "size", "8GiB", "0..1PiB (0 = no host fallback)",
+             "Cap on host memory used when the device is at its limit.",
+             _bytes_range(0, MAX_BYTES)),
+    Variable("ANTMAN_COMPUTE_SHARE", "float", "1.0", "0.0..1.0",
+             "Share of the device's compute the job may use; 0 pauses at the next op.",
+             _share),
+    Variable("ANTMAN_JOB_DIR", "path", "unset", "a directory path",
+             "Job directory of the file protocol with the local coordinator (docs/protocol.md).",
+             _path),
+    Variable("ANTMAN_STATS_INTERVAL_MS", "int", "50", "1..60000",
+             "Least time between two statistics writes (control acknowledgements are written at once).",
+             _int_range(1, 60000)),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment asks for tf-antman (any ANTMAN_* set, unless ANTMAN_ENABLE=0)."""
+    env = os.environ if environ is None else environ
+    keys = [k for k in env if k.startswith(PREFIX)]
+    if not keys:
+        return False
+    if "ANTMAN_ENABLE" in env:
+        try:
+            return _bool(env["ANTMAN_ENABLE"])
+        except ValueError:
+            return True  # let load() report the bad value loudly
+    return True
+
+
+def _get(env: Mapping[str, str], name: str, default: Any) -> Any:
+    var = _BY_NAME[name]
+    if name not in env:
+        return default
+    try:
+        return var.parse(env[name])
+    except (ValueError, OverflowError):
+        raise ConfigError(name, env[name], var.accepted) from None
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    """Reads and validates every ANTMAN_* variable. Unknown ANTMAN_* names are errors too:
+    a typo would otherwise silently run with defaults."""
+    env = os.environ if environ is None else environ
+    for key in env:
+        if key.startswith(PREFIX) and key not in _BY_NAME:
+            known = ", ".join(sorted(_BY_NAME))
+            raise ConfigError(key, env[key], f"no such variable; known: {known}")
+    device_memory = _get(env, "ANTMAN_DEVICE_MEMORY", 4 * GiB)
+    limit = _get(env, "ANTMAN_MEMORY_LIMIT", device_memory)
+    if limit > device_memory:
+        raise ConfigError("ANTMAN_MEMORY_LIMIT", env["ANTMAN_MEMORY_LIMIT"],
+                          f"1MiB..ANTMAN_DEVICE_MEMORY ({format_bytes(device_memory)})")
+    return Settings(
+        enabled=_get(env, "ANTMAN_ENABLE", requested(env)),
+        device=_get(env, "ANTMAN_DEVICE", "emulated"),
+        device_id=_get(env, "ANTMAN_DEVICE_ID", 0),
+        device_memory=device_memory,
+        memory_limit=limit,
+        host_memory=_get(env, "ANTMAN_HOST_MEMORY", 8 * GiB),
+        compute_share=_get(env, "ANTMAN_COMPUTE_SHARE", 1.0),
+        job_dir=_get(env, "ANTMAN_JOB_DIR", None),
+        stats_interval_ms=_get(env, "ANTMAN_STATS_INTERVAL_MS", 50),
+    )

@@ -1,0 +1,141 @@
+"""The native library, bound with ctypes.
+
+libtf_antman.so is loaded RTLD_LOCAL *before* TensorFlow is imported: its C functions configure
+the runtime, which installs tf-antman's device factory before TF creates devices. It links to
+libtensorflow_framework.so.2 of the same wheel, so the later `import tensorflow` shares one copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+from pathlib import Path
+
+LIB_DIR = Path(__file__).resolve().parent / "_native"
+MAIN_LIB = "libtf_antman.so"
+OPS_LIB = "_antman_ops.so"
+ABI_VERSION = 1  # ANTMAN_MEM_ABI_VERSION in cc/core/antman_memory.h
+
+BACKENDS = {"emulated": 0, "cuda": 1}
+
+
+class NativeError(RuntimeError):
+    pass
+
+
+class MemStats(ctypes.Structure):
+    """Mirror of antman_mem_stats (cc/core/antman_memory.h); field order matters."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "limit", "pending_limit", "device_capacity", "in_use", "reserved", "peak_in_use",
+        "step_peak_in_use", "step_min_in_use", "host_in_use", "host_peak", "step_host_peak",
+        "host_capacity", "host_fallbacks", "host_bytes_served", "device_allocs",
+        "device_bytes_served", "failed_allocs", "regions", "shrink_regions_freed",
+        "shrink_bytes_freed", "last_shrink_ns", "last_shrink_unfreed", "steps",
+    )]
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: int(getattr(self, name)) for name, _ in self._fields_}
+
+
+class OpStats(ctypes.Structure):
+    """Mirror of antman_op_stats (cc/tf/c_api.cc)."""
+
+    _fields_ = [
+        ("busy_ns", ctypes.c_int64), ("idle_inserted_ns", ctypes.c_int64),
+        ("ops_total", ctypes.c_int64), ("ops_delayed", ctypes.c_int64),
+        ("ops_queued_now", ctypes.c_int64), ("share", ctypes.c_double),
+        ("achieved_share_window", ctypes.c_double), ("window_ns", ctypes.c_int64),
+        ("paused", ctypes.c_int32),
+    ]
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        d: dict[str, float | int | bool] = {n: getattr(self, n) for n, _ in self._fields_}
+        d["paused"] = bool(self.paused)
+        return d
+
+
+@dataclasses.dataclass
+class Native:
+    lib: ctypes.CDLL
+    path: Path
+
+    def configure(self, backend: str, device_id: int, device_capacity: int, limit: int,
+                  host_capacity: int, compute_share: float) -> None:
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.antman_rt_configure(BACKENDS[backend], device_id, device_capacity, limit,
+                                          host_capacity, compute_share, err, len(err))
+        if rc != 0:
+            raise NativeError(err.value.decode(errors="replace"))
+
+    def devices_created(self) -> int:
+        return int(self.lib.antman_rt_devices_created())
+
+    def mem_stats(self) -> MemStats:
+        s = MemStats()
+        if self.lib.antman_rt_get_mem_stats(ctypes.byref(s)) != 0:
+            raise NativeError("tf-antman runtime is not configured")
+        return s
+
+    def op_stats(self) -> OpStats:
+        s = OpStats()
+        if self.lib.antman_rt_get_op_stats(ctypes.byref(s)) != 0:
+            raise NativeError("tf-antman runtime is not configured")
+        return s
+
+    def request_limit(self, limit: int) -> None:
+        self.lib.antman_rt_request_limit(limit)
+
+    def set_limit_now(self, limit: int) -> tuple[int, int]:
+        unfreed = ctypes.c_uint64(0)
+        freed = self.lib.antman_rt_set_limit_now(limit, ctypes.byref(unfreed))
+        return int(freed), int(unfreed.value)
+
+    def release_cached(self) -> int:
+        return int(self.lib.antman_rt_release_cached())
+
+    def step_boundary(self) -> None:
+        self.lib.antman_rt_step_boundary()
+
+    def set_share(self, share: float) -> None:
+        self.lib.antman_rt_set_share(share)
+
+    def describe_memory(self) -> str:
+        buf = ctypes.create_string_buffer(512)
+        self.lib.antman_rt_describe_memory(buf, len(buf))
+        return buf.value.decode(errors="replace")
+
+    def check_invariants(self) -> str:
+        """Empty when the allocator's invariants hold, else what broke."""
+        buf = ctypes.create_string_buffer(512)
+        rc = self.lib.antman_rt_check_invariants(buf, len(buf))
+        return "" if rc == 0 else buf.value.decode(errors="replace") or f"code {rc}"
+
+
+def lib_path(name: str = MAIN_LIB) -> Path:
+    override = os.environ.get("TF_ANTMAN_LIB_DIR")  # for running from a Bazel tree; not ANTMAN_*
+    return (Path(override) if override else LIB_DIR) / name
+
+
+def load() -> Native:
+    path = lib_path()
+    if not path.exists():
+        raise NativeError(f"{path} is missing: build it with `python setup.py build_native` "
+                          "(or install the tf-antman wheel)")
+    lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    u64, dbl, i32 = ctypes.c_uint64, ctypes.c_double, ctypes.c_int
+    lib.antman_rt_abi_version.restype = i32
+    lib.antman_rt_configure.argtypes = [i32, i32, u64, u64, u64, dbl, ctypes.c_char_p, ctypes.c_size_t]
+    lib.antman_rt_configure.restype = i32
+    lib.antman_rt_request_limit.argtypes = [u64]
+    lib.antman_rt_set_limit_now.argtypes = [u64, ctypes.POINTER(u64)]
+    lib.antman_rt_set_limit_now.restype = u64
+    lib.antman_rt_release_cached.restype = u64
+    lib.antman_rt_set_share.argtypes = [dbl]
+    lib.antman_rt_describe_memory.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.antman_rt_check_invariants.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    version = lib.antman_rt_abi_version()
+    if version != ABI_VERSION:
+        raise NativeError(f"{path} has ABI version {version}, this package expects {ABI_VERSION}")
+    return Native(lib=lib, path=path)
