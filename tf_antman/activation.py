@@ -29,15 +29,11 @@ def active() -> Active | None:
 
 
 def _tf_devices_exist() -> bool:
-    tf = sys.modules.get("tensorflow")
-    if tf is None:
-        return False
-    try:
-        from tensorflow.python.eager import context
-
-        return context.context()._context_handle is not None  # noqa: SLF001 - no public probe
-    except Exception:  # noqa: BLE001 - a TF without this internal: assume the worst
-        return True
+    # Look without touching: creating TF's eager context here (before TF finished importing)
+    # would itself be a side effect that changes how TF initialises.
+    ctx_mod = sys.modules.get("tensorflow.python.eager.context")
+    ctx = getattr(ctx_mod, "_context", None) if ctx_mod else None
+    return ctx is not None and getattr(ctx, "_context_handle", None) is not None
 
 
 def activate(environ: Mapping[str, str] | None = None) -> Active | None:

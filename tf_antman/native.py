@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib.util
 import os
 from pathlib import Path
 
@@ -118,11 +119,28 @@ def lib_path(name: str = MAIN_LIB) -> Path:
     return (Path(override) if override else LIB_DIR) / name
 
 
+def _preload_tf_framework() -> None:
+    """Loads TF's libtensorflow_framework.so.2 by path, RTLD_LOCAL, without importing TF.
+
+    Our library needs it (DT_NEEDED) before `import tensorflow` has loaded it; once loaded, the
+    dynamic linker matches TF's own later load by soname, so the process has one copy. RTLD_LOCAL
+    matters: loading it RTLD_GLOBAL before Python's hashlib clashes with its bundled symbols.
+    """
+    spec = importlib.util.find_spec("tensorflow")
+    if spec is None or not spec.submodule_search_locations:
+        raise NativeError("tensorflow is not installed: tf-antman needs tensorflow==2.21.0")
+    fw = Path(list(spec.submodule_search_locations)[0]) / "libtensorflow_framework.so.2"
+    if not fw.exists():
+        raise NativeError(f"{fw} is missing: is the installed tensorflow a complete 2.21.0 wheel?")
+    ctypes.CDLL(str(fw), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+
+
 def load() -> Native:
     path = lib_path()
     if not path.exists():
         raise NativeError(f"{path} is missing: build it with `python setup.py build_native` "
                           "(or install the tf-antman wheel)")
+    _preload_tf_framework()
     lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
     u64, dbl, i32 = ctypes.c_uint64, ctypes.c_double, ctypes.c_int
     lib.antman_rt_abi_version.restype = i32
