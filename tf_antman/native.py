@@ -33,7 +33,7 @@ class MemStats(ctypes.Structure):
         "step_peak_in_use", "step_min_in_use", "host_in_use", "host_peak", "step_host_peak",
         "host_capacity", "host_fallbacks", "host_bytes_served", "device_allocs",
         "device_bytes_served", "failed_allocs", "regions", "shrink_regions_freed",
-        "shrink_bytes_freed", "last_shrink_ns", "last_shrink_unfreed", "steps",
+        "shrink_bytes_freed", "last_shrink_ns", "last_shrink_unfreed", "steps", "largest_region",
     )]
 
     def as_dict(self) -> dict[str, int]:

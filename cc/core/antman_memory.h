@@ -61,6 +61,7 @@ typedef struct {
   uint64_t last_shrink_ns;        /* duration of the last shrink */
   uint64_t last_shrink_unfreed;   /* bytes above the target the last shrink could not free */
   uint64_t steps;                 /* step boundaries seen */
+  uint64_t largest_region;        /* largest device region held now */
 } antman_mem_stats;
 
 typedef struct antman_mem antman_mem;

@@ -1,0 +1,139 @@
+// The C API of the memory core: validation of the config at the edge, then thin forwarding to
+// UniversalAllocator.
+#include "cc/core/antman_memory.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "cc/core/backend.h"
+#include "cc/core/universal.h"
+
+struct antman_mem {
+  antman::Backend backend;  // sources outlive the allocator: declared first, destroyed last
+  std::unique_ptr<antman::UniversalAllocator> allocator;
+};
+
+namespace {
+
+// Regions smaller than a chunk are meaningless; larger than 1 TiB is surely a units mistake.
+constexpr uint64_t kMaxMinRegion = uint64_t{1} << 40;
+
+void SetError(char* err, size_t errlen, const std::string& message) {
+  if (err == nullptr || errlen == 0) return;
+  std::snprintf(err, errlen, "%s", message.c_str());
+}
+
+std::string Validate(const antman_mem_config& c) {
+  if (c.backend != ANTMAN_BACKEND_EMULATED && c.backend != ANTMAN_BACKEND_CUDA) {
+    return "backend: " + std::to_string(c.backend) +
+           " is not one of 0 (ANTMAN_BACKEND_EMULATED), 1 (ANTMAN_BACKEND_CUDA)";
+  }
+  if (c.device_ordinal < 0) {
+    return "device_ordinal: " + std::to_string(c.device_ordinal) + " must be >= 0";
+  }
+  if (c.backend == ANTMAN_BACKEND_EMULATED && c.device_capacity == 0) {
+    return "device_capacity: must be > 0 bytes for the emulated backend";
+  }
+  if (c.min_region != 0 &&
+      (c.min_region < antman::kMinChunkBytes || c.min_region > kMaxMinRegion ||
+       c.min_region % antman::kMinChunkBytes != 0)) {
+    return "min_region: " + std::to_string(c.min_region) +
+           " must be 0 (2 MiB) or a multiple of 256 in [256, 2^40] bytes";
+  }
+  return "";
+}
+
+}  // namespace
+
+extern "C" {
+
+int antman_mem_create(const antman_mem_config* config, antman_mem** out, char* err,
+                      size_t errlen) {
+  if (out == nullptr) {
+    SetError(err, errlen, "out: must not be NULL");
+    return 1;
+  }
+  *out = nullptr;
+  if (config == nullptr) {
+    SetError(err, errlen, "config: must not be NULL");
+    return 1;
+  }
+  const std::string invalid = Validate(*config);
+  if (!invalid.empty()) {
+    SetError(err, errlen, invalid);
+    return 1;
+  }
+  auto mem = std::make_unique<antman_mem>();
+  std::string why;
+  const bool ok = config->backend == ANTMAN_BACKEND_CUDA
+                      ? antman::MakeCudaBackend(*config, &mem->backend, &why)
+                      : antman::MakeEmulatedBackend(*config, &mem->backend, &why);
+  if (!ok) {
+    SetError(err, errlen, why);
+    return 2;
+  }
+  antman::UniversalOptions options;
+  options.device_capacity = mem->backend.device_capacity;
+  options.limit = config->limit != 0 ? config->limit : mem->backend.device_capacity;
+  options.host_capacity = config->host_capacity;
+  if (config->min_region != 0) options.min_region = config->min_region;
+  options.max_region = std::max<size_t>(options.min_region, antman::kDefaultMaxRegion);
+  mem->allocator = std::make_unique<antman::UniversalAllocator>(
+      mem->backend.device.get(), mem->backend.host.get(), options);
+  *out = mem.release();
+  return 0;
+}
+
+void antman_mem_destroy(antman_mem* mem) {
+  if (mem == nullptr) return;
+  mem->allocator.reset();
+  delete mem;
+}
+
+void* antman_mem_alloc(antman_mem* mem, size_t alignment, size_t bytes) {
+  return mem->allocator->Allocate(alignment, bytes);
+}
+
+void antman_mem_free(antman_mem* mem, void* ptr) {
+  if (ptr == nullptr) return;
+  if (!mem->allocator->Free(ptr)) {
+    std::fprintf(stderr, "antman_mem_free: %p is not a live block of this allocator (ignored)\n",
+                 ptr);
+  }
+}
+
+int antman_mem_is_host(antman_mem* mem, const void* ptr) { return mem->allocator->IsHost(ptr); }
+
+size_t antman_mem_allocated_size(antman_mem* mem, const void* ptr) {
+  return mem->allocator->AllocatedSize(ptr);
+}
+
+uint64_t antman_mem_set_limit(antman_mem* mem, uint64_t limit, uint64_t* unfreed) {
+  const antman::ShrinkResult r = mem->allocator->SetLimit(limit);
+  if (unfreed != nullptr) *unfreed = r.unfreed;
+  return r.bytes_freed;
+}
+
+void antman_mem_request_limit(antman_mem* mem, uint64_t limit) {
+  mem->allocator->RequestLimit(limit);
+}
+
+uint64_t antman_mem_release_cached(antman_mem* mem) { return mem->allocator->ReleaseCached(); }
+
+void antman_mem_step_boundary(antman_mem* mem) { mem->allocator->StepBoundary(); }
+
+void antman_mem_get_stats(antman_mem* mem, antman_mem_stats* out) {
+  mem->allocator->GetStats(out);
+}
+
+int antman_mem_check_invariants(antman_mem* mem, char* err, size_t errlen) {
+  const std::string why = mem->allocator->CheckInvariants();
+  if (why.empty()) return 0;
+  SetError(err, errlen, why);
+  return 1;
+}
+
+}  // extern "C"

@@ -1,0 +1,210 @@
+// CUDA driver API region sources. libcuda is opened with dlopen at run time, and the few driver
+// types used are declared here, so the library builds with plain g++ and loads on machines
+// without a GPU (creation then fails with a message instead of the process failing to start).
+//
+// Every call runs in the device's primary context, the one TensorFlow's stream executor uses,
+// so pointers from here are valid in TensorFlow's kernels.
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <mutex>
+#include <string>
+
+#include "cc/core/backend.h"
+
+namespace antman {
+namespace {
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = struct CUctx_st*;
+using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's own type
+constexpr CUresult kCudaSuccess = 0;
+constexpr unsigned int kHostAllocPortable = 0x01;   // CU_MEMHOSTALLOC_PORTABLE
+constexpr unsigned int kHostAllocDeviceMap = 0x02;  // CU_MEMHOSTALLOC_DEVICEMAP
+
+struct Driver {
+  CUresult (*cuInit)(unsigned int);
+  CUresult (*cuDeviceGetCount)(int*);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
+  CUresult (*cuCtxPushCurrent)(CUcontext);
+  CUresult (*cuCtxPopCurrent)(CUcontext*);
+  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
+  CUresult (*cuMemFree)(CUdeviceptr);
+  CUresult (*cuMemGetInfo)(size_t*, size_t*);
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned int);
+  CUresult (*cuMemFreeHost)(void*);
+  CUresult (*cuGetErrorString)(CUresult, const char**);  // optional
+};
+
+template <typename F>
+bool Resolve(void* lib, const char* name, F* out, std::string* missing) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  if (*out == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+  return *out != nullptr;
+}
+
+// Loaded once per process and never unloaded: the driver keeps global state.
+const Driver* LoadDriver(std::string* err) {
+  static Driver driver;
+  static std::string load_error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* why = dlerror();
+      load_error = std::string("CUDA driver not available: dlopen(libcuda.so.1) failed: ") +
+                   (why != nullptr ? why : "unknown error");
+      return;
+    }
+    std::string missing;
+    Resolve(lib, "cuInit", &driver.cuInit, &missing);
+    Resolve(lib, "cuDeviceGetCount", &driver.cuDeviceGetCount, &missing);
+    Resolve(lib, "cuDeviceGet", &driver.cuDeviceGet, &missing);
+    Resolve(lib, "cuDevicePrimaryCtxRetain", &driver.cuDevicePrimaryCtxRetain, &missing);
+    std::string no_v2;
+    if (!Resolve(lib, "cuDevicePrimaryCtxRelease_v2", &driver.cuDevicePrimaryCtxRelease, &no_v2)) {
+      Resolve(lib, "cuDevicePrimaryCtxRelease", &driver.cuDevicePrimaryCtxRelease, &missing);
+    }
+    Resolve(lib, "cuCtxPushCurrent_v2", &driver.cuCtxPushCurrent, &missing);
+    Resolve(lib, "cuCtxPopCurrent_v2", &driver.cuCtxPopCurrent, &missing);
+    Resolve(lib, "cuMemAlloc_v2", &driver.cuMemAlloc, &missing);
+    Resolve(lib, "cuMemFree_v2", &driver.cuMemFree, &missing);
+    Resolve(lib, "cuMemGetInfo_v2", &driver.cuMemGetInfo, &missing);
+    Resolve(lib, "cuMemHostAlloc", &driver.cuMemHostAlloc, &missing);
+    Resolve(lib, "cuMemFreeHost", &driver.cuMemFreeHost, &missing);
+    std::string optional;
+    Resolve(lib, "cuGetErrorString", &driver.cuGetErrorString, &optional);
+    if (!missing.empty()) load_error = "libcuda.so.1 lacks driver entry points: " + missing;
+  });
+  if (!load_error.empty()) {
+    *err = load_error;
+    return nullptr;
+  }
+  return &driver;
+}
+
+std::string ErrorText(const Driver& d, CUresult rc) {
+  const char* text = nullptr;
+  if (d.cuGetErrorString != nullptr) d.cuGetErrorString(rc, &text);
+  return "CUDA error " + std::to_string(rc) + (text != nullptr ? std::string(" (") + text + ")" : "");
+}
+
+// Holds a retained primary context; sources share it and the last one releases it.
+class CudaDevice {
+ public:
+  CudaDevice(const Driver* d, CUdevice dev, CUcontext ctx) : d_(d), dev_(dev), ctx_(ctx) {}
+  ~CudaDevice() { d_->cuDevicePrimaryCtxRelease(dev_); }
+
+  // Runs f with the primary context current on this thread, then restores the previous one.
+  template <typename F>
+  CUresult InContext(F f) const {
+    CUresult rc = d_->cuCtxPushCurrent(ctx_);
+    if (rc != kCudaSuccess) return rc;
+    rc = f();
+    CUcontext popped = nullptr;
+    d_->cuCtxPopCurrent(&popped);
+    return rc;
+  }
+  const Driver& driver() const { return *d_; }
+
+ private:
+  const Driver* d_;
+  CUdevice dev_;
+  CUcontext ctx_;
+};
+
+class CudaDeviceSource : public RegionSource {
+ public:
+  explicit CudaDeviceSource(std::shared_ptr<CudaDevice> dev) : dev_(std::move(dev)) {}
+  void* AllocRegion(size_t bytes) override {
+    CUdeviceptr p = 0;
+    const CUresult rc = dev_->InContext([&] { return dev_->driver().cuMemAlloc(&p, bytes); });
+    return rc == kCudaSuccess ? reinterpret_cast<void*>(p) : nullptr;
+  }
+  void FreeRegion(void* ptr, size_t) override {
+    const CUresult rc = dev_->InContext(
+        [&] { return dev_->driver().cuMemFree(reinterpret_cast<CUdeviceptr>(ptr)); });
+    if (rc != kCudaSuccess) {
+      std::fprintf(stderr, "antman cuda backend: cuMemFree failed: %s\n",
+                   ErrorText(dev_->driver(), rc).c_str());
+    }
+  }
+
+ private:
+  std::shared_ptr<CudaDevice> dev_;
+};
+
+// Pinned, mapped host memory: with unified addressing kernels use the host pointer directly.
+class CudaHostSource : public RegionSource {
+ public:
+  explicit CudaHostSource(std::shared_ptr<CudaDevice> dev) : dev_(std::move(dev)) {}
+  void* AllocRegion(size_t bytes) override {
+    void* p = nullptr;
+    const CUresult rc = dev_->InContext([&] {
+      return dev_->driver().cuMemHostAlloc(&p, bytes, kHostAllocDeviceMap | kHostAllocPortable);
+    });
+    return rc == kCudaSuccess ? p : nullptr;
+  }
+  void FreeRegion(void* ptr, size_t) override {
+    const CUresult rc = dev_->InContext([&] { return dev_->driver().cuMemFreeHost(ptr); });
+    if (rc != kCudaSuccess) {
+      std::fprintf(stderr, "antman cuda backend: cuMemFreeHost failed: %s\n",
+                   ErrorText(dev_->driver(), rc).c_str());
+    }
+  }
+
+ private:
+  std::shared_ptr<CudaDevice> dev_;
+};
+
+}  // namespace
+
+bool MakeCudaBackend(const antman_mem_config& config, Backend* out, std::string* err) {
+  const Driver* d = LoadDriver(err);
+  if (d == nullptr) return false;
+  CUresult rc = d->cuInit(0);
+  if (rc != kCudaSuccess) {
+    *err = "cuInit failed: " + ErrorText(*d, rc);
+    return false;
+  }
+  int count = 0;
+  rc = d->cuDeviceGetCount(&count);
+  if (rc != kCudaSuccess || config.device_ordinal >= count) {
+    *err = "device_ordinal: " + std::to_string(config.device_ordinal) + " is not in [0, " +
+           std::to_string(count) + ") (CUDA devices visible)";
+    return false;
+  }
+  CUdevice dev = 0;
+  rc = d->cuDeviceGet(&dev, config.device_ordinal);
+  if (rc != kCudaSuccess) {
+    *err = "cuDeviceGet failed: " + ErrorText(*d, rc);
+    return false;
+  }
+  CUcontext ctx = nullptr;
+  rc = d->cuDevicePrimaryCtxRetain(&ctx, dev);
+  if (rc != kCudaSuccess) {
+    *err = "cuDevicePrimaryCtxRetain failed: " + ErrorText(*d, rc);
+    return false;
+  }
+  auto device = std::make_shared<CudaDevice>(d, dev, ctx);
+  uint64_t capacity = config.device_capacity;
+  if (capacity == 0) {
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    rc = device->InContext([&] { return d->cuMemGetInfo(&free_bytes, &total_bytes); });
+    if (rc != kCudaSuccess) {
+      *err = "cuMemGetInfo failed: " + ErrorText(*d, rc);
+      return false;
+    }
+    capacity = free_bytes;
+  }
+  out->device = std::make_unique<CudaDeviceSource>(device);
+  out->host = std::make_unique<CudaHostSource>(device);
+  out->device_capacity = capacity;
+  return true;
+}
+
+}  // namespace antman

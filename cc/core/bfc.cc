@@ -1,0 +1,445 @@
+#include "cc/core/bfc.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <utility>
+
+namespace antman {
+namespace {
+
+constexpr size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+constexpr size_t kMaxSpareNodes = 256;
+constexpr size_t kMaxSlackFraction = 16;
+
+constexpr uint64_t RoundDown(uint64_t n, uint64_t to) { return n / to * to; }
+
+uint64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string Describe(const char* what, const void* ptr, uint64_t a, uint64_t b) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "%s (at %p: %llu vs %llu)", what, ptr,
+                static_cast<unsigned long long>(a), static_cast<unsigned long long>(b));
+  return buf;
+}
+
+}  // namespace
+
+Bfc::Bfc(RegionSource* source, BfcOptions options)
+    : source_(source),
+      min_region_(RoundUp(std::max<size_t>(options.min_region, kMinChunkBytes), kMinChunkBytes)),
+      max_region_(std::max(min_region_, RoundUp(options.max_region, kMinChunkBytes))),
+      limit_(options.limit),
+      next_region_(min_region_) {}
+
+Bfc::~Bfc() {
+  for (auto& r : regions_) source_->FreeRegion(r->base, r->bytes);
+}
+
+int Bfc::BinFor(size_t size) {
+  const uint64_t units = size / kMinChunkBytes;  // >= 1 for every chunk
+  const int log2 = 63 - __builtin_clzll(units | 1);
+  return std::min(log2, kNumBins - 1);
+}
+
+Bfc::ChunkHandle Bfc::NewChunk() {
+  if (!spare_handles_.empty()) {
+    const ChunkHandle h = spare_handles_.back();
+    spare_handles_.pop_back();
+    return h;
+  }
+  chunks_.emplace_back();
+  return static_cast<ChunkHandle>(chunks_.size() - 1);
+}
+
+void Bfc::DeleteChunk(ChunkHandle h) {
+  chunks_[h] = Chunk();
+  spare_handles_.push_back(h);
+}
+
+void Bfc::InsertFree(ChunkHandle h) {
+  Chunk& c = chunks_[h];
+  const FreeKey key{c.size, reinterpret_cast<uintptr_t>(c.ptr), h};
+  FreeSet& bin = bins_[BinFor(c.size)];
+  if (spare_nodes_.empty()) {
+    c.bin_entry = bin.insert(key).first;
+    return;
+  }
+  FreeSet::node_type node = std::move(spare_nodes_.back());
+  spare_nodes_.pop_back();
+  node.value() = key;
+  c.bin_entry = bin.insert(std::move(node)).position;
+}
+
+void Bfc::RemoveFree(ChunkHandle h) {
+  Chunk& c = chunks_[h];
+  FreeSet::node_type node = bins_[BinFor(c.size)].extract(c.bin_entry);
+  c.bin_entry = FreeSet::iterator();
+  if (spare_nodes_.size() < kMaxSpareNodes) spare_nodes_.push_back(std::move(node));
+}
+
+Bfc::ChunkHandle Bfc::FindFree(size_t need) const {
+  // Within the first bin, lower_bound is the best fit; in later bins every chunk fits, so the
+  // first is the best of that bin and better than any later bin's.
+  for (int b = BinFor(need); b < kNumBins; ++b) {
+    auto it = bins_[b].lower_bound({need, 0, kNoChunk});
+    if (it != bins_[b].end()) return it->handle;
+  }
+  return kNoChunk;
+}
+
+Bfc::ChunkHandle Bfc::Split(ChunkHandle h, size_t offset) {
+  const ChunkHandle n = NewChunk();  // may move chunks_: index only after this
+  Chunk& c = chunks_[h];
+  Chunk& nc = chunks_[n];
+  nc.ptr = c.ptr + offset;
+  nc.size = c.size - offset;
+  nc.prev = h;
+  nc.next = c.next;
+  nc.in_use = false;
+  nc.region = c.region;
+  if (c.next != kNoChunk) chunks_[c.next].prev = n;
+  c.next = n;
+  c.size = offset;
+  nc.region->handles[(nc.ptr - nc.region->base) / kMinChunkBytes] = n;
+  return n;
+}
+
+void Bfc::Merge(ChunkHandle a, ChunkHandle b) {
+  Chunk& ca = chunks_[a];
+  const Chunk& cb = chunks_[b];
+  ca.size += cb.size;
+  ca.next = cb.next;
+  if (cb.next != kNoChunk) chunks_[cb.next].prev = a;
+  cb.region->handles[(cb.ptr - cb.region->base) / kMinChunkBytes] = kNoChunk;
+  DeleteChunk(b);
+}
+
+void Bfc::NoteInUseChanged() {
+  peak_in_use_ = std::max(peak_in_use_, in_use_);
+  step_peak_ = std::max(step_peak_, in_use_);
+  step_min_ = std::min(step_min_, in_use_);
+}
+
+void* Bfc::Carve(ChunkHandle h, size_t rounded, size_t alignment) {
+  RemoveFree(h);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(chunks_[h].ptr);
+  const uintptr_t aligned = RoundUp(start, alignment);
+  if (aligned != start) {
+    // The head stays free; its left neighbour was not free, so no coalescing is due.
+    const ChunkHandle rest = Split(h, aligned - start);
+    InsertFree(h);
+    h = rest;
+  }
+  // A small remainder stays inside the block (at most 1/16 of it): splitting it off would put a
+  // sliver into the bins and cost two tree operations now and a merge later, on the hot path.
+  if (chunks_[h].size - rounded >= std::max(kMinChunkBytes, rounded / kMaxSlackFraction)) {
+    InsertFree(Split(h, rounded));
+  }
+  Chunk& c = chunks_[h];
+  c.in_use = true;
+  in_use_ += c.size;
+  ++allocs_;
+  bytes_served_ += c.size;
+  NoteInUseChanged();
+  return c.ptr;
+}
+
+Bfc::Region* Bfc::FindRegion(const void* ptr) const {
+  const char* p = static_cast<const char*>(ptr);
+  auto it = std::upper_bound(regions_.begin(), regions_.end(), p,
+                             [](const char* q, const std::unique_ptr<Region>& r) {
+                               return q < r->base;
+                             });
+  if (it == regions_.begin()) return nullptr;
+  Region* r = std::prev(it)->get();
+  return p < r->base + r->bytes ? r : nullptr;
+}
+
+Bfc::ChunkHandle Bfc::ChunkAt(const void* ptr) const {
+  const Region* r = FindRegion(ptr);
+  if (r == nullptr) return kNoChunk;
+  const size_t offset = static_cast<const char*>(ptr) - r->base;
+  if (offset % kMinChunkBytes != 0) return kNoChunk;
+  return r->handles[offset / kMinChunkBytes];
+}
+
+void Bfc::AddRegion(char* base, size_t bytes) {
+  auto region = std::make_unique<Region>();
+  region->base = base;
+  region->bytes = bytes;
+  region->handles.assign(bytes / kMinChunkBytes, kNoChunk);
+  const ChunkHandle h = NewChunk();
+  Chunk& c = chunks_[h];
+  c.ptr = base;
+  c.size = bytes;
+  c.region = region.get();
+  region->handles[0] = h;
+  auto at = std::upper_bound(regions_.begin(), regions_.end(), base,
+                             [](const char* q, const std::unique_ptr<Region>& r) {
+                               return q < r->base;
+                             });
+  regions_.insert(at, std::move(region));
+  reserved_ += bytes;
+  InsertFree(h);
+}
+
+void* Bfc::Allocate(size_t alignment, size_t bytes) {
+  if (bytes == 0) return nullptr;
+  if (alignment == 0) alignment = kMinChunkBytes;
+  if ((alignment & (alignment - 1)) != 0 || alignment > kMaxAlignment) return nullptr;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (bytes > (SIZE_MAX >> 2)) {
+    ++failed_allocs_;
+    return nullptr;
+  }
+  alignment = std::max(alignment, kMinChunkBytes);
+  const size_t rounded = RoundUp(bytes, kMinChunkBytes);
+  // Regions and chunks are 256-aligned, so a chunk this large always holds an aligned block.
+  const size_t need = rounded + (alignment - kMinChunkBytes);
+  // The limit bounds the bytes the job holds in live blocks (paper §4.1: "triggers
+  // out-of-memory when total bytes exceed the upper limit"), not only growth: after a shrink that
+  // could not release regions with live blocks, their free chunks must not keep serving the job
+  // above its new limit, or a lowered limit would not push the next step's tensors to the host.
+  if (in_use_ + rounded > limit_) {
+    ++failed_allocs_;
+    return nullptr;
+  }
+  ChunkHandle h = FindFree(need);
+  if (h != kNoChunk) return Carve(h, rounded, alignment);
+
+  const uint64_t held = reserved_ + growing_;
+  const uint64_t room = limit_ > held ? RoundDown(limit_ - held, kMinChunkBytes) : 0;
+  if (need > room) {
+    ++failed_allocs_;
+    return nullptr;
+  }
+  const size_t planned = static_cast<size_t>(std::min<uint64_t>(std::max(next_region_, need), room));
+  // Counted against the limit while unlocked, so concurrent growers cannot overshoot it.
+  growing_ += planned;
+  lock.unlock();
+
+  size_t size = planned;
+  void* base = source_->AllocRegion(size);
+  while (base == nullptr && size > need) {
+    size = std::max(need, RoundUp(size / 2, kMinChunkBytes));
+    base = source_->AllocRegion(size);
+  }
+  if (base != nullptr && reinterpret_cast<uintptr_t>(base) % kMinChunkBytes != 0) {
+    std::fprintf(stderr, "antman bfc: region source returned a misaligned region %p\n", base);
+    source_->FreeRegion(base, size);
+    base = nullptr;
+  }
+
+  lock.lock();
+  growing_ -= planned;
+  if (base == nullptr) {
+    ++failed_allocs_;
+    return nullptr;
+  }
+  if (size >= next_region_) next_region_ = std::min(next_region_ * 2, max_region_);
+  AddRegion(static_cast<char*>(base), size);
+  h = FindFree(need);  // the new region fits, or something better freed meanwhile
+  return Carve(h, rounded, alignment);
+}
+
+bool Bfc::Free(void* ptr) {
+  if (ptr == nullptr) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  ChunkHandle h = ChunkAt(ptr);
+  if (h == kNoChunk || !chunks_[h].in_use) return false;
+  Chunk& c = chunks_[h];
+  c.in_use = false;
+  in_use_ -= c.size;
+  NoteInUseChanged();
+  const ChunkHandle next = c.next;
+  if (next != kNoChunk && !chunks_[next].in_use) {
+    RemoveFree(next);
+    Merge(h, next);
+  }
+  const ChunkHandle prev = chunks_[h].prev;
+  if (prev != kNoChunk && !chunks_[prev].in_use) {
+    RemoveFree(prev);
+    Merge(prev, h);
+    h = prev;
+  }
+  InsertFree(h);
+  return true;
+}
+
+bool Bfc::Contains(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return FindRegion(ptr) != nullptr;
+}
+
+size_t Bfc::AllocatedSize(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const ChunkHandle h = ChunkAt(ptr);
+  return h != kNoChunk && chunks_[h].in_use ? chunks_[h].size : 0;
+}
+
+std::vector<Bfc::Victim> Bfc::TakeFreeRegions(uint64_t target) {
+  std::vector<Victim> victims;
+  if (reserved_ <= target) return victims;
+  std::vector<Region*> candidates;
+  for (const auto& r : regions_) {
+    const Chunk& c = chunks_[r->handles[0]];
+    if (!c.in_use && c.size == r->bytes) candidates.push_back(r.get());
+  }
+  std::sort(candidates.begin(), candidates.end(),
+            [](const Region* a, const Region* b) { return a->bytes < b->bytes; });
+  std::vector<Region*> taken;
+  while (reserved_ > target && !candidates.empty()) {
+    // The smallest region that covers the excess alone, else the largest: few device calls
+    // and little overshoot below the target.
+    const uint64_t excess = reserved_ - target;
+    auto it = std::lower_bound(candidates.begin(), candidates.end(), excess,
+                               [](const Region* r, uint64_t n) { return r->bytes < n; });
+    if (it == candidates.end()) it = std::prev(it);
+    Region* r = *it;
+    candidates.erase(it);
+    const ChunkHandle h = r->handles[0];
+    RemoveFree(h);
+    DeleteChunk(h);
+    reserved_ -= r->bytes;
+    taken.push_back(r);
+  }
+  for (auto& r : regions_) {
+    if (std::find(taken.begin(), taken.end(), r.get()) != taken.end()) {
+      victims.push_back({r->base, r->bytes, std::move(r)});
+    }
+  }
+  regions_.erase(std::remove(regions_.begin(), regions_.end(), nullptr), regions_.end());
+  return victims;
+}
+
+ShrinkResult Bfc::Shrink(uint64_t target, std::unique_lock<std::mutex>* lock) {
+  const uint64_t start = NowNs();
+  std::vector<Victim> victims = TakeFreeRegions(target);
+  ShrinkResult result;
+  result.unfreed = reserved_ > target ? reserved_ - target : 0;
+  lock->unlock();
+  for (Victim& v : victims) {
+    source_->FreeRegion(v.base, v.bytes);
+    result.bytes_freed += v.bytes;
+    ++result.regions_freed;
+  }
+  victims.clear();  // handle arrays can be large: drop them unlocked too
+  const uint64_t elapsed = NowNs() - start;
+  lock->lock();
+  shrink_regions_freed_ += result.regions_freed;
+  shrink_bytes_freed_ += result.bytes_freed;
+  last_shrink_ns_ = elapsed;
+  last_shrink_unfreed_ = result.unfreed;
+  return result;
+}
+
+ShrinkResult Bfc::SetLimit(uint64_t limit) {
+  std::unique_lock<std::mutex> lock(mu_);
+  limit_ = limit;
+  if (reserved_ <= limit) return {};
+  return Shrink(limit, &lock);
+}
+
+ShrinkResult Bfc::ReleaseCached() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (reserved_ == 0) return {};
+  return Shrink(0, &lock);
+}
+
+void Bfc::ResetStepStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  step_peak_ = in_use_;
+  step_min_ = in_use_;
+}
+
+BfcStats Bfc::GetStats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  BfcStats s;
+  s.limit = limit_;
+  s.in_use = in_use_;
+  s.reserved = reserved_;
+  s.peak_in_use = peak_in_use_;
+  s.step_peak_in_use = step_peak_;
+  s.step_min_in_use = step_min_;
+  s.allocs = allocs_;
+  s.bytes_served = bytes_served_;
+  s.failed_allocs = failed_allocs_;
+  s.regions = regions_.size();
+  for (const auto& r : regions_) s.largest_region = std::max<uint64_t>(s.largest_region, r->bytes);
+  s.shrink_regions_freed = shrink_regions_freed_;
+  s.shrink_bytes_freed = shrink_bytes_freed_;
+  s.last_shrink_ns = last_shrink_ns_;
+  s.last_shrink_unfreed = last_shrink_unfreed_;
+  return s;
+}
+
+std::string Bfc::CheckInvariants() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t reserved = 0;
+  uint64_t in_use = 0;
+  size_t free_chunks = 0;
+  size_t live_handles = 0;
+  const Region* previous = nullptr;
+  for (const auto& rp : regions_) {
+    const Region& r = *rp;
+    if (reinterpret_cast<uintptr_t>(r.base) % kMinChunkBytes != 0 || r.bytes % kMinChunkBytes != 0)
+      return Describe("region not 256-aligned", r.base, r.bytes, kMinChunkBytes);
+    if (previous != nullptr && previous->base + previous->bytes > r.base)
+      return Describe("regions overlap", r.base, previous->bytes, r.base - previous->base);
+    previous = &r;
+    reserved += r.bytes;
+    size_t chunks_here = 0;
+    char* expect = r.base;
+    ChunkHandle prev = kNoChunk;
+    for (ChunkHandle h = r.handles[0]; h != kNoChunk; h = chunks_[h].next) {
+      const Chunk& c = chunks_[h];
+      ++chunks_here;
+      if (c.region != &r) return Describe("chunk in the wrong region", c.ptr, 0, 0);
+      if (c.ptr != expect) return Describe("chunks not contiguous", c.ptr, 0, expect - r.base);
+      if (c.prev != prev) return Describe("broken prev link", c.ptr, c.prev, prev);
+      if (c.size < kMinChunkBytes || c.size % kMinChunkBytes != 0)
+        return Describe("bad chunk size", c.ptr, c.size, kMinChunkBytes);
+      if (r.handles[(c.ptr - r.base) / kMinChunkBytes] != h)
+        return Describe("handle array does not point at chunk", c.ptr, h, 0);
+      if (c.in_use) {
+        in_use += c.size;
+      } else {
+        ++free_chunks;
+        if (prev != kNoChunk && !chunks_[prev].in_use)
+          return Describe("free neighbours not coalesced", c.ptr, c.size, chunks_[prev].size);
+        const auto& bin = bins_[BinFor(c.size)];
+        auto it = bin.find({c.size, reinterpret_cast<uintptr_t>(c.ptr), h});
+        if (it == bin.end() || it->handle != h || it != c.bin_entry)
+          return Describe("free chunk missing from its bin", c.ptr, c.size, 0);
+      }
+      expect = c.ptr + c.size;
+      if (expect > r.base + r.bytes) return Describe("chunk runs past region", c.ptr, c.size, 0);
+      prev = h;
+    }
+    if (expect != r.base + r.bytes)
+      return Describe("chunks do not cover region", r.base, expect - r.base, r.bytes);
+    size_t handles_here = 0;
+    for (ChunkHandle h : r.handles) handles_here += h != kNoChunk;
+    if (handles_here != chunks_here)
+      return Describe("stale entries in handle array", r.base, handles_here, chunks_here);
+    live_handles += chunks_here;
+  }
+  size_t binned = 0;
+  for (const auto& bin : bins_) binned += bin.size();
+  if (binned != free_chunks) return Describe("bins hold extra entries", nullptr, binned, free_chunks);
+  if (live_handles + spare_handles_.size() != chunks_.size())
+    return Describe("chunk handles leaked", nullptr, live_handles + spare_handles_.size(),
+                    chunks_.size());
+  if (reserved != reserved_) return Describe("reserved != sum of regions", nullptr, reserved_, reserved);
+  if (in_use != in_use_) return Describe("in_use != sum of live chunks", nullptr, in_use_, in_use);
+  if (peak_in_use_ < in_use_ || step_peak_ < in_use_ || step_min_ > in_use_)
+    return Describe("peak/min statistics inconsistent", nullptr, peak_in_use_, in_use_);
+  return "";
+}
+
+}  // namespace antman

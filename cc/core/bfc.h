@@ -1,0 +1,177 @@
+// A best-fit-with-coalescing allocator whose upper limit can change at run time (AntMan §3.1.1).
+//
+// Memory comes in regions from a RegionSource; each region is cut into chunks (multiples of
+// 256 bytes) linked to their address neighbours. Free chunks sit in size-class bins, each an
+// ordered set of (size, address), so a best fit is one lower_bound. A pointer is found through
+// the region that holds it (binary search over the sorted regions) and that region's handle
+// array, indexed by offset / 256, as in TensorFlow's BFC.
+//
+// The limit caps both the bytes in live blocks and `reserved` (bytes held in regions): an
+// allocation that would put either above it fails, so the caller can fall back to host memory. Lowering it releases whole free regions. The lock is never held
+// across a RegionSource call.
+#ifndef TF_ANTMAN_CC_CORE_BFC_H_
+#define TF_ANTMAN_CC_CORE_BFC_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cc/core/region_source.h"
+
+namespace antman {
+
+inline constexpr size_t kMinChunkBytes = 256;
+inline constexpr size_t kMaxAlignment = 4096;
+inline constexpr size_t kDefaultMinRegion = size_t{2} << 20;
+// Regions stop doubling here so that a shrink can give memory back in pieces of useful size.
+inline constexpr size_t kDefaultMaxRegion = size_t{1} << 30;
+
+struct BfcOptions {
+  uint64_t limit = 0;  // bytes; 0 means nothing may be reserved
+  size_t min_region = kDefaultMinRegion;
+  size_t max_region = kDefaultMaxRegion;
+};
+
+// All in bytes except the counters and last_shrink_ns.
+struct BfcStats {
+  uint64_t limit = 0;
+  uint64_t in_use = 0;
+  uint64_t reserved = 0;
+  uint64_t peak_in_use = 0;
+  uint64_t step_peak_in_use = 0;
+  uint64_t step_min_in_use = 0;
+  uint64_t allocs = 0;
+  uint64_t bytes_served = 0;
+  uint64_t failed_allocs = 0;
+  uint64_t regions = 0;
+  uint64_t largest_region = 0;
+  uint64_t shrink_regions_freed = 0;
+  uint64_t shrink_bytes_freed = 0;
+  uint64_t last_shrink_ns = 0;
+  uint64_t last_shrink_unfreed = 0;
+};
+
+struct ShrinkResult {
+  uint64_t bytes_freed = 0;
+  uint64_t regions_freed = 0;
+  uint64_t unfreed = 0;  // how far reserved stays above the target
+};
+
+class Bfc {
+ public:
+  Bfc(RegionSource* source, BfcOptions options);
+  ~Bfc();  // returns every region to the source, live blocks included
+  Bfc(const Bfc&) = delete;
+  Bfc& operator=(const Bfc&) = delete;
+
+  // nullptr for bytes == 0, a bad alignment, or when no free chunk fits and growing would put
+  // reserved above the limit (or the source has no memory).
+  void* Allocate(size_t alignment, size_t bytes);
+  // false if ptr is not a live block of this allocator (nothing is changed then).
+  bool Free(void* ptr);
+  // Whether ptr lies inside one of this allocator's regions (interior pointers included).
+  bool Contains(const void* ptr) const;
+  // Chunk size of the live block starting at ptr; 0 if there is none.
+  size_t AllocatedSize(const void* ptr) const;
+
+  // New limit in force now; when reserved is above it, frees whole free regions.
+  ShrinkResult SetLimit(uint64_t limit);
+  // Frees every wholly free region, whatever the limit.
+  ShrinkResult ReleaseCached();
+  // Starts a new step window for step_peak_in_use / step_min_in_use.
+  void ResetStepStats();
+
+  BfcStats GetStats() const;
+  // Empty string if all invariants hold, else the first violation found.
+  std::string CheckInvariants() const;
+
+ private:
+  using ChunkHandle = int32_t;
+  static constexpr ChunkHandle kNoChunk = -1;
+  static constexpr int kNumBins = 21;
+
+  struct FreeKey {
+    size_t size;
+    uintptr_t ptr;
+    ChunkHandle handle;  // not part of the order
+    bool operator<(const FreeKey& o) const {
+      return size != o.size ? size < o.size : ptr < o.ptr;
+    }
+  };
+  using FreeSet = std::set<FreeKey>;
+  struct Region;
+  struct Chunk {
+    char* ptr = nullptr;
+    size_t size = 0;
+    ChunkHandle prev = kNoChunk;
+    ChunkHandle next = kNoChunk;
+    bool in_use = false;
+    Region* region = nullptr;
+    FreeSet::iterator bin_entry;  // valid while the chunk is free: erase without a search
+  };
+  struct Region {
+    char* base;
+    size_t bytes;
+    std::vector<ChunkHandle> handles;  // chunk starting at base + i*256, or kNoChunk
+  };
+  struct Victim {
+    void* base;
+    size_t bytes;
+    std::unique_ptr<Region> region;  // destroyed after the lock is dropped
+  };
+
+  static int BinFor(size_t size);
+  ChunkHandle NewChunk();
+  void DeleteChunk(ChunkHandle h);
+  void InsertFree(ChunkHandle h);
+  void RemoveFree(ChunkHandle h);
+  ChunkHandle FindFree(size_t need) const;
+  // Splits h at offset; the new chunk (returned) takes the tail. Neither is put in a bin.
+  ChunkHandle Split(ChunkHandle h, size_t offset);
+  // Merges b (the next neighbour of a) into a.
+  void Merge(ChunkHandle a, ChunkHandle b);
+  void* Carve(ChunkHandle h, size_t rounded, size_t alignment);
+  Region* FindRegion(const void* ptr) const;
+  ChunkHandle ChunkAt(const void* ptr) const;
+  void AddRegion(char* base, size_t bytes);
+  // Unlinks whole free regions until reserved_ <= target; the caller frees them unlocked.
+  std::vector<Victim> TakeFreeRegions(uint64_t target);
+  ShrinkResult Shrink(uint64_t target, std::unique_lock<std::mutex>* lock);
+  void NoteInUseChanged();
+
+  RegionSource* const source_;
+  const size_t min_region_;
+  const size_t max_region_;
+
+  mutable std::mutex mu_;
+  uint64_t limit_;
+  size_t next_region_;
+  uint64_t reserved_ = 0;
+  uint64_t growing_ = 0;  // regions being fetched from the source right now
+  uint64_t in_use_ = 0;
+  uint64_t peak_in_use_ = 0;
+  uint64_t step_peak_ = 0;
+  uint64_t step_min_ = 0;
+  uint64_t allocs_ = 0;
+  uint64_t bytes_served_ = 0;
+  uint64_t failed_allocs_ = 0;
+  uint64_t shrink_regions_freed_ = 0;
+  uint64_t shrink_bytes_freed_ = 0;
+  uint64_t last_shrink_ns_ = 0;
+  uint64_t last_shrink_unfreed_ = 0;
+  std::vector<Chunk> chunks_;
+  std::vector<ChunkHandle> spare_handles_;
+  std::vector<std::unique_ptr<Region>> regions_;  // sorted by base
+  FreeSet bins_[kNumBins];
+  // Set nodes kept from erased entries and reused by the next insert: the hot path then does
+  // no heap allocation for its bins.
+  std::vector<FreeSet::node_type> spare_nodes_;
+};
+
+}  // namespace antman
+
+#endif  // TF_ANTMAN_CC_CORE_BFC_H_

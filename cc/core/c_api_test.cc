@@ -1,0 +1,171 @@
+// The C API as the TensorFlow glue sees it: config validation, backend bring-up and the
+// emulated backend end to end.
+#include <dlfcn.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cc/core/antman_memory.h"
+#include "cc/core/test_check.h"
+
+namespace {
+
+constexpr uint64_t MiB = 1024 * 1024;
+
+antman_mem_config Emulated(uint64_t capacity, uint64_t limit, uint64_t host) {
+  antman_mem_config c{};
+  c.backend = ANTMAN_BACKEND_EMULATED;
+  c.device_capacity = capacity;
+  c.limit = limit;
+  c.host_capacity = host;
+  c.min_region = MiB;
+  return c;
+}
+
+// The error text for a config that must be refused (empty if it was accepted).
+std::string Refusal(const antman_mem_config* c) {
+  char err[256] = "untouched";
+  antman_mem* mem = reinterpret_cast<antman_mem*>(&err);  // must be reset to NULL
+  const int rc = antman_mem_create(c, &mem, err, sizeof(err));
+  if (rc == 0) {
+    antman_mem_destroy(mem);
+    return "";
+  }
+  if (mem != nullptr) return "out not reset to NULL";
+  return err;
+}
+
+antman_mem_stats Stats(antman_mem* mem) {
+  antman_mem_stats s;
+  std::memset(&s, 0xff, sizeof(s));
+  antman_mem_get_stats(mem, &s);
+  return s;
+}
+
+bool Contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST(RefusesBadConfigsNamingTheField) {
+  antman_mem_config c = Emulated(8 * MiB, 0, 0);
+  c.backend = 7;
+  EXPECT(Contains(Refusal(&c), "backend: 7"));
+  c = Emulated(0, 0, 0);
+  EXPECT(Contains(Refusal(&c), "device_capacity"));
+  c = Emulated(8 * MiB, 0, 0);
+  c.min_region = 100;
+  EXPECT(Contains(Refusal(&c), "min_region: 100"));
+  c.min_region = 1000;  // not a multiple of 256
+  EXPECT(Contains(Refusal(&c), "min_region"));
+  c = Emulated(8 * MiB, 0, 0);
+  c.device_ordinal = -1;
+  EXPECT(Contains(Refusal(&c), "device_ordinal"));
+  EXPECT(Contains(Refusal(nullptr), "config"));
+  c = Emulated(8 * MiB, 0, 0);
+  EXPECT(Refusal(&c).empty());
+  char err[8];
+  EXPECT(antman_mem_create(&c, nullptr, err, sizeof(err)) != 0);
+  EXPECT_EQ(std::strlen(err), 7u);  // truncated, still terminated
+}
+
+TEST(CudaBackendWithoutADriverIsAnErrorNotACrash) {
+  antman_mem_config c{};
+  c.backend = ANTMAN_BACKEND_CUDA;
+  void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  char err[512] = "";
+  antman_mem* mem = nullptr;
+  const int rc = antman_mem_create(&c, &mem, err, sizeof(err));
+  if (driver == nullptr) {
+    EXPECT(rc != 0);
+    EXPECT(mem == nullptr);
+    EXPECT(Contains(err, "libcuda.so.1"));
+  } else {
+    // With a driver the backend either comes up or says why (e.g. no device).
+    EXPECT(rc == 0 ? mem != nullptr : std::strlen(err) > 0);
+    if (mem != nullptr) antman_mem_destroy(mem);
+    dlclose(driver);
+  }
+}
+
+TEST(LimitZeroMeansDeviceCapacityAndCapacityBoundsGrowth) {
+  // The limit is above the capacity: the emulated device itself runs out at 4 MiB.
+  antman_mem_config c = Emulated(4 * MiB, 0, 0);
+  antman_mem* mem = nullptr;
+  REQUIRE(antman_mem_create(&c, &mem, nullptr, 0) == 0);
+  EXPECT_EQ(Stats(mem).limit, 4 * MiB);
+  EXPECT_EQ(Stats(mem).device_capacity, 4 * MiB);
+  antman_mem_destroy(mem);
+
+  c = Emulated(4 * MiB, 16 * MiB, 8 * MiB);
+  REQUIRE(antman_mem_create(&c, &mem, nullptr, 0) == 0);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(antman_mem_alloc(mem, 0, MiB));
+  const antman_mem_stats s = Stats(mem);
+  EXPECT_EQ(s.reserved, 4 * MiB);
+  EXPECT_EQ(s.in_use, 4 * MiB);
+  EXPECT_EQ(s.host_in_use, 4 * MiB);
+  EXPECT_EQ(s.host_fallbacks, 4u);
+  for (void* p : blocks) antman_mem_free(mem, p);
+  EXPECT_EQ(antman_mem_check_invariants(mem, nullptr, 0), 0);
+  antman_mem_destroy(mem);
+}
+
+TEST(EmulatedEndToEnd) {
+  antman_mem_config c = Emulated(64 * MiB, 8 * MiB, 16 * MiB);
+  antman_mem* mem = nullptr;
+  char err[256];
+  REQUIRE(antman_mem_create(&c, &mem, err, sizeof(err)) == 0);
+  void* d = antman_mem_alloc(mem, 64, 6 * MiB);
+  void* h = antman_mem_alloc(mem, 4096, 6 * MiB);  // 8 MiB limit: this one lands on the host
+  REQUIRE(d && h);
+  EXPECT_EQ(antman_mem_is_host(mem, d), 0);
+  EXPECT_EQ(antman_mem_is_host(mem, h), 1);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(h) % 4096, 0u);
+  EXPECT_EQ(antman_mem_allocated_size(mem, d), 6 * MiB);
+  // May keep a small remainder (< 1/16) of the chunk it was cut from.
+  EXPECT(antman_mem_allocated_size(mem, h) >= 6 * MiB);
+  EXPECT(antman_mem_allocated_size(mem, h) <= 6 * MiB + 6 * MiB / 16);
+  std::memset(d, 1, 6 * MiB);
+  std::memset(h, 2, 6 * MiB);
+  EXPECT(antman_mem_alloc(mem, 0, 0) == nullptr);
+  EXPECT(antman_mem_alloc(mem, 8192, 16) == nullptr);
+
+  int outside = 0;
+  const antman_mem_stats before = Stats(mem);
+  antman_mem_free(mem, &outside);  // reported and ignored
+  antman_mem_free(mem, nullptr);
+  EXPECT_EQ(Stats(mem).in_use, before.in_use);
+  EXPECT_EQ(antman_mem_is_host(mem, &outside), -1);
+  EXPECT_EQ(antman_mem_allocated_size(mem, &outside), 0u);
+
+  antman_mem_free(mem, d);
+  uint64_t unfreed = 1;
+  const uint64_t freed = antman_mem_set_limit(mem, 0, &unfreed);
+  EXPECT_EQ(freed, before.reserved);
+  EXPECT_EQ(unfreed, 0u);
+  antman_mem_stats s = Stats(mem);
+  EXPECT_EQ(s.reserved, 0u);
+  EXPECT_EQ(s.limit, 0u);
+  EXPECT_EQ(s.shrink_bytes_freed, before.reserved);
+  EXPECT_EQ(s.shrink_regions_freed, before.regions);
+
+  antman_mem_request_limit(mem, 32 * MiB);
+  EXPECT_EQ(Stats(mem).pending_limit, 32 * MiB);
+  EXPECT(antman_mem_alloc(mem, 0, MiB) != nullptr);  // limit 0 still: host
+  EXPECT_EQ(Stats(mem).host_fallbacks, 2u);
+  antman_mem_step_boundary(mem);
+  s = Stats(mem);
+  EXPECT_EQ(s.limit, 32 * MiB);
+  EXPECT_EQ(s.steps, 1u);
+  void* d2 = antman_mem_alloc(mem, 0, MiB);
+  EXPECT_EQ(antman_mem_is_host(mem, d2), 0);
+  antman_mem_free(mem, d2);
+  antman_mem_free(mem, h);
+  EXPECT(antman_mem_release_cached(mem) > 0);
+  EXPECT_EQ(Stats(mem).reserved, 0u);
+  EXPECT_EQ(antman_mem_check_invariants(mem, err, sizeof(err)), 0);
+  antman_mem_destroy(mem);
+}
+
+TEST_MAIN()

@@ -1,0 +1,121 @@
+#include "cc/core/universal.h"
+
+namespace antman {
+
+UniversalAllocator::UniversalAllocator(RegionSource* device, RegionSource* host,
+                                       UniversalOptions options)
+    : options_(options),
+      device_(device, BfcOptions{options.limit, options.min_region, options.max_region}) {
+  if (host != nullptr && options.host_capacity > 0) {
+    host_ = std::make_unique<Bfc>(
+        host, BfcOptions{options.host_capacity, options.min_region, options.max_region});
+  }
+}
+
+void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
+  void* p = device_.Allocate(alignment, bytes);
+  if (p != nullptr) return p;
+  if (bytes == 0) return nullptr;
+  if (host_ != nullptr) {
+    p = host_->Allocate(alignment, bytes);
+    if (p != nullptr) {
+      host_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+      host_bytes_served_.fetch_add(host_->AllocatedSize(p), std::memory_order_relaxed);
+      return p;
+    }
+  }
+  failed_allocs_.fetch_add(1, std::memory_order_relaxed);
+  return nullptr;
+}
+
+bool UniversalAllocator::Free(void* ptr) {
+  if (device_.Free(ptr)) return true;
+  return host_ != nullptr && host_->Free(ptr);
+}
+
+int UniversalAllocator::IsHost(const void* ptr) const {
+  if (host_ != nullptr && host_->Contains(ptr)) return 1;
+  if (device_.Contains(ptr)) return 0;
+  return -1;
+}
+
+size_t UniversalAllocator::AllocatedSize(const void* ptr) const {
+  const size_t n = device_.AllocatedSize(ptr);
+  if (n != 0 || host_ == nullptr) return n;
+  return host_->AllocatedSize(ptr);
+}
+
+ShrinkResult UniversalAllocator::SetLimit(uint64_t limit) { return device_.SetLimit(limit); }
+
+void UniversalAllocator::RequestLimit(uint64_t limit) {
+  std::lock_guard<std::mutex> lock(pending_mu_);
+  has_pending_ = true;
+  pending_limit_ = limit;
+}
+
+uint64_t UniversalAllocator::ReleaseCached() {
+  uint64_t freed = device_.ReleaseCached().bytes_freed;
+  if (host_ != nullptr) freed += host_->ReleaseCached().bytes_freed;
+  return freed;
+}
+
+void UniversalAllocator::StepBoundary() {
+  bool apply = false;
+  uint64_t limit = 0;
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    std::swap(apply, has_pending_);
+    limit = pending_limit_;
+    pending_limit_ = 0;
+  }
+  if (apply) device_.SetLimit(limit);
+  device_.ResetStepStats();
+  if (host_ != nullptr) host_->ResetStepStats();
+  steps_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void UniversalAllocator::GetStats(antman_mem_stats* out) const {
+  const BfcStats d = device_.GetStats();
+  const BfcStats h = host_ != nullptr ? host_->GetStats() : BfcStats();
+  antman_mem_stats s{};
+  s.limit = d.limit;
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    s.pending_limit = has_pending_ ? pending_limit_ : 0;
+  }
+  s.device_capacity = options_.device_capacity;
+  s.in_use = d.in_use;
+  s.reserved = d.reserved;
+  s.peak_in_use = d.peak_in_use;
+  s.step_peak_in_use = d.step_peak_in_use;
+  s.step_min_in_use = d.step_min_in_use;
+  s.host_in_use = h.in_use;
+  s.host_peak = h.peak_in_use;
+  s.step_host_peak = h.step_peak_in_use;
+  s.host_capacity = host_ != nullptr ? options_.host_capacity : 0;
+  s.host_fallbacks = host_fallbacks_.load(std::memory_order_relaxed);
+  s.host_bytes_served = host_bytes_served_.load(std::memory_order_relaxed);
+  s.device_allocs = d.allocs;
+  s.device_bytes_served = d.bytes_served;
+  s.failed_allocs = failed_allocs_.load(std::memory_order_relaxed);
+  s.regions = d.regions;
+  s.shrink_regions_freed = d.shrink_regions_freed;
+  s.shrink_bytes_freed = d.shrink_bytes_freed;
+  s.last_shrink_ns = d.last_shrink_ns;
+  s.last_shrink_unfreed = d.last_shrink_unfreed;
+  s.largest_region = d.largest_region;
+  s.steps = steps_.load(std::memory_order_relaxed);
+  *out = s;
+}
+
+std::string UniversalAllocator::CheckInvariants() const {
+  std::string err = device_.CheckInvariants();
+  if (!err.empty()) return "device: " + err;
+  if (host_ != nullptr) {
+    err = host_->CheckInvariants();
+    if (!err.empty()) return "host: " + err;
+  }
+  return "";
+}
+
+}  // namespace antman

@@ -1,0 +1,65 @@
+// Universal memory of one device (AntMan §3.1.1, §4.1): the limited device BFC first; when it
+// cannot serve a request, a host arena (a second BFC over pinned host memory) capped by the host
+// capacity. Pointers are classified by the regions that hold them, so no per-pointer table is kept.
+#ifndef TF_ANTMAN_CC_CORE_UNIVERSAL_H_
+#define TF_ANTMAN_CC_CORE_UNIVERSAL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cc/core/antman_memory.h"
+#include "cc/core/bfc.h"
+#include "cc/core/region_source.h"
+
+namespace antman {
+
+struct UniversalOptions {
+  uint64_t device_capacity = 0;
+  uint64_t limit = 0;
+  uint64_t host_capacity = 0;  // 0: no host fallback
+  size_t min_region = kDefaultMinRegion;
+  size_t max_region = kDefaultMaxRegion;
+};
+
+class UniversalAllocator {
+ public:
+  // host may be null when options.host_capacity is 0. Sources must outlive the allocator.
+  UniversalAllocator(RegionSource* device, RegionSource* host, UniversalOptions options);
+
+  void* Allocate(size_t alignment, size_t bytes);
+  // false if ptr is not a live block of either arena.
+  bool Free(void* ptr);
+  // 1 host, 0 device, -1 neither (by region address range; interior pointers classify too).
+  int IsHost(const void* ptr) const;
+  size_t AllocatedSize(const void* ptr) const;
+
+  ShrinkResult SetLimit(uint64_t limit);
+  void RequestLimit(uint64_t limit);
+  // Device and host arenas; returns the bytes freed in both.
+  uint64_t ReleaseCached();
+  void StepBoundary();
+
+  void GetStats(antman_mem_stats* out) const;
+  std::string CheckInvariants() const;
+
+ private:
+  const UniversalOptions options_;
+  Bfc device_;
+  std::unique_ptr<Bfc> host_;  // null without fallback
+
+  mutable std::mutex pending_mu_;
+  bool has_pending_ = false;
+  uint64_t pending_limit_ = 0;
+
+  std::atomic<uint64_t> host_fallbacks_{0};
+  std::atomic<uint64_t> host_bytes_served_{0};
+  std::atomic<uint64_t> failed_allocs_{0};
+  std::atomic<uint64_t> steps_{0};
+};
+
+}  // namespace antman
+
+#endif  // TF_ANTMAN_CC_CORE_UNIVERSAL_H_
