@@ -1,0 +1,376 @@
+"""JobAgent: controls applied at step boundaries through the actuator, stats written back."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from protocol_helpers import read_stats, wait_for
+
+from tf_antman.agent import JobAgent
+from tf_antman.protocol import (
+    Control,
+    MemoryLimit,
+    ProtocolError,
+    Stats,
+    atomic_write_text,
+    control_path,
+    temp_dir,
+)
+from tf_antman.protocol.schema import MAX_BYTES
+from tf_antman.protocol.simulated import Applied, SimulatedJob
+
+HOUR = 3600.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Callable[..., JobAgent]]:
+    made: list[JobAgent] = []
+
+    def make(job: SimulatedJob, **kwargs: Any) -> JobAgent:
+        kwargs.setdefault("reread_interval_s", HOUR)
+        agent = JobAgent(tmp_path, job, job, **kwargs)
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.close()
+
+
+def write_control(job_dir: Path, control: Control | str) -> None:
+    text = control if isinstance(control, str) else control.to_json()
+    atomic_write_text(control_path(job_dir), text, tmp_dir=temp_dir(job_dir))
+
+
+def stats_now(agent: JobAgent, job_dir: Path) -> Stats:
+    assert agent.flush_stats()
+    stats = read_stats(job_dir)
+    assert stats is not None
+    return stats
+
+
+def step_until(agent: JobAgent, job_dir: Path, done: Callable[[Stats], bool], training: bool = True) -> Stats:
+    def stepped() -> Stats | None:
+        agent.step_end(0.01, training=training)
+        stats = stats_now(agent, job_dir)
+        return stats if done(stats) else None
+
+    return wait_for(stepped, "stats reached the expected state")  # type: ignore[return-value]
+
+
+def values(log: list[Applied]) -> list[tuple[str, int | None, float | int | None]]:
+    return [(a.what, a.device, a.value) for a in log]
+
+
+def test_control_present_at_start_is_applied_before_the_first_step(tmp_path: Path, agents) -> None:
+    write_control(tmp_path, Control(seq=1, memory_limits=(MemoryLimit(0, 2**30),), compute_share=0.3))
+    job = SimulatedJob(devices=1)
+    agent = agents(job)
+    agent.start()
+    assert values(job.log) == [("memory_limit", 0, 2**30), ("compute_share", None, 0.3)]
+    stats = stats_now(agent, tmp_path)
+    assert (stats.state, stats.step, stats.control_seq_applied, stats.controls_applied) == ("starting", 0, 1, 1)
+    assert stats.devices[0].limit_bytes == 2**30 and stats.compute_share == 0.3
+
+
+def test_step_end_applies_and_acknowledges(tmp_path: Path, agents) -> None:
+    job = SimulatedJob(devices=2)
+    agent = agents(job)
+    agent.start()
+    control = Control(seq=4, memory_limits=(MemoryLimit(1, 5_000_000), MemoryLimit(0, 7_000_000)), compute_share=0.5)
+    write_control(tmp_path, control)
+    stats = step_until(agent, tmp_path, lambda s: s.control_seq_applied == 4)
+    assert values(job.log) == [
+        ("memory_limit", 1, 5_000_000),
+        ("memory_limit", 0, 7_000_000),
+        ("compute_share", None, 0.5),
+    ]
+    assert [d.limit_bytes for d in stats.devices] == [7_000_000, 5_000_000]
+    assert stats.state == "running" and stats.controls_applied == 1 and stats.last_rejected is None
+
+
+def test_evaluation_steps_apply_controls_but_are_not_counted(tmp_path: Path, agents) -> None:
+    job = SimulatedJob()
+    agent = agents(job)
+    agent.start()
+    agent.step_end(0.020)
+    write_control(tmp_path, Control(seq=1, compute_share=0.75))
+    stats = step_until(agent, tmp_path, lambda s: s.control_seq_applied == 1, training=False)
+    assert job.share == 0.75
+    assert stats.step == 1 and stats.step_ms_window == (20.0,) and stats.last_step_ms == 20.0
+
+
+def test_step_window_keeps_the_latest_training_steps(tmp_path: Path, agents) -> None:
+    agent = agents(SimulatedJob(), min_write_interval_s=0.0)
+    agent.start()
+    times_ms = [float(3 * i % 17 + i) for i in range(40)]
+    for ms in times_ms:
+        agent.step_end(ms / 1000.0)
+        agent.step_end(99.0, training=False)  # evaluation: ignored by the window
+    stats = stats_now(agent, tmp_path)
+    window = times_ms[-32:]
+    assert stats.step == 40
+    assert stats.step_ms_window == pytest.approx(tuple(window))
+    assert stats.step_ms_mean == pytest.approx(statistics.fmean(window))
+    assert stats.step_ms_median == pytest.approx(statistics.median(window))
+    assert stats.last_step_ms == pytest.approx(times_ms[-1])
+
+
+def test_stats_writes_are_rate_limited_by_the_clock(tmp_path: Path, agents) -> None:
+    clock = FakeClock()
+    # Binary fractions keep the arithmetic exact: a write at most every 4 steps of 1/64 s.
+    agent = agents(SimulatedJob(), clock=clock, min_write_interval_s=1 / 16)
+    agent.start()
+    first = agent.stats_seq
+    for _ in range(20):
+        clock.now += 1 / 64
+        agent.step_end(1 / 64)
+    assert agent.stats_seq - first == 5
+    clock.now += 1 / 128
+    agent.step_end(1 / 64)
+    assert agent.stats_seq - first == 5
+    clock.now += 1.0
+    agent.step_end(1 / 64)
+    assert agent.stats_seq - first == 6
+    assert stats_now(agent, tmp_path).seq == agent.stats_seq
+
+
+def test_a_control_is_acknowledged_at_once_despite_the_rate_limit(tmp_path: Path, agents) -> None:
+    clock = FakeClock()  # frozen: without the forced write, stats would never move again
+    agent = agents(SimulatedJob(), clock=clock, min_write_interval_s=HOUR)
+    agent.start()
+    agent.step_end(0.01)
+    write_control(tmp_path, Control(seq=2, compute_share=0.1))
+    stats = step_until(agent, tmp_path, lambda s: s.control_seq_applied == 2)
+    assert stats.compute_share == 0.1
+
+
+def test_failed_apply_is_rejected_and_the_previous_settings_restored(tmp_path: Path, agents) -> None:
+    job = SimulatedJob(
+        devices=2,
+        fail_when=lambda what, _device, value: "share out of stock" if what == "compute_share" and value == 0.25 else None,
+    )
+    agent = agents(job)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, memory_limits=(MemoryLimit(0, 1000),), compute_share=0.5))
+    step_until(agent, tmp_path, lambda s: s.control_seq_applied == 1)
+    write_control(
+        tmp_path,
+        Control(seq=2, memory_limits=(MemoryLimit(0, 2000), MemoryLimit(1, 3000)), compute_share=0.25),
+    )
+    stats = step_until(agent, tmp_path, lambda s: s.controls_rejected == 1)
+    assert stats.last_rejected is not None
+    assert (stats.last_rejected.seq, stats.last_rejected.field) == (2, "compute_share")
+    assert "share out of stock" in stats.last_rejected.reason
+    assert stats.control_seq_applied == 1
+    # Every grant undone: device 0 back to its old limit, device 1 to "no effective limit".
+    assert job.limits == {0: 1000, 1: MAX_BYTES} and job.share == 0.5
+    assert values(job.log)[-4:] == [
+        ("memory_limit", 0, 2000),
+        ("memory_limit", 1, 3000),
+        ("memory_limit", 1, MAX_BYTES),
+        ("memory_limit", 0, 1000),
+    ]
+
+
+def test_unknown_device_is_rejected_before_touching_anything(tmp_path: Path, agents) -> None:
+    job = SimulatedJob(devices=1)
+    agent = agents(job)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, memory_limits=(MemoryLimit(0, 10), MemoryLimit(5, 10))))
+    stats = step_until(agent, tmp_path, lambda s: s.controls_rejected == 1)
+    assert stats.last_rejected is not None and stats.last_rejected.field == "memory_limits[1]"
+    assert "device 5 is not used by this job" in stats.last_rejected.reason
+    assert values(job.log) == [("memory_limit", 0, 10), ("memory_limit", 0, MAX_BYTES)]
+    assert job.limits == {0: MAX_BYTES}
+
+
+def test_bad_control_is_logged_once_and_reported(tmp_path: Path, agents, caplog: pytest.LogCaptureFixture) -> None:
+    job = SimulatedJob()
+    agent = agents(job, reread_interval_s=0.002)  # the same bad file is re-read many times
+    agent.start()
+    with caplog.at_level(logging.WARNING, logger="tf_antman"):
+        write_control(tmp_path, '{"schema": "tf-antman/control", "version": 1, "seq": 3, "compute_share": 2}')
+        stats = step_until(agent, tmp_path, lambda s: s.controls_rejected == 1)
+        polls = agent._watcher.reads_by_poll
+        wait_for(lambda: agent._watcher.reads_by_poll > polls + 5, "more periodic re-reads")
+        agent.step_end(0.01)
+    assert stats.last_rejected is not None
+    assert (stats.last_rejected.seq, stats.last_rejected.field) == (3, "compute_share")
+    assert "[0.0, 1.0]" in stats.last_rejected.reason
+    messages = [r.getMessage() for r in caplog.records if "compute_share" in r.getMessage()]
+    assert len(messages) == 1 and "seq 3" in messages[0]
+    assert stats_now(agent, tmp_path).controls_rejected == 1
+    assert job.log == []
+
+
+def run_steps(agent: JobAgent, stop: threading.Event, counter: list[int], errors: list[BaseException]) -> None:
+    try:
+        while not stop.is_set():
+            agent.step_end(0.001)
+            counter[0] += 1
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        errors.append(err)
+
+
+def test_pause_blocks_the_step_loop_and_resume_releases_it(tmp_path: Path, agents) -> None:
+    job = SimulatedJob()
+    agent = agents(job, paused_heartbeat_s=0.005)
+    agent.start()
+    stop, counter, errors = threading.Event(), [0], []
+    thread = threading.Thread(target=run_steps, args=(agent, stop, counter, errors))
+    thread.start()
+    try:
+        wait_for(lambda: counter[0] > 10, "the loop runs")
+        write_control(tmp_path, Control(seq=1, paused=True))
+        paused = wait_for(
+            lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused" and s, "paused state reported"
+        )
+        frozen = counter[0]
+        # Heartbeats keep stats fresh while no step completes: the loop is blocked inside step_end.
+        wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.seq >= paused.seq + 3, "heartbeats")  # type: ignore[union-attr]
+        assert counter[0] == frozen
+        assert job.paused and [a.what for a in job.log] == ["pause"]
+        # Controls still apply while paused (the coordinator may shrink a paused job's memory).
+        write_control(tmp_path, Control(seq=2, memory_limits=(MemoryLimit(0, 4096),)))
+        wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 2, "applied while paused")
+        assert counter[0] == frozen and job.limits[0] == 4096
+        write_control(tmp_path, Control(seq=3, paused=False))
+        wait_for(lambda: counter[0] > frozen + 10, "the loop runs again")
+        stats = stats_now(agent, tmp_path)
+        assert stats.state == "running" and stats.control_seq_applied == 3
+        assert [a.what for a in job.log] == ["pause", "memory_limit", "resume"]
+    finally:
+        stop.set()
+        agent.close()
+        thread.join(timeout=10)
+    assert not thread.is_alive() and errors == []
+
+
+def test_close_releases_a_paused_step(tmp_path: Path, agents) -> None:
+    job = SimulatedJob()
+    agent = agents(job)
+    write_control(tmp_path, Control(seq=1, paused=True))
+    agent.start()
+    returned = threading.Event()
+    thread = threading.Thread(target=lambda: (agent.step_end(0.01), returned.set()))
+    thread.start()
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused" and s.step == 1, "blocked")
+    assert not returned.is_set()
+    agent.close("failed")
+    thread.join(timeout=10)
+    assert returned.is_set()
+    stats = read_stats(tmp_path)
+    assert stats is not None and stats.state == "failed"
+    agent.step_end(0.01)  # after close: a no-op, not an error
+    assert read_stats(tmp_path) == stats
+
+
+def test_set_state_is_reported_and_paused_is_not_settable(tmp_path: Path, agents) -> None:
+    agent = agents(SimulatedJob())
+    agent.start()
+    agent.set_state("running")
+    assert stats_now(agent, tmp_path).state == "running"
+    with pytest.raises(ValueError, match="starting|running|finished|failed"):
+        agent.set_state("paused")
+    agent.close("finished")
+    assert stats_now(agent, tmp_path).state == "finished"
+
+
+def test_vanished_job_directory_never_raises_into_training(
+    tmp_path: Path, agents, caplog: pytest.LogCaptureFixture
+) -> None:
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    job = SimulatedJob()
+    agent = JobAgent(job_dir, job, job, reread_interval_s=HOUR, min_write_interval_s=0.0)
+    agent.start()
+    shutil.rmtree(job_dir)
+    with caplog.at_level(logging.WARNING, logger="tf_antman"):
+        for _ in range(50):
+            agent.step_end(0.01)
+            agent.flush_stats()
+        agent.close()
+    assert sum("cannot write" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_failing_stats_source_still_reports_progress(tmp_path: Path, agents) -> None:
+    class Broken(SimulatedJob):
+        def device_stats(self):  # type: ignore[override]
+            raise RuntimeError("driver gone")
+
+    job = Broken()
+    agent = JobAgent(tmp_path, job, job, reread_interval_s=HOUR)
+    agent.start()
+    agent.step_end(0.02)
+    agent.step_end(0.02)
+    agent.close()
+    stats = read_stats(tmp_path)
+    assert stats is not None and stats.devices == () and stats.step == 2 and stats.state == "finished"
+
+
+def test_from_env_names_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("ANTMAN_JOB_DIR", raising=False)
+    with pytest.raises(ProtocolError) as caught:
+        JobAgent.from_env(SimulatedJob(), SimulatedJob())
+    assert caught.value.field == "ANTMAN_JOB_DIR"
+    monkeypatch.setenv("ANTMAN_JOB_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ProtocolError) as caught:
+        JobAgent.from_env(SimulatedJob(), SimulatedJob())
+    assert caught.value.field == "ANTMAN_JOB_DIR" and "existing directory" in caught.value.reason
+
+
+def test_protocol_and_agent_import_without_tensorflow() -> None:
+    code = (
+        "import sys, tf_antman.protocol, tf_antman.agent; "
+        "sys.exit(1 if 'tensorflow' in sys.modules or 'keras' in sys.modules else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_stats_writes_leave_only_the_protocol_files(tmp_path: Path, agents) -> None:
+    # Temporary files live in .tmp/: a sibling rename would make watchdog hold events back.
+    agent = agents(SimulatedJob(), min_write_interval_s=0.0)
+    agent.start()
+    write_control(tmp_path, Control(seq=1))
+    step_until(agent, tmp_path, lambda s: s.control_seq_applied == 1)
+    for _ in range(100):
+        agent.step_end(0.001)
+    agent.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp", "control.json", "stats.json"]
+    assert list((tmp_path / ".tmp").iterdir()) == []
+
+
+def test_job_paused_from_the_start_resumes_as_running(tmp_path: Path, agents) -> None:
+    job = SimulatedJob()
+    agent = agents(job, paused_heartbeat_s=0.005)
+    write_control(tmp_path, Control(seq=1, paused=True))
+    agent.start()
+    thread = threading.Thread(target=agent.step_end, args=(0.01,))
+    thread.start()
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused" and s.step == 1, "blocked")
+    write_control(tmp_path, Control(seq=2, paused=False))
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    stats = stats_now(agent, tmp_path)
+    assert (stats.state, stats.step, stats.control_seq_applied) == ("running", 1, 2)
+    assert [a.what for a in job.log] == ["pause", "resume"]

@@ -1,0 +1,405 @@
+"""The job's end of the coordinator protocol (paper §3.2, §4.1): apply controls at step boundaries, report stats.
+
+The training loop calls `step_end()` after every step. There, and only there, the newest control the
+coordinator wrote is applied through an `Actuator` (dynamic memory and compute scaling are triggered
+at mini-batch boundaries, paper §4.1), and a new stats document is handed to a writer thread
+(rate-limited, but at once after a control so that the coordinator sees its acknowledgement).
+Nothing the coordinator writes can raise into the training loop: a refused control is logged once
+and reported in stats.json. Details: docs/protocol.md.
+
+No TensorFlow here: the coordinator side imports tf_antman.protocol, and tests run without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from tf_antman.protocol.files import LatestTextWriter
+from tf_antman.protocol.layout import (
+    checked_job_dir,
+    job_dir_from_env,
+    stats_path,
+    temp_dir,
+)
+from tf_antman.protocol.schema import (
+    MAX_BYTES,
+    MAX_REASON_CHARS,
+    MAX_STEP_MS,
+    STEP_WINDOW,
+    Control,
+    DeviceStats,
+    Rejection,
+    Stats,
+)
+from tf_antman.protocol.watch import (
+    DEFAULT_DEBOUNCE_S,
+    DEFAULT_FALLBACK_POLL_S,
+    DEFAULT_REREAD_INTERVAL_S,
+    ControlWatcher,
+)
+
+log = logging.getLogger("tf_antman")
+
+DEFAULT_MIN_WRITE_INTERVAL_S: Final = 0.05
+DEFAULT_PAUSED_HEARTBEAT_S: Final = 0.5
+SETTABLE_STATES: Final = ("starting", "running", "finished", "failed")  # "paused" belongs to controls
+
+
+class Actuator(Protocol):
+    """Puts settings into force (the native library in a real job). Any exception means "refused"."""
+
+    def set_memory_limit(self, device: int, limit_bytes: int) -> None: ...
+
+    def set_compute_share(self, share: float) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+class StatsSource(Protocol):
+    """Figures reported in stats.json (the native library in a real job).
+
+    device_stats() lists every device of the job; step_peak_bytes / step_min_bytes cover the last
+    completed training step (resetting them per step is the source's business).
+    """
+
+    def device_stats(self) -> Sequence[DeviceStats]: ...
+
+    def compute_share(self) -> float: ...
+
+    def achieved_share(self) -> float | None: ...
+
+
+class JobAgent:
+    """One per training process. `step_end` is called from the training thread only."""
+
+    def __init__(
+        self,
+        job_dir: Path | str,
+        actuator: Actuator,
+        stats_source: StatsSource,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        min_write_interval_s: float = DEFAULT_MIN_WRITE_INTERVAL_S,
+        paused_heartbeat_s: float = DEFAULT_PAUSED_HEARTBEAT_S,
+        reread_interval_s: float = DEFAULT_REREAD_INTERVAL_S,
+        debounce_s: float = DEFAULT_DEBOUNCE_S,
+        use_inotify: bool = True,
+        fallback_poll_s: float = DEFAULT_FALLBACK_POLL_S,
+        observer_factory: Callable[[], Any] | None = None,
+        pid: int | None = None,
+        fsync_stats: bool = False,
+    ) -> None:
+        self._job_dir = checked_job_dir(Path(job_dir))
+        self._actuator = actuator
+        self._source = stats_source
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._min_write_s = min_write_interval_s
+        self._heartbeat_s = paused_heartbeat_s
+        self._pid = os.getpid() if pid is None else pid
+        # Off by default: readers are protected by the rename alone, and fsync costs milliseconds on
+        # the training thread; a crash that loses the page cache ends the job (and its stats) anyway.
+        self._writer = LatestTextWriter(
+            stats_path(self._job_dir),
+            fsync=fsync_stats,
+            tmp_dir=temp_dir(self._job_dir),
+            on_error=self._write_failed,
+        )
+        self._wake = threading.Event()
+        self._watcher = ControlWatcher(
+            self._job_dir,
+            reread_interval_s=reread_interval_s,
+            debounce_s=debounce_s,
+            use_inotify=use_inotify,
+            fallback_poll_s=fallback_poll_s,
+            observer_factory=observer_factory,
+            on_change=self._wake.set,
+        )
+        self._lock = threading.RLock()  # settings, counters and stats writes (step thread vs set_state/close)
+        self._seen_version = 0
+        self._started = False
+        self._closed = False
+        self._state = "starting"
+        self._state_after_pause = "running"
+        self._paused = False
+        self._limits: dict[int, int] = {}
+        self._share: float | None = None
+        self._step = 0
+        self._window: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._last_step_ms: float | None = None
+        self._control_seq_applied = 0
+        self._applied = 0
+        self._rejected = 0
+        self._last_rejection: Rejection | None = None
+        self._stats_seq = 0
+        self._last_write: float | None = None
+        self._warned: set[str] = set()
+        self._warned_lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, actuator: Actuator, stats_source: StatsSource, **kwargs: Any) -> JobAgent:
+        """An agent on the directory named by ANTMAN_JOB_DIR (ProtocolError when unset or missing)."""
+        return cls(job_dir_from_env(), actuator, stats_source, **kwargs)
+
+    @property
+    def watch_mode(self) -> str:
+        return self._watcher.mode
+
+    @property
+    def stats_seq(self) -> int:
+        return self._stats_seq
+
+    def start(self) -> None:
+        """Apply a control already present (e.g. the memory limit of an opportunistic job) and report."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        self._watcher.start()
+        with self._lock:
+            self._guarded("apply", self._apply_pending)
+            self._write_stats()
+
+    def step_end(self, step_seconds: float, training: bool = True) -> None:
+        """Called after every step; only training steps count and enter the step-time window."""
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                if training:
+                    self._record_step(step_seconds)
+                acted = False
+                if self._watcher.version != self._seen_version:  # the whole hot path when nothing changed
+                    acted = self._apply_pending()
+                if not self._paused:
+                    now = self._clock()
+                    if acted or self._last_write is None or now - self._last_write >= self._min_write_s:
+                        self._write_stats()
+                    return
+            self._wait_while_paused()
+        except Exception:  # noqa: BLE001 - the training loop must never see the agent's failures
+            self._warn_once("step_end", "tf_antman: step_end failed; training continues", exc_info=True)
+
+    def set_state(self, state: str) -> None:
+        if state not in SETTABLE_STATES:
+            raise ValueError(f"state must be one of {'|'.join(SETTABLE_STATES)}, got {state!r}")
+        with self._lock:
+            if self._paused:
+                self._state_after_pause = state
+            else:
+                self._state = state
+            self._write_stats()
+
+    def close(self, state: str = "finished") -> None:
+        """Stop watching, write the final stats and release a step_end blocked by a pause."""
+        if state not in ("finished", "failed"):
+            raise ValueError(f"state must be finished|failed, got {state!r}")
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._state = state
+        self._wake.set()
+        self._watcher.close()
+        with self._lock:
+            self._write_stats()
+        self._writer.close()
+
+    def flush_stats(self, timeout: float | None = 5.0) -> bool:
+        """Wait until the stats submitted so far are in stats.json (they are written off-thread)."""
+        return self._writer.flush(timeout)
+
+    # ---------------------------------------------------------------------------------------------
+
+    def _record_step(self, step_seconds: float) -> None:
+        ms = step_seconds * 1000.0
+        if not (math.isfinite(ms) and 0.0 <= ms <= MAX_STEP_MS):
+            self._warn_once("step_seconds", "tf_antman: step time %r s is not recorded", step_seconds)
+            ms = min(max(ms, 0.0), MAX_STEP_MS) if math.isfinite(ms) else None
+        self._step += 1
+        if ms is not None:
+            self._window.append(ms)
+            self._last_step_ms = ms
+        if self._state == "starting":
+            self._state = "running"
+        elif self._paused and self._state_after_pause == "starting":
+            self._state_after_pause = "running"  # paused from the start: resumes as running
+
+    def _wait_while_paused(self) -> None:
+        # Blocks the training thread between steps; controls keep being applied (a paused job may be
+        # asked to shrink its memory) and stats stay fresh so the coordinator sees the job is alive.
+        with self._lock:
+            self._write_stats()
+        while True:
+            with self._lock:
+                if not self._paused or self._closed:
+                    return
+            self._wake.wait(self._heartbeat_s)
+            self._wake.clear()
+            with self._lock:
+                if self._watcher.version != self._seen_version:
+                    self._apply_pending()
+                self._write_stats()
+
+    def _apply_pending(self) -> bool:
+        self._seen_version = self._watcher.version  # read before take(): a later bump is seen next step
+        update = self._watcher.take()
+        if update is None:
+            return False
+        if update.rejected:
+            self._rejected += update.rejected
+            self._last_rejection = update.last_rejection
+        if update.control is not None:
+            self._apply(update.control)
+        return True
+
+    def _apply(self, control: Control) -> None:
+        """Apply every field of `control` or none: on failure the settings before it are restored."""
+        undo: list[Callable[[], None]] = []
+        where = "seq"
+        try:
+            known = self._known_devices()
+            for i, entry in enumerate(control.memory_limits):
+                where = f"memory_limits[{i}]"
+                if known is not None and entry.device not in known:
+                    raise LookupError(f"device {entry.device} is not used by this job (devices: {sorted(known)})")
+                previous = self._limit_in_force(entry.device)
+                self._actuator.set_memory_limit(entry.device, entry.limit_bytes)
+                undo.append(lambda d=entry.device, b=previous: self._actuator.set_memory_limit(d, b))
+            if control.compute_share is not None:
+                where = "compute_share"
+                previous_share = self._share_in_force()
+                self._actuator.set_compute_share(control.compute_share)
+                undo.append(lambda s=previous_share: self._actuator.set_compute_share(s))
+            if control.paused is not None and control.paused != self._paused:
+                where = "paused"
+                if control.paused:
+                    self._actuator.pause()
+                else:
+                    self._actuator.resume()
+        except Exception as err:  # noqa: BLE001 - any actuator failure means "refused", never a crash
+            self._undo(undo, control.seq)
+            reason = f"could not be applied: {type(err).__name__}: {err}"[:MAX_REASON_CHARS]
+            self._rejected += 1
+            self._last_rejection = Rejection(control.seq, where, reason)
+            log.warning("tf_antman: control refused (seq %s): %s: %s", control.seq, where, reason)
+            return
+        for entry in control.memory_limits:
+            self._limits[entry.device] = entry.limit_bytes
+        if control.compute_share is not None:
+            self._share = control.compute_share
+        if control.paused is not None and control.paused != self._paused:
+            self._set_paused(control.paused)
+        self._control_seq_applied = control.seq
+        self._applied += 1
+
+    def _set_paused(self, paused: bool) -> None:
+        self._paused = paused
+        if paused:
+            self._state_after_pause = self._state
+            self._state = "paused"
+        else:
+            self._state = self._state_after_pause
+        self._wake.set()
+
+    def _undo(self, undo: list[Callable[[], None]], seq: int) -> None:
+        for action in reversed(undo):
+            try:
+                action()
+            except Exception:
+                log.exception("tf_antman: restoring the settings before control %s failed", seq)
+
+    def _known_devices(self) -> set[int] | None:
+        try:
+            return {entry.device for entry in self._source.device_stats()}
+        except Exception:  # noqa: BLE001 - without figures the actuator alone decides
+            return None
+
+    def _limit_in_force(self, device: int) -> int:
+        if device in self._limits:
+            return self._limits[device]
+        with contextlib.suppress(Exception):
+            for entry in self._source.device_stats():
+                if entry.device == device and entry.limit_bytes is not None:
+                    return entry.limit_bytes
+        return MAX_BYTES  # "no limit": the actuator interface has no call to remove one
+
+    def _share_in_force(self) -> float:
+        if self._share is not None:
+            return self._share
+        try:
+            return self._source.compute_share()
+        except Exception:  # noqa: BLE001
+            return 1.0
+
+    def _write_stats(self) -> None:
+        try:
+            devices, share, achieved = self._figures()
+            window = tuple(self._window)
+            stats = Stats(
+                seq=self._stats_seq + 1,
+                pid=self._pid,
+                state=self._state,
+                step=self._step,
+                last_step_ms=self._last_step_ms,
+                step_ms_window=window,
+                step_ms_mean=statistics.fmean(window) if window else None,
+                step_ms_median=statistics.median(window) if window else None,
+                devices=devices,
+                compute_share=share,
+                achieved_share=achieved,
+                control_seq_applied=self._control_seq_applied,
+                controls_applied=self._applied,
+                controls_rejected=self._rejected,
+                last_rejected=self._last_rejection,
+                wall_time=self._wall_clock(),
+            )
+            text = stats.to_json()
+        except Exception:  # noqa: BLE001 - e.g. a figure from the stats source out of its range
+            self._warn_once("stats", "tf_antman: cannot build the stats document", exc_info=True)
+            return
+        self._writer.submit(text)
+        self._stats_seq += 1
+        self._last_write = self._clock()
+
+    def _write_failed(self, err: BaseException) -> None:
+        # Called on the writer thread, e.g. when the job directory vanished or the disk is full.
+        self._warn_once("write", "tf_antman: cannot write %s: %s", stats_path(self._job_dir), err)
+
+    def _figures(self) -> tuple[tuple[DeviceStats, ...], float, float | None]:
+        try:
+            return (
+                tuple(self._source.device_stats()),
+                self._source.compute_share(),
+                self._source.achieved_share(),
+            )
+        except Exception:  # noqa: BLE001
+            self._warn_once("figures", "tf_antman: the stats source failed; reporting no figures", exc_info=True)
+            return (), (1.0 if self._share is None else self._share), None
+
+    def _guarded(self, what: str, action: Callable[[], object]) -> None:
+        try:
+            action()
+        except Exception:  # noqa: BLE001
+            self._warn_once(what, "tf_antman: %s failed", what, exc_info=True)
+
+    def _warn_once(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
+        with self._warned_lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(message, *args, exc_info=exc_info)
+

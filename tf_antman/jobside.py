@@ -1,0 +1,91 @@
+"""The job agent wired to the native runtime: controls from the coordinator act on the real
+allocator and operator manager, and stats.json reports what they measure."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from typing import TYPE_CHECKING, Any
+
+from tf_antman._log import log
+from tf_antman.agent import JobAgent
+from tf_antman.protocol import DeviceStats
+
+if TYPE_CHECKING:
+    from tf_antman.native import Native
+    from tf_antman.steps import StepTracker
+
+
+class NativeActuator:
+    """Called by the agent at a step boundary, so limits apply at once (no pending request)."""
+
+    def __init__(self, native: Native, device_id: int) -> None:
+        self.native = native
+        self.device_id = device_id
+
+    def set_memory_limit(self, device: int, limit_bytes: int) -> None:
+        if device != self.device_id:
+            raise ValueError(f"this job runs on device {self.device_id}, not {device}")
+        self.native.set_limit_now(limit_bytes)
+
+    def set_compute_share(self, share: float) -> None:
+        self.native.set_share(share)
+
+    # Pausing is done by the agent itself: it holds the training thread at the step boundary, so
+    # no op is left half-way and nothing here needs to change.
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+class NativeStatsSource:
+    def __init__(self, native: Native, device_id: int) -> None:
+        self.native = native
+        self.device_id = device_id
+
+    def device_stats(self) -> list[DeviceStats]:
+        m = self.native.mem_stats()
+        # Per-step figures cover the step that just ended: StepTracker resets them only after
+        # the agent has run (steps.py).
+        return [DeviceStats(
+            device=self.device_id,
+            limit_bytes=int(m.limit),
+            in_use_bytes=int(m.in_use),
+            reserved_bytes=int(m.reserved),
+            step_peak_bytes=int(m.step_peak_in_use),
+            step_min_bytes=int(min(m.step_min_in_use, m.step_peak_in_use)),
+            host_in_use_bytes=int(m.host_in_use),
+            host_peak_bytes=int(m.host_peak),
+            host_fallbacks=int(m.host_fallbacks),
+        )]
+
+    def compute_share(self) -> float:
+        return float(self.native.op_stats().share)
+
+    def achieved_share(self) -> float | None:
+        s = self.native.op_stats()
+        # At 100% ops run directly and are not timed (the hot path is one atomic load).
+        return None if s.share >= 1.0 else float(s.achieved_share_window)
+
+
+def start_agent(steps: StepTracker) -> Any:
+    settings = steps.settings
+    device = settings.device_id
+    agent = JobAgent(settings.job_dir or "", NativeActuator(steps.native, device),
+                     NativeStatsSource(steps.native, device),
+                     min_write_interval_s=settings.stats_interval_ms / 1000.0)
+    agent.start()
+    log.info("job agent on %s (change detection: %s)", settings.job_dir, agent.watch_mode)
+
+    failed = {"flag": False}
+    previous_hook = sys.excepthook
+
+    def mark_failed(*exc: Any) -> None:
+        failed["flag"] = True
+        previous_hook(*exc)
+
+    sys.excepthook = mark_failed
+    atexit.register(lambda: agent.close("failed" if failed["flag"] else "finished"))
+    return agent

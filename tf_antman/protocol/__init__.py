@@ -1,0 +1,65 @@
+"""The file protocol between a training job and its local coordinator (docs/protocol.md).
+
+Importable without TensorFlow: the coordinator (scheduler_lite) uses it too.
+"""
+
+from tf_antman.protocol.errors import ProtocolError
+from tf_antman.protocol.files import (
+    atomic_write_text,
+    read_snapshot,
+    read_stats,
+    read_text,
+    write_control,
+)
+from tf_antman.protocol.layout import (
+    CONTROL_FILE,
+    JOB_DIR_ENV,
+    STATS_FILE,
+    TMP_DIR,
+    control_path,
+    job_dir_from_env,
+    stats_path,
+    temp_dir,
+)
+from tf_antman.protocol.schema import (
+    CONTROL_SCHEMA,
+    STATS_SCHEMA,
+    VERSION,
+    Control,
+    DeviceStats,
+    MemoryLimit,
+    Rejection,
+    Stats,
+    parse_control,
+    parse_stats,
+)
+from tf_antman.protocol.watch import ControlUpdate, ControlWatcher
+
+__all__ = [
+    "CONTROL_FILE",
+    "CONTROL_SCHEMA",
+    "JOB_DIR_ENV",
+    "STATS_FILE",
+    "STATS_SCHEMA",
+    "TMP_DIR",
+    "VERSION",
+    "Control",
+    "ControlUpdate",
+    "ControlWatcher",
+    "DeviceStats",
+    "MemoryLimit",
+    "ProtocolError",
+    "Rejection",
+    "Stats",
+    "atomic_write_text",
+    "control_path",
+    "job_dir_from_env",
+    "parse_control",
+    "parse_stats",
+    "read_snapshot",
+    "read_stats",
+    "read_text",
+    "stats_path",
+    "temp_dir",
+    "write_control",
+]
