@@ -1,0 +1,461 @@
+"""scheduler-lite: the command line of the daemon (docs/scheduler.md). Parse, validate, build, run.
+
+Every command but `serve` works on the store directly (the SQLite file under paths.state_dir), so
+`submit`, `list`, `cancel` work whether the daemon runs or not; the daemon picks submissions and
+cancel requests up at its next tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from scheduler_lite.config import CONFIG_ENV, Config, resolve_config
+from scheduler_lite.daemon import (
+    ClusterStatus,
+    Daemon,
+    DaemonLockedError,
+    SubmitError,
+    build_status,
+    lock_state_dir,
+    make_job_spec,
+    request_cancel,
+    submit_job,
+)
+from scheduler_lite.devices import DeviceError, open_devices
+from scheduler_lite.launcher import STDERR_FILE, STDOUT_FILE, describe_exit
+from scheduler_lite.model import JobKind
+from scheduler_lite.policy.validation import ConfigError
+from scheduler_lite.storage import JobRecord, JobStatus, SqliteStorage, StorageError
+from tf_antman.units import format_bytes, parse_bytes
+
+PROG = "scheduler-lite"
+EXAMPLES = f"""\
+examples:
+  {PROG} --config examples/scheduler.toml serve
+  {PROG} submit --tenant research --type guarantee -- python examples/colocate_job.py --steps 500
+  {PROG} submit --tenant batch --type opportunistic --memory 1GiB --env SEED=3 -- python train.py
+  {PROG} list --state running
+  {PROG} status --json
+  {PROG} logs job-3 --follow
+  {PROG} cancel job-3
+  {PROG} sim --workload paper --jobs 200
+
+The config file is --config FILE, else ${CONFIG_ENV}, else the packaged default
+(one emulated 4 GiB GPU, tenant "default", state in ~/.local/state/scheduler-lite).
+"""
+
+
+class UserError(Exception):
+    """A mistake the user can fix: printed as one line, exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    forwarded = _sim_argv(args_list)
+    if forwarded is not None:
+        from scheduler_lite.sim import main as sim_main
+
+        return sim_main(forwarded)
+    parser = build_parser()
+    config_path, as_json, rest = _global_options(args_list)
+    args = parser.parse_args(rest)
+    args.config = config_path or args.config
+    args.json = as_json or args.json
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        config = resolve_config(args.config)
+        return int(args.run(config, args) or 0)
+    except (UserError, ConfigError, SubmitError, StorageError, DeviceError, DaemonLockedError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{PROG}: error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _sim_argv(argv: list[str]) -> list[str] | None:
+    """`sim ...` goes to the simulator's own parser unchanged (its --help included)."""
+    i = 0
+    while i < len(argv):
+        if argv[i] == "sim":
+            return argv[i + 1 :]
+        if argv[i] == "--config":
+            i += 2
+            continue
+        if argv[i].startswith("-"):
+            i += 1
+            continue
+        return None
+    return None
+
+
+def _global_options(argv: list[str]) -> tuple[str | None, bool, list[str]]:
+    """--config FILE and --json anywhere before a '--' (so `list --json` and `--json list` agree)."""
+    config, as_json, rest = None, False, []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            rest.extend(argv[i:])
+            break
+        if token == "--json":
+            as_json = True
+        elif token == "--config" and i + 1 < len(argv):
+            config = argv[i + 1]
+            i += 1
+        elif token.startswith("--config="):
+            config = token.split("=", 1)[1]
+        else:
+            rest.append(token)
+        i += 1
+    return config, as_json, rest
+
+
+GLOBAL_OPTIONS = "options of every command: --config FILE (TOML config), --json (machine-readable output)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="AntMan-style GPU sharing for the GPUs of one workstation.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE", help=f"TOML config (default: ${CONFIG_ENV}, else the packaged default)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, run: Callable[[Config, argparse.Namespace], int | None], help: str,
+                epilog: str = "") -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help, epilog=f"{epilog}\n\n{GLOBAL_OPTIONS}".strip(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.set_defaults(run=run)
+        return sp
+
+    sp = command("serve", cmd_serve, "run the daemon in the foreground until SIGTERM/SIGINT",
+                 "Running jobs keep running when the daemon stops; the next start re-adopts them.")
+    sp.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    sp = command("submit", cmd_submit, "queue a job; prints its id",
+                 f"example:\n  {PROG} submit --tenant research --gpus 1 --type guarantee -- python train.py --lr 0.1")
+    sp.add_argument("--tenant", help="tenant (default: the only one configured)")
+    sp.add_argument("--gpus", type=int, default=1, help="GPUs of the gang (default 1)")
+    sp.add_argument("--type", dest="kind", default="auto", choices=[k.value for k in JobKind],
+                    help="guarantee: uses quota; opportunistic: never does; auto: guarantee unless it "
+                         "would wait long (default auto)")
+    sp.add_argument("--workdir", help="working directory (default: the current one)")
+    sp.add_argument("--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)")
+    sp.add_argument("--memory", help="peak GPU memory per GPU, e.g. 2GiB (default: the whole GPU)")
+    sp.add_argument("--name", default="", help="a label shown by list")
+    sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the job's command")
+
+    sp = command("list", cmd_list, "list jobs, oldest first")
+    sp.add_argument("--state", action="append", choices=[s.value for s in JobStatus],
+                    help="only jobs in this state (repeatable)")
+
+    sp = command("show", cmd_show, "one job: its record and its events")
+    sp.add_argument("job")
+
+    sp = command("cancel", cmd_cancel, "cancel jobs: SIGTERM, SIGKILL after jobs.cancel_grace_s")
+    sp.add_argument("jobs", nargs="+", metavar="JOB")
+
+    command("status", cmd_status, "per GPU: jobs, memory limits and use, host fallback, compute shares, step times")
+
+    sp = command("logs", cmd_logs, "print a job's stdout (or stderr)")
+    sp.add_argument("job")
+    sp.add_argument("--stderr", action="store_true", help="stderr instead of stdout")
+    sp.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+
+    command("tenants", cmd_tenants, "tenants with their quota and use")
+    sub.add_parser("sim", help="the trace-driven simulator (scheduler-lite sim --help)", add_help=False)
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands.
+
+
+def cmd_serve(config: Config, args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    lock = lock_state_dir(config.state_dir)
+    storage = SqliteStorage(config.db_path)
+    try:
+        Daemon(config, storage).serve()
+    finally:
+        storage.close()
+        os.close(lock)
+    return 0
+
+
+def cmd_submit(config: Config, args: argparse.Namespace) -> int:
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UserError("no command: give it after '--', e.g. submit -- python train.py")
+    env = []
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--env {item!r}: expected KEY=VALUE")
+        env.append((key, value))
+    memory = None
+    if args.memory is not None:
+        try:
+            memory = parse_bytes(args.memory)
+        except ValueError as e:
+            raise UserError(f"--memory: {e}") from None
+    spec = make_job_spec(config, command, tenant=args.tenant, gpus=args.gpus, kind=args.kind,
+                         workdir=args.workdir, env=env, memory_bytes=memory, name=args.name)
+    _check_command(command[0], Path(spec.workdir), dict(env))
+    with _storage(config) as storage:
+        record = submit_job(storage, spec)
+    if args.json:
+        _print_json({"id": record.id, "job": _job_dict(record)})
+    else:
+        print(record.id)
+    return 0
+
+
+def cmd_list(config: Config, args: argparse.Namespace) -> int:
+    with _storage(config) as storage:
+        jobs = storage.list_jobs(args.state)
+    if args.json:
+        _print_json([_job_dict(j) for j in jobs])
+        return 0
+    rows = [[j.id, j.name or "-", j.tenant, str(j.kind), str(j.role) if j.role else "-", _state(j),
+             ",".join(map(str, j.placement)) if j.placement else f"({j.num_gpus})",
+             _clock(j.submit_time), _duration(j), _command(j.command)] for j in jobs]
+    _table(["ID", "NAME", "TENANT", "TYPE", "ROLE", "STATE", "GPUS", "SUBMITTED", "RUNTIME", "COMMAND"], rows)
+    return 0
+
+
+def cmd_show(config: Config, args: argparse.Namespace) -> int:
+    with _storage(config) as storage:
+        job = _get(storage, args.job)
+        events = storage.events(job.id)
+        placements = storage.placements(job.id)
+    if args.json:
+        _print_json({"job": _job_dict(job), "placements": [dataclasses.asdict(p) for p in placements],
+                     "events": [dataclasses.asdict(e) for e in events]})
+        return 0
+    fields = [
+        ("id", job.id), ("name", job.name or "-"), ("tenant", job.tenant), ("type", str(job.kind)),
+        ("role", str(job.role) if job.role else "-"), ("state", _state(job)), ("gpus", str(job.num_gpus)),
+        ("placement", ",".join(map(str, job.placement)) or "-"), ("command", _command(job.command, 10_000)),
+        ("workdir", job.workdir), ("memory", format_bytes(job.memory_bytes) if job.memory_bytes else "whole GPU"),
+        ("env", " ".join(f"{k}={v}" for k, v in job.env) or "-"), ("submitted", _clock(job.submit_time)),
+        ("started", _clock(job.started_at)), ("ended", _clock(job.ended_at)), ("runtime", _duration(job)),
+        ("pid", str(job.pid) if job.pid else "-"), ("exit", describe_exit(job.exit_code) if job.state.done else "-"),
+        ("reason", job.reason or "-"), ("job dir", job.job_dir or "-"),
+    ]
+    for p in placements:
+        fields.append((f"gpu {p.gpu}", f"limit {format_bytes(p.memory_limit_bytes)}, share {p.compute_share:.2f}"))
+    width = max(len(k) for k, _ in fields)
+    for key, value in fields:
+        print(f"{key:<{width}}  {value}")
+    if events:
+        print("\nevents:")
+        _table(["TIME", "EVENT", "DETAIL"],
+               [[_clock(e.time), e.kind, " ".join(f"{k}={v}" for k, v in e.detail.items())] for e in events])
+    return 0
+
+
+def cmd_cancel(config: Config, args: argparse.Namespace) -> int:
+    out = []
+    with _storage(config) as storage:
+        for job_id in args.jobs:
+            _get(storage, job_id)
+            record = request_cancel(storage, job_id, time.time())
+            note = f"already {record.state}" if record.state.done else "cancel requested"
+            out.append({"id": job_id, "state": str(record.state), "result": note})
+    if args.json:
+        _print_json(out)
+    else:
+        for item in out:
+            print(f"{item['id']}: {item['result']}")
+    return 0
+
+
+def cmd_status(config: Config, args: argparse.Namespace) -> int:
+    gpus = open_devices(config.devices).inventory()
+    with _storage(config) as storage:
+        status = build_status(config, storage, gpus, time.time())
+    if args.json:
+        _print_json(_plain(status))
+        return 0
+    _print_status(status)
+    return 0
+
+
+def cmd_logs(config: Config, args: argparse.Namespace) -> int:
+    with _storage(config) as storage:
+        job = _get(storage, args.job)
+        if not job.job_dir:
+            raise UserError(f"{job.id} has not started yet ({job.state}): no logs")
+        path = Path(job.job_dir) / (STDERR_FILE if args.stderr else STDOUT_FILE)
+        offset = _copy_from(path, 0, sys.stdout)
+        while args.follow:
+            job = _get(storage, args.job)
+            time.sleep(0.5)
+            offset = _copy_from(path, offset, sys.stdout)
+            if job.state.done:
+                break
+    return 0
+
+
+def cmd_tenants(config: Config, args: argparse.Namespace) -> int:
+    with _storage(config) as storage:
+        status = build_status(config, storage, (), time.time())
+    if args.json:
+        _print_json([dataclasses.asdict(t) for t in status.tenants])
+        return 0
+    _table(["TENANT", "GPU QUOTA", "QUOTA USED", "RUNNING", "QUEUED"],
+           [[t.name, str(t.gpu_quota), str(t.quota_used), str(t.running), str(t.queued)] for t in status.tenants])
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers.
+
+
+class _storage:
+    """The store of the config, opened for one command (creates it on first use)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def __enter__(self) -> SqliteStorage:
+        self.storage = SqliteStorage(self.config.db_path)
+        return self.storage
+
+    def __exit__(self, *exc: object) -> None:
+        self.storage.close()
+
+
+def _get(storage: SqliteStorage, job_id: str) -> JobRecord:
+    job = storage.get_job(job_id)
+    if job is None:
+        raise UserError(f"no job {job_id!r} (see '{PROG} list')")
+    return job
+
+
+def _check_command(program: str, workdir: Path, env: dict[str, str]) -> None:
+    if "/" in program:
+        path = workdir / program
+        if not path.exists():
+            raise UserError(f"command {program!r} not found (relative to --workdir {workdir})")
+        return
+    search = env.get("PATH", os.environ.get("PATH", os.defpath))
+    if shutil.which(program, path=search) is None:
+        raise UserError(f"command {program!r} not found on PATH")
+
+
+def _copy_from(path: Path, offset: int, out: TextIO) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    out.write(data.decode("utf-8", errors="replace"))
+    out.flush()
+    return offset + len(data)
+
+
+def _state(job: JobRecord) -> str:
+    text = str(job.state)
+    if job.cancel_requested and not job.state.done:
+        text += " (cancelling)"
+    elif job.state.done and job.state is not JobStatus.CANCELLED and job.exit_code not in (None, 0):
+        text += f" ({describe_exit(job.exit_code)})"
+    return text
+
+
+def _clock(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _duration(job: JobRecord) -> str:
+    if job.started_at is None:
+        return "-"
+    seconds = int((job.ended_at if job.ended_at is not None else time.time()) - job.started_at)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _command(command: Sequence[str], width: int = 50) -> str:
+    text = " ".join(command)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    if not rows:
+        print("(none)")
+        return
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _print_status(status: ClusterStatus) -> None:
+    rows = []
+    for g in status.gpus:
+        util = "-" if g.utilisation is None else f"{g.utilisation:.0%}"
+        head = [f"{g.id}", format_bytes(g.memory_bytes), g.nvlink_group, util]
+        if not g.jobs:
+            rows.append([*head, "(idle)" if g.reserved_for is None else f"(reserved for {g.reserved_for})",
+                         "", "", "", "", "", ""])
+        for i, j in enumerate(g.jobs):
+            rows.append([*(head if i == 0 else ["", "", "", ""]), j.job_id, str(j.role),
+                         format_bytes(j.memory_limit_bytes),
+                         "-" if j.in_use_bytes is None else format_bytes(j.in_use_bytes),
+                         "-" if j.host_in_use_bytes is None else format_bytes(j.host_in_use_bytes),
+                         f"{j.compute_share:.2f}",
+                         "-" if j.step_ms_median is None else f"{j.step_ms_median:.1f} ms (step {j.step})"])
+    _table(["GPU", "MEMORY", "GROUP", "UTIL", "JOB", "ROLE", "LIMIT", "IN USE", "HOST", "SHARE", "STEP TIME"], rows)
+    for g in status.gpus:
+        for j in g.jobs:
+            if j.stats_error:
+                print(f"warning: {j.job_id}: stats.json refused: {j.stats_error}")
+    if status.queued:
+        print(f"queued: {' '.join(status.queued)}")
+
+
+def _job_dict(job: JobRecord) -> dict[str, Any]:
+    out = _plain(job)
+    out["env"] = dict(job.env)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(_plain(value), indent=None, sort_keys=False))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

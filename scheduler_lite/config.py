@@ -1,0 +1,315 @@
+"""The daemon's TOML configuration (docs/scheduler.md), parsed once into frozen, validated objects.
+
+    config = load_config(Path("scheduler.toml"))
+
+Every rejection is a `ConfigError` whose field is the key path in the file
+(`devices.emulated[1].memory`, `coordinator.floor_share`) and whose message gives the accepted
+range. `[scheduler]` and `[coordinator]` are passed through to the policies' own config classes
+and validated by them, so the ranges live in one place (scheduler_lite/policy/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from scheduler_lite.model import Tenant
+from scheduler_lite.policy.coordinator import CoordinatorConfig
+from scheduler_lite.policy.global_scheduler import SchedulerConfig
+from scheduler_lite.policy.validation import ConfigError, check_int, check_range
+from tf_antman.units import parse_bytes
+
+VERSION: Final = 1
+SUPPORTED_VERSIONS: Final = (1,)
+CONFIG_ENV: Final = "SCHEDULER_LITE_CONFIG"
+DEVICE_KINDS: Final = ("emulated", "nvml")
+MIB: Final = 1 << 20
+MIN_DEVICE_BYTES: Final = 64 * MIB  # ANTMAN_DEVICE_MEMORY's lower bound (docs/configuration.md)
+MAX_BYTES: Final = 1 << 50
+MAX_DEVICE_ID: Final = 1023  # ANTMAN_DEVICE_ID's upper bound
+_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+C = TypeVar("C")
+NAME_RULE: Final = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatedDevice:
+    id: int
+    memory_bytes: int
+    nvlink_group: str
+
+
+@dataclass(frozen=True, slots=True)
+class DevicesConfig:
+    kind: str  # "emulated" | "nvml"
+    emulated: tuple[EmulatedDevice, ...] = ()
+    nvml_ids: tuple[int, ...] | None = None  # None: every GPU NVML reports
+
+
+@dataclass(frozen=True, slots=True)
+class JobsConfig:
+    # ANTMAN_HOST_MEMORY of every job: host memory universal memory may use past the limit.
+    host_memory_bytes: int = 8 << 30
+    # SIGTERM, then SIGKILL after this long: long enough for a checkpoint on exit.
+    cancel_grace_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    # Latency of everything the daemon does (pick up a submission, notice an exit, read stats).
+    tick_interval_s: float = 0.5
+    # A global pass runs on every event, and this often while jobs wait (utilisation drifts).
+    schedule_interval_s: float = 5.0
+    # The paper's "GPU utilisation over the last 10 s" for the opportunistic threshold M.
+    utilisation_window_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    version: int
+    state_dir: Path
+    devices: DevicesConfig
+    tenants: tuple[Tenant, ...]
+    jobs: JobsConfig = field(default_factory=JobsConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    source: str = "<memory>"
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "scheduler.db"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.state_dir / "jobs"
+
+    def tenant(self, name: str) -> Tenant | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate a config file; ConfigError for a bad value, OSError if unreadable."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(str(path), "<file>", f"valid TOML ({err})") from None
+    return parse_config(data, base_dir=path.resolve().parent, source=str(path))
+
+
+def default_config_text() -> str:
+    return resources.files("scheduler_lite.data").joinpath("default_config.toml").read_text(encoding="utf-8")
+
+
+def load_default_config() -> Config:
+    """The packaged default (one emulated 4 GiB device, one tenant), state under the user's home."""
+    return parse_config(tomllib.loads(default_config_text()), base_dir=Path.home(), source="<default>")
+
+
+def resolve_config(path: str | None) -> Config:
+    """--config FILE, else $SCHEDULER_LITE_CONFIG, else the packaged default."""
+    chosen = path or os.environ.get(CONFIG_ENV)
+    return load_config(Path(chosen)) if chosen else load_default_config()
+
+
+def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory>") -> Config:
+    root = _Table(data, "")
+    version = root.take("version", required=True)
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        raise ConfigError("version", version, "one of " + ", ".join(map(str, SUPPORTED_VERSIONS)))
+
+    paths = root.table("paths")
+    state = paths.take("state_dir", required=True)
+    if not isinstance(state, str) or not state.strip():
+        raise ConfigError(paths.path("state_dir"), state, "a directory path (relative to the config file)")
+    state_dir = (base_dir / Path(state).expanduser()).resolve()
+    paths.finish()
+
+    devices = _devices(root.table("devices"))
+    tenants = _tenants(root.take("tenants", required=True))
+    jobs = _jobs(root.table("jobs", required=False))
+    daemon = _daemon(root.table("daemon", required=False))
+    scheduler = _pass_through(root.table("scheduler", required=False), SchedulerConfig, sizes=())
+    coordinator = _pass_through(
+        root.table("coordinator", required=False), CoordinatorConfig, sizes=("min_memory_bytes",)
+    )
+    root.finish()
+    return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class _Table:
+    """One TOML table; remembers which keys were read so that unknown (misspelt) ones are refused."""
+
+    def __init__(self, data: object, path: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ConfigError(path or "<root>", _short(data), "a table")
+        self.data = data
+        self.prefix = path
+        self.read: list[str] = []
+
+    def path(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def take(self, key: str, required: bool = False, default: object = None) -> Any:
+        self.read.append(key)
+        if key not in self.data:
+            if required:
+                raise ConfigError(self.path(key), None, "a value (the key is required)")
+            return default
+        return self.data[key]
+
+    def table(self, key: str, required: bool = True) -> _Table:
+        value = self.take(key, required=required, default={})
+        return _Table(value, self.path(key))
+
+    def finish(self, accepted: list[str] | None = None) -> None:
+        unknown = sorted(set(self.data) - set(self.read))
+        if unknown:
+            keys = accepted or self.read
+            raise ConfigError(self.path(unknown[0]), "<unknown key>", "one of " + ", ".join(keys))
+
+
+def _short(value: object) -> object:
+    text = repr(value)
+    return value if len(text) <= 60 else text[:57] + "..."
+
+
+def _size(field: str, value: object, low: int, high: int) -> int:
+    accepted = f"bytes (an integer) or a size such as \"4GiB\", in [{low}, {high}] bytes"
+    if isinstance(value, bool):
+        raise ConfigError(field, value, accepted)
+    given = value
+    if isinstance(value, str):
+        try:
+            value = parse_bytes(value)
+        except ValueError:
+            raise ConfigError(field, given, accepted) from None
+    if not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(field, given, accepted)
+    return value
+
+
+def _name(field: str, value: object) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ConfigError(field, value, NAME_RULE)
+    return value
+
+
+def _devices(t: _Table) -> DevicesConfig:
+    kind = t.take("kind", required=True)
+    if kind not in DEVICE_KINDS:
+        raise ConfigError(t.path("kind"), kind, "one of " + ", ".join(DEVICE_KINDS))
+    entries = t.take("emulated", default=[])
+    ids_value = t.take("ids")
+    t.finish()
+    if kind == "nvml":
+        if entries:
+            raise ConfigError(t.path("emulated"), "<tables>", "nothing when devices.kind = \"nvml\"")
+        ids = None
+        if ids_value is not None:
+            if not isinstance(ids_value, list) or not ids_value:
+                raise ConfigError(t.path("ids"), ids_value, "a non-empty list of NVML GPU indices")
+            for i, v in enumerate(ids_value):
+                check_int(f"{t.path('ids')}[{i}]", v, 0, MAX_DEVICE_ID)
+            if len(set(ids_value)) != len(ids_value):
+                raise ConfigError(t.path("ids"), ids_value, "each GPU index once")
+            ids = tuple(ids_value)
+        return DevicesConfig(kind, (), ids)
+    if ids_value is not None:
+        raise ConfigError(t.path("ids"), ids_value, "nothing when devices.kind = \"emulated\"")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(t.path("emulated"), _short(entries), "at least one [[devices.emulated]] table")
+    devices = []
+    seen: set[int] = set()
+    for i, entry in enumerate(entries):
+        e = _Table(entry, f"{t.path('emulated')}[{i}]")
+        dev_id = e.take("id", default=i)
+        check_int(e.path("id"), dev_id, 0, MAX_DEVICE_ID)
+        if dev_id in seen:
+            raise ConfigError(e.path("id"), dev_id, "a device id not used by another device")
+        seen.add(dev_id)
+        memory = _size(e.path("memory"), e.take("memory", required=True), MIN_DEVICE_BYTES, MAX_BYTES)
+        group = _name(e.path("nvlink_group"), e.take("nvlink_group", default="local"))
+        e.finish()
+        devices.append(EmulatedDevice(dev_id, memory, group))
+    return DevicesConfig(kind, tuple(devices))
+
+
+def _tenants(value: object) -> tuple[Tenant, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError("tenants", _short(value), "at least one [[tenants]] table")
+    out = []
+    for i, entry in enumerate(value):
+        t = _Table(entry, f"tenants[{i}]")
+        name = _name(t.path("name"), t.take("name", required=True))
+        if any(x.name == name for x in out):
+            raise ConfigError(t.path("name"), name, "a name not used by another tenant")
+        quota = t.take("gpu_quota", required=True)
+        check_int(t.path("gpu_quota"), quota, 0, 4096)
+        t.finish()
+        out.append(Tenant(name, quota))
+    return tuple(out)
+
+
+def _jobs(t: _Table) -> JobsConfig:
+    d = JobsConfig()
+    host = _size(t.path("host_memory"), t.take("host_memory", default=d.host_memory_bytes), 0, MAX_BYTES)
+    grace = t.take("cancel_grace_s", default=d.cancel_grace_s)
+    check_range(t.path("cancel_grace_s"), grace, 0.0, 3600.0)
+    t.finish()
+    return JobsConfig(host, float(grace))
+
+
+def _daemon(t: _Table) -> DaemonConfig:
+    d = DaemonConfig()
+    values = {}
+    for key, low, high in (
+        ("tick_interval_s", 0.01, 60.0),
+        ("schedule_interval_s", 0.01, 3600.0),
+        ("utilisation_window_s", 0.1, 3600.0),
+    ):
+        v = t.take(key, default=getattr(d, key))
+        check_range(t.path(key), v, low, high)
+        values[key] = float(v)
+    t.finish()
+    return DaemonConfig(**values)
+
+
+def _pass_through(t: _Table, cls: type[C], sizes: tuple[str, ...]) -> C:
+    """Keys map onto the policy config's fields; its own validate() checks the ranges."""
+    defaults = cls()
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in t.data:
+            continue
+        value = t.take(f.name)
+        default = getattr(defaults, f.name)
+        if f.name in sizes:
+            value = _size(t.path(f.name), value, 0, MAX_BYTES)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(t.path(f.name), value, "true or false")
+        elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(t.path(f.name), value, "a string")
+        changes[f.name] = value
+    t.finish([f.name for f in dataclasses.fields(cls)])  # type: ignore[arg-type]
+    config = dataclasses.replace(defaults, **changes)  # type: ignore[type-var]
+    try:
+        return config.validate()  # type: ignore[attr-defined,no-any-return]
+    except ConfigError as err:
+        raise ConfigError(t.path(err.field), err.value, err.accepted) from None

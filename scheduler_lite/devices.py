@@ -1,0 +1,191 @@
+"""What the daemon knows of its GPUs: the inventory once, and a utilisation reading every tick.
+
+Two backends behind one protocol:
+  * `NvmlDevices`: real GPUs through pynvml (NVML): memory, utilisation, NVLink topology.
+    NOT TESTED ON A GPU here (the development machine has none): its unit tests drive a fake
+    nvml module that answers like NVML does.
+  * `EmulatedDevices`: the memory sizes stated in the config; utilisation is derived from the
+    jobs' stats files (an emulated device has no counters of its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
+
+from scheduler_lite.config import DevicesConfig
+from scheduler_lite.model import Gpu
+from tf_antman.protocol import Stats
+
+NO_NVLINK_GROUP = "pcie"  # GPUs with no NVLink peer: all alike, one group
+
+
+class DeviceError(RuntimeError):
+    """The devices cannot be used as configured (NVML missing, GPU index out of range...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobLoad:
+    """What one job's latest stats say about its use of one GPU."""
+
+    compute_share: float
+    achieved_share: float | None
+    stepping: bool  # it finished a step recently
+
+
+class DeviceBackend(Protocol):
+    kind: str
+
+    def inventory(self) -> tuple[Gpu, ...]: ...
+
+    def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
+        """Instantaneous utilisation in [0, 1] of every GPU (loads: the jobs on each GPU)."""
+        ...
+
+    def memory_used(self) -> dict[int, int] | None:
+        """Bytes in use per GPU as the device reports them; None where it cannot (emulated)."""
+        ...
+
+
+def job_load(stats: Stats | None, stepping: bool) -> JobLoad:
+    if stats is None:
+        return JobLoad(0.0, None, False)
+    return JobLoad(stats.compute_share, stats.achieved_share, stepping)
+
+
+class EmulatedDevices:
+    kind = "emulated"
+
+    def __init__(self, config: DevicesConfig, node: str | None = None) -> None:
+        node = node or socket.gethostname()
+        self._gpus = tuple(Gpu(d.id, node, d.memory_bytes, d.nvlink_group) for d in config.emulated)
+
+    def inventory(self) -> tuple[Gpu, ...]:
+        return self._gpus
+
+    def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
+        """Sum over the GPU's jobs of the share each is using, at most 1.
+
+        A job's share is its measured achieved share when the job reports one, else the share it
+        is allowed while it is making steps: a stepping job is assumed to use all it may.
+        """
+        out = {}
+        for gpu in self._gpus:
+            total = 0.0
+            for load in loads.get(gpu.id, ()):
+                if load.achieved_share is not None:
+                    total += load.achieved_share
+                elif load.stepping:
+                    total += load.compute_share
+            out[gpu.id] = min(1.0, total)
+        return out
+
+    def memory_used(self) -> dict[int, int] | None:
+        return None
+
+
+class NvmlDevices:
+    """Real GPUs. `nvml` is the pynvml module (a fake one in tests)."""
+
+    kind = "nvml"
+
+    def __init__(self, ids: Sequence[int] | None = None, nvml: ModuleType | Any | None = None,
+                 node: str | None = None) -> None:
+        self._nvml = nvml if nvml is not None else _import_pynvml()
+        try:
+            self._nvml.nvmlInit()
+            count = self._nvml.nvmlDeviceGetCount()
+        except Exception as e:  # noqa: BLE001 - NVMLError_* and driver problems alike
+            raise DeviceError(f"NVML could not be initialised ({e}); is an NVIDIA driver installed? "
+                              "Use devices.kind = \"emulated\" on a machine without GPUs") from None
+        wanted = list(range(count)) if ids is None else list(ids)
+        for i in wanted:
+            if not 0 <= i < count:
+                raise DeviceError(f"devices.ids: GPU {i} does not exist; NVML reports {count} GPU(s)")
+        if not wanted:
+            raise DeviceError("NVML reports no GPU; use devices.kind = \"emulated\"")
+        self._handles = {i: self._nvml.nvmlDeviceGetHandleByIndex(i) for i in wanted}
+        node = node or socket.gethostname()
+        groups = self._nvlink_groups()
+        self._gpus = tuple(
+            Gpu(i, node, int(self._nvml.nvmlDeviceGetMemoryInfo(h).total), groups[i])
+            for i, h in self._handles.items()
+        )
+
+    def inventory(self) -> tuple[Gpu, ...]:
+        return self._gpus
+
+    def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
+        out = {}
+        for i, h in self._handles.items():
+            try:
+                out[i] = min(1.0, max(0.0, self._nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0))
+            except Exception:  # noqa: BLE001 - a GPU that stops answering reads as busy, not idle
+                out[i] = 1.0
+        return out
+
+    def memory_used(self) -> dict[int, int] | None:
+        out = {}
+        for i, h in self._handles.items():
+            with contextlib.suppress(Exception):  # a GPU that does not answer: reported as unknown
+                out[i] = int(self._nvml.nvmlDeviceGetMemoryInfo(h).used)
+        return out
+
+    def _nvlink_groups(self) -> dict[int, str]:
+        """GPUs joined by active NVLink links, as connected components; the rest share one group."""
+        nvml = self._nvml
+        bus = {}
+        for i, h in self._handles.items():
+            with contextlib.suppress(Exception):  # no PCI info: no NVLink grouping for it
+                bus[_bus_id(nvml.nvmlDeviceGetPciInfo(h))] = i
+        parent = {i: i for i in self._handles}
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        linked: set[int] = set()
+        max_links = getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)
+        for i, h in self._handles.items():
+            for link in range(max_links):
+                try:
+                    if nvml.nvmlDeviceGetNvLinkState(h, link) != getattr(nvml, "NVML_FEATURE_ENABLED", 1):
+                        continue
+                    peer = bus.get(_bus_id(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link)))
+                except Exception:  # noqa: BLE001 - NotSupported / InvalidArgument past the last link
+                    break
+                if peer is not None and peer != i:
+                    parent[find(i)] = find(peer)
+                    linked.update((i, peer))
+        return {i: f"nvlink{find(i)}" if i in linked else NO_NVLINK_GROUP for i in self._handles}
+
+
+def _bus_id(pci: Any) -> str:
+    bus = pci.busId
+    if isinstance(bus, bytes):
+        bus = bus.decode()
+    return str(bus).lower()
+
+
+def _import_pynvml() -> ModuleType:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pynvml 12+ warns that it is a shim over nvidia-ml-py
+            import pynvml
+    except ImportError as e:
+        raise DeviceError(f"devices.kind = \"nvml\" needs the pynvml package ({e}); "
+                          "pip install nvidia-ml-py, or use devices.kind = \"emulated\"") from None
+    return pynvml
+
+
+def open_devices(config: DevicesConfig, nvml: ModuleType | Any | None = None) -> DeviceBackend:
+    if config.kind == "nvml":
+        return NvmlDevices(config.nvml_ids, nvml)
+    return EmulatedDevices(config)

@@ -1,0 +1,180 @@
+"""Starts job processes, notices their exits, stops them; finds them again after a daemon restart.
+
+Each job runs in its own session and process group (a Ctrl-C on the daemon's terminal does not
+reach it, and a cancel reaches all of its children), under a small /bin/sh wrapper that writes the
+command's exit status to `<job dir>/exit_status`: a job that ends while the daemon is down still
+leaves its status behind. stdout and stderr go to `stdout.log` / `stderr.log` in the job directory.
+
+A process is identified by (pid, start time in clock ticks since boot, from /proc/<pid>/stat), so a
+pid reused by an unrelated process after a reboot or a long outage is not mistaken for the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+EXIT_STATUS_FILE: Final = "exit_status"
+PID_FILE: Final = "pid"  # the wrapper's pid, written first: found again if the daemon dies mid-launch
+STDOUT_FILE: Final = "stdout.log"
+STDERR_FILE: Final = "stderr.log"
+# "$@" runs the command without a shell parsing it. The wrapper catches SIGTERM/SIGINT/SIGHUP (the
+# command still gets them: a cancel signals the whole group, and caught signals are reset to their
+# default in the child) so that it outlives the command, records its status and then dies of the
+# same signal, which its parent sees as usual. The status goes to a temporary file first and is
+# renamed, so a reader never sees a half-written number.
+_WRAPPER: Final = (
+    'echo "$$" > "$SCHEDULER_LITE_JOB_DIR/pid"; '
+    'trap : TERM INT HUP; '
+    '"$@"; rc=$?; '
+    'printf "%s\\n" "$rc" > "$SCHEDULER_LITE_JOB_DIR/.exit_status.tmp" && '
+    'mv -f "$SCHEDULER_LITE_JOB_DIR/.exit_status.tmp" "$SCHEDULER_LITE_JOB_DIR/exit_status"; '
+    'if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ]; then trap - TERM INT HUP; kill -"$((rc - 128))" "$$"; fi; '
+    'exit "$rc"'
+)
+
+
+class LaunchError(RuntimeError):
+    """The process could not be started (bad working directory, no /bin/sh...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    job_id: str
+    command: Sequence[str]
+    workdir: Path
+    env: Mapping[str, str]  # the complete environment of the job
+    job_dir: Path
+
+
+@dataclass(slots=True)
+class ProcessHandle:
+    pid: int  # also the process group id
+    start_ticks: int | None
+    job_dir: Path
+    popen: subprocess.Popen[bytes] | None = None  # None for a process adopted after a restart
+
+
+@dataclass(frozen=True, slots=True)
+class ExitInfo:
+    exit_code: int | None  # None: it ended, but nobody could tell how
+    # Negative: killed by that signal (as subprocess reports it).
+
+    def describe(self) -> str:
+        return describe_exit(self.exit_code)
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit status {code}"
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat); None if gone."""
+    fields = _proc_stat(pid)
+    return None if fields is None else int(fields[19])
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or ')'.
+    return text[text.rindex(")") + 2 :].split()  # fields 3.. : state is [0], starttime is [19]
+
+
+class Launcher:
+    def start(self, spec: LaunchSpec) -> ProcessHandle:
+        spec.job_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (EXIT_STATUS_FILE, PID_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                (spec.job_dir / stale).unlink()
+        env = dict(spec.env)
+        env["SCHEDULER_LITE_JOB_DIR"] = str(spec.job_dir)
+        try:
+            with open(spec.job_dir / STDOUT_FILE, "ab") as out, open(spec.job_dir / STDERR_FILE, "ab") as err:
+                popen = subprocess.Popen(
+                    ["/bin/sh", "-c", _WRAPPER, f"scheduler-lite:{spec.job_id}", *spec.command],
+                    cwd=spec.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    start_new_session=True, close_fds=True,
+                )
+        except OSError as e:
+            raise LaunchError(f"cannot start {spec.job_id}: {e.strerror or e} ({spec.workdir})") from None
+        return ProcessHandle(popen.pid, process_start_ticks(popen.pid), spec.job_dir, popen)
+
+    def adopt(self, pid: int, start_ticks: int | None, job_dir: Path) -> ProcessHandle | ExitInfo:
+        """The process of a job started before a restart, or how it ended if it is gone."""
+        handle = ProcessHandle(pid, start_ticks, job_dir)
+        ended = self.poll(handle)
+        return handle if ended is None else ended
+
+    def poll(self, handle: ProcessHandle) -> ExitInfo | None:
+        """None while the process runs; how it ended otherwise (reaps it if it is our child)."""
+        if handle.popen is not None:
+            code = handle.popen.poll()
+            if code is None:
+                return None
+            return ExitInfo(code if code < 0 else self._status_file(handle.job_dir, code))
+        fields = _proc_stat(handle.pid)
+        if fields is not None and (handle.start_ticks is None or int(fields[19]) == handle.start_ticks):
+            if fields[0] != "Z":
+                return None
+            # A zombie: our child from an earlier Launcher of this process (tests, library use).
+            with contextlib.suppress(ChildProcessError):
+                _, status = os.waitpid(handle.pid, os.WNOHANG)
+                code = os.waitstatus_to_exitcode(status)
+                return ExitInfo(code if code < 0 else self._status_file(handle.job_dir, code))
+        return ExitInfo(self._status_file(handle.job_dir, None))
+
+    def signal(self, handle: ProcessHandle, sig: int) -> bool:
+        """Send `sig` to the job's whole process group; False if it is gone."""
+        if self.poll(handle) is not None:
+            return False
+        try:
+            os.killpg(handle.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(self, handle: ProcessHandle, grace_s: float, poll_s: float = 0.02) -> ExitInfo:
+        """SIGTERM, then SIGKILL after `grace_s`; blocks until the process has ended."""
+        self.signal(handle, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while (ended := self.poll(handle)) is None:
+            if time.monotonic() >= deadline:
+                self.signal(handle, signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(poll_s)
+        self.cleanup(handle)
+        return ended
+
+    @staticmethod
+    def cleanup(handle: ProcessHandle) -> None:
+        """SIGKILL what is left of an ended job's group (children it left behind, holding memory).
+
+        Only after the leader has ended: the group id cannot be reused while any member lives.
+        """
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(handle.pid, signal.SIGKILL)
+
+    @staticmethod
+    def _status_file(job_dir: Path, fallback: int | None) -> int | None:
+        try:
+            return int((job_dir / EXIT_STATUS_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return fallback

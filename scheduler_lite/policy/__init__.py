@@ -1,0 +1,1 @@
+"""Pure scheduling policies: the global scheduler, the local coordinator and the baselines."""

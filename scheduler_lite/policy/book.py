@@ -1,0 +1,367 @@
+"""Cluster bookkeeping: applies global decisions and keeps the indexes the policies query.
+
+The daemon and the simulator both own one `ClusterBook`; the pure policies only ever see the
+read-only `ClusterState` it hands out (`snapshot(now)`). Indexes are updated per decision, so a
+scheduling pass costs time in proportion to what it places, not to the size of the cluster.
+The snapshot's mappings are read-only views valid until the next mutation of the book: policies
+must not keep them across calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from types import MappingProxyType
+
+from scheduler_lite.model import (
+    ClusterState,
+    Downgrade,
+    GlobalDecision,
+    Gpu,
+    Job,
+    JobKind,
+    JobState,
+    Place,
+    Preempt,
+    Reject,
+    Reserve,
+    Role,
+    Tenant,
+    Unplace,
+    Unreserve,
+    Upgrade,
+)
+
+UTILISATION_BUCKETS = 20  # 5% wide: finer than that is noise for a 10 s average
+
+
+class BookError(RuntimeError):
+    """A decision that contradicts the book (a policy bug): never silently ignored."""
+
+
+class _GroupFreeIndex:
+    """Per NVLink group: which GPUs are free, and which groups have exactly c free GPUs."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.size = max((len(g) for g in groups.values()), default=0)
+        self.free: dict[str, set[int]] = {g: set(ids) for g, ids in groups.items()}
+        self.by_count: list[dict[str, None]] = [{} for _ in range(self.size + 1)]
+        for g, ids in groups.items():
+            self.by_count[len(ids)][g] = None
+
+    def set_free(self, group: str, gpu: int, free: bool) -> None:
+        members = self.free[group]
+        before = len(members)
+        if free:
+            members.add(gpu)
+        else:
+            members.discard(gpu)
+        after = len(members)
+        if after != before:
+            del self.by_count[before][group]
+            self.by_count[after][group] = None
+
+
+class ClusterBook:
+    """Mutable truth about placements, reservations and queues, plus the query indexes."""
+
+    def __init__(self, gpus: Iterable[Gpu], tenants: Iterable[Tenant]) -> None:
+        self.gpus: dict[int, Gpu] = {g.id: g for g in gpus}
+        self.tenants: dict[str, Tenant] = {t.name: t for t in tenants}
+        self.jobs: dict[str, Job] = {}
+        self.reservations: dict[str, tuple[int, ...]] = {}
+        groups: dict[str, list[int]] = {}
+        for g in self.gpus.values():
+            groups.setdefault(g.nvlink_group, []).append(g.id)
+        self._guarantee_free = _GroupFreeIndex(groups)
+        self._empty = _GroupFreeIndex(groups)  # no job at all and no reservation
+        self._holder: dict[int, str] = {}
+        self._reserved: dict[int, str] = {}
+        self._jobs_on: dict[int, dict[str, None]] = {g: {} for g in self.gpus}
+        self._memory_committed: dict[int, int] = dict.fromkeys(self.gpus, 0)
+        self._pending_g: dict[str, dict[str, None]] = {t: {} for t in self.tenants}
+        self._pending_o: dict[str, None] = {}
+        self._running: dict[tuple[str, Role], dict[str, None]] = {
+            (t, r): {} for t in self.tenants for r in Role
+        }
+        self._upgradable: dict[str, dict[str, None]] = {t: {} for t in self.tenants}
+        self._quota_used: dict[str, int] = dict.fromkeys(self.tenants, 0)
+        self._buckets: list[dict[int, None]] = [{} for _ in range(UTILISATION_BUCKETS)]
+        self._bucket_of: dict[int, int] = {}
+        for g in self.gpus.values():
+            b = _bucket(g.utilisation)
+            self._buckets[b][g.id] = None
+            self._bucket_of[g.id] = b
+
+    # -- ClusterQueries -------------------------------------------------------------------------
+
+    def pending_guarantee_queue(self, tenant: str) -> Sequence[str]:
+        return tuple(self._pending_g[tenant])
+
+    def pending_opportunistic_queue(self) -> Sequence[str]:
+        return tuple(self._pending_o)
+
+    def iter_pending_guarantee(self, tenant: str) -> Iterator[str]:
+        return iter(self._pending_g[tenant])
+
+    def iter_pending_opportunistic(self) -> Iterator[str]:
+        return iter(self._pending_o)
+
+    def pending_count(self) -> int:
+        return len(self._pending_o) + sum(len(q) for q in self._pending_g.values())
+
+    def quota_used(self, tenant: str) -> int:
+        return self._quota_used[tenant]
+
+    def running_jobs(self, tenant: str, role: Role) -> Sequence[str]:
+        return tuple(self._running[(tenant, role)])
+
+    def upgradable_jobs(self, tenant: str) -> Sequence[str]:
+        return tuple(self._upgradable[tenant])
+
+    def guarantee_holder(self, gpu: int) -> str | None:
+        return self._holder.get(gpu)
+
+    def reserved_for(self, gpu: int) -> str | None:
+        return self._reserved.get(gpu)
+
+    def jobs_on(self, gpu: int) -> Sequence[str]:
+        return tuple(self._jobs_on[gpu])
+
+    def memory_free(self, gpu: int) -> int:
+        return self.gpus[gpu].memory_bytes - self._memory_committed[gpu]
+
+    def free_for_guarantee(self, group: str) -> set[int]:
+        return self._guarantee_free.free[group]
+
+    def groups_with_free_count(self, count: int) -> Sequence[str]:
+        return self._guarantee_free.by_count[count].keys()  # type: ignore[return-value]
+
+    def empty_gpus(self, group: str) -> set[int]:
+        return self._empty.free[group]
+
+    def groups_with_empty_count(self, count: int) -> Sequence[str]:
+        return self._empty.by_count[count].keys()  # type: ignore[return-value]
+
+    def largest_group_size(self) -> int:
+        return self._guarantee_free.size
+
+    def gpus_by_utilisation(self, below: float) -> Iterator[int]:
+        for b, bucket in enumerate(self._buckets):
+            if b / UTILISATION_BUCKETS >= below:
+                return
+            boundary = (b + 1) / UTILISATION_BUCKETS > below
+            for gpu in bucket:
+                if not boundary or self.gpus[gpu].utilisation < below:
+                    yield gpu
+
+    # -- snapshot -------------------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> ClusterState:
+        return ClusterState(
+            now=now,
+            gpus=MappingProxyType(self.gpus),
+            jobs=MappingProxyType(self.jobs),
+            tenants=MappingProxyType(self.tenants),
+            reservations=MappingProxyType(self.reservations),
+            index=self,
+        )
+
+    # -- mutations ------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        if job.id in self.jobs:
+            raise BookError(f"job {job.id!r} submitted twice")
+        if job.tenant not in self.tenants:
+            raise BookError(f"job {job.id!r}: unknown tenant {job.tenant!r}")
+        job = job.with_(state=JobState.PENDING, role=None, placement=())
+        self.jobs[job.id] = job
+        self._enqueue(job)
+
+    def update_hints(self, job_id: str, **hints: object) -> None:
+        """Refresh reported statistics (step time, remaining time) of a job."""
+        self.jobs[job_id] = self.jobs[job_id].with_(**hints)
+
+    def set_memory_demand(self, job_id: str, demand_bytes: int) -> None:
+        """A running job's memory demand changed (surge): committed memory follows."""
+        job = self.jobs[job_id]
+        for gpu in job.placement:
+            self._memory_committed[gpu] += demand_bytes - job.memory_demand_bytes
+        self.jobs[job_id] = job.with_(memory_demand_bytes=demand_bytes)
+
+    def set_utilisation(self, gpu: int, utilisation: float) -> None:
+        g = self.gpus[gpu]
+        if g.utilisation == utilisation:
+            return
+        self.gpus[gpu] = Gpu(g.id, g.node, g.memory_bytes, g.nvlink_group, utilisation)
+        b = _bucket(utilisation)
+        old = self._bucket_of[gpu]
+        if b != old:
+            del self._buckets[old][gpu]
+            self._buckets[b][gpu] = None
+            self._bucket_of[gpu] = b
+
+    def finish(self, job_id: str, failed: bool = False) -> None:
+        """The job ended on its own: release everything it held."""
+        job = self.jobs[job_id]
+        if job.state is JobState.RUNNING:
+            self._release(job)
+        else:
+            self._dequeue(job)
+            self._drop_reservation(job_id)
+        state = JobState.FAILED if failed else JobState.FINISHED
+        self.jobs[job_id] = job.with_(state=state, placement=())
+
+    def apply_all(self, decisions: Iterable[GlobalDecision]) -> None:
+        for d in decisions:
+            self.apply(d)
+
+    def apply(self, d: GlobalDecision) -> None:
+        match d:
+            case Place():
+                self._place(d)
+            case Unplace():
+                job = self._running_job(d.job_id)
+                self._release(job)
+                self.jobs[job.id] = job.with_(state=JobState.FINISHED, placement=())
+            case Preempt():
+                job = self._running_job(d.job_id)
+                self._release(job)
+                job = job.with_(state=JobState.PENDING, role=None, placement=())
+                self.jobs[job.id] = job
+                self._enqueue(job)
+            case Reserve():
+                self._reserve(d)
+            case Unreserve():
+                self._drop_reservation(d.job_id)
+            case Upgrade():
+                self._upgrade(d.job_id)
+            case Downgrade():
+                self._downgrade(d.job_id)
+            case Reject():
+                job = self.jobs[d.job_id]
+                self._dequeue(job)
+                self._drop_reservation(job.id)
+                self.jobs[job.id] = job.with_(state=JobState.FAILED)
+            case _:
+                raise BookError(f"not a global decision: {d!r}")
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _running_job(self, job_id: str) -> Job:
+        job = self.jobs[job_id]
+        if job.state is not JobState.RUNNING:
+            raise BookError(f"job {job_id!r} is {job.state}, not running")
+        return job
+
+    def _enqueue(self, job: Job) -> None:
+        if job.kind is JobKind.OPPORTUNISTIC:
+            self._pending_o[job.id] = None
+        else:
+            self._pending_g[job.tenant][job.id] = None
+
+    def _dequeue(self, job: Job) -> None:
+        self._pending_o.pop(job.id, None)
+        self._pending_g[job.tenant].pop(job.id, None)
+
+    def _refresh_free(self, gpu: int) -> None:
+        group = self.gpus[gpu].nvlink_group
+        reserved = gpu in self._reserved
+        self._guarantee_free.set_free(group, gpu, gpu not in self._holder and not reserved)
+        self._empty.set_free(group, gpu, not self._jobs_on[gpu] and not reserved)
+
+    def _place(self, d: Place) -> None:
+        job = self.jobs[d.job_id]
+        if job.state is not JobState.PENDING:
+            raise BookError(f"place {job.id!r}: job is {job.state}")
+        if len(d.gpus) != job.num_gpus or len(set(d.gpus)) != job.num_gpus:
+            raise BookError(f"place {job.id!r}: {len(d.gpus)} GPUs for a {job.num_gpus}-GPU job")
+        self._drop_reservation(job.id)
+        for gpu in d.gpus:
+            if gpu not in self.gpus:
+                raise BookError(f"place {job.id!r}: unknown GPU {gpu}")
+            if d.role is Role.GUARANTEE:
+                if gpu in self._holder:
+                    raise BookError(f"place {job.id!r}: GPU {gpu} held by {self._holder[gpu]!r}")
+                if gpu in self._reserved:
+                    raise BookError(f"place {job.id!r}: GPU {gpu} reserved for another job")
+        self._dequeue(job)
+        job = job.with_(state=JobState.RUNNING, role=d.role, placement=tuple(d.gpus))
+        self.jobs[job.id] = job
+        for gpu in d.gpus:
+            if d.role is Role.GUARANTEE:
+                self._holder[gpu] = job.id
+            self._jobs_on[gpu][job.id] = None
+            self._memory_committed[gpu] += job.memory_demand_bytes
+            self._refresh_free(gpu)
+        self._running[(job.tenant, d.role)][job.id] = None
+        if d.role is Role.GUARANTEE:
+            self._quota_used[job.tenant] += job.num_gpus
+        elif job.kind is JobKind.AUTO:
+            self._upgradable[job.tenant][job.id] = None
+
+    def _release(self, job: Job) -> None:
+        role = job.role
+        assert role is not None
+        for gpu in job.placement:
+            if self._holder.get(gpu) == job.id:
+                del self._holder[gpu]
+            del self._jobs_on[gpu][job.id]
+            self._memory_committed[gpu] -= job.memory_demand_bytes
+            self._refresh_free(gpu)
+        del self._running[(job.tenant, role)][job.id]
+        self._upgradable[job.tenant].pop(job.id, None)
+        if role is Role.GUARANTEE:
+            self._quota_used[job.tenant] -= job.num_gpus
+
+    def _reserve(self, d: Reserve) -> None:
+        job = self.jobs[d.job_id]
+        if job.state is not JobState.PENDING:
+            raise BookError(f"reserve for {job.id!r}: job is {job.state}")
+        self._drop_reservation(job.id)
+        for gpu in d.gpus:
+            if gpu in self._holder or self._reserved.get(gpu, job.id) != job.id:
+                raise BookError(f"reserve for {job.id!r}: GPU {gpu} is not free for guarantee")
+        self.reservations[job.id] = tuple(d.gpus)
+        for gpu in d.gpus:
+            self._reserved[gpu] = job.id
+            self._refresh_free(gpu)
+
+    def _drop_reservation(self, job_id: str) -> None:
+        gpus = self.reservations.pop(job_id, ())
+        for gpu in gpus:
+            del self._reserved[gpu]
+            self._refresh_free(gpu)
+
+    def _upgrade(self, job_id: str) -> None:
+        job = self._running_job(job_id)
+        if job.role is not Role.OPPORTUNISTIC or job.kind is JobKind.OPPORTUNISTIC:
+            raise BookError(f"upgrade {job_id!r}: not an upgradable opportunistic job")
+        for gpu in job.placement:
+            if gpu in self._holder or self._reserved.get(gpu, job_id) != job_id:
+                raise BookError(f"upgrade {job_id!r}: GPU {gpu} not free for guarantee")
+        del self._running[(job.tenant, Role.OPPORTUNISTIC)][job_id]
+        self._upgradable[job.tenant].pop(job_id, None)
+        self._running[(job.tenant, Role.GUARANTEE)][job_id] = None
+        self._quota_used[job.tenant] += job.num_gpus
+        self.jobs[job_id] = job.with_(role=Role.GUARANTEE)
+        for gpu in job.placement:
+            self._holder[gpu] = job_id
+            self._refresh_free(gpu)
+
+    def _downgrade(self, job_id: str) -> None:
+        job = self._running_job(job_id)
+        if job.role is not Role.GUARANTEE:
+            raise BookError(f"downgrade {job_id!r}: not a guarantee job")
+        del self._running[(job.tenant, Role.GUARANTEE)][job_id]
+        self._running[(job.tenant, Role.OPPORTUNISTIC)][job_id] = None
+        if job.kind is JobKind.AUTO:
+            self._upgradable[job.tenant][job_id] = None
+        self._quota_used[job.tenant] -= job.num_gpus
+        self.jobs[job_id] = job.with_(role=Role.OPPORTUNISTIC)
+        for gpu in job.placement:
+            del self._holder[gpu]
+            self._refresh_free(gpu)
+
+
+def _bucket(utilisation: float) -> int:
+    return min(max(int(utilisation * UTILISATION_BUCKETS), 0), UTILISATION_BUCKETS - 1)

@@ -1,0 +1,388 @@
+"""AntMan's local coordinator (paper §3.3), one GPU at a time, as a pure function.
+
+    round(now, gpu_view, config, memo) -> (decisions, memo)
+
+The caller keeps one `CoordinatorMemo` per GPU (start with `CoordinatorMemo()`) and calls
+`round` whenever the jobs on the GPU change, and otherwise every `round_interval_s`; the
+simulator may skip calls until `memo.next_round_at` because its inputs do not drift. For a GPU
+without jobs `round` returns no decisions and `CoordinatorMemo()`, whatever the memo, so a
+caller may skip that call and reset the memo itself.
+
+GPU with a guarantee job:
+  * arrival: opportunistic jobs are cut to `min_memory_bytes` and a compute share of
+    `floor_share` at once, so the guarantee job initialises on an uncontended GPU;
+  * once its step time is stable: the baseline is the median step time; opportunistic jobs get
+    the memory it does not use, and their combined compute share rises by `share_step` per round
+    while the median of the last `detector_window` steps stays within `slowdown_tolerance` of the
+    baseline;
+  * degradation: share back to the floor at once (pessimistic) and no higher than one step below
+    the level that hurt, until `probe_after_s` has passed;
+  * spill to host memory: its limit grows by the spilled bytes, opportunistic jobs shrink.
+GPU with opportunistic jobs only: one job gets the whole GPU; several whose demands do not fit
+get memory by introspective trial and error, moving `trial_chunk_fraction` of the GPU from one
+job to another and undoing the move when normalised aggregate progress fell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler_lite.model import (
+    GpuView,
+    LocalDecision,
+    LocalJob,
+    SetComputeShare,
+    SetMemoryLimit,
+)
+from scheduler_lite.policy.validation import ConfigError, check_int, check_range
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """Defaults and why; `validate()` names the bad field and its accepted range."""
+
+    # Revisit a GPU being tuned this often: ten 1 s mini-batches give a usable median.
+    round_interval_s: float = 10.0
+    # Steps whose median is compared with the baseline. Measured on the Alibaba PAI mini-batch
+    # series (docs/policies.md): with 10 steps a median moves ~2% from noise alone.
+    detector_window: int = 10
+    # Degraded when that median exceeds the baseline by more than this. Natural drift of the
+    # real series stays under 5%; an interference of 15% must be caught: 8% sits between.
+    slowdown_tolerance: float = 0.08
+    # The guarantee job is "stable" when its steps vary less than this (coefficient of
+    # variation); the real series have CVs of 1-5%, warm-up steps far more.
+    stable_cv: float = 0.10
+    # ...or after this long, so a naturally noisy job does not starve its neighbours forever.
+    settle_timeout_s: float = 120.0
+    # Combined compute share of opportunistic jobs right after a guarantee job arrives. Not 0,
+    # so they keep making some progress; small enough not to slow device initialisation.
+    floor_share: float = 0.05
+    # Growth per round; 10 rounds from the floor to a full GPU.
+    share_step: float = 0.1
+    max_share: float = 1.0
+    # After a cut, try the higher level again this much later (load of a job changes by phase).
+    probe_after_s: float = 600.0
+    # Smallest limit an opportunistic job is shrunk to: enough for its working set of one
+    # operator; universal memory keeps the rest in host memory.
+    min_memory_bytes: int = 256 * MIB
+    # Trial-and-error memory moves between opportunistic jobs, as a fraction of the GPU.
+    trial_chunk_fraction: float = 0.1
+    # Stop trying after this many consecutive moves that did not help (until jobs change).
+    max_failed_trials: int = 4
+
+    def validate(self) -> CoordinatorConfig:
+        check_range("round_interval_s", self.round_interval_s, 0.0, 3600.0, low_open=True)
+        check_int("detector_window", self.detector_window, 3, 1000)
+        check_range("slowdown_tolerance", self.slowdown_tolerance, 0.0, 1.0, low_open=True)
+        check_range("stable_cv", self.stable_cv, 0.0, 1.0, low_open=True)
+        check_range("settle_timeout_s", self.settle_timeout_s, 0.0, 86400.0)
+        check_range("floor_share", self.floor_share, 0.0, 1.0)
+        check_range("share_step", self.share_step, 0.0, 1.0, low_open=True)
+        check_range("max_share", self.max_share, 0.0, 1.0, low_open=True)
+        if self.floor_share > self.max_share:
+            raise ConfigError("floor_share", self.floor_share, f"at most max_share={self.max_share}")
+        check_range("probe_after_s", self.probe_after_s, 0.0, 1e7)
+        check_int("min_memory_bytes", self.min_memory_bytes, 0, 1 << 40)
+        check_range("trial_chunk_fraction", self.trial_chunk_fraction, 0.0, 0.5, low_open=True)
+        check_int("max_failed_trials", self.max_failed_trials, 0, 1000)
+        return self
+
+
+class Phase(enum.StrEnum):
+    IDLE = "idle"  # no guarantee job
+    SETTLING = "settling"  # guarantee job arrived, opportunistic jobs held at the floor
+    GROWING = "growing"  # raising the opportunistic share step by step
+    STEADY = "steady"
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    moves: tuple[SetMemoryLimit, ...]
+    score_before: float
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorMemo:
+    guarantee_job: str | None = None
+    phase: Phase = Phase.IDLE
+    since: float = float("-inf")  # last change; older steps say nothing about now
+    baseline_s: float | None = None
+    level: float = 0.0  # combined compute share of the opportunistic jobs
+    ceiling: float = 1.0
+    cut_at: float | None = None
+    opportunistic: frozenset[str] = frozenset()
+    trial: Trial | None = None
+    failed_trials: int = 0
+    cursor: int = 0
+    # When round() wants to run again although nothing changed; None: only on a change.
+    next_round_at: float | None = None
+
+
+_MEMO_FIELDS = tuple(f.name for f in dataclasses.fields(CoordinatorMemo))
+
+
+def _evolve(memo: CoordinatorMemo, **changes: object) -> CoordinatorMemo:
+    """`dataclasses.replace` without its per-call field introspection (a round's main cost)."""
+    return CoordinatorMemo(*[changes[n] if n in changes else getattr(memo, n) for n in _MEMO_FIELDS])
+
+
+def is_stable(samples: Sequence[float], config: CoordinatorConfig) -> bool:
+    if len(samples) < config.detector_window:
+        return False
+    recent = samples[-config.detector_window :]
+    n = len(recent)
+    mean = math.fsum(recent) / n
+    # Float variance, not statistics.pstdev: that one sums exact fractions, ~20x slower, and a
+    # step time's last bits say nothing about stability.
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in recent) / n)
+    return mean > 0 and std / mean <= config.stable_cv
+
+
+def is_degraded(samples: Sequence[float], baseline_s: float, config: CoordinatorConfig) -> bool:
+    """Interference detector: median of the last window against the baseline.
+
+    The median, not the mean: one straggler step (common in the real series) must not look
+    like interference.
+    """
+    if len(samples) < config.detector_window:
+        return False
+    recent = samples[-config.detector_window :]
+    return statistics.median(recent) > baseline_s * (1.0 + config.slowdown_tolerance)
+
+
+def round(
+    now: float, view: GpuView, config: CoordinatorConfig, memo: CoordinatorMemo
+) -> tuple[list[LocalDecision], CoordinatorMemo]:
+    guarantee = view.guarantee_job()
+    opps = sorted(view.opportunistic_jobs(), key=lambda j: j.job_id)
+    if guarantee is None:
+        out, memo = _opportunistic_only(now, view, opps, config, memo)
+    else:
+        out, memo = _with_guarantee(now, view, guarantee, opps, config, memo)
+    # Shrinks first, so that applying the list in order never over-commits the GPU's memory.
+    out.sort(key=lambda d: 0 if isinstance(d, SetMemoryLimit) and d.limit_bytes < d.previous_bytes else 1)
+    return out, memo
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _with_guarantee(
+    now: float,
+    view: GpuView,
+    g: LocalJob,
+    opps: list[LocalJob],
+    cfg: CoordinatorConfig,
+    memo: CoordinatorMemo,
+) -> tuple[list[LocalDecision], CoordinatorMemo]:
+    mem = view.gpu.memory_bytes
+    gid = view.gpu.id
+    out: list[LocalDecision] = []
+    ids = frozenset(j.job_id for j in opps)
+    if memo.guarantee_job != g.job_id:
+        # Arrival: opportunistic jobs down to the minimum first, the guarantee job gets the rest.
+        g_limit = max(0, min(max(g.memory_demand_bytes, g.memory_limit_bytes), mem - len(opps) * cfg.min_memory_bytes))
+        _limit(out, gid, g, g_limit)
+        each = (mem - g_limit) // len(opps) if opps else 0
+        for job in opps:
+            _limit(out, gid, job, min(cfg.min_memory_bytes, each))
+        _shares(out, gid, opps, cfg.floor_share)
+        return out, CoordinatorMemo(
+            guarantee_job=g.job_id,
+            phase=Phase.SETTLING,
+            since=now,
+            level=cfg.floor_share,
+            ceiling=cfg.max_share,
+            opportunistic=ids,
+            next_round_at=now + cfg.round_interval_s,
+        )
+    if ids != memo.opportunistic:
+        # A new opportunistic job starts small; the shared level is split again.
+        arrived = ids - memo.opportunistic
+        free = mem - g.memory_limit_bytes - sum(j.memory_limit_bytes for j in opps if j.job_id not in arrived)
+        for job in opps:
+            if job.job_id in arrived:
+                _limit(out, gid, job, max(0, min(cfg.min_memory_bytes, free // len(arrived))))
+        _shares(out, gid, opps, memo.level)
+        if memo.phase is Phase.SETTLING:
+            return out, _evolve(memo, opportunistic=ids)
+        return out, _evolve(
+            memo, opportunistic=ids, since=now, phase=Phase.GROWING, next_round_at=now + cfg.round_interval_s
+        )
+
+    samples = [s.seconds for s in g.steps if s.ended_at > memo.since]
+    tick = now + cfg.round_interval_s
+    if memo.phase is Phase.SETTLING:
+        stable = is_stable(samples, cfg)
+        timed_out = now - memo.since >= cfg.settle_timeout_s and len(samples) >= cfg.detector_window
+        if not (stable or timed_out):
+            return out, _evolve(memo, next_round_at=tick)
+        baseline = statistics.median(samples[-cfg.detector_window :])
+        _fit_opportunistic(out, gid, opps, mem - g.memory_limit_bytes)
+        return out, _evolve(
+            memo, phase=Phase.GROWING, baseline_s=baseline, since=now, next_round_at=tick
+        )
+
+    if g.host_spill_bytes > 0:
+        # Demand surge of the guarantee job: take the spilled bytes back from the others.
+        room = mem - len(opps) * min(cfg.min_memory_bytes, mem // (len(opps) + 1))
+        new_limit = min(g.memory_limit_bytes + g.host_spill_bytes, room)
+        if new_limit > g.memory_limit_bytes:
+            _limit(out, gid, g, new_limit)
+            _fit_opportunistic(out, gid, opps, mem - new_limit)
+            return out, _evolve(memo, since=now, next_round_at=tick)
+    if not opps:
+        return out, _evolve(memo, phase=Phase.STEADY, next_round_at=None)
+
+    assert memo.baseline_s is not None
+    if len(samples) < cfg.detector_window:
+        return out, _evolve(memo, next_round_at=tick)
+    if is_degraded(samples, memo.baseline_s, cfg):
+        if memo.level > cfg.floor_share:
+            ceiling = max(cfg.floor_share, memo.level - cfg.share_step)
+            _shares(out, gid, opps, cfg.floor_share)
+            return out, _evolve(
+                memo, level=cfg.floor_share, ceiling=ceiling, cut_at=now, since=now,
+                phase=Phase.GROWING, next_round_at=tick,
+            )
+        # Slow with neighbours already at the floor: not their doing. The job itself changed
+        # (phase, input pipeline), so measure a new baseline instead of cutting forever.
+        baseline = statistics.median(samples[-cfg.detector_window :])
+        return out, _evolve(memo, baseline_s=baseline, since=now, next_round_at=tick)
+    ceiling = memo.ceiling
+    if memo.cut_at is not None and now - memo.cut_at >= cfg.probe_after_s:
+        ceiling = cfg.max_share
+    if memo.level < ceiling - 1e-9:
+        level = min(ceiling, memo.level + cfg.share_step)
+        _shares(out, gid, opps, level)
+        return out, _evolve(
+            memo, level=level, ceiling=ceiling, since=now, phase=Phase.GROWING, next_round_at=tick
+        )
+    wake = None
+    if ceiling < cfg.max_share and memo.cut_at is not None:
+        wake = memo.cut_at + cfg.probe_after_s
+    return out, _evolve(memo, ceiling=ceiling, phase=Phase.STEADY, next_round_at=wake)
+
+
+def _opportunistic_only(
+    now: float,
+    view: GpuView,
+    opps: list[LocalJob],
+    cfg: CoordinatorConfig,
+    memo: CoordinatorMemo,
+) -> tuple[list[LocalDecision], CoordinatorMemo]:
+    mem = view.gpu.memory_bytes
+    gid = view.gpu.id
+    out: list[LocalDecision] = []
+    ids = frozenset(j.job_id for j in opps)
+    if not opps:
+        return out, CoordinatorMemo()
+    _shares_each(out, gid, opps, 1.0)  # nobody to protect: the GPU time-slices between them
+    if len(opps) == 1:
+        _limit(out, gid, opps[0], mem)
+        return out, CoordinatorMemo(opportunistic=ids)
+    demand = sum(j.memory_demand_bytes for j in opps)
+    if demand <= mem:
+        for job in opps:
+            _limit(out, gid, job, job.memory_demand_bytes + (mem - demand) // len(opps))
+        return out, CoordinatorMemo(opportunistic=ids)
+    if ids != memo.opportunistic or memo.guarantee_job is not None:
+        for job, limit in zip(opps, _proportional(mem, opps), strict=True):
+            _limit(out, gid, job, limit)
+        return out, CoordinatorMemo(opportunistic=ids, since=now, next_round_at=now + cfg.round_interval_s)
+
+    tick = now + cfg.round_interval_s
+    score = _aggregate_progress(opps, memo.since, cfg.detector_window)
+    if score is None:
+        return out, _evolve(memo, next_round_at=tick)
+    if memo.trial is not None:
+        failed = 0
+        if score < memo.trial.score_before:
+            out.extend(m.undo() for m in reversed(memo.trial.moves))
+            failed = memo.failed_trials + 1
+        return out, _evolve(memo, trial=None, failed_trials=failed, since=now, next_round_at=tick)
+    if memo.failed_trials >= cfg.max_failed_trials:
+        return out, _evolve(memo, next_round_at=None)
+    pairs = [(a, b) for a in opps for b in opps if a is not b]
+    chunk = int(mem * cfg.trial_chunk_fraction)
+    for step in range(len(pairs)):
+        giver, taker = pairs[(memo.cursor + step) % len(pairs)]
+        moved = min(chunk, giver.memory_limit_bytes - cfg.min_memory_bytes,
+                    taker.memory_demand_bytes - taker.memory_limit_bytes)
+        if moved > 0:
+            moves = (
+                SetMemoryLimit(giver.job_id, gid, giver.memory_limit_bytes - moved, giver.memory_limit_bytes),
+                SetMemoryLimit(taker.job_id, gid, taker.memory_limit_bytes + moved, taker.memory_limit_bytes),
+            )
+            out.extend(moves)
+            return out, _evolve(
+                memo, trial=Trial(moves, score), cursor=memo.cursor + step + 1, since=now, next_round_at=tick
+            )
+    return out, _evolve(memo, next_round_at=None)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _aggregate_progress(opps: list[LocalJob], since: float, window: int) -> float | None:
+    """Sum of normalised speeds (solo step time / current step time); None until measurable."""
+    total = 0.0
+    for job in opps:
+        recent = [s.seconds for s in job.steps if s.ended_at > since][-window:]
+        if len(recent) < min(3, window):
+            return None
+        current = statistics.median(recent)
+        reference = job.solo_step_time_s or min(recent)
+        total += reference / current if current > 0 else 0.0
+    return total
+
+
+def _limit(out: list[LocalDecision], gpu: int, job: LocalJob, limit: int) -> None:
+    if limit != job.memory_limit_bytes:
+        out.append(SetMemoryLimit(job.job_id, gpu, limit, job.memory_limit_bytes))
+
+
+def _shares(out: list[LocalDecision], gpu: int, opps: Sequence[LocalJob], level: float) -> None:
+    if opps:
+        _shares_each(out, gpu, opps, level / len(opps))
+
+
+def _shares_each(out: list[LocalDecision], gpu: int, opps: Sequence[LocalJob], share: float) -> None:
+    for job in opps:
+        if abs(job.compute_share - share) > 1e-12:
+            out.append(SetComputeShare(job.job_id, gpu, share, job.compute_share))
+
+
+def _fit_opportunistic(out: list[LocalDecision], gpu: int, opps: list[LocalJob], room: int) -> None:
+    for job, limit in zip(opps, _proportional(max(0, room), opps), strict=True):
+        _limit(out, gpu, job, limit)
+
+
+def _proportional(total: int, jobs: Sequence[LocalJob]) -> list[int]:
+    """Water-filling: each job gets at most its demand; what is left is shared evenly."""
+    limits = [0] * len(jobs)
+    left = total
+    open_ = [i for i, j in enumerate(jobs) if j.memory_demand_bytes > 0]
+    while open_ and left >= len(open_):
+        each = left // len(open_)
+        still = []
+        for i in open_:
+            give = min(each, jobs[i].memory_demand_bytes - limits[i])
+            limits[i] += give
+            left -= give
+            if limits[i] < jobs[i].memory_demand_bytes:
+                still.append(i)
+        if len(still) == len(open_):
+            break
+        open_ = still
+    return limits
+
+
+__all__ = ["CoordinatorConfig", "CoordinatorMemo", "Phase", "is_degraded", "is_stable", "round"]

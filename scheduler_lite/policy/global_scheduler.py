@@ -1,0 +1,290 @@
+"""AntMan's global scheduler (paper §3.2 Algorithm 1 and §3.3), as one pure function.
+
+    schedule(state, config) -> list[GlobalDecision]
+
+One pass, in this order:
+
+1. Tenants are visited least-served first (quota used / quota).
+2. Job upgrade: a running opportunistic job submitted as `auto` becomes a guarantee job in place
+   when its tenant's free quota covers it and none of its GPUs holds a guarantee job or is
+   reserved for another gang (the paper prefers this to launching a new job).
+3. The tenant's guarantee queue, oldest first (no overtaking, so large gangs are not starved):
+   Algorithm 1 lines 1, 4-8. `findNodes(job.gpu, topo)` picks GPUs held by no guarantee job and
+   reserved for nobody, inside one NVLink group when the gang fits one (best fit), else whole
+   groups first. All found and quota free: Place. Otherwise Reserve what was found and stop
+   this tenant's queue; reserved GPUs still take opportunistic jobs, never guarantee ones.
+   An `auto` job goes this way unless its estimated queueing delay exceeds
+   `auto_opportunistic_after_s`, in which case it is scheduled as an opportunistic job.
+4. Opportunistic jobs (Algorithm 1 lines 2-3, 9-10): `findNodes(job.gpu, M)` keeps GPUs whose
+   10 s utilisation is below M, `minLoadNodes` takes the least loaded. A GPU gets at most one
+   new opportunistic job per pass, because its utilisation is only known once the job runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from scheduler_lite.model import (
+    ClusterState,
+    GlobalDecision,
+    Job,
+    JobKind,
+    Place,
+    Reject,
+    Reserve,
+    Role,
+    Tenant,
+    Unreserve,
+    Upgrade,
+)
+from scheduler_lite.policy.validation import check_choice, check_range
+
+OPPORTUNISTIC_ORDERS = ("fifo", "shortest_predicted")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Global scheduler knobs. `validate()` names the bad field and its accepted range."""
+
+    # M of the paper: GPUs busier than this over the last 10 s take no new opportunistic job.
+    utilisation_threshold: float = 0.8
+    # An auto job waiting longer than this for quota runs opportunistically instead. Ten minutes
+    # is long next to the median Philly job (about 20 minutes) and short next to its mean.
+    auto_opportunistic_after_s: float = 600.0
+    # Remaining run time assumed for a running job that reports none (delay estimation only).
+    default_remaining_s: float = 3600.0
+    # "fifo" is the paper; "shortest_predicted" orders opportunistic jobs by predicted run time
+    # (MLaaS in the wild, NSDI'22 §5.2: recurring tasks are predictable within ~25%).
+    opportunistic_order: str = "fifo"
+    enable_upgrade: bool = True
+
+    def validate(self) -> SchedulerConfig:
+        check_range("utilisation_threshold", self.utilisation_threshold, 0.0, 1.0, low_open=True)
+        check_range("auto_opportunistic_after_s", self.auto_opportunistic_after_s, 0.0, 1e9)
+        check_range("default_remaining_s", self.default_remaining_s, 0.0, 1e9, low_open=True)
+        check_choice("opportunistic_order", self.opportunistic_order, OPPORTUNISTIC_ORDERS)
+        return self
+
+
+def schedule(state: ClusterState, config: SchedulerConfig) -> list[GlobalDecision]:
+    return _Pass(state, config).run()
+
+
+class _Pass:
+    """State local to one pass: what this pass already handed out."""
+
+    def __init__(self, state: ClusterState, config: SchedulerConfig) -> None:
+        self.s = state
+        self.idx = state.index
+        self.cfg = config
+        self.out: list[GlobalDecision] = []
+        self.taken: set[int] = set()  # GPUs granted to guarantee jobs or upgraded this pass
+        self.opp_taken: set[int] = set()  # GPUs that got a new opportunistic job this pass
+        self.quota_used = {t: self.idx.quota_used(t) for t in state.tenants}
+        self.routed: list[Job] = []  # auto jobs sent to the opportunistic path
+        self.opp_gpus: Iterator[int] | None = None
+        self.opp_buffer: list[int] = []
+        self.opp_exhausted = False
+
+    def run(self) -> list[GlobalDecision]:
+        for tenant in sorted(self.s.tenants.values(), key=_served_ratio(self.quota_used)):
+            if self.cfg.enable_upgrade:
+                self._upgrades(tenant.name, tenant.gpu_quota)
+            self._guarantee_queue(tenant.name, tenant.gpu_quota)
+        self._opportunistic()
+        return self.out
+
+    # -- job upgrade ----------------------------------------------------------------------------
+
+    def _upgrades(self, tenant: str, quota: int) -> None:
+        headroom = quota - self.quota_used[tenant]
+        if headroom <= 0:
+            return
+        for job_id in self.idx.upgradable_jobs(tenant):
+            job = self.s.jobs[job_id]
+            if job.num_gpus > headroom:
+                continue
+            if all(self._guarantee_free(g, job_id) for g in job.placement):
+                self.out.append(Upgrade(job_id))
+                self.taken.update(job.placement)
+                headroom -= job.num_gpus
+                self.quota_used[tenant] += job.num_gpus
+
+    def _guarantee_free(self, gpu: int, job_id: str) -> bool:
+        if gpu in self.taken or self.idx.guarantee_holder(gpu) is not None:
+            return False
+        holder = self.idx.reserved_for(gpu)
+        return holder is None or holder == job_id
+
+    # -- guarantee queue ------------------------------------------------------------------------
+
+    def _guarantee_queue(self, tenant: str, quota: int) -> None:
+        blocked_gpus = 0  # GPUs wanted by blocked guarantee jobs ahead (delay estimation)
+        finish_times: list[tuple[float, int]] | None = None
+        for job_id in self.idx.pending_guarantee_queue(tenant):
+            job = self.s.jobs[job_id]
+            if job.num_gpus > quota and job.kind is JobKind.GUARANTEE:
+                self.out.append(Reject(job_id, f"needs {job.num_gpus} GPUs, quota is {quota}"))
+                continue
+            if job.kind is JobKind.AUTO:
+                if finish_times is None:
+                    finish_times = self._quota_release_times(tenant)
+                delay = _estimated_delay(
+                    job.num_gpus + blocked_gpus + self.quota_used[tenant] - quota,
+                    finish_times,
+                    self.s.now,
+                )
+                if delay > self.cfg.auto_opportunistic_after_s or job.num_gpus > quota:
+                    if job_id in self.s.reservations:
+                        self.out.append(Unreserve(job_id))
+                    self.routed.append(job)
+                    continue
+            if blocked_gpus:
+                continue  # no overtaking: only auto jobs may leave the queue behind a blocked gang
+            gpus, complete = self._find_guarantee_gpus(job)
+            quota_ok = self.quota_used[tenant] + job.num_gpus <= quota
+            if complete and quota_ok:
+                self.out.append(Place(job_id, tuple(gpus), Role.GUARANTEE))
+                self.quota_used[tenant] += job.num_gpus
+                self.taken.update(gpus)
+                continue
+            # Algorithm 1 line 8: hold what is there so no other gang takes it.
+            if gpus and tuple(sorted(gpus)) != tuple(sorted(self.s.reservations.get(job_id, ()))):
+                self.out.append(Reserve(job_id, tuple(gpus)))
+            self.taken.update(gpus)
+            blocked_gpus += job.num_gpus
+
+    def _quota_release_times(self, tenant: str) -> list[tuple[float, int]]:
+        times = []
+        for job_id in self.idx.running_jobs(tenant, Role.GUARANTEE):
+            job = self.s.jobs[job_id]
+            remaining = job.estimated_remaining_s
+            if remaining is None:
+                remaining = self.cfg.default_remaining_s
+            times.append((self.s.now + remaining, job.num_gpus))
+        times.sort()
+        return times
+
+    def _find_guarantee_gpus(self, job: Job) -> tuple[list[int], bool]:
+        """findNodes(job.gpu, constraints <- job.topo): (GPUs, whether the gang is complete)."""
+        n = job.num_gpus
+        own = set(self.s.reservations.get(job.id, ()))
+        size = self.idx.largest_group_size()
+
+        def available(group: str) -> set[int]:
+            free = self.idx.free_for_guarantee(group)
+            mine = {g for g in own if self.s.gpus[g].nvlink_group == group}
+            return (free | mine) - self.taken if self.taken else free | mine
+
+        own_groups = sorted({self.s.gpus[g].nvlink_group for g in own})
+        if n <= size:
+            best: list[int] = []
+            for group in own_groups:
+                avail = available(group)
+                if len(avail) >= n:
+                    return sorted(avail)[:n], True
+                if len(avail) > len(best):
+                    best = sorted(avail)
+            for count in range(n, size + 1):  # best fit keeps big groups whole for big gangs
+                for group in self.idx.groups_with_free_count(count):
+                    avail = available(group)
+                    if len(avail) >= n:
+                        return sorted(avail)[:n], True
+            for count in range(n - 1, len(best), -1):
+                for group in self.idx.groups_with_free_count(count):
+                    avail = available(group)
+                    if len(avail) > len(best):
+                        best = sorted(avail)
+                        break
+                if best and len(best) >= count:
+                    break
+            return best, False
+        chosen: list[int] = []
+        seen: set[str] = set()
+        for group in own_groups:
+            seen.add(group)
+            chosen.extend(sorted(available(group))[: n - len(chosen)])
+        for count in range(size, 0, -1):  # whole groups first: fewest groups per gang
+            for group in self.idx.groups_with_free_count(count):
+                if len(chosen) >= n:
+                    break
+                if group in seen:
+                    continue
+                chosen.extend(sorted(available(group))[: n - len(chosen)])
+        return chosen, len(chosen) >= n
+
+    # -- opportunistic jobs ---------------------------------------------------------------------
+
+    def _opportunistic(self) -> None:
+        queue = self.idx.pending_opportunistic_queue()
+        if not queue and not self.routed:
+            return
+        if self._peek_opp_gpu() is None:
+            return
+        jobs = self.routed + [self.s.jobs[j] for j in queue]
+        if self.cfg.opportunistic_order == "shortest_predicted":
+            jobs.sort(key=_predicted_key)
+        elif self.routed:
+            jobs.sort(key=lambda j: (j.submit_time, j.id))
+        for job in jobs:
+            gpus = self._min_load_gpus(job.num_gpus)
+            if gpus is None:
+                if self.opp_exhausted and not self.opp_buffer:
+                    return
+                continue
+            self.out.append(Place(job.id, tuple(gpus), Role.OPPORTUNISTIC))
+
+    def _peek_opp_gpu(self) -> int | None:
+        if not self.opp_buffer:
+            self._pull_opp_gpus(1)
+        return self.opp_buffer[0] if self.opp_buffer else None
+
+    def _pull_opp_gpus(self, n: int) -> None:
+        if self.opp_gpus is None:
+            self.opp_gpus = self.idx.gpus_by_utilisation(self.cfg.utilisation_threshold)
+        while len(self.opp_buffer) < n and not self.opp_exhausted:
+            gpu = next(self.opp_gpus, None)
+            if gpu is None:
+                self.opp_exhausted = True
+            elif gpu not in self.taken and gpu not in self.opp_taken:
+                self.opp_buffer.append(gpu)
+
+    def _min_load_gpus(self, n: int) -> list[int] | None:
+        """findNodes(job.gpu, M) then minLoadNodes: the n least loaded GPUs below M."""
+        self._pull_opp_gpus(n)
+        if len(self.opp_buffer) < n:
+            return None
+        gpus, self.opp_buffer = self.opp_buffer[:n], self.opp_buffer[n:]
+        self.opp_taken.update(gpus)
+        return gpus
+
+
+def _served_ratio(quota_used: dict[str, int]) -> Callable[[Tenant], tuple[float, str]]:
+    def key(tenant: Tenant) -> tuple[float, str]:
+        if tenant.gpu_quota <= 0:
+            return (math.inf, tenant.name)
+        return (quota_used[tenant.name] / tenant.gpu_quota, tenant.name)
+
+    return key
+
+
+def _predicted_key(job: Job) -> tuple[float, float, str]:
+    predicted = job.predicted_runtime_s if job.predicted_runtime_s is not None else math.inf
+    return (predicted, job.submit_time, job.id)
+
+
+def _estimated_delay(short_gpus: int, release_times: list[tuple[float, int]], now: float) -> float:
+    """Time until the tenant's running guarantee jobs free `short_gpus` GPUs of quota."""
+    if short_gpus <= 0:
+        return 0.0
+    freed = 0
+    for end, gpus in release_times:
+        freed += gpus
+        if freed >= short_gpus:
+            return max(0.0, end - now)
+    return math.inf
+
+
+__all__ = ["OPPORTUNISTIC_ORDERS", "SchedulerConfig", "schedule"]

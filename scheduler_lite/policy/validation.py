@@ -1,0 +1,33 @@
+"""One way to reject a bad configuration value: name the field and the accepted range."""
+
+from __future__ import annotations
+
+import math
+
+
+class ConfigError(ValueError):
+    def __init__(self, field: str, value: object, accepted: str) -> None:
+        super().__init__(f"{field}={value!r} is invalid: accepted {accepted}")
+        self.field = field
+        self.value = value
+        self.accepted = accepted
+
+
+def check_range(
+    field: str, value: float, low: float, high: float, *, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(field, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high or math.isnan(value):
+        raise ConfigError(field, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
+
+
+def check_int(field: str, value: int, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(field, value, f"an integer in [{low}, {high}]")
+
+
+def check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(field, value, "one of " + ", ".join(choices))

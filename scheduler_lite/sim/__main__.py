@@ -1,0 +1,5 @@
+import sys
+
+from scheduler_lite.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,750 @@
+"""Discrete-event simulator that drives the registered policies unchanged.
+
+Events: job arrival, job progress (finish or memory surge), coordinator round on one GPU.
+After each batch of same-time events the global policy runs once on the book's snapshot (when
+jobs are pending and something it reads changed), the local coordinator runs on the GPUs whose
+jobs changed or whose round is due (see "coordinator rounds" below), and the speed of every job
+on a GPU that changed is recomputed from the performance model (sim/perf.py). Job progress is
+integrated between speed changes, so the cost of a run grows with events, not with simulated
+time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler_lite.model import (
+    GpuView,
+    Job,
+    JobKind,
+    LocalJob,
+    Place,
+    Preempt,
+    Reject,
+    Role,
+    SetComputeShare,
+    SetMemoryLimit,
+    StepSample,
+    Upgrade,
+)
+from scheduler_lite.policy import coordinator, global_scheduler
+from scheduler_lite.policy.baselines import yarn_cs_schedule
+from scheduler_lite.policy.book import ClusterBook
+from scheduler_lite.policy.coordinator import CoordinatorConfig, CoordinatorMemo
+from scheduler_lite.policy.registry import PolicySpec
+from scheduler_lite.policy.validation import check_choice
+from scheduler_lite.sim.perf import ModelPerf, PerfModel
+from scheduler_lite.sim.workload import TraceJob, Workload
+
+ARRIVE, PROGRESS, ROUND, REFRESH = 0, 1, 2, 3
+UTILISATION_REFRESH_S = 10.0  # the global policy's utilisation is a 10 s average (paper §3.3)
+EARLY, CHANGED, FINISHED = 0, 1, 2  # outcome of a progress event
+WORK_TOLERANCE_S = 1e-6  # solo-seconds of work left that count as done (float round-off)
+MAX_RETRIES = 1  # a job that ran out of memory is resubmitted once, with its peak as profile
+ROUND_MODES = ("event", "periodic")
+# Step-time noise: one cycle of draws; a job's samples start at its own offset, and each speed
+# epoch at another, so neighbouring jobs and epochs do not see the same sequence.
+NOISE_CYCLE = 4093
+NOISE_JOB_STRIDE = 611
+NOISE_EPOCH_STRIDE = 97
+_EMPTY_MEMO = CoordinatorMemo()
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+def _never() -> bool:
+    return False
+
+
+def _always() -> bool:
+    return True
+
+
+class _SimJob:
+    __slots__ = (
+        "attempt",
+        "book_id",
+        "busy_gpu_s",
+        "cache",
+        "cache_key",
+        "changed_at",
+        "demand",
+        "due",
+        "end",
+        "epoch",
+        "failures",
+        "first_start",
+        "gpu_speed",
+        "gpus",
+        "last_t",
+        "limits",
+        "noise_base",
+        "perf",
+        "preemptions",
+        "remaining",
+        "role",
+        "seen",
+        "shares",
+        "speed",
+        "state",
+        "step",
+        "surged",
+        "trace",
+        "u",
+        "version",
+        "work_done",
+    )
+
+    def __init__(self, trace: TraceJob, perf: ModelPerf, noise_base: int) -> None:
+        self.trace = trace
+        self.perf = perf
+        self.u = trace.utilisation
+        self.step = trace.step_time_s
+        self.noise_base = noise_base
+        self.book_id = trace.id
+        self.attempt = 0
+        self.remaining = trace.runtime_s
+        self.speed = 0.0
+        self.last_t = 0.0
+        self.version = 0
+        self.due: float | None = None  # time of its pending progress event
+        self.cache: tuple[StepSample, ...] = ()
+        self.cache_key = (-1.0, -1)  # (now, epoch) the cached steps were drawn for
+        self.epoch = 0  # speed changes so far: the step samples of each epoch are distinct
+        self.demand = trace.memory_demand_bytes
+        self.surged = False
+        self.first_start: float | None = None
+        self.end: float | None = None
+        self.failures = 0
+        self.preemptions = 0
+        self.state = "pending"
+        self.changed_at = 0.0
+        self.limits: dict[int, int] = {}
+        self.shares: dict[int, float] = {}
+        self.gpu_speed: dict[int, float] = {}
+        self.seen: dict[int, LocalJob] = {}  # last step-less view of it per GPU, reused
+        self.gpus: tuple[int, ...] = ()
+        self.role: Role | None = None
+        self.busy_gpu_s = 0.0
+        self.work_done = 0.0
+
+
+@dataclass
+class SimResult:
+    policy: str
+    workload: str
+    seed: int
+    records: list[dict[str, object]]
+    summary: dict[str, float]
+    timeseries: list[tuple[float, float, float, int]] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(
+        self,
+        workload: Workload,
+        policy: PolicySpec,
+        perf: PerfModel,
+        *,
+        seed: int = 0,
+        coordinator_config: CoordinatorConfig | None = None,
+        progress: bool = False,
+        check_invariants: bool = False,
+        rounds: str = "event",
+    ) -> None:
+        check_choice("rounds", rounds, ROUND_MODES)
+        self.w = workload
+        self.policy = policy
+        self.perf = perf
+        self.seed = seed
+        self.ccfg = (coordinator_config or CoordinatorConfig()).validate()
+        self.sched_cfg = policy.config.validate()
+        self.progress = progress
+        self.check = check_invariants
+        self.periodic = rounds == "periodic"
+        self.interval = self.ccfg.round_interval_s
+        self.rng = random.Random(seed)
+        # Step-time noise is drawn once from the seed and indexed by (job, speed epoch, step
+        # number): a sample does not depend on when or how often a coordinator reads it, so
+        # event-driven and periodic rounds see the same steps.
+        cv = perf.step_noise_cv
+        self.noise = [max(0.1, 1 + self.rng.gauss(0.0, cv)) for _ in range(NOISE_CYCLE)]
+        self.book = ClusterBook(workload.gpus, workload.tenants)
+        self.mem = {g.id: g.memory_bytes for g in workload.gpus}
+        self.jobs: dict[str, _SimJob] = {}  # by book id (changes on retry)
+        self.all_jobs: list[_SimJob] = []
+        self.on_gpu: dict[int, dict[str, _SimJob]] = {g: {} for g in self.mem}  # book order
+        self.heap: list[tuple[float, int, int, object, int]] = []
+        self.seq = 0
+        self.memos: dict[int, CoordinatorMemo] = {}
+        self.round_version: dict[int, int] = {}
+        self.round_at: dict[int, float | None] = {}
+        self.anchor: dict[int, float] = {}  # time of the GPU's last change-driven round
+        self.gpu_util = dict.fromkeys(self.mem, 0.0)
+        self.gpu_mem = dict.fromkeys(self.mem, 0)
+        self.util_sum = 0.0
+        self.mem_sum = 0
+        self.busy_gpus = 0
+        self.gpu_busy = dict.fromkeys(self.mem, False)
+        self.util_integral = 0.0
+        self.mem_integral = 0.0
+        self.busy_integral = 0.0
+        self.now = 0.0
+        # The global policy sees utilisation as the daemon does: refreshed every
+        # UTILISATION_REFRESH_S (the paper's 10 s average), not the instant a share moves.
+        # A pass runs on arrivals, finishes and surges, and after a refresh that changed a GPU
+        # if the policy reads utilisation; other passes would decide the same as the last one.
+        self.util_stale: set[int] = set()
+        self.refresh_at: float | None = None
+        has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
+        self.reads_util: Callable[[], bool]
+        if policy.schedule is yarn_cs_schedule:
+            self.reads_util = _never
+        elif policy.schedule is global_scheduler.schedule and not has_auto:
+            # Utilisation is read only to place opportunistic jobs; time only for auto jobs.
+            self.reads_util = self._opportunistic_pending
+        else:
+            self.reads_util = _always
+        self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0}
+        self.timeseries: list[tuple[float, float, float, int]] = []
+
+    # -- driver ---------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        wall = time.perf_counter()
+        for i, tj in enumerate(self.w.jobs):
+            self._push(tj.submit_time, ARRIVE, i, 0)
+        total = len(self.w.jobs)
+        last_submit = max((j.submit_time for j in self.w.jobs), default=0.0)
+        sample_every = max(1.0, last_submit / 300)
+        next_sample = 0.0
+        done = 0
+        report_every = max(1, total // 50)
+        heap = self.heap
+        coordinated = self.policy.coordinated
+        while heap:
+            t = heap[0][0]
+            self._advance(t)
+            if t >= next_sample:
+                n = len(self.mem)
+                self.timeseries.append((t, self.util_sum / n, self.mem_sum / sum(self.mem.values()),
+                                        self.busy_gpus))
+                next_sample = t + sample_every
+            dirty: set[int] = set()
+            rounds: set[int] = set()
+            need_schedule = False
+            refreshed = False
+            while heap and heap[0][0] <= t:
+                _, _, kind, key, ver = heapq.heappop(heap)
+                self.counters["events"] += 1
+                if kind == ARRIVE:
+                    self._arrive(self.w.jobs[key])  # type: ignore[index]
+                    need_schedule = True
+                elif kind == PROGRESS:
+                    sj = self.jobs.get(key)  # type: ignore[arg-type]
+                    if sj is None or sj.version != ver or sj.state != "running":
+                        continue
+                    sj.due = None
+                    outcome = self._progress(sj, dirty)
+                    if outcome == EARLY:
+                        continue
+                    need_schedule = True
+                    if outcome == FINISHED:
+                        done += 1
+                        if self.progress and done % report_every == 0:
+                            _bar(done, total)
+                elif kind == REFRESH:
+                    refreshed = self._refresh_utilisation()
+                elif self.round_version.get(key) == ver:  # type: ignore[arg-type]
+                    rounds.add(key)  # type: ignore[arg-type]
+            if self.book.pending_count() and (need_schedule or (refreshed and self.reads_util())):
+                self._schedule(dirty)
+            changed = dirty
+            if coordinated:
+                changed = set(dirty)
+                for gpu in sorted(dirty | rounds):
+                    if self._round(gpu, gpu in dirty):
+                        changed.add(gpu)
+            if changed:
+                self._recompute(changed)
+                if self.check:
+                    self._check(changed)
+        if self.progress:
+            _bar(total, total)
+            print(file=sys.stderr)
+        return self._result(time.perf_counter() - wall)
+
+    def _push(self, t: float, kind: int, key: object, ver: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, key, ver))
+
+    def _advance(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            self.util_integral += self.util_sum * dt
+            self.mem_integral += self.mem_sum * dt
+            self.busy_integral += self.busy_gpus * dt
+            self.now = t
+
+    def _refresh_utilisation(self) -> bool:
+        """Hand the book the utilisation of the GPUs that changed; True if any did."""
+        self.refresh_at = None
+        changed = False
+        for g in sorted(self.util_stale):
+            if self.book.gpus[g].utilisation != self.gpu_util[g]:
+                self.book.set_utilisation(g, self.gpu_util[g])
+                changed = True
+        self.util_stale.clear()
+        return changed
+
+    def _opportunistic_pending(self) -> bool:
+        return next(self.book.iter_pending_opportunistic(), None) is not None
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _arrive(self, tj: TraceJob) -> None:
+        base = (len(self.all_jobs) * NOISE_JOB_STRIDE) % NOISE_CYCLE
+        sj = _SimJob(tj, self.perf.models[tj.model], base)
+        self.jobs[sj.book_id] = sj
+        self.all_jobs.append(sj)
+        self.book.submit(self._book_job(sj))
+
+    def _book_job(self, sj: _SimJob) -> Job:
+        tj = sj.trace
+        return Job(id=sj.book_id, tenant=tj.tenant, num_gpus=tj.num_gpus, kind=tj.kind,
+                   submit_time=tj.submit_time, memory_demand_bytes=sj.demand,
+                   predicted_runtime_s=tj.predicted_runtime_s)
+
+    def _settle(self, sj: _SimJob) -> None:
+        dt = self.now - sj.last_t
+        if dt > 0 and sj.speed > 0:
+            sj.remaining -= sj.speed * dt
+            sj.work_done += sj.speed * dt
+        if dt > 0 and sj.state == "running":
+            sj.busy_gpu_s += dt * len(sj.gpus)
+        sj.last_t = self.now
+
+    def _progress(self, sj: _SimJob, dirty: set[int]) -> int:
+        self._settle(sj)
+        tj = sj.trace
+        surge_pending = not sj.surged and tj.surge_at_fraction is not None
+        target = tj.runtime_s * (1 - tj.surge_at_fraction) if surge_pending else 0.0  # type: ignore[operator]
+        if sj.remaining > target + WORK_TOLERANCE_S:
+            # The event was planned at a higher speed (see _reschedule): not there yet.
+            self._reschedule(sj)
+            return EARLY
+        if surge_pending:
+            sj.surged = True
+            cap = min(self.mem[g] for g in sj.gpus)
+            sj.demand = min(cap, int(sj.demand * (1 + tj.surge_growth)))
+            self.book.set_memory_demand(sj.book_id, sj.demand)
+            dirty.update(sj.gpus)
+            if not self.policy.universal_memory:
+                for g in sj.gpus:
+                    if sum(o.demand for o in self.on_gpu[g].values()) > self.mem[g]:
+                        self._fail(sj, dirty)
+                        return CHANGED
+                for g in sj.gpus:
+                    sj.limits[g] = sj.demand
+            self._reschedule(sj)
+            return CHANGED
+        sj.remaining = 0.0
+        self.book.finish(sj.book_id)
+        self._leave(sj, dirty)
+        sj.state = "finished"
+        sj.end = self.now
+        return FINISHED
+
+    def _leave(self, sj: _SimJob, dirty: set[int]) -> None:
+        dirty.update(sj.gpus)
+        for g in sj.gpus:
+            del self.on_gpu[g][sj.book_id]
+        sj.gpus = ()
+        sj.limits.clear()
+        sj.shares.clear()
+        sj.gpu_speed.clear()
+        sj.seen.clear()
+        sj.speed = 0.0
+        sj.version += 1
+        sj.due = None
+
+    def _fail(self, sj: _SimJob, dirty: set[int]) -> None:
+        """Out of GPU memory without universal memory: the job dies; resubmitted once."""
+        self.book.finish(sj.book_id, failed=True)
+        self._leave(sj, dirty)
+        sj.failures += 1
+        if sj.failures > MAX_RETRIES:
+            sj.state = "failed"
+            sj.end = self.now
+            return
+        sj.attempt += 1
+        del self.jobs[sj.book_id]
+        sj.book_id = f"{sj.trace.id}~{sj.attempt}"
+        sj.remaining = sj.trace.runtime_s
+        sj.state = "pending"
+        self.jobs[sj.book_id] = sj
+        self.book.submit(self._book_job(sj))  # profile now includes the surge: no second one
+
+    # -- policies -------------------------------------------------------------------------------
+
+    def _schedule(self, dirty: set[int]) -> None:
+        self.counters["schedule_calls"] += 1
+        decisions = self.policy.schedule(self.book.snapshot(self.now), self.sched_cfg)
+        self.counters["decisions"] += len(decisions)
+        for d in decisions:
+            if isinstance(d, Preempt):
+                sj = self.jobs[d.job_id]
+                self._settle(sj)
+                self.book.apply(d)
+                self._leave(sj, dirty)
+                sj.preemptions += 1
+                sj.remaining = sj.trace.runtime_s  # killed: starts over
+                sj.state = "pending"
+                continue
+            self.book.apply(d)
+            if isinstance(d, Place):
+                self._start(self.jobs[d.job_id], d, dirty)
+            elif isinstance(d, Upgrade):
+                sj = self.jobs[d.job_id]
+                sj.role = Role.GUARANTEE
+                for g in sj.gpus:
+                    sj.shares[g] = 1.0
+                dirty.update(sj.gpus)
+            elif isinstance(d, Reject):
+                sj = self.jobs[d.job_id]
+                sj.state = "failed"
+                sj.end = self.now
+
+    def _start(self, sj: _SimJob, d: Place, dirty: set[int]) -> None:
+        sj.state = "running"
+        sj.role = d.role
+        sj.gpus = d.gpus
+        sj.last_t = self.now
+        sj.changed_at = self.now
+        if sj.first_start is None:
+            sj.first_start = self.now
+        for g in d.gpus:
+            others = self.on_gpu[g]
+            if self.policy.universal_memory:
+                used = sum(o.limits.get(g, 0) for o in others.values())
+                sj.limits[g] = max(0, min(sj.demand, self.mem[g] - used))
+            else:
+                sj.limits[g] = sj.demand
+            sj.shares[g] = 1.0
+            others[sj.book_id] = sj
+        dirty.update(d.gpus)
+
+    # -- coordinator rounds ---------------------------------------------------------------------
+    #
+    # A GPU's rounds run on its own grid: when its jobs change (the grid restarts there), then
+    # every round_interval_s. Periodic mode runs every grid point of every GPU with jobs.
+    # Event mode runs only the grid points the coordinator asked for (memo.next_round_at) or at
+    # which a job it watches changed speed; the grid points it skips would see the same step
+    # times as the round before, so the coordinator would return no decisions and the same memo
+    # (tests/scheduler/test_sim_rounds.py checks this equivalence without step noise).
+
+    def _round(self, gpu: int, changed: bool) -> bool:
+        if changed:
+            self.anchor[gpu] = self.now
+        if not self.on_gpu[gpu]:
+            # The coordinator's documented answer for a GPU without jobs: no decisions, a fresh
+            # memo. Not asking saves a tenth of all rounds (every last departure).
+            self.memos.pop(gpu, None)
+            self._set_round(gpu, None)
+            return False
+        self.counters["rounds"] += 1
+        memo = self.memos.get(gpu, _EMPTY_MEMO)
+        decisions, memo = coordinator.round(self.now, self._view(gpu), self.ccfg, memo)
+        for d in decisions:
+            sj = self.jobs[d.job_id]
+            if isinstance(d, SetMemoryLimit):
+                sj.limits[d.gpu] = d.limit_bytes
+            elif isinstance(d, SetComputeShare):
+                sj.shares[d.gpu] = d.share
+        self.memos[gpu] = memo
+        if self.periodic:
+            at = self._tick_after(gpu, self.now) if self.on_gpu[gpu] else None
+        elif memo.next_round_at is not None:
+            at = self._tick_at_or_after(gpu, memo.next_round_at)
+        else:
+            at = None
+        self._set_round(gpu, at)
+        return bool(decisions)
+
+    def _tick_after(self, gpu: int, t: float) -> float:
+        """First grid point of the GPU strictly after `t` (and after now)."""
+        anchor = self.anchor[gpu]
+        k = math.floor((max(t, self.now) - anchor) / self.interval + 1e-9) + 1
+        return anchor + k * self.interval
+
+    def _tick_at_or_after(self, gpu: int, t: float) -> float:
+        anchor = self.anchor[gpu]
+        k = math.ceil((t - anchor) / self.interval - 1e-9)
+        now_k = math.floor((self.now - anchor) / self.interval + 1e-9) + 1
+        return anchor + max(k, now_k) * self.interval
+
+    def _set_round(self, gpu: int, at: float | None) -> None:
+        ver = self.round_version.get(gpu, 0) + 1
+        self.round_version[gpu] = ver
+        self.round_at[gpu] = at
+        if at is not None:
+            self._push(at, ROUND, gpu, ver)
+
+    def _watch(self, sj: _SimJob) -> None:
+        """The job's speed changed: the coordinators that read its steps look again."""
+        for g in sj.gpus:
+            jobs = self.on_gpu[g]
+            if len(jobs) < 2 or g not in self.anchor:
+                continue
+            if sj.role is not Role.GUARANTEE and self.book.guarantee_holder(g) is not None:
+                continue  # only the guarantee job's steps are read on its GPU
+            at = self._tick_after(g, self.now)
+            pending = self.round_at.get(g)
+            if pending is None or pending > at:
+                self._set_round(g, at)
+
+    def _view(self, gpu: int) -> GpuView:
+        local = []
+        jobs = self.on_gpu[gpu]
+        has_guarantee = self.book.guarantee_holder(gpu) is not None
+        shared = len(jobs) > 1
+        for jid, sj in jobs.items():
+            steps: tuple[StepSample, ...] = ()
+            # Only the step times the coordinator reads are drawn (they cost most of a round).
+            watched = sj.role is Role.GUARANTEE or (not has_guarantee and shared)
+            limit = sj.limits.get(gpu, 0)
+            share = sj.shares.get(gpu, 1.0)
+            assert sj.role is not None
+            if sj.speed > 0 and watched:
+                steps = self._steps(sj)
+            else:
+                # Without steps a job's view changes only with its limit, share or demand.
+                seen = sj.seen.get(gpu)
+                if seen is not None and seen.memory_limit_bytes == limit and \
+                        seen.compute_share == share and seen.memory_demand_bytes == sj.demand and \
+                        seen.role is sj.role:
+                    local.append(seen)
+                    continue
+            job = LocalJob(jid, sj.role, sj.demand, limit, max(0, sj.demand - limit), share, steps,
+                           sj.step)
+            if not steps:
+                sj.seen[gpu] = job
+            local.append(job)
+        return GpuView(self.book.gpus[gpu], tuple(local))
+
+    def _steps(self, sj: _SimJob) -> tuple[StepSample, ...]:
+        """The last `detector_window` steps since the job's speed last changed."""
+        key = (self.now, sj.epoch)
+        if sj.cache_key == key:  # the other GPUs of a gang read the same steps at the same tick
+            return sj.cache
+        sj.cache_key = key
+        sj.cache = self._draw_steps(sj)
+        return sj.cache
+
+    def _draw_steps(self, sj: _SimJob) -> tuple[StepSample, ...]:
+        step = sj.step / sj.speed
+        start = sj.changed_at
+        last = int((self.now - start) / step)
+        first = max(1, last - self.ccfg.detector_window + 1)
+        count = last - first + 1
+        if count <= 0:
+            return ()
+        at = (sj.noise_base + sj.epoch * NOISE_EPOCH_STRIDE + first) % NOISE_CYCLE
+        noise = self.noise[at : at + count]
+        if len(noise) < count:
+            noise += self.noise[: count - len(noise)]
+        ends = [start + i * step for i in range(first, last + 1)]
+        return tuple(map(StepSample, ends, [step * x for x in noise]))
+
+    # -- performance model ----------------------------------------------------------------------
+
+    def _recompute(self, gpus: set[int]) -> None:
+        touched: dict[str, _SimJob] = {}
+        perf = self.perf
+        isolated = self.policy.isolated
+        k = perf.contention_slowdown
+        overhead = perf.colocation_overhead
+        opp = Role.OPPORTUNISTIC
+        gpu_util = self.gpu_util
+        gpu_mem = self.gpu_mem
+        for g in gpus:
+            jobs = self.on_gpu[g]
+            n = len(jobs)
+            capped = isolated and n > 1
+            demand = 0.0
+            for sj in jobs.values():
+                u = sj.u
+                if capped and sj.role is opp:
+                    u = min(u, sj.shares.get(g, 1.0))
+                demand += u
+            # perf.contention, inlined: this loop runs after every round that moved a share.
+            slow = (1.0 + k * (demand - 1.0) if demand > 1.0 else 1.0) * (1 + overhead * (n - 1))
+            compute = None
+            if not isolated and n > 1 and demand > 1.0:
+                compute = iter(perf.unisolated_speeds([sj.u for sj in jobs.values()]))
+                slow = 1 + overhead * (n - 1)
+            util = 0.0
+            mem_used = 0
+            for jid, sj in jobs.items():
+                limit = sj.limits.get(g, 0)
+                want = sj.demand
+                s = 1.0 / slow if compute is None else next(compute) / slow
+                if limit < want and want > 0:
+                    s /= sj.perf.memory_slowdown(limit / want)
+                    mem_used += limit
+                else:
+                    mem_used += want
+                u = sj.u
+                if capped and sj.role is opp:
+                    s *= min(u, sj.shares.get(g, 1.0)) / u
+                sj.gpu_speed[g] = s
+                util += u * s
+                touched[jid] = sj
+            util = min(util, 1.0)
+            if util != gpu_util[g]:
+                self.util_sum += util - gpu_util[g]
+                gpu_util[g] = util
+                self.util_stale.add(g)
+                if self.refresh_at is None:
+                    self.refresh_at = (math.floor(self.now / UTILISATION_REFRESH_S) + 1) * UTILISATION_REFRESH_S
+                    self._push(self.refresh_at, REFRESH, None, 0)
+            if mem_used != gpu_mem[g]:
+                self.mem_sum += mem_used - gpu_mem[g]
+                gpu_mem[g] = mem_used
+            busy = n > 0
+            if busy != self.gpu_busy[g]:
+                self.gpu_busy[g] = busy
+                self.busy_gpus += 1 if busy else -1
+        watch = self.policy.coordinated and not self.periodic
+        for sj in touched.values():
+            if len(sj.gpus) == 1:
+                speed = sj.gpu_speed[sj.gpus[0]]
+            else:
+                speed = min(sj.gpu_speed[g] for g in sj.gpus)
+            if abs(speed - sj.speed) > 1e-12:
+                self._settle(sj)
+                sj.speed = speed
+                sj.changed_at = self.now
+                sj.epoch += 1
+                self._reschedule(sj)
+                if watch:
+                    self._watch(sj)
+
+    def _reschedule(self, sj: _SimJob) -> None:
+        """Plan the job's next progress event (finish or surge) at its current speed.
+
+        A job that slowed down keeps its earlier event: it fires early and is planned again
+        then. Speeds change at every coordinator round that moves a share, so this saves most
+        of the events that would otherwise be pushed only to be discarded.
+        """
+        if sj.speed <= 0:
+            sj.version += 1
+            sj.due = None
+            return
+        target = sj.remaining
+        tj = sj.trace
+        if not sj.surged and tj.surge_at_fraction is not None:
+            target = sj.remaining - tj.runtime_s * (1 - tj.surge_at_fraction)
+        at = self.now + max(0.0, target) / sj.speed
+        if sj.due is not None and sj.due <= at:
+            return
+        sj.version += 1
+        sj.due = at
+        self._push(at, PROGRESS, sj.book_id, sj.version)
+
+    # -- checks and results ---------------------------------------------------------------------
+
+    def _check(self, gpus: set[int]) -> None:
+        for g in gpus:
+            sjs = [self.jobs[j] for j in self.book.jobs_on(g)]
+            if [s.book_id for s in self.on_gpu[g].values()] != [s.book_id for s in sjs]:
+                raise InvariantError(f"GPU {g}: simulator and book disagree on its jobs")
+            holders = [s for s in sjs if s.role is Role.GUARANTEE]
+            if len(holders) > 1:
+                raise InvariantError(f"GPU {g}: {len(holders)} guarantee jobs")
+            if self.policy.universal_memory:
+                used = sum(s.limits.get(g, 0) for s in sjs)
+            else:
+                used = sum(s.demand for s in sjs)
+            if used > self.mem[g]:
+                raise InvariantError(f"GPU {g}: {used} bytes committed of {self.mem[g]}")
+            if self.policy.name.startswith("yarn") and len(sjs) > 1:
+                raise InvariantError(f"GPU {g}: {len(sjs)} jobs under an exclusive policy")
+
+    def _result(self, wall_s: float) -> SimResult:
+        records = []
+        for sj in self.all_jobs:
+            tj = sj.trace
+            jct = (sj.end - tj.submit_time) if sj.end is not None and sj.state == "finished" else None
+            records.append({
+                "id": tj.id, "tenant": tj.tenant, "kind": str(tj.kind), "model": tj.model,
+                "num_gpus": tj.num_gpus, "submit_s": tj.submit_time, "runtime_s": tj.runtime_s,
+                "start_s": sj.first_start, "end_s": sj.end, "jct_s": jct,
+                "queue_delay_s": None if sj.first_start is None else sj.first_start - tj.submit_time,
+                "state": sj.state, "preemptions": sj.preemptions, "failures": sj.failures,
+                "work_done_s": sj.work_done, "busy_gpu_s": sj.busy_gpu_s,
+            })
+        fin = [r for r in records if r["state"] == "finished"]
+        jcts = sorted(float(r["jct_s"]) for r in fin)  # type: ignore[arg-type]
+        guar = [float(r["jct_s"]) for r in fin if r["kind"] == "guarantee"]  # type: ignore[arg-type]
+        opp = [float(r["jct_s"]) for r in fin if r["kind"] != "guarantee"]  # type: ignore[arg-type]
+        delays = [float(r["queue_delay_s"]) for r in records if r["queue_delay_s"] is not None]  # type: ignore[arg-type]
+        first = min((j.submit_time for j in self.w.jobs), default=0.0)
+        last = max((float(r["end_s"]) for r in records if r["end_s"] is not None), default=first)  # type: ignore[arg-type]
+        span = max(last - first, 1e-9)
+        n_gpus = len(self.mem)
+        summary = {
+            "jobs": len(records),
+            "finished": len(fin),
+            "failed": sum(1 for r in records if r["state"] == "failed"),
+            "unfinished": sum(1 for r in records if r["state"] in ("pending", "running")),
+            "oom_failures": sum(int(r["failures"]) for r in records),  # type: ignore[call-overload]
+            "preemptions": sum(int(r["preemptions"]) for r in records),  # type: ignore[call-overload]
+            "avg_jct_s": _mean(jcts),
+            "median_jct_s": _quantile(jcts, 0.5),
+            "p95_jct_s": _quantile(jcts, 0.95),
+            "guarantee_avg_jct_s": _mean(guar),
+            "opportunistic_avg_jct_s": _mean(opp),
+            "avg_queue_delay_s": _mean(delays),
+            "makespan_s": span,
+            "gpu_compute_util": self.util_integral / (n_gpus * span),
+            "gpu_memory_util": self.mem_integral / (sum(self.mem.values()) * span),
+            "gpu_busy_fraction": self.busy_integral / (n_gpus * span),
+            "busy_gpu_seconds": self.busy_integral,
+            "wall_s": wall_s,
+            **{k: float(v) for k, v in self.counters.items()},
+        }
+        return SimResult(self.policy.name, self.w.name, self.seed, records, summary, self.timeseries)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    if not sorted_xs:
+        return math.nan
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+
+
+def _bar(done: int, total: int) -> None:
+    width = 40
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} jobs")
+    sys.stderr.flush()
+
+
+def simulate(workload: Workload, policy: PolicySpec, perf: PerfModel, **kwargs: object) -> SimResult:
+    """Run one policy over a workload; keyword arguments as `Simulator`."""
+    return Simulator(workload, policy, perf, **kwargs).run()  # type: ignore[arg-type]
+
+
+__all__ = ["InvariantError", "SimResult", "Simulator", "simulate"]

@@ -1,0 +1,169 @@
+"""The storage contract of the daemon: what every implementation stores and promises.
+
+One contract, several implementations (`MemoryStorage` for tests and the library, `SqliteStorage`
+for the daemon and the CLI, which share one database file); tests/scheduler/test_storage_contract.py
+runs the same suite against each.
+
+The store is the truth about jobs: the daemon's in-memory book is rebuilt from it on start, so a
+crash loses nothing that was committed. Writes are column-level (`update_job(id, **fields)`), so
+the CLI setting `cancel_requested` and the daemon setting `state` never overwrite each other.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from scheduler_lite.model import JobKind, Role
+
+SCHEMA_VERSION: Final = 1  # PRAGMA user_version of a current SQLite database
+
+
+class JobStatus(enum.StrEnum):
+    """Life cycle of a submitted job as stored (the policies' JobState has no 'cancelled')."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"  # exited with status 0
+    FAILED = "failed"  # non-zero exit, rejected, could not start, or lost
+    CANCELLED = "cancelled"
+
+    @property
+    def done(self) -> bool:
+        return self in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class StorageError(RuntimeError):
+    """A request the store refuses (unknown job, duplicate, newer schema); the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a submission asks for; the store assigns the id."""
+
+    tenant: str
+    kind: JobKind
+    num_gpus: int
+    command: tuple[str, ...]
+    workdir: str
+    submit_time: float
+    env: tuple[tuple[str, str], ...] = ()
+    memory_bytes: int | None = None  # declared peak per GPU; None: the whole device
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    id: str
+    seq: int  # submission order
+    tenant: str
+    kind: JobKind
+    num_gpus: int
+    command: tuple[str, ...]
+    workdir: str
+    submit_time: float
+    env: tuple[tuple[str, str], ...] = ()
+    memory_bytes: int | None = None
+    name: str = ""
+    state: JobStatus = JobStatus.QUEUED
+    role: Role | None = None
+    placement: tuple[int, ...] = ()
+    pid: int | None = None  # the job's process group leader
+    pid_start: int | None = None  # its start time in clock ticks since boot: tells pid reuse apart
+    job_dir: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None  # negative: killed by that signal
+    reason: str | None = None
+    cancel_requested: bool = False
+    control_seq: int = 0  # last control.json seq written for it
+
+
+# Columns update_job() may set; the others are fixed at submission.
+UPDATABLE: Final = frozenset({
+    "state", "role", "placement", "pid", "pid_start", "job_dir", "started_at", "ended_at",
+    "exit_code", "reason", "cancel_requested", "control_seq",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    id: int
+    time: float
+    job_id: str | None
+    kind: str
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRecord:
+    """Settings in force for one job on one GPU (what the coordinator last decided)."""
+
+    job_id: str
+    gpu: int
+    memory_limit_bytes: int
+    compute_share: float
+
+
+class Storage(Protocol):
+    def transaction(self) -> AbstractContextManager[None]:
+        """Group calls atomically: all committed at the end of the block, none if it raises.
+        Nested blocks join the outermost one."""
+        ...
+
+    def add_job(self, spec: JobSpec) -> JobRecord:
+        """Store a queued job under a new id (unique for the life of the store)."""
+        ...
+
+    def get_job(self, job_id: str) -> JobRecord | None: ...
+
+    def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
+        """Jobs in submission order, optionally only those in `states`."""
+        ...
+
+    def update_job(self, job_id: str, **fields: Any) -> JobRecord:
+        """Set columns of UPDATABLE; StorageError for an unknown job or column."""
+        ...
+
+    def add_event(self, time: float, kind: str, job_id: str | None = None, /, **detail: Any) -> int:
+        """Append an event (detail must be JSON-serialisable); returns its id, increasing."""
+        ...
+
+    def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
+        """Events with id > after_id, oldest first, of one job or all."""
+        ...
+
+    def set_placement(self, job_id: str, gpu: int, memory_limit_bytes: int, compute_share: float) -> None: ...
+
+    def placements(self, job_id: str | None = None) -> list[PlacementRecord]:
+        """Ordered by job submission, then GPU."""
+        ...
+
+    def clear_placements(self, job_id: str) -> None: ...
+
+    def set_quota(self, tenant: str, gpu_quota: int) -> None: ...
+
+    def quotas(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+def job_id_for(seq: int) -> str:
+    return f"job-{seq}"
+
+
+def check_fields(fields: Mapping[str, Any]) -> None:
+    bad = sorted(set(fields) - UPDATABLE)
+    if bad:
+        raise StorageError(f"cannot update job column {bad[0]!r}; updatable: {', '.join(sorted(UPDATABLE))}")
+
+
+def check_states(states: Iterable[JobStatus] | None) -> frozenset[JobStatus] | None:
+    return None if states is None else frozenset(JobStatus(s) for s in states)
+
+
+def iter_sorted_placements(records: Iterable[PlacementRecord], order: Mapping[str, int]) -> Iterator[PlacementRecord]:
+    return iter(sorted(records, key=lambda p: (order.get(p.job_id, 0), p.gpu)))

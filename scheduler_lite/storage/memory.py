@@ -1,0 +1,126 @@
+"""Storage in process memory: for tests and for using the daemon as a library without a file.
+
+Transactions are real: a block that raises restores what was there before it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from scheduler_lite.storage.base import (
+    EventRecord,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    PlacementRecord,
+    StorageError,
+    check_fields,
+    check_states,
+    iter_sorted_placements,
+    job_id_for,
+)
+
+
+class MemoryStorage:
+    def __init__(self) -> None:
+        self._jobs: dict[str, JobRecord] = {}
+        self._events: list[EventRecord] = []
+        self._placements: dict[tuple[str, int], PlacementRecord] = {}
+        self._quotas: dict[str, int] = {}
+        self._seq = 0
+        self._depth = 0
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        saved = (dict(self._jobs), list(self._events), dict(self._placements), dict(self._quotas), self._seq)
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self._jobs, self._events, self._placements, self._quotas, self._seq = saved
+            raise
+        finally:
+            self._depth = 0
+
+    def add_job(self, spec: JobSpec) -> JobRecord:
+        with self.transaction():
+            self._seq += 1
+            record = JobRecord(
+                id=job_id_for(self._seq), seq=self._seq, tenant=spec.tenant, kind=spec.kind,
+                num_gpus=spec.num_gpus, command=tuple(spec.command), workdir=spec.workdir,
+                submit_time=spec.submit_time, env=tuple(spec.env), memory_bytes=spec.memory_bytes,
+                name=spec.name,
+            )
+            self._jobs[record.id] = record
+            return record
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        return self._jobs.get(job_id)
+
+    def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
+        wanted = check_states(states)
+        jobs = sorted(self._jobs.values(), key=lambda j: j.seq)
+        return [j for j in jobs if wanted is None or j.state in wanted]
+
+    def update_job(self, job_id: str, **fields: Any) -> JobRecord:
+        check_fields(fields)
+        if job_id not in self._jobs:
+            raise StorageError(f"no job {job_id!r}")
+        if "state" in fields:
+            fields["state"] = JobStatus(fields["state"])
+        if "placement" in fields:
+            fields["placement"] = tuple(fields["placement"])
+        with self.transaction():
+            record = dataclasses.replace(self._jobs[job_id], **fields)
+            self._jobs[job_id] = record
+            return record
+
+    def add_event(self, time: float, kind: str, job_id: str | None = None, /, **detail: Any) -> int:
+        # Round-trip through JSON: the same check (and the same copies) as the SQLite store.
+        detail = json.loads(json.dumps(detail))
+        with self.transaction():
+            event = EventRecord(len(self._events) + 1, time, job_id, kind, detail)
+            self._events.append(event)
+            return event.id
+
+    def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
+        out = [copy.deepcopy(e) for e in self._events[after_id:] if job_id is None or e.job_id == job_id]
+        return out if limit is None else out[:limit]
+
+    def set_placement(self, job_id: str, gpu: int, memory_limit_bytes: int, compute_share: float) -> None:
+        if job_id not in self._jobs:
+            raise StorageError(f"no job {job_id!r}")
+        with self.transaction():
+            self._placements[(job_id, gpu)] = PlacementRecord(job_id, gpu, memory_limit_bytes, float(compute_share))
+
+    def placements(self, job_id: str | None = None) -> list[PlacementRecord]:
+        order = {j.id: j.seq for j in self._jobs.values()}
+        found = (p for p in self._placements.values() if job_id is None or p.job_id == job_id)
+        return list(iter_sorted_placements(found, order))
+
+    def clear_placements(self, job_id: str) -> None:
+        with self.transaction():
+            for key in [k for k in self._placements if k[0] == job_id]:
+                del self._placements[key]
+
+    def set_quota(self, tenant: str, gpu_quota: int) -> None:
+        with self.transaction():
+            self._quotas[tenant] = gpu_quota
+
+    def quotas(self) -> dict[str, int]:
+        return dict(self._quotas)
+
+    def close(self) -> None:
+        pass

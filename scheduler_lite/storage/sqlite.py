@@ -1,0 +1,289 @@
+"""Storage in one SQLite file, shared by the daemon and the CLI processes.
+
+WAL so that readers (`scheduler-lite list`) never block the daemon's writes; a busy timeout so
+that two writers wait for each other instead of failing; every write inside `BEGIN IMMEDIATE`
+(the write lock is taken at the start, so a transaction never fails half-way on a lock upgrade).
+The schema is versioned with `PRAGMA user_version`: MIGRATIONS[i] takes a database from version i
+to i + 1, run under `BEGIN EXCLUSIVE`; a database newer than this code is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Final
+
+from scheduler_lite.model import JobKind, Role
+from scheduler_lite.storage.base import (
+    SCHEMA_VERSION,
+    EventRecord,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    PlacementRecord,
+    StorageError,
+    check_fields,
+    check_states,
+    job_id_for,
+)
+
+BUSY_TIMEOUT_MS: Final = 10_000
+
+MIGRATIONS: Final[tuple[str, ...]] = (
+    # 0 -> 1
+    """
+    CREATE TABLE IF NOT EXISTS jobs (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        num_gpus INTEGER NOT NULL,
+        command TEXT NOT NULL,          -- JSON list
+        workdir TEXT NOT NULL,
+        submit_time REAL NOT NULL,
+        env TEXT NOT NULL DEFAULT '[]', -- JSON list of [key, value]
+        memory_bytes INTEGER,
+        name TEXT NOT NULL DEFAULT '',
+        state TEXT NOT NULL,
+        role TEXT,
+        placement TEXT NOT NULL DEFAULT '[]',
+        pid INTEGER,
+        pid_start INTEGER,
+        job_dir TEXT,
+        started_at REAL,
+        ended_at REAL,
+        exit_code INTEGER,
+        reason TEXT,
+        cancel_requested INTEGER NOT NULL DEFAULT 0,
+        control_seq INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, seq);
+    CREATE TABLE IF NOT EXISTS events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        time REAL NOT NULL,
+        job_id TEXT,
+        kind TEXT NOT NULL,
+        detail TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, id);
+    CREATE TABLE IF NOT EXISTS placements (
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        gpu INTEGER NOT NULL,
+        memory_limit_bytes INTEGER NOT NULL,
+        compute_share REAL NOT NULL,
+        PRIMARY KEY (job_id, gpu)
+    );
+    CREATE TABLE IF NOT EXISTS quotas (
+        tenant TEXT PRIMARY KEY,
+        gpu_quota INTEGER NOT NULL
+    );
+    """,
+)
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+_JOB_COLUMNS: Final = (
+    "seq, id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state, "
+    "role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, "
+    "cancel_requested, control_seq"
+)
+_JSON_COLUMNS: Final = frozenset({"placement"})
+
+
+class SqliteStorage:
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Autocommit mode: transactions are ours (BEGIN IMMEDIATE), not the sqlite3 module's.
+        self._db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across a process crash
+        self._db.execute("PRAGMA foreign_keys = ON")
+        self._depth = 0
+        self._migrate()
+
+    # -- schema -----------------------------------------------------------------------------------
+
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def _migrate(self) -> None:
+        if self.schema_version() == SCHEMA_VERSION:
+            return
+        with self._begin("EXCLUSIVE"):
+            version = self.schema_version()  # again: another process may have migrated meanwhile
+            if version > SCHEMA_VERSION:
+                raise StorageError(
+                    f"{self.path}: database schema version {version} is newer than this scheduler-lite "
+                    f"(knows up to {SCHEMA_VERSION}); upgrade scheduler-lite"
+                )
+            for step in range(version, SCHEMA_VERSION):
+                for statement in MIGRATIONS[step].split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version = {step + 1}")
+
+    # -- transactions -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _begin(self, mode: str) -> Iterator[None]:
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._db.execute(f"BEGIN {mode}")
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self._depth = 0
+            self._db.execute("ROLLBACK")
+            raise
+        self._depth = 0
+        self._db.execute("COMMIT")
+
+    def transaction(self) -> Any:
+        return self._begin("IMMEDIATE")
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def add_job(self, spec: JobSpec) -> JobRecord:
+        with self.transaction():
+            cur = self._db.execute(
+                "INSERT INTO jobs (id, tenant, kind, num_gpus, command, workdir, submit_time, env, "
+                "memory_bytes, name, state) VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (spec.tenant, str(spec.kind), spec.num_gpus, json.dumps(list(spec.command)), spec.workdir,
+                 spec.submit_time, json.dumps([list(kv) for kv in spec.env]), spec.memory_bytes, spec.name,
+                 str(JobStatus.QUEUED)),
+            )
+            seq = cur.lastrowid
+            assert seq is not None
+            self._db.execute("UPDATE jobs SET id = ? WHERE seq = ?", (job_id_for(seq), seq))
+            record = self.get_job(job_id_for(seq))
+            assert record is not None
+            return record
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else _job(row)
+
+    def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
+        wanted = check_states(states)
+        if wanted is None:
+            rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY seq").fetchall()
+        else:
+            marks = ", ".join("?" * len(wanted))
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN ({marks}) ORDER BY seq",
+                [str(s) for s in wanted],
+            ).fetchall()
+        return [_job(r) for r in rows]
+
+    def update_job(self, job_id: str, **fields: Any) -> JobRecord:
+        check_fields(fields)
+        if "state" in fields:
+            fields["state"] = str(JobStatus(fields["state"]))
+        values = []
+        for key, value in fields.items():
+            if key in _JSON_COLUMNS:
+                value = json.dumps(list(value))
+            elif key == "role" and value is not None:
+                value = str(Role(value))
+            elif key == "cancel_requested":
+                value = int(bool(value))
+            values.append(value)
+        with self.transaction():
+            if fields:
+                assignments = ", ".join(f"{k} = ?" for k in fields)
+                self._db.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", [*values, job_id])
+            record = self.get_job(job_id)
+            if record is None:
+                raise StorageError(f"no job {job_id!r}")
+            return record
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def add_event(self, time: float, kind: str, job_id: str | None = None, /, **detail: Any) -> int:
+        text = json.dumps(detail)
+        with self.transaction():
+            cur = self._db.execute(
+                "INSERT INTO events (time, job_id, kind, detail) VALUES (?, ?, ?, ?)", (time, job_id, kind, text)
+            )
+            assert cur.lastrowid is not None
+            return cur.lastrowid
+
+    def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
+        sql = "SELECT id, time, job_id, kind, detail FROM events WHERE id > ?"
+        args: list[Any] = [after_id]
+        if job_id is not None:
+            sql += " AND job_id = ?"
+            args.append(job_id)
+        sql += " ORDER BY id"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(limit)
+        return [EventRecord(i, t, j, k, json.loads(d)) for i, t, j, k, d in self._db.execute(sql, args)]
+
+    # -- placements and quotas --------------------------------------------------------------------
+
+    def set_placement(self, job_id: str, gpu: int, memory_limit_bytes: int, compute_share: float) -> None:
+        with self.transaction():
+            if self.get_job(job_id) is None:
+                raise StorageError(f"no job {job_id!r}")
+            self._db.execute(
+                "INSERT INTO placements (job_id, gpu, memory_limit_bytes, compute_share) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (job_id, gpu) DO UPDATE SET memory_limit_bytes = excluded.memory_limit_bytes, "
+                "compute_share = excluded.compute_share",
+                (job_id, gpu, memory_limit_bytes, float(compute_share)),
+            )
+
+    def placements(self, job_id: str | None = None) -> list[PlacementRecord]:
+        sql = (
+            "SELECT p.job_id, p.gpu, p.memory_limit_bytes, p.compute_share FROM placements p "
+            "JOIN jobs j ON j.id = p.job_id"
+        )
+        args: list[Any] = []
+        if job_id is not None:
+            sql += " WHERE p.job_id = ?"
+            args.append(job_id)
+        sql += " ORDER BY j.seq, p.gpu"
+        return [PlacementRecord(*row) for row in self._db.execute(sql, args)]
+
+    def clear_placements(self, job_id: str) -> None:
+        with self.transaction():
+            self._db.execute("DELETE FROM placements WHERE job_id = ?", (job_id,))
+
+    def set_quota(self, tenant: str, gpu_quota: int) -> None:
+        with self.transaction():
+            self._db.execute(
+                "INSERT INTO quotas (tenant, gpu_quota) VALUES (?, ?) "
+                "ON CONFLICT (tenant) DO UPDATE SET gpu_quota = excluded.gpu_quota",
+                (tenant, gpu_quota),
+            )
+
+    def quotas(self) -> dict[str, int]:
+        return dict(self._db.execute("SELECT tenant, gpu_quota FROM quotas ORDER BY tenant").fetchall())
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _job(row: tuple[Any, ...]) -> JobRecord:
+    (seq, job_id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state,
+     role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, cancel, control_seq) = row
+    return JobRecord(
+        id=job_id, seq=seq, tenant=tenant, kind=JobKind(kind), num_gpus=num_gpus,
+        command=tuple(json.loads(command)), workdir=workdir, submit_time=submit_time,
+        env=tuple((k, v) for k, v in json.loads(env)), memory_bytes=memory_bytes, name=name,
+        state=JobStatus(state), role=None if role is None else Role(role),
+        placement=tuple(json.loads(placement)), pid=pid, pid_start=pid_start, job_dir=job_dir,
+        started_at=started_at, ended_at=ended_at, exit_code=exit_code, reason=reason,
+        cancel_requested=bool(cancel), control_seq=control_seq,
+    )

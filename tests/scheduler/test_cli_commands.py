@@ -1,0 +1,157 @@
+"""scheduler-lite commands through cli.main(argv), and `serve` as a real process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scheduler_lite.cli import main
+from tests.scheduler.test_daemon_fakes import REPO, fake_command, wait_for
+
+CONFIG = """\
+version = 1
+[paths]
+state_dir = "state"
+[devices]
+kind = "emulated"
+[[devices.emulated]]
+memory = "1GiB"
+[[tenants]]
+name = "A"
+gpu_quota = 1
+[[tenants]]
+name = "B"
+gpu_quota = 0
+[daemon]
+tick_interval_s = 0.05
+[coordinator]
+min_memory_bytes = "64MiB"
+"""
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> str:
+    path = tmp_path / "sl.toml"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_submit_list_show_cancel_tenants(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "--config", cfg, "submit", "--tenant", "A", "--type", "guarantee", "--memory", "256MiB",
+                     "--env", "K=V", "--name", "first", "--", sys.executable, "-c", "pass")
+    assert rc == 0 and out.strip() == "job-1"
+    rc, out, _ = run(capsys, "submit", "--config", cfg, "--tenant", "B", "--type", "opportunistic", "--json",
+                     "--", "true")
+    assert rc == 0 and json.loads(out)["id"] == "job-2"
+
+    rc, out, _ = run(capsys, "--config", cfg, "list")
+    lines = out.splitlines()
+    assert lines[0].split()[:6] == ["ID", "NAME", "TENANT", "TYPE", "ROLE", "STATE"]
+    assert lines[1].split()[:6] == ["job-1", "first", "A", "guarantee", "-", "queued"]
+    rc, out, _ = run(capsys, "--config", cfg, "list", "--json")
+    jobs = json.loads(out)
+    assert [(j["id"], j["tenant"], j["kind"], j["state"], j["memory_bytes"]) for j in jobs] == [
+        ("job-1", "A", "guarantee", "queued", 256 << 20), ("job-2", "B", "opportunistic", "queued", None)]
+    assert jobs[0]["env"] == {"K": "V"}
+
+    rc, out, _ = run(capsys, "--config", cfg, "show", "job-1")
+    assert rc == 0 and "tenant     A" in out and "256.0 MiB" in out and "submitted" in out.split("events:")[1]
+
+    rc, out, _ = run(capsys, "--config", cfg, "cancel", "job-2")
+    assert rc == 0 and out.strip() == "job-2: cancel requested"
+    rc, out, _ = run(capsys, "--config", cfg, "list", "--state", "queued", "--json")
+    assert [j["cancel_requested"] for j in json.loads(out)] == [False, True]
+
+    rc, out, _ = run(capsys, "--config", cfg, "tenants", "--json")
+    assert json.loads(out) == [
+        {"name": "A", "gpu_quota": 1, "quota_used": 0, "running": 0, "queued": 1},
+        {"name": "B", "gpu_quota": 0, "quota_used": 0, "running": 0, "queued": 1},
+    ]
+    rc, out, _ = run(capsys, "--config", cfg, "status", "--json")
+    status = json.loads(out)
+    assert [(g["id"], g["memory_bytes"], g["jobs"]) for g in status["gpus"]] == [(0, 1 << 30, [])]
+    assert status["queued"] == ["job-1", "job-2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["submit", "--tenant", "Z", "--", "true"], "unknown tenant 'Z'; tenants: A, B"),
+        (["submit", "--tenant", "A", "--", "no-such-program-xyz"], "command 'no-such-program-xyz' not found"),
+        (["submit", "--tenant", "A", "--"], "no command"),
+        (["submit", "--tenant", "A", "--gpus", "3", "--", "true"], "--gpus 3 is invalid: accepted an integer in [1, 1]"),
+        (["submit", "--tenant", "B", "--type", "guarantee", "--", "true"], "can never run"),
+        (["submit", "--tenant", "A", "--env", "ANTMAN_JOB_DIR=/x", "--", "true"], "set by the scheduler"),
+        (["submit", "--tenant", "A", "--env", "NOEQUALS", "--", "true"], "expected KEY=VALUE"),
+        (["submit", "--tenant", "A", "--memory", "lots", "--", "true"], "--memory"),
+        (["show", "job-9"], "no job 'job-9'"),
+        (["cancel", "job-9"], "no job 'job-9'"),
+        (["logs", "job-9"], "no job 'job-9'"),
+    ],
+)
+def test_user_mistakes_are_one_line_and_status_2(cfg: str, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                 message: str) -> None:
+    rc, out, err = run(capsys, "--config", cfg, *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("scheduler-lite: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_a_bad_config_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(CONFIG.replace('memory = "1GiB"', 'memory = "1KiB"'))
+    rc, _, err = run(capsys, "--config", str(path), "list")
+    assert rc == 2 and "devices.emulated[0].memory='1KiB' is invalid: accepted" in err
+    rc, _, err = run(capsys, "--config", str(tmp_path / "missing.toml"), "list")
+    assert rc == 1 and "missing.toml" in err and "Traceback" not in err
+
+
+def test_sim_is_forwarded_to_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["sim", "--help"])
+    assert done.value.code == 0
+    assert "--workload" in capsys.readouterr().out  # the simulator's own help
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "examples:" in out and "submit --tenant" in out
+
+
+def test_serve_runs_jobs_until_sigterm(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    serve = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", cfg, "serve"], cwd=REPO,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        rc, out, _ = run(capsys, "--config", cfg, "submit", "--tenant", "A", "--env", f"PYTHONPATH={REPO}", "--",
+                         *fake_command(steps=3))
+        job = out.strip()
+
+        def finished() -> bool:
+            main(["--config", cfg, "show", job, "--json"])
+            return json.loads(capsys.readouterr().out)["job"]["state"] == "finished"
+
+        assert wait_for(finished, timeout=30, interval=0.1)
+        rc, out, _ = run(capsys, "--config", cfg, "logs", job)
+        assert rc == 0 and out.splitlines()[0] == "env emulated 0 0" and out.splitlines()[-1] == "done 3"
+        rc, out, _ = run(capsys, "--config", cfg, "logs", job, "--stderr", "--follow")
+        assert rc == 0 and out == "to stderr\n"
+        rc, _, err = run(capsys, "--config", cfg, "serve")  # one daemon per state directory
+        assert rc == 2 and "another scheduler-lite daemon" in err
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        _, log = serve.communicate(timeout=30)
+    assert serve.returncode == 0, log
+    assert "stopped" in log and "Traceback" not in log

@@ -1,0 +1,216 @@
+"""The daemon's tick loop end to end, with fake jobs (real processes speaking the file protocol)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler_lite.daemon import Daemon, job_environment
+from scheduler_lite.launcher import EXIT_STATUS_FILE
+from scheduler_lite.model import Place, Role, SetComputeShare, SetMemoryLimit
+from scheduler_lite.storage import JobStatus, SqliteStorage
+from tests.scheduler.test_daemon_fakes import (
+    JOB_ENV,
+    MIB,
+    fake_command,
+    make_config,
+    wait_for,
+)
+from tf_antman.protocol import control_path, parse_control
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
+    """Daemons made by a test; their jobs are stopped at the end whatever happened."""
+    made: list[Daemon] = []
+    yield made
+    for d in made:
+        d.stop_all_jobs(grace_s=1)
+
+
+def new_daemon(made: list[Daemon], state: Path, clock=None, **sections: dict) -> Daemon:
+    config = make_config(state, **sections)
+    d = Daemon(config, SqliteStorage(config.db_path), **({"clock": clock} if clock else {}))
+    made.append(d)
+    return d
+
+
+def steps_of(d: Daemon, job_id: str) -> int:
+    job = d.status().gpu(0).job(job_id)
+    return 0 if job is None or job.step is None else job.step
+
+
+def test_guarantee_arrival_shrinks_the_opportunistic_job(tmp_path: Path, daemons: list[Daemon]) -> None:
+    d = new_daemon(daemons, tmp_path)
+    opp = d.submit(fake_command(demand=600 * MIB), tenant="B", kind="opportunistic", env=JOB_ENV)
+    first = d.tick()
+    assert first.picked_up == (opp,) and first.launched == (opp,)
+    assert Place(opp, (0,), Role.OPPORTUNISTIC) in first.decisions
+    assert d.run_until(lambda d: steps_of(d, opp) >= 3, timeout=20, interval=0.02)
+    alone = d.status().gpu(0).job(opp)
+    assert alone is not None and alone.memory_limit_bytes == 1 << 30 and alone.host_in_use_bytes == 0
+
+    g = d.submit(fake_command(demand=512 * MIB), tenant="A", kind="guarantee", memory_bytes=512 * MIB, env=JOB_ENV)
+    arrival = d.tick()
+    assert Place(g, (0,), Role.GUARANTEE) in arrival.decisions
+    min_memory = d.config.coordinator.min_memory_bytes
+    assert SetMemoryLimit(opp, 0, min_memory, 1 << 30) in arrival.decisions
+    assert SetComputeShare(opp, 0, d.config.coordinator.floor_share, 1.0) in arrival.decisions
+    # The coordinator's decision is in the opportunistic job's control file...
+    control = parse_control(control_path(d.job_dir(opp)).read_text())
+    assert [(m.device, m.limit_bytes) for m in control.memory_limits] == [(0, min_memory)]
+    assert control.compute_share == d.config.coordinator.floor_share
+    # ...the job applied it (its stats report the new limit and the spill to host memory)...
+    def shrunk(d: Daemon) -> bool:
+        job = d.status().gpu(0).job(opp)
+        return job is not None and job.in_use_bytes == min_memory
+    assert d.run_until(shrunk, timeout=20, interval=0.02)
+    view = d.status().gpu(0)
+    o, gj = view.job(opp), view.job(g)
+    assert o is not None and o.host_in_use_bytes == 600 * MIB - min_memory
+    assert gj is not None and gj.role is Role.GUARANTEE and gj.memory_limit_bytes == 512 * MIB
+    # ...and the store remembers the settings and the events.
+    placements = {(p.job_id, p.gpu): p for p in d.storage.placements()}
+    assert placements[(opp, 0)].memory_limit_bytes == min_memory
+    kinds = [e.kind for e in d.storage.events(opp)]
+    assert kinds[:2] == ["submitted", "launched"] and "memory_limit" in kinds and "compute_share" in kinds
+
+
+def test_restart_keeps_queued_readopts_running_and_keeps_finished(tmp_path: Path, daemons: list[Daemon]) -> None:
+    d1 = new_daemon(daemons, tmp_path)
+    ok = d1.submit(fake_command(steps=2), tenant="A", kind="guarantee", env=JOB_ENV)
+    bad = d1.submit(fake_command(steps=2, exit_code=3), tenant="A", kind="guarantee", env=JOB_ENV)
+    assert d1.run_until(lambda d: d.job(bad).state.done, timeout=30, interval=0.02)  # type: ignore[union-attr]
+    running = d1.submit(fake_command(), tenant="A", kind="guarantee", env=JOB_ENV)
+    queued = d1.submit(fake_command(), tenant="A", kind="guarantee", env=JOB_ENV)  # quota 1: waits
+    assert d1.run_until(lambda d: steps_of(d, running) >= 2, timeout=20, interval=0.02)
+    pid = d1.job(running).pid  # type: ignore[union-attr]
+    d1.tick()
+    daemons.remove(d1)  # the daemon "crashes": nothing is stopped, nothing more is written
+    del d1
+
+    d2 = new_daemon(daemons, tmp_path)
+    assert [(j.id, j.exit_code) for j in d2.storage.list_jobs([JobStatus.FINISHED])] == [(ok, 0)]
+    failed = d2.job(bad)
+    assert failed is not None and failed.state is JobStatus.FAILED and failed.exit_code == 3
+    assert d2.job(queued).state is JobStatus.QUEUED  # type: ignore[union-attr]
+    assert d2.book.jobs[running].placement == (0,) and d2.book.jobs[running].role is Role.GUARANTEE
+    report = d2.tick()
+    assert report.launched == () and report.ended == ()  # the queued job still waits for quota
+    assert d2.job(running).pid == pid  # type: ignore[union-attr]
+    before = steps_of(d2, running)
+    assert d2.run_until(lambda d: steps_of(d, running) > before, timeout=20, interval=0.02)  # still watched
+    assert "adopted" in [e.kind for e in d2.storage.events(running)]
+
+    d2.cancel(running)  # the re-adopted job can be stopped; its exit frees the quota for the queued one
+    assert d2.run_until(lambda d: d.job(queued).state is JobStatus.RUNNING, timeout=20, interval=0.02)  # type: ignore[union-attr]
+    cancelled = d2.job(running)
+    assert cancelled is not None and cancelled.state is JobStatus.CANCELLED
+    assert cancelled.exit_code == -signal.SIGTERM
+
+
+def test_a_job_that_ends_while_the_daemon_is_down_keeps_its_status(tmp_path: Path, daemons: list[Daemon]) -> None:
+    d1 = new_daemon(daemons, tmp_path)
+    job = d1.submit(fake_command(steps=3, exit_code=4), tenant="A", kind="guarantee", env=JOB_ENV)
+    d1.tick()
+    job_dir = d1.job_dir(job)
+    pid = d1.job(job).pid  # type: ignore[union-attr]
+    assert pid is not None
+    daemons.remove(d1)
+    del d1
+    assert wait_for(lambda: (job_dir / EXIT_STATUS_FILE).exists() and _ended(pid), timeout=20)
+    d2 = new_daemon(daemons, tmp_path)
+    record = d2.job(job)
+    assert record is not None and record.state is JobStatus.FAILED and record.exit_code == 4
+    assert "while the daemon was down" in (record.reason or "")
+    assert job not in d2.book.jobs_on(0)
+
+
+def test_a_bad_stats_file_is_logged_and_skipped(tmp_path: Path, daemons: list[Daemon]) -> None:
+    d = new_daemon(daemons, tmp_path)
+    writer = ("import os, time; p = os.path.join(os.environ['ANTMAN_JOB_DIR'], 'stats.json'); "
+              "open(p, 'w').write('{\"schema\": \"tf-antman/stats\", \"version\": 99}'); time.sleep(60)")
+    job = d.submit([sys.executable, "-c", writer], tenant="A", kind="guarantee")
+    d.tick()
+    assert wait_for(lambda: (d.job_dir(job) / "stats.json").exists())
+    for _ in range(5):
+        d.tick()  # must not raise
+    errors = [e for e in d.storage.events(job) if e.kind == "stats_error"]
+    assert len(errors) == 1 and "version" in errors[0].detail["error"]  # once, naming the field
+    view = d.status().gpu(0).job(job)
+    assert view is not None and view.stats_error is not None and view.step is None
+    assert d.job(job).state is JobStatus.RUNNING  # type: ignore[union-attr]
+
+
+def test_cancel_escalates_to_sigkill_after_the_grace_period_of_the_injected_clock(
+        tmp_path: Path, daemons: list[Daemon]) -> None:
+    now = [1000.0]
+    d = new_daemon(daemons, tmp_path, clock=lambda: now[0])
+    job = d.submit(fake_command(), tenant="A", kind="guarantee", env={**JOB_ENV, "FAKE_IGNORE_SIGTERM": "1"})
+    d.tick()
+    assert wait_for(lambda: (d.job_dir(job) / "stats.json").exists())
+    d.cancel(job)
+    d.tick()  # SIGTERM, which the job ignores
+    assert [e.detail["signal"] for e in d.storage.events(job) if e.kind == "stopping"] == ["SIGTERM"]
+    now[0] += d.config.jobs.cancel_grace_s - 0.5
+    d.tick()
+    assert d.job(job).state is JobStatus.RUNNING  # type: ignore[union-attr]
+    now[0] += 1.0
+    d.tick()  # past the grace period on the daemon's clock
+    assert wait_for(lambda: d.tick().ended != () or d.job(job).state.done)  # type: ignore[union-attr]
+    record = d.job(job)
+    assert record is not None and record.state is JobStatus.CANCELLED and record.exit_code == -signal.SIGKILL
+    assert record.ended_at == now[0]
+
+
+def test_queued_cancel_and_launch_failure(tmp_path: Path, daemons: list[Daemon]) -> None:
+    d = new_daemon(daemons, tmp_path)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    doomed = d.submit(["true"], tenant="A", kind="guarantee", workdir=gone)
+    gone.rmdir()
+    waiting = d.submit(["true"], tenant="A", kind="guarantee")
+    d.cancel(waiting)
+    report = d.tick()
+    assert (waiting, JobStatus.CANCELLED, None) in report.ended
+    failed = d.job(doomed)
+    assert failed is not None and failed.state is JobStatus.FAILED and "cannot start" in (failed.reason or "")
+    assert d.book.jobs_on(0) == ()
+
+
+def test_run_until_gives_up_after_the_timeout(tmp_path: Path, daemons: list[Daemon]) -> None:
+    d = new_daemon(daemons, tmp_path)
+    assert d.run_until(lambda d: False, timeout=0.0) is False
+
+
+def test_job_environment(tmp_path: Path) -> None:
+    config = make_config(tmp_path, gpus=2)
+    d = Daemon(config, SqliteStorage(config.db_path))
+    job = d.storage.get_job(d.submit(["x"], tenant="B", kind="opportunistic", gpus=2, env={"ANTMAN_HOST_MEMORY": "1GiB", "K": "v"}))
+    assert job is not None
+    base = {"PATH": "/bin", "ANTMAN_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "7", "SCHEDULER_LITE_GPUS": "9"}
+    gpus = [d.gpus[1], d.gpus[0]]
+    env = job_environment(config, job, gpus, 300 * MIB, 0.5, tmp_path / "jd", base)
+    assert env == {
+        "PATH": "/bin", "K": "v", "ANTMAN_HOST_MEMORY": "1GiB", "ANTMAN_JOB_DIR": str(tmp_path / "jd"),
+        "ANTMAN_COMPUTE_SHARE": "0.5", "ANTMAN_DEVICE_MEMORY": str(1 << 30),
+        "ANTMAN_MEMORY_LIMIT": str(300 * MIB), "SCHEDULER_LITE_JOB_ID": job.id, "SCHEDULER_LITE_GPUS": "1,0",
+        "ANTMAN_DEVICE": "emulated", "ANTMAN_DEVICE_ID": "1",
+    }
+    nvml = config.__class__(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                               "devices": config.devices.__class__("nvml")})
+    env = job_environment(nvml, job, gpus, 0, 1.0, tmp_path, {})
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,0" and env["ANTMAN_DEVICE"] == "cuda"
+    assert env["ANTMAN_MEMORY_LIMIT"] == str(MIB)  # never below tf-antman's accepted minimum
+
+
+def _ended(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return text[text.rindex(")") + 2] == "Z"  # a zombie: exited, not yet reaped

@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import csv
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from scheduler_lite.model import (
+    GIB,
+    Gpu,
+    GpuView,
+    LocalJob,
+    Role,
+    SetComputeShare,
+    SetMemoryLimit,
+    StepSample,
+)
+from scheduler_lite.policy.coordinator import (
+    CoordinatorConfig,
+    CoordinatorMemo,
+    Phase,
+    is_degraded,
+    round,
+)
+from scheduler_lite.policy.validation import ConfigError
+
+CFG = CoordinatorConfig()
+GPU = Gpu(0, "n0", 32 * GIB, "n0")
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "alibaba-minibatch"
+
+
+def steps(t0: float, n: int, seconds: float) -> tuple[StepSample, ...]:
+    return tuple(StepSample(t0 + i + 1, seconds) for i in range(n))
+
+
+def g_job(limit=20 * GIB, spill=0, st=()):
+    return LocalJob("g", Role.GUARANTEE, 20 * GIB, limit, spill, 1.0, st)
+
+
+def o_job(limit=12 * GIB, share=1.0, jid="o"):
+    return LocalJob(jid, Role.OPPORTUNISTIC, 10 * GIB, limit, 0, share)
+
+
+def limits_after(view, decisions):
+    lim = {j.job_id: j.memory_limit_bytes for j in view.jobs}
+    for d in decisions:
+        if isinstance(d, SetMemoryLimit):
+            lim[d.job_id] = d.limit_bytes
+    return lim
+
+
+def test_guarantee_arrival_shrinks_opportunistic_first_then_grows_step_by_step():
+    view = GpuView(GPU, (g_job(limit=0), o_job(limit=30 * GIB)))
+    d, memo = round(0.0, view, CFG, CoordinatorMemo())
+    lim = limits_after(view, d)
+    assert lim["o"] == CFG.min_memory_bytes and lim["g"] == 20 * GIB
+    assert sum(lim.values()) <= GPU.memory_bytes
+    assert SetComputeShare("o", 0, CFG.floor_share, 1.0) in d
+    assert d[0] == SetMemoryLimit("o", 0, CFG.min_memory_bytes, 30 * GIB)  # shrink comes first
+    # stable steps: baseline taken, opportunistic job gets the rest of the memory
+    view = GpuView(GPU, (g_job(st=steps(0, 10, 1.0)), o_job(limit=CFG.min_memory_bytes, share=CFG.floor_share)))
+    d, memo = round(11.0, view, CFG, memo)
+    assert memo.phase is Phase.GROWING and memo.baseline_s == 1.0
+    assert limits_after(view, d)["o"] == 10 * GIB
+    # undisturbed: share rises by one step
+    view = GpuView(GPU, (g_job(st=steps(11, 10, 1.01)), o_job(share=CFG.floor_share)))
+    d, memo = round(22.0, view, CFG, memo)
+    assert d == [SetComputeShare("o", 0, pytest.approx(CFG.floor_share + CFG.share_step), CFG.floor_share)]
+    # degraded by 15%: back to the floor at once, ceiling below the level that hurt
+    level = memo.level
+    view = GpuView(GPU, (g_job(st=steps(22, 10, 1.15)), o_job(share=level)))
+    d, memo = round(33.0, view, CFG, memo)
+    assert d == [SetComputeShare("o", 0, CFG.floor_share, level)]
+    assert memo.ceiling == pytest.approx(max(CFG.floor_share, level - CFG.share_step))
+
+
+def test_spill_of_guarantee_job_raises_its_limit_and_shrinks_others():
+    memo = CoordinatorMemo(guarantee_job="g", phase=Phase.STEADY, baseline_s=1.0, level=0.5,
+                           opportunistic=frozenset({"o"}), since=0.0)
+    view = GpuView(GPU, (g_job(limit=20 * GIB, spill=4 * GIB), o_job(limit=12 * GIB)))
+    d, _ = round(50.0, view, CFG, memo)
+    lim = limits_after(view, d)
+    assert lim["g"] == 24 * GIB and lim["o"] == 8 * GIB
+
+
+def test_opportunistic_only_gpu_trial_is_undone_when_progress_falls():
+    a = LocalJob("a", Role.OPPORTUNISTIC, 20 * GIB, 16 * GIB, 0, 1.0, steps(0, 10, 1.0), 1.0)
+    b = LocalJob("b", Role.OPPORTUNISTIC, 20 * GIB, 16 * GIB, 0, 1.0, steps(0, 10, 1.0), 1.0)
+    memo = CoordinatorMemo(opportunistic=frozenset({"a", "b"}), since=0.0)
+    d, memo = round(11.0, GpuView(GPU, (a, b)), CFG, memo)
+    assert memo.trial is not None and len(d) == 2
+    moved = limits_after(GpuView(GPU, (a, b)), d)
+    assert sum(moved.values()) <= GPU.memory_bytes
+    a2 = LocalJob("a", Role.OPPORTUNISTIC, 20 * GIB, moved["a"], 0, 1.0, steps(11, 10, 2.0), 1.0)
+    b2 = LocalJob("b", Role.OPPORTUNISTIC, 20 * GIB, moved["b"], 0, 1.0, steps(11, 10, 1.0), 1.0)
+    d, memo = round(22.0, GpuView(GPU, (a2, b2)), CFG, memo)
+    assert limits_after(GpuView(GPU, (a2, b2)), d) == {"a": 16 * GIB, "b": 16 * GIB}
+    assert memo.failed_trials == 1
+
+
+def _series():
+    if not TRACES.is_dir():
+        pytest.skip("traces absent")
+    out = []
+    for path in sorted(TRACES.glob("job_*_norm.csv")):
+        per = defaultdict(list)
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                per[row["worker"]].append((int(row["time"]), float(row["batch_time_norm"])))
+        out.extend([b for _, b in sorted(v)] for v in per.values())
+    return out
+
+
+def _detections(series, factor):
+    """Baseline from the first window, then every later window judged (with `factor` applied)."""
+    w = CFG.detector_window
+    flagged = total = 0
+    for s in series:
+        base = statistics.median(s[:w])
+        for start in range(w, len(s) - w + 1, w):
+            total += 1
+            flagged += is_degraded([x * factor for x in s[start:start + w]], base, CFG)
+    return flagged / total
+
+
+def test_detector_false_positive_rate_on_real_minibatch_series_is_low():
+    rate = _detections(_series(), 1.0)
+    assert rate < 0.05, rate
+
+
+def test_detector_catches_an_injected_15_percent_slowdown():
+    # One window catches ~90% (docs/policies.md); a persistent slowdown is caught within two.
+    single = _detections(_series(), 1.15)
+    assert single > 0.8, single
+    assert 1 - (1 - single) ** 2 > 0.98
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ConfigError, match="detector_window"):
+        CoordinatorConfig(detector_window=1).validate()
+    with pytest.raises(ConfigError, match="floor_share"):
+        CoordinatorConfig(floor_share=0.9, max_share=0.5).validate()

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import pytest
+
+from scheduler_lite.model import JobKind, Place, Reject, Reserve, Role, Upgrade
+from scheduler_lite.policy.global_scheduler import SchedulerConfig, schedule
+from scheduler_lite.policy.validation import ConfigError
+from tests.scheduler.builders import book, job
+
+CFG = SchedulerConfig()
+
+
+def run(b, now=0.0, cfg=CFG):
+    decisions = schedule(b.snapshot(now), cfg)
+    b.apply_all(decisions)
+    return decisions
+
+
+@pytest.mark.parametrize(
+    ("busy", "gang", "expect_group"),
+    [
+        ((), 4, "n0"),  # an empty group fits
+        ((0,), 3, "n0"),  # best fit: the group with exactly 3 free
+        ((0, 4), 4, None),  # no group has 4 free: reserve
+    ],
+)
+def test_guarantee_gang_stays_inside_one_nvlink_group(busy, gang, expect_group):
+    b = book()
+    for i, gpu in enumerate(busy):
+        b.submit(job(f"x{i}"))
+        b.apply(Place(f"x{i}", (gpu,), Role.GUARANTEE))
+    b.submit(job("g", gpus=gang))
+    d = run(b)
+    if expect_group is None:
+        assert d == [Reserve("g", d[0].gpus)] and len(d[0].gpus) == 3
+    else:
+        assert len(d) == 1 and isinstance(d[0], Place)
+        assert {b.gpus[g].nvlink_group for g in d[0].gpus} == {expect_group}
+
+
+def test_reserved_gpus_take_opportunistic_but_not_guarantee_jobs():
+    b = book(nodes=1, per_node=4)
+    b.submit(job("x"))
+    b.apply(Place("x", (0,), Role.GUARANTEE))
+    b.submit(job("gang", gpus=4, t=1))
+    assert isinstance(run(b)[0], Reserve)
+    b.submit(job("small", t=2))
+    b.submit(job("opp", tenant="B", kind=JobKind.OPPORTUNISTIC, t=3))
+    d = run(b)
+    placed = {x.job_id: x for x in d if isinstance(x, Place)}
+    assert "small" not in placed  # no overtaking, and reserved GPUs refuse other guarantee jobs
+    assert placed["opp"].role is Role.OPPORTUNISTIC
+
+
+def test_opportunistic_only_on_gpus_below_threshold_least_loaded_first():
+    b = book(nodes=1, per_node=3)
+    b.set_utilisation(0, 0.9)
+    b.set_utilisation(1, 0.5)
+    b.set_utilisation(2, 0.1)
+    for i in range(3):
+        b.submit(job(f"o{i}", tenant="B", kind=JobKind.OPPORTUNISTIC, t=i))
+    d = run(b)
+    assert [(x.job_id, x.gpus) for x in d] == [("o0", (2,)), ("o1", (1,))]
+
+
+def test_quota_limits_guarantee_jobs_and_oversized_ones_are_rejected():
+    b = book(quotas={"A": 2, "B": 0})
+    b.submit(job("a1", gpus=2))
+    b.submit(job("a2", gpus=1, t=1))
+    b.submit(job("b1", tenant="B", gpus=1, t=2))
+    d = run(b)
+    assert Place("a1", d[0].gpus, Role.GUARANTEE) == d[0]
+    assert Reject("b1", "needs 1 GPUs, quota is 0") in d
+    assert not any(isinstance(x, Place) and x.job_id == "a2" for x in d)
+
+
+def test_auto_job_runs_opportunistic_when_delay_is_long_then_upgrades():
+    b = book(nodes=1, per_node=2, quotas={"A": 1})
+    b.submit(job("g"))
+    b.submit(job("auto", kind=JobKind.AUTO, t=1))
+    d = run(b)
+    assert Place("auto", d[1].gpus, Role.OPPORTUNISTIC) == d[1]  # default remaining 1 h > 10 min
+    b.finish("g")
+    assert run(b, now=100) == [Upgrade("auto")]
+    assert b.quota_used("A") == 1
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ConfigError, match="utilisation_threshold"):
+        SchedulerConfig(utilisation_threshold=1.5).validate()
+    with pytest.raises(ConfigError, match="opportunistic_order"):
+        SchedulerConfig(opportunistic_order="random").validate()

@@ -1,0 +1,57 @@
+"""The simulator's performance model and workload recipe against their sources."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+
+from scheduler_lite.policy.validation import ConfigError
+from scheduler_lite.sim.perf import load_perf_model
+from scheduler_lite.sim.workload import paper_recipe
+
+PERF = load_perf_model()
+
+
+def test_packing_without_isolation_reproduces_antman_fig12():
+    espnet, resnet = PERF.models["espnet"], PERF.models["resnet50"]
+    light, heavy = PERF.unisolated_speeds([espnet.utilisation, resnet.utilisation])
+    # AntMan §5.1: ESPnet 20.1 min alone, 105.2 min packed with ResNet-50.
+    assert 1 / light == pytest.approx(105.2 / 20.1, rel=0.02)
+    assert heavy == 1.0
+
+
+def test_packing_equal_jobs_is_proportional_time_slicing():
+    assert PERF.unisolated_speeds([0.9, 0.9]) == pytest.approx([1 / 1.8, 1 / 1.8])
+    assert PERF.unisolated_speeds([0.3, 0.5]) == [1.0, 1.0]  # the GPU is not saturated
+    assert PERF.contention(1.4) == pytest.approx(1 + PERF.contention_slowdown * 0.4)
+
+
+def _raw() -> dict:
+    return json.loads(resources.files("scheduler_lite.data").joinpath("perf_model.json").read_text())
+
+
+def test_bad_exponent_is_rejected_with_its_name(tmp_path):
+    raw = _raw()
+    raw["unisolated_share_exponent"] = -1
+    path = tmp_path / "perf.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="unisolated_share_exponent"):
+        load_perf_model(path)
+
+
+def test_version_1_file_is_rejected(tmp_path):
+    raw = _raw()
+    raw["version"] = 1
+    path = tmp_path / "perf.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="format/version"):
+        load_perf_model(path)
+
+
+def test_recipe_gang_sizes_follow_philly_single_gpu_share():
+    wl = paper_recipe(PERF, num_jobs=4000, seed=11)
+    single = sum(1 for j in wl.jobs if j.num_gpus == 1) / len(wl.jobs)
+    assert single == pytest.approx(0.82, abs=0.02)
+    assert {j.num_gpus for j in wl.jobs} == {1, 2, 4, 8}

@@ -1,0 +1,137 @@
+"""One contract, run against every Storage implementation (scheduler_lite/storage/base.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler_lite.model import JobKind, Role
+from scheduler_lite.storage import (
+    JobSpec,
+    JobStatus,
+    MemoryStorage,
+    SqliteStorage,
+    Storage,
+    StorageError,
+)
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
+    store: Storage = MemoryStorage() if request.param == "memory" else SqliteStorage(tmp_path / "s.db")
+    yield store
+    store.close()
+
+
+def spec(tenant: str = "A", t: float = 1.0, **kw: object) -> JobSpec:
+    fields: dict = {"tenant": tenant, "kind": JobKind.GUARANTEE, "num_gpus": 1, "command": ("python", "x.py"),
+                        "workdir": "/tmp", "submit_time": t}
+    fields.update(kw)
+    return JobSpec(**fields)
+
+
+def test_add_job_assigns_distinct_ids_in_submission_order(storage: Storage) -> None:
+    a = storage.add_job(spec(t=5.0))
+    b = storage.add_job(spec(t=1.0, kind=JobKind.OPPORTUNISTIC, env=(("K", "V"),), memory_bytes=7, name="n"))
+    assert a.id != b.id and a.seq < b.seq
+    assert [j.id for j in storage.list_jobs()] == [a.id, b.id]  # submission order, not submit_time
+    got = storage.get_job(b.id)
+    assert got == b
+    assert got is not None and got.state is JobStatus.QUEUED and got.env == (("K", "V"),)
+    assert got.kind is JobKind.OPPORTUNISTIC and got.memory_bytes == 7 and got.name == "n"
+    assert storage.get_job("job-999") is None
+
+
+def test_update_job_sets_only_given_columns(storage: Storage) -> None:
+    job = storage.add_job(spec())
+    storage.update_job(job.id, cancel_requested=True)
+    updated = storage.update_job(job.id, state=JobStatus.RUNNING, role=Role.OPPORTUNISTIC, placement=(2, 3),
+                                 pid=1234, pid_start=99, job_dir="/x", started_at=3.5)
+    assert updated.cancel_requested  # an earlier write of another column survives
+    assert updated.state is JobStatus.RUNNING and updated.role is Role.OPPORTUNISTIC
+    assert updated.placement == (2, 3) and updated.pid == 1234 and updated.pid_start == 99
+    assert storage.get_job(job.id) == updated
+    done = storage.update_job(job.id, state="finished", exit_code=0, ended_at=4.0, role=None)
+    assert done.state is JobStatus.FINISHED and done.role is None and done.exit_code == 0
+
+
+def test_update_job_refuses_unknown_job_and_fixed_columns(storage: Storage) -> None:
+    job = storage.add_job(spec())
+    with pytest.raises(StorageError, match="no job"):
+        storage.update_job("job-404", state=JobStatus.RUNNING)
+    with pytest.raises(StorageError, match="tenant"):
+        storage.update_job(job.id, tenant="B")
+    assert storage.get_job(job.id) == job
+
+
+def test_list_jobs_by_state(storage: Storage) -> None:
+    a, b, c = (storage.add_job(spec()) for _ in range(3))
+    storage.update_job(b.id, state=JobStatus.RUNNING)
+    storage.update_job(c.id, state=JobStatus.CANCELLED)
+    assert [j.id for j in storage.list_jobs([JobStatus.QUEUED])] == [a.id]
+    assert [j.id for j in storage.list_jobs([JobStatus.QUEUED, JobStatus.RUNNING])] == [a.id, b.id]
+    assert storage.list_jobs([JobStatus.FAILED]) == []
+
+
+def test_transaction_commits_or_rolls_back_everything(storage: Storage) -> None:
+    kept = storage.add_job(spec())
+    with pytest.raises(RuntimeError), storage.transaction():
+        storage.update_job(kept.id, state=JobStatus.RUNNING)
+        lost = storage.add_job(spec())
+        storage.add_event(1.0, "x", lost.id)
+        storage.set_placement(kept.id, 0, 10, 0.5)
+        with storage.transaction():  # nested: joins the outer one
+            storage.set_quota("A", 3)
+        raise RuntimeError("boom")
+    assert storage.get_job(kept.id) == kept
+    assert [j.id for j in storage.list_jobs()] == [kept.id]
+    assert storage.events() == [] and storage.placements() == [] and storage.quotas() == {}
+    with storage.transaction():
+        storage.update_job(kept.id, state=JobStatus.RUNNING)
+        storage.set_quota("A", 3)
+    assert storage.get_job(kept.id).state is JobStatus.RUNNING  # type: ignore[union-attr]
+    assert storage.quotas() == {"A": 3}
+
+
+def test_events_are_ordered_filtered_and_keep_details(storage: Storage) -> None:
+    a, b = storage.add_job(spec()), storage.add_job(spec())
+    ids = [
+        storage.add_event(1.0, "submitted", a.id, kind="guarantee", gpus=[0, 1]),  # 'kind' as a detail key
+        storage.add_event(2.0, "submitted", b.id),
+        storage.add_event(3.0, "daemon_started"),
+        storage.add_event(4.0, "exited", a.id, exit_code=-15, reason="killed"),
+    ]
+    assert ids == sorted(ids) and len(set(ids)) == 4
+    events = storage.events()
+    assert [e.kind for e in events] == ["submitted", "submitted", "daemon_started", "exited"]
+    assert events[0].detail == {"kind": "guarantee", "gpus": [0, 1]}
+    assert events[2].job_id is None
+    assert [e.id for e in storage.events(a.id)] == [ids[0], ids[3]]
+    assert [e.id for e in storage.events(after_id=ids[1])] == ids[2:]
+    assert [e.id for e in storage.events(limit=2)] == ids[:2]
+    with pytest.raises(TypeError):
+        storage.add_event(5.0, "bad", None, obj=object())
+
+
+def test_placements_upsert_order_and_clear(storage: Storage) -> None:
+    a, b = storage.add_job(spec()), storage.add_job(spec())
+    storage.set_placement(b.id, 1, 100, 1.0)
+    storage.set_placement(a.id, 3, 300, 0.5)
+    storage.set_placement(a.id, 2, 200, 0.5)
+    storage.set_placement(a.id, 3, 30, 0.05)  # update in place
+    got = [(p.job_id, p.gpu, p.memory_limit_bytes, p.compute_share) for p in storage.placements()]
+    assert got == [(a.id, 2, 200, 0.5), (a.id, 3, 30, 0.05), (b.id, 1, 100, 1.0)]
+    assert [p.gpu for p in storage.placements(b.id)] == [1]
+    storage.clear_placements(a.id)
+    assert [p.job_id for p in storage.placements()] == [b.id]
+    with pytest.raises(StorageError):
+        storage.set_placement("job-404", 0, 1, 1.0)
+
+
+def test_quotas(storage: Storage) -> None:
+    storage.set_quota("B", 0)
+    storage.set_quota("A", 2)
+    storage.set_quota("A", 4)
+    assert storage.quotas() == {"A": 4, "B": 0}

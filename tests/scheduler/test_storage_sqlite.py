@@ -1,0 +1,93 @@
+"""What only the SQLite store promises: a file shared by processes, WAL, versioned schema."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scheduler_lite.model import JobKind
+from scheduler_lite.storage import (
+    SCHEMA_VERSION,
+    JobSpec,
+    JobStatus,
+    SqliteStorage,
+    StorageError,
+)
+from scheduler_lite.storage.sqlite import MIGRATIONS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def spec() -> JobSpec:
+    return JobSpec("A", JobKind.AUTO, 1, ("true",), "/tmp", 1.0)
+
+
+def test_schema_version_wal_and_idempotent_reopen(tmp_path: Path) -> None:
+    db = tmp_path / "sub" / "s.db"
+    store = SqliteStorage(db)
+    job = store.add_job(spec())
+    store.close()
+    again = SqliteStorage(db)  # reopening runs no migration and loses nothing
+    assert again.schema_version() == SCHEMA_VERSION == len(MIGRATIONS)
+    assert again.get_job(job.id) == job
+    again.close()
+    raw = sqlite3.connect(db)
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    tables = {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"jobs", "events", "placements", "quotas"} <= tables
+    raw.close()
+
+
+def test_migrates_an_empty_version_0_database(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    sqlite3.connect(db).close()  # a file with user_version 0 and no tables
+    store = SqliteStorage(db)
+    assert store.schema_version() == SCHEMA_VERSION
+    assert store.add_job(spec()).id == "job-1"
+    store.close()
+
+
+def test_refuses_a_newer_schema(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    raw = sqlite3.connect(db)
+    raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    raw.close()
+    with pytest.raises(StorageError, match=f"schema version {SCHEMA_VERSION + 1} is newer"):
+        SqliteStorage(db)
+
+
+def test_a_second_process_sees_and_changes_the_same_jobs(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    daemon_side = SqliteStorage(db)
+    first = daemon_side.add_job(spec())
+    code = textwrap.dedent(f"""
+        from scheduler_lite.storage import SqliteStorage, JobSpec
+        from scheduler_lite.model import JobKind
+        s = SqliteStorage({str(db)!r})
+        s.update_job({first.id!r}, cancel_requested=True)
+        print(s.add_job(JobSpec("B", JobKind.OPPORTUNISTIC, 2, ("x",), "/", 2.0)).id)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    second = out.stdout.strip()
+    assert second == "job-2"
+    got = daemon_side.get_job(first.id)
+    assert got is not None and got.cancel_requested
+    assert [(j.id, j.tenant, j.num_gpus) for j in daemon_side.list_jobs([JobStatus.QUEUED])] == [
+        (first.id, "A", 1), (second, "B", 2)]
+    daemon_side.close()
+
+
+def test_ids_are_not_reused_after_a_rolled_back_insert_is_followed_by_commits(tmp_path: Path) -> None:
+    store = SqliteStorage(tmp_path / "s.db")
+    with pytest.raises(RuntimeError), store.transaction():
+        store.add_job(spec())
+        raise RuntimeError
+    ids = [store.add_job(spec()).id for _ in range(3)]
+    assert len(set(ids)) == 3 and [j.id for j in store.list_jobs()] == ids
+    store.close()
