@@ -35,7 +35,7 @@ def build_native() -> None:
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     NATIVE_DIR.mkdir(exist_ok=True)
-    for target, name in TARGETS.items():
+    for name in TARGETS.values():
         src = ROOT / "bazel-bin" / name
         dst = NATIVE_DIR / name
         if dst.exists():

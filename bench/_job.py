@@ -67,7 +67,7 @@ def main() -> None:
         def train_step():
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, model(x, training=True))
-            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables, strict=True))
             return loss
 
         deadline = None

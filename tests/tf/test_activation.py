@@ -29,13 +29,14 @@ def test_device_tensors_are_served_by_our_allocator() -> None:
 
 
 def test_no_trace_without_antman_variables() -> None:
-    job = run_py("""
+    ops_lib = str(REPO / "tf_antman" / "_native" / "_antman_ops.so")
+    job = run_py(f"""
         import tensorflow as tf
-        ops = tf.load_op_library(%r)
+        ops = tf.load_op_library({ops_lib!r})
         alloc, _ = ops.antman_device_info()
         x = tf.matmul(tf.ones((8, 8)), tf.ones((8, 8))).numpy()
-        emit({"allocator": alloc.numpy().decode(), "imported": "tf_antman" in sys.modules})
-    """ % str(REPO / "tf_antman" / "_native" / "_antman_ops.so"))
+        emit({{"allocator": alloc.numpy().decode(), "imported": "tf_antman" in sys.modules}})
+    """)
     r = job.result
     assert r["allocator"] != "antman_universal"
     assert r["imported"] is False
