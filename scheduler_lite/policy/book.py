@@ -9,6 +9,7 @@ must not keep them across calls.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from types import MappingProxyType
 
@@ -173,7 +174,7 @@ class ClusterBook:
             raise BookError(f"job {job.id!r} submitted twice")
         if job.tenant not in self.tenants:
             raise BookError(f"job {job.id!r}: unknown tenant {job.tenant!r}")
-        job = job.with_(state=JobState.PENDING, role=None, placement=())
+        job = _evolve(job, state=JobState.PENDING, role=None, placement=())
         self.jobs[job.id] = job
         self._enqueue(job)
 
@@ -186,7 +187,7 @@ class ClusterBook:
         job = self.jobs[job_id]
         for gpu in job.placement:
             self._memory_committed[gpu] += demand_bytes - job.memory_demand_bytes
-        self.jobs[job_id] = job.with_(memory_demand_bytes=demand_bytes)
+        self.jobs[job_id] = _evolve(job, memory_demand_bytes=demand_bytes)
 
     def set_utilisation(self, gpu: int, utilisation: float) -> None:
         g = self.gpus[gpu]
@@ -209,7 +210,7 @@ class ClusterBook:
             self._dequeue(job)
             self._drop_reservation(job_id)
         state = JobState.FAILED if failed else JobState.FINISHED
-        self.jobs[job_id] = job.with_(state=state, placement=())
+        self.jobs[job_id] = _evolve(job, state=state, placement=())
 
     def apply_all(self, decisions: Iterable[GlobalDecision]) -> None:
         for d in decisions:
@@ -222,11 +223,11 @@ class ClusterBook:
             case Unplace():
                 job = self._running_job(d.job_id)
                 self._release(job)
-                self.jobs[job.id] = job.with_(state=JobState.FINISHED, placement=())
+                self.jobs[job.id] = _evolve(job, state=JobState.FINISHED, placement=())
             case Preempt():
                 job = self._running_job(d.job_id)
                 self._release(job)
-                job = job.with_(state=JobState.PENDING, role=None, placement=())
+                job = _evolve(job, state=JobState.PENDING, role=None, placement=())
                 self.jobs[job.id] = job
                 self._enqueue(job)
             case Reserve():
@@ -241,7 +242,7 @@ class ClusterBook:
                 job = self.jobs[d.job_id]
                 self._dequeue(job)
                 self._drop_reservation(job.id)
-                self.jobs[job.id] = job.with_(state=JobState.FAILED)
+                self.jobs[job.id] = _evolve(job, state=JobState.FAILED)
             case _:
                 raise BookError(f"not a global decision: {d!r}")
 
@@ -285,7 +286,7 @@ class ClusterBook:
                 if gpu in self._reserved:
                     raise BookError(f"place {job.id!r}: GPU {gpu} reserved for another job")
         self._dequeue(job)
-        job = job.with_(state=JobState.RUNNING, role=d.role, placement=tuple(d.gpus))
+        job = _evolve(job, state=JobState.RUNNING, role=d.role, placement=tuple(d.gpus))
         self.jobs[job.id] = job
         for gpu in d.gpus:
             if d.role is Role.GUARANTEE:
@@ -343,7 +344,7 @@ class ClusterBook:
         self._upgradable[job.tenant].pop(job_id, None)
         self._running[(job.tenant, Role.GUARANTEE)][job_id] = None
         self._quota_used[job.tenant] += job.num_gpus
-        self.jobs[job_id] = job.with_(role=Role.GUARANTEE)
+        self.jobs[job_id] = _evolve(job, role=Role.GUARANTEE)
         for gpu in job.placement:
             self._holder[gpu] = job_id
             self._refresh_free(gpu)
@@ -357,10 +358,18 @@ class ClusterBook:
         if job.kind is JobKind.AUTO:
             self._upgradable[job.tenant][job_id] = None
         self._quota_used[job.tenant] -= job.num_gpus
-        self.jobs[job_id] = job.with_(role=Role.OPPORTUNISTIC)
+        self.jobs[job_id] = _evolve(job, role=Role.OPPORTUNISTIC)
         for gpu in job.placement:
             del self._holder[gpu]
             self._refresh_free(gpu)
+
+
+_JOB_FIELDS = tuple(f.name for f in dataclasses.fields(Job))
+
+
+def _evolve(job: Job, **changes: object) -> Job:
+    """`Job.with_` for the book's own known fields, without `dataclasses.replace`'s checks."""
+    return Job(*[changes[n] if n in changes else getattr(job, n) for n in _JOB_FIELDS])
 
 
 def _bucket(utilisation: float) -> int:

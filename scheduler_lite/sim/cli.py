@@ -8,7 +8,7 @@ from pathlib import Path
 
 from scheduler_lite.policy.registry import POLICIES, get_policy
 from scheduler_lite.policy.validation import ConfigError
-from scheduler_lite.sim.engine import simulate
+from scheduler_lite.sim.engine import ROUND_MODES, simulate
 from scheduler_lite.sim.output import plot, write_jobs_csv, write_summary
 from scheduler_lite.sim.perf import load_perf_model
 from scheduler_lite.sim.workload import alibaba_v2023, paper_recipe
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", type=float, default=1.2, help="paper workload: offered load")
     p.add_argument("--trace-dir", type=Path, default=None, help="default: <repo>/../shared/traces")
     p.add_argument("--perf-model", type=Path, default=None, help="default: the shipped one")
+    p.add_argument("--rounds", choices=ROUND_MODES, default="event",
+                   help="event: coordinator rounds when asked or inputs changed; periodic: every "
+                        "GPU with jobs every round_interval_s (slow; same results without noise)")
     p.add_argument("--out", type=Path, default=None, help="directory for CSV, summary, plots")
     p.add_argument("--plots", action="store_true")
     p.add_argument("--progress", action="store_true", help="progress bar on stderr")
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'policy':16s} {'avg JCT h':>9s} {'p95 h':>7s} {'makespan h':>10s} {'guar JCT h':>10s} "
           f"{'failed':>6s} {'preempt':>7s} {'util':>5s} {'wall s':>6s}")
     for spec in policies:
-        r = simulate(wl, spec, perf, seed=args.seed, progress=args.progress)
+        r = simulate(wl, spec, perf, seed=args.seed, progress=args.progress, rounds=args.rounds)
         s = r.summary
         print(f"{spec.name:16s} {s['avg_jct_s'] / 3600:9.2f} {s['p95_jct_s'] / 3600:7.2f} "
               f"{s['makespan_s'] / 3600:10.2f} {s['guarantee_avg_jct_s'] / 3600:10.2f} "

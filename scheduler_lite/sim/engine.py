@@ -188,6 +188,9 @@ class Simulator:
         self.round_version: dict[int, int] = {}
         self.round_at: dict[int, float | None] = {}
         self.anchor: dict[int, float] = {}  # time of the GPU's last change-driven round
+        # Next round of a GPU whose only job is a guarantee job, run only if something happens
+        # there before the job leaves (_catch_up); such rounds never decide anything.
+        self.deferred: dict[int, float] = {}
         self.gpu_util = dict.fromkeys(self.mem, 0.0)
         self.gpu_mem = dict.fromkeys(self.mem, 0)
         self.util_sum = 0.0
@@ -230,6 +233,7 @@ class Simulator:
         report_every = max(1, total // 50)
         heap = self.heap
         coordinated = self.policy.coordinated
+        events = 0
         while heap:
             t = heap[0][0]
             self._advance(t)
@@ -244,7 +248,7 @@ class Simulator:
             refreshed = False
             while heap and heap[0][0] <= t:
                 _, _, kind, key, ver = heapq.heappop(heap)
-                self.counters["events"] += 1
+                events += 1
                 if kind == ARRIVE:
                     self._arrive(self.w.jobs[key])  # type: ignore[index]
                     need_schedule = True
@@ -265,7 +269,7 @@ class Simulator:
                     refreshed = self._refresh_utilisation()
                 elif self.round_version.get(key) == ver:  # type: ignore[arg-type]
                     rounds.add(key)  # type: ignore[arg-type]
-            if self.book.pending_count() and (need_schedule or (refreshed and self.reads_util())):
+            if (need_schedule or (refreshed and self.reads_util())) and self.book.pending_count():
                 self._schedule(dirty)
             changed = dirty
             if coordinated:
@@ -277,6 +281,7 @@ class Simulator:
                 self._recompute(changed)
                 if self.check:
                     self._check(changed)
+        self.counters["events"] = events
         if self.progress:
             _bar(total, total)
             print(file=sys.stderr)
@@ -293,6 +298,12 @@ class Simulator:
             self.mem_integral += self.mem_sum * dt
             self.busy_integral += self.busy_gpus * dt
             self.now = t
+
+    def _stale(self, gpu: int) -> None:
+        self.util_stale.add(gpu)
+        if self.refresh_at is None:
+            self.refresh_at = (math.floor(self.now / UTILISATION_REFRESH_S) + 1) * UTILISATION_REFRESH_S
+            self._push(self.refresh_at, REFRESH, None, 0)
 
     def _refresh_utilisation(self) -> bool:
         """Hand the book the utilisation of the GPUs that changed; True if any did."""
@@ -342,6 +353,9 @@ class Simulator:
             self._reschedule(sj)
             return EARLY
         if surge_pending:
+            for g in sj.gpus:
+                if g in self.deferred:
+                    self._catch_up(g, inclusive=False)
             sj.surged = True
             cap = min(self.mem[g] for g in sj.gpus)
             sj.demand = min(cap, int(sj.demand * (1 + tj.surge_growth)))
@@ -366,6 +380,8 @@ class Simulator:
     def _leave(self, sj: _SimJob, dirty: set[int]) -> None:
         dirty.update(sj.gpus)
         for g in sj.gpus:
+            # Its deferred rounds would only have moved a memo that its departure resets.
+            self.deferred.pop(g, None)
             del self.on_gpu[g][sj.book_id]
         sj.gpus = ()
         sj.limits.clear()
@@ -432,6 +448,8 @@ class Simulator:
         if sj.first_start is None:
             sj.first_start = self.now
         for g in d.gpus:
+            if g in self.deferred:
+                self._catch_up(g, inclusive=False)
             others = self.on_gpu[g]
             if self.policy.universal_memory:
                 used = sum(o.limits.get(g, 0) for o in others.values())
@@ -440,6 +458,11 @@ class Simulator:
                 sj.limits[g] = sj.demand
             sj.shares[g] = 1.0
             others[sj.book_id] = sj
+            if self.reads_util is not _never:
+                # A GPU that just got a job has no utilisation sample with it yet: the policy
+                # sees it as full until the next refresh, as within one pass it skips it.
+                self.book.set_utilisation(g, 1.0)
+                self._stale(g)
         dirty.update(d.gpus)
 
     # -- coordinator rounds ---------------------------------------------------------------------
@@ -476,8 +499,37 @@ class Simulator:
             at = self._tick_at_or_after(gpu, memo.next_round_at)
         else:
             at = None
+        if at is not None and not self.periodic and self._alone(gpu):
+            self.deferred[gpu] = at
+            at = None
         self._set_round(gpu, at)
         return bool(decisions)
+
+    def _alone(self, gpu: int) -> bool:
+        jobs = self.on_gpu[gpu]
+        return len(jobs) == 1 and next(iter(jobs.values())).role is Role.GUARANTEE
+
+    def _catch_up(self, gpu: int, inclusive: bool) -> None:
+        """Run the deferred rounds of a lone guarantee job before its GPU changes.
+
+        Rounds due before now see the GPU as it was then (nothing changed since, or this would
+        have run earlier). A round due exactly now runs here when the change is not one that
+        gives the GPU a round now anyway (`inclusive`), as periodic rounds would.
+        """
+        at = self.deferred.pop(gpu, None)
+        now = self.now
+        while at is not None and (at < now - 1e-9 or (inclusive and at <= now + 1e-9)):
+            self.now = at
+            self.counters["rounds"] += 1
+            memo = self.memos.get(gpu, _EMPTY_MEMO)
+            decisions, memo = coordinator.round(at, self._view(gpu), self.ccfg, memo)
+            if decisions:
+                raise InvariantError(f"GPU {gpu}: a lone guarantee job's round decided {decisions}")
+            self.memos[gpu] = memo
+            at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
+        self.now = now
+        if at is not None and at > now + 1e-9:
+            self._set_round(gpu, at)
 
     def _tick_after(self, gpu: int, t: float) -> float:
         """First grid point of the GPU strictly after `t` (and after now)."""
@@ -573,11 +625,23 @@ class Simulator:
         k = perf.contention_slowdown
         overhead = perf.colocation_overhead
         opp = Role.OPPORTUNISTIC
-        gpu_util = self.gpu_util
-        gpu_mem = self.gpu_mem
         for g in gpus:
             jobs = self.on_gpu[g]
             n = len(jobs)
+            if n == 1:  # the common case, without the sums (same arithmetic as below)
+                (jid, sj), = jobs.items()
+                limit = sj.limits.get(g, 0)
+                want = sj.demand
+                s = 1.0
+                if limit < want and want > 0:
+                    s /= sj.perf.memory_slowdown(limit / want)
+                    mem_used = limit
+                else:
+                    mem_used = want
+                sj.gpu_speed[g] = s
+                touched[jid] = sj
+                self._gpu_totals(g, min(sj.u * s, 1.0), mem_used, True)
+                continue
             capped = isolated and n > 1
             demand = 0.0
             for sj in jobs.values():
@@ -608,21 +672,7 @@ class Simulator:
                 sj.gpu_speed[g] = s
                 util += u * s
                 touched[jid] = sj
-            util = min(util, 1.0)
-            if util != gpu_util[g]:
-                self.util_sum += util - gpu_util[g]
-                gpu_util[g] = util
-                self.util_stale.add(g)
-                if self.refresh_at is None:
-                    self.refresh_at = (math.floor(self.now / UTILISATION_REFRESH_S) + 1) * UTILISATION_REFRESH_S
-                    self._push(self.refresh_at, REFRESH, None, 0)
-            if mem_used != gpu_mem[g]:
-                self.mem_sum += mem_used - gpu_mem[g]
-                gpu_mem[g] = mem_used
-            busy = n > 0
-            if busy != self.gpu_busy[g]:
-                self.gpu_busy[g] = busy
-                self.busy_gpus += 1 if busy else -1
+            self._gpu_totals(g, min(util, 1.0), mem_used, n > 0)
         watch = self.policy.coordinated and not self.periodic
         for sj in touched.values():
             if len(sj.gpus) == 1:
@@ -630,6 +680,9 @@ class Simulator:
             else:
                 speed = min(sj.gpu_speed[g] for g in sj.gpus)
             if abs(speed - sj.speed) > 1e-12:
+                for g in sj.gpus:
+                    if g in self.deferred:
+                        self._catch_up(g, inclusive=True)
                 self._settle(sj)
                 sj.speed = speed
                 sj.changed_at = self.now
@@ -637,6 +690,18 @@ class Simulator:
                 self._reschedule(sj)
                 if watch:
                     self._watch(sj)
+
+    def _gpu_totals(self, g: int, util: float, mem_used: int, busy: bool) -> None:
+        if util != self.gpu_util[g]:
+            self.util_sum += util - self.gpu_util[g]
+            self.gpu_util[g] = util
+            self._stale(g)
+        if mem_used != self.gpu_mem[g]:
+            self.mem_sum += mem_used - self.gpu_mem[g]
+            self.gpu_mem[g] = mem_used
+        if busy != self.gpu_busy[g]:
+            self.gpu_busy[g] = busy
+            self.busy_gpus += 1 if busy else -1
 
     def _reschedule(self, sj: _SimJob) -> None:
         """Plan the job's next progress event (finish or surge) at its current speed.

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from scheduler_lite.model import GIB, Gpu, GpuView
+from scheduler_lite.model import GIB, Gpu, GpuView, JobKind, Tenant
 from scheduler_lite.policy.coordinator import (
     CoordinatorConfig,
     CoordinatorMemo,
@@ -17,7 +17,7 @@ from scheduler_lite.policy.registry import POLICIES
 from scheduler_lite.policy.validation import ConfigError
 from scheduler_lite.sim.engine import simulate
 from scheduler_lite.sim.perf import load_perf_model
-from scheduler_lite.sim.workload import paper_recipe
+from scheduler_lite.sim.workload import TraceJob, Workload, paper_recipe, uniform_cluster
 
 PERF = load_perf_model()
 QUIET = dataclasses.replace(PERF, step_noise_cv=0.0)  # no step noise: skipped rounds are no-ops
@@ -36,7 +36,7 @@ def test_event_rounds_match_periodic_rounds_without_noise(name):
     assert event.records == periodic.records
 
 
-def test_event_rounds_are_fewer_but_still_steer_the_opportunistic_jobs():
+def test_opportunistic_jobs_are_throttled_next_to_guarantee_jobs():
     event = simulate(WL, POLICIES["tf-antman"], QUIET, seed=1)
     shared = [r for r in event.records if r["kind"] == "opportunistic" and r["state"] == "finished"]
     # Opportunistic jobs were slowed (shares below a whole GPU) yet all finished.
@@ -55,3 +55,19 @@ def test_round_on_an_empty_gpu_resets_the_memo():
 def test_unknown_round_mode_is_rejected():
     with pytest.raises(ConfigError, match="rounds"):
         simulate(WL, POLICIES["tf-antman"], QUIET, rounds="sometimes")
+
+
+def test_a_gpu_that_just_got_a_job_takes_no_other_until_the_next_utilisation_sample():
+    m = PERF.models["wide_deep"]  # light: one such job leaves its GPU far below M = 0.8
+
+    def job(i: int, at: float) -> TraceJob:
+        return TraceJob(f"o{i}", "B", JobKind.OPPORTUNISTIC, at, 1, 3600.0, "wide_deep",
+                        m.memory_bytes, m.utilisation, m.step_time_s)
+
+    wl = Workload("burst", uniform_cluster(1, 2, 32.0), (Tenant("A", 2), Tenant("B", 0)),
+                  tuple(job(i, 1.0 + i) for i in range(4)))
+    r = simulate(wl, POLICIES["tf-antman"], PERF, check_invariants=True)
+    starts = [float(rec["start_s"]) for rec in r.records]
+    assert starts[:2] == [1.0, 2.0]  # one per GPU straight away
+    # The next two wait for the 10 s sample that shows the GPUs' load, then share them.
+    assert starts[2:] == [10.0, 10.0]
