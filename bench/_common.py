@@ -49,3 +49,14 @@ def table(rows: list[list[object]], header: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def step_time_ratio_vs_stock(pairs: int, steps: int, width: int = 512) -> tuple[float, list[float], list[float]]:
+    """Keras fit step time under tf-antman (share 100%, no limit) over stock TF: medians of
+    alternating runs, so drifts in machine load hit both alike."""
+    args = ["--mode", "keras", "--steps", str(steps), "--width", str(width)]
+    stock, ours = [], []
+    for _ in range(pairs):
+        stock.append(median(run_job(args, None)["step_times"]))
+        ours.append(median(run_job(args, {"ANTMAN_ENABLE": "1"})["step_times"]))
+    return statistics.median(ours) / statistics.median(stock), stock, ours

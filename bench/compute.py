@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
-from _common import finish_job, median, run_job, start_job, table
+from _common import finish_job, median, run_job, start_job, step_time_ratio_vs_stock, table
 
 
 def share_accuracy(duration: float) -> tuple[list[list[object]], float]:
@@ -64,15 +63,6 @@ def interference(duration: float, op_share: float) -> dict[str, float]:
     }
 
 
-def overhead_at_100(pairs: int, steps: int) -> tuple[float, list[float], list[float]]:
-    args = ["--mode", "keras", "--steps", str(steps), "--width", "512"]
-    stock, ours = [], []
-    for _ in range(pairs):  # alternate so drifts in machine load hit both alike
-        stock.append(median(run_job(args, None)["step_times"]))
-        ours.append(median(run_job(args, {"ANTMAN_ENABLE": "1"})["step_times"]))
-    return statistics.median(ours) / statistics.median(stock), stock, ours
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="shorter runs (about 2 minutes)")
@@ -95,7 +85,7 @@ def main() -> None:
     print()
 
     print("3. step time at share 100% vs stock TF (Keras fit, medians of alternating runs)")
-    ratio, stock, ours = overhead_at_100(3 if a.quick else 7, 40 if a.quick else 150)
+    ratio, stock, ours = step_time_ratio_vs_stock(3 if a.quick else 7, 40 if a.quick else 150)
     print(table([["stock TF", median(stock) * 1e3], ["tf-antman 100%", median(ours) * 1e3]], ["run", "step ms"]))
     print(f"ratio: {ratio:.4f}\n")
 
