@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from tf_antman._log import log
@@ -87,5 +88,16 @@ def start_agent(steps: StepTracker) -> Any:
         previous_hook(*exc)
 
     sys.excepthook = mark_failed
-    atexit.register(lambda: agent.close("failed" if failed["flag"] else "finished"))
+
+    def close() -> None:
+        agent.close("failed" if failed["flag"] else "finished")
+
+    # Close while threads still run normally: from a plain atexit callback (run after the
+    # interpreter began shutting threads down) stopping watchdog's inotify observer took ~30 s.
+    # threading._register_atexit runs before that, as concurrent.futures relies on.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(close)
+    else:  # pragma: no cover - every CPython >= 3.9 has it
+        atexit.register(close)
     return agent
