@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from protocol_helpers import read_stats, wait_for
 
+from tests.protocol.protocol_helpers import read_stats, wait_for
 from tf_antman.agent import JobAgent
 from tf_antman.protocol import (
     Control,

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-from protocol_helpers import wait_for
 
+from tests.protocol.protocol_helpers import wait_for
 from tf_antman.protocol import (
     Control,
     ControlWatcher,
