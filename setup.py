@@ -23,9 +23,8 @@ ROOT = Path(__file__).resolve().parent
 NATIVE_DIR = ROOT / "tf_antman" / "_native"
 TARGETS = {"//:libtf_antman.so": "libtf_antman.so", "//:_antman_ops.so": "_antman_ops.so"}
 PTH_NAME = "tf_antman-autoload.pth"
-# Same line as tf_antman/importhook.py's PTH_LINE (a test checks they agree).
-PTH_TEXT = ('import os; any(k.startswith("ANTMAN_") for k in os.environ) '
-            'and __import__("tf_antman._autoload")\n')
+sys.path.insert(0, str(ROOT))
+from tf_antman.importhook import PTH_LINE as PTH_TEXT  # noqa: E402 - one definition of the line
 
 
 def build_native() -> None:

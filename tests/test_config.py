@@ -1,0 +1,63 @@
+"""ANTMAN_* settings: parsing, validation messages, and the documentation staying complete."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import REPO
+from tf_antman import config
+from tf_antman.units import GiB, MiB, format_bytes, parse_bytes
+
+
+def test_defaults_when_only_enable_is_set() -> None:
+    s = config.load({"ANTMAN_ENABLE": "1"})
+    assert s.enabled and s.device == "emulated" and s.device_memory == 4 * GiB
+    assert s.memory_limit == s.device_memory and s.compute_share == 1.0 and s.job_dir is None
+
+
+def test_any_variable_implies_enable_unless_disabled() -> None:
+    assert config.requested({"ANTMAN_COMPUTE_SHARE": "0.5"})
+    assert not config.requested({"ANTMAN_COMPUTE_SHARE": "0.5", "ANTMAN_ENABLE": "0"})
+    assert not config.requested({"PATH": "/bin"})
+    assert config.load({"ANTMAN_DEVICE_MEMORY": "1GiB"}).enabled
+
+
+@pytest.mark.parametrize(("name", "value", "accepted"), [
+    ("ANTMAN_ENABLE", "maybe", "0/1"),
+    ("ANTMAN_DEVICE", "tpu", "emulated or cuda"),
+    ("ANTMAN_DEVICE_ID", "-1", "0..1023"),
+    ("ANTMAN_DEVICE_ID", "1.5", "0..1023"),
+    ("ANTMAN_DEVICE_MEMORY", "10MiB", "64MiB..1PiB"),
+    ("ANTMAN_DEVICE_MEMORY", "lots", "64MiB..1PiB"),
+    ("ANTMAN_MEMORY_LIMIT", "8GiB", "ANTMAN_DEVICE_MEMORY"),
+    ("ANTMAN_HOST_MEMORY", "-1", "0..1PiB"),
+    ("ANTMAN_COMPUTE_SHARE", "1.5", "0.0..1.0"),
+    ("ANTMAN_COMPUTE_SHARE", "nan", "0.0..1.0"),
+    ("ANTMAN_STATS_INTERVAL_MS", "0", "1..60000"),
+    ("ANTMAN_JOB_DIR", "  ", "a directory path"),
+    ("ANTMAN_MEMROY_LIMIT", "1GiB", "no such variable"),
+])
+def test_bad_value_names_variable_and_range(name: str, value: str, accepted: str) -> None:
+    with pytest.raises(config.ConfigError) as err:
+        config.load({"ANTMAN_DEVICE_MEMORY": "4GiB", name: value} if name != "ANTMAN_DEVICE_MEMORY" else {name: value})
+    assert err.value.variable == name
+    assert name in str(err.value) and accepted in str(err.value)
+
+
+def test_sizes() -> None:
+    assert parse_bytes("4GiB") == 4 * GiB and parse_bytes("512 MiB") == 512 * MiB
+    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("1073741824") == GiB
+    with pytest.raises(ValueError, match="KiB, MiB, GiB"):
+        parse_bytes("4 gigs")
+    assert format_bytes(1536 * MiB) == "1.5 GiB"
+
+
+def test_every_variable_is_documented() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    documented = set(re.findall(r"`(ANTMAN_[A-Z_]+)`", doc))
+    assert {v.name for v in config.VARIABLES} <= documented
+    # and nothing documented that the code does not know
+    assert documented <= {v.name for v in config.VARIABLES}
+
