@@ -303,6 +303,7 @@ def test_vanished_job_directory_never_raises_into_training(
     job = SimulatedJob()
     agent = JobAgent(job_dir, job, job, reread_interval_s=HOUR, min_write_interval_s=0.0)
     agent.start()
+    agent.flush_stats()  # no write in flight: rmtree must not race the writer's temp file
     shutil.rmtree(job_dir)
     with caplog.at_level(logging.WARNING, logger="tf_antman"):
         for _ in range(50):
