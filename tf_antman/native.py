@@ -100,12 +100,8 @@ class Native:
         self.lib.antman_rt_step_boundary()
 
     def set_share(self, share: float) -> None:
-        self.lib.antman_rt_set_share(share)
-
-    def describe_memory(self) -> str:
-        buf = ctypes.create_string_buffer(512)
-        self.lib.antman_rt_describe_memory(buf, len(buf))
-        return buf.value.decode(errors="replace")
+        if self.lib.antman_rt_set_share(share) != 0:
+            raise NativeError(f"compute share {share!r} refused: accepted 0.0..1.0")
 
     def check_invariants(self) -> str:
         """Empty when the allocator's invariants hold, else what broke."""
@@ -151,7 +147,6 @@ def load() -> Native:
     lib.antman_rt_set_limit_now.restype = u64
     lib.antman_rt_release_cached.restype = u64
     lib.antman_rt_set_share.argtypes = [dbl]
-    lib.antman_rt_describe_memory.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.antman_rt_check_invariants.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     version = lib.antman_rt_abi_version()
     if version != ABI_VERSION:

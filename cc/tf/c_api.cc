@@ -65,12 +65,6 @@ ANTMAN_EXPORT int antman_rt_step_boundary() {
   return 0;
 }
 
-ANTMAN_EXPORT int antman_rt_describe_memory(char* out, size_t len) {
-  if (Mem() == nullptr) return 1;
-  CopyError(antman::DescribeMemory(Mem()), out, len);
-  return 0;
-}
-
 ANTMAN_EXPORT int antman_rt_check_invariants(char* err, size_t errlen) {
   if (Mem() == nullptr) return 1;
   return antman_mem_check_invariants(Mem(), err, errlen);
@@ -79,8 +73,7 @@ ANTMAN_EXPORT int antman_rt_check_invariants(char* err, size_t errlen) {
 ANTMAN_EXPORT int antman_rt_set_share(double share) {
   antman::OpManager* m = antman::Runtime::Get().op_manager();
   if (m == nullptr) return 1;
-  m->SetShare(share);
-  return 0;
+  return m->SetShare(share) ? 0 : 2;  // 2: outside [0, 1] or NaN, nothing changed
 }
 
 // Flat copy of OpManager::Stats for ctypes.

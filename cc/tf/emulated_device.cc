@@ -87,7 +87,7 @@ class EmulatedDeviceFactory : public tensorflow::DeviceFactory {
         devices->push_back(std::make_unique<EmulatedDevice>(
             options, name, static_cast<int64_t>(rt.config().device_capacity), allocator,
             rt.op_manager()));
-        rt.MarkDeviceCreated(name);
+        rt.MarkDeviceCreated();
       } else {
         // Further CPU devices (device_count > 1) stay plain CPU devices.
         devices->push_back(std::make_unique<tensorflow::ThreadPoolDevice>(

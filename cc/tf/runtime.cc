@@ -40,15 +40,4 @@ std::string Runtime::Configure(const RuntimeConfig& config) {
   return "";
 }
 
-void Runtime::MarkDeviceCreated(const std::string& name) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  device_name_ = name;
-  devices_created_.fetch_add(1);
-}
-
-std::string Runtime::device_name() const {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return device_name_;
-}
-
 }  // namespace antman

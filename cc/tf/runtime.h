@@ -36,10 +36,9 @@ class Runtime {
   antman_mem* mem() const { return mem_; }
   OpManager* op_manager() const { return op_manager_.get(); }
 
-  // Set by the device factory: proof that TF built its device on our pieces.
-  void MarkDeviceCreated(const std::string& name);
+  // Counted by the device factory: proof that TF built its device on our pieces.
+  void MarkDeviceCreated() { devices_created_.fetch_add(1); }
   int devices_created() const { return devices_created_.load(); }
-  std::string device_name() const;
 
  private:
   Runtime() = default;
@@ -47,7 +46,6 @@ class Runtime {
   antman_mem* mem_ = nullptr;
   std::unique_ptr<OpManager> op_manager_;
   std::atomic<int> devices_created_{0};
-  std::string device_name_;
 };
 
 }  // namespace antman
