@@ -46,9 +46,10 @@ class OpStats(ctypes.Structure):
     _fields_ = [
         ("busy_ns", ctypes.c_int64), ("idle_inserted_ns", ctypes.c_int64),
         ("ops_total", ctypes.c_int64), ("ops_delayed", ctypes.c_int64),
-        ("ops_queued_now", ctypes.c_int64), ("share", ctypes.c_double),
-        ("achieved_share_window", ctypes.c_double), ("window_ns", ctypes.c_int64),
-        ("paused", ctypes.c_int32),
+        ("ops_waiting_now", ctypes.c_int64), ("ops_in_flight", ctypes.c_int64),
+        ("share", ctypes.c_double), ("achieved_share_window", ctypes.c_double),
+        ("window_ns", ctypes.c_int64), ("paused", ctypes.c_int32),
+        ("op_ns_ewma", ctypes.c_int64), ("credit_ns", ctypes.c_int64),
     ]
 
     def as_dict(self) -> dict[str, float | int | bool]:
@@ -103,6 +104,13 @@ class Native:
         if self.lib.antman_rt_set_share(share) != 0:
             raise NativeError(f"compute share {share!r} refused: accepted 0.0..1.0")
 
+    def waiting_op_types(self) -> list[str]:
+        """Op types the manager lets through uncharged (cc/tf/op_classes.cc)."""
+        names = []
+        while (name := self.lib.antman_rt_waiting_op(len(names))) is not None:
+            names.append(name.decode())
+        return names
+
     def check_invariants(self) -> str:
         """Empty when the allocator's invariants hold, else what broke."""
         buf = ctypes.create_string_buffer(512)
@@ -147,6 +155,8 @@ def load() -> Native:
     lib.antman_rt_set_limit_now.restype = u64
     lib.antman_rt_release_cached.restype = u64
     lib.antman_rt_set_share.argtypes = [dbl]
+    lib.antman_rt_waiting_op.argtypes = [i32]
+    lib.antman_rt_waiting_op.restype = ctypes.c_char_p
     lib.antman_rt_check_invariants.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     version = lib.antman_rt_abi_version()
     if version != ABI_VERSION:

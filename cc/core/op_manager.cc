@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <memory>
+#include <iterator>
 #include <sstream>
 #include <stdexcept>
 
@@ -33,6 +33,9 @@ constexpr double kProfileWeight = 0.125;
 // Debt below one nanosecond is rounding, not a reason to sleep.
 constexpr double kTokenSlackNs = 1.0;
 
+// The manager whose host-timed op this thread is running (ScopedOp), if any.
+thread_local const OpManager* tl_current_op_manager = nullptr;
+
 }  // namespace
 
 Clock* SystemClock() {
@@ -60,6 +63,11 @@ std::string OpManager::Validate(const Options& options) {
     return "max_credit_ns: " + std::to_string(options.max_credit_ns) +
            " is outside the accepted range [0, 2^63)";
   }
+  if (options.max_pending_device_ops < 1) {
+    return "max_pending_device_ops: " +
+           std::to_string(options.max_pending_device_ops) +
+           " is outside the accepted range [1, 2^63)";
+  }
   return "";
 }
 
@@ -75,30 +83,27 @@ OpManager::OpManager(Options options)
       created_ns_(clock_->NowNs()),
       share_(options.initial_share),
       unthrottled_(options.initial_share >= 1.0),
-      tokens_at_ns_(created_ns_) {
-  thread_ = std::thread([this] { Loop(); });
-  thread_id_ = thread_.get_id();
-}
+      throttled_since_(created_ns_),
+      tokens_at_ns_(created_ns_) {}
 
 OpManager::~OpManager() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-    cv_.notify_all();
-  }
-  thread_.join();
+  std::unique_lock<std::mutex> lock(mu_);
+  stopping_ = true;
+  cv_.notify_all();
+  // Waiters reference this object until they leave Admit().
+  while (waiting_ > 0) clock_->WaitUntil(lock, cv_, Clock::kForever);
 }
 
 bool OpManager::SetShare(double share) {
   if (!ValidateShare(share).empty()) return false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    // Time so far accrued under the old share.
-    AccrueLocked(clock_->NowNs());
-    share_ = share;
-    unthrottled_.store(share >= 1.0, std::memory_order_relaxed);
-    cv_.notify_all();
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t now = clock_->NowNs();
+  // Time so far accrued under the old share.
+  AccrueLocked(now);
+  if (share_ >= 1.0 && share < 1.0) throttled_since_ = now;
+  share_ = share;
+  unthrottled_.store(share >= 1.0, std::memory_order_relaxed);
+  cv_.notify_all();
   return true;
 }
 
@@ -107,64 +112,95 @@ double OpManager::share() const {
   return share_;
 }
 
-void OpManager::Run(std::function<void()> op) {
-  if (std::this_thread::get_id() == thread_id_) {
-    op();
-    return;
+int64_t OpManager::Admit(Timing timing) {
+  if (timing == Timing::kHost && tl_current_op_manager == this) return kNested;
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t ticket = next_ticket_++;
+  ++waiting_;
+  bool delayed = false;
+  for (;;) {
+    int64_t now = clock_->NowNs();
+    if (ticket != serving_ticket_) {
+      // Not at the head of the line: woken when the line moves.
+      clock_->WaitUntil(lock, cv_, Clock::kForever);
+      continue;
+    }
+    AccrueLocked(now);
+    int64_t wait = SlotWaitNsLocked(timing);
+    if (wait == 0) break;
+    delayed = true;
+    // Only a wait for tokens is inserted idle; a pause or a full pending
+    // window is not throttling in that sense.
+    bool for_tokens = share_ > 0.0 &&
+                      !(timing == Timing::kDevice &&
+                        device_pending_ >= options_.max_pending_device_ops);
+    clock_->WaitUntil(lock, cv_, wait == Clock::kForever ? wait : now + wait);
+    if (for_tokens) idle_inserted_ns_ += clock_->NowNs() - now;
   }
-  std::promise<void> ran;
-  std::future<void> ran_future = ran.get_future();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Item item;
-    item.op = std::move(op);
-    item.ran = &ran;
-    queue_.push_back(std::move(item));
-    cv_.notify_all();
-  }
-  ran_future.get();  // rethrows the op's exception
+  ++serving_ticket_;
+  --waiting_;
+  if (delayed) ++ops_delayed_;
+  int64_t now = clock_->NowNs();
+  if (timing == Timing::kHost) running_starts_.insert(now);
+  cv_.notify_all();  // the next in line, and a destructor waiting for waiters
+  return now;
 }
 
-void OpManager::RunAsync(std::function<void(std::function<void()>)> launch) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Item item;
-    item.launch = std::move(launch);
-    queue_.push_back(std::move(item));
-    cv_.notify_all();
-  }
+void OpManager::Finish(int64_t admitted_ns) {
+  if (admitted_ns == kNested) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t now = clock_->NowNs();
+  AccrueLocked(now);
+  auto it = running_starts_.find(admitted_ns);
+  if (it == running_starts_.end()) return;  // unmatched Finish: a caller bug, ignored
+  running_starts_.erase(it);
+  tokens_ -= static_cast<double>(ChargeIntervalLocked(admitted_ns, now));
+  ProfileLocked(now - admitted_ns);
+  ++ops_total_;
+  PruneLocked(now);
 }
 
-void OpManager::RecordBusy(int64_t start_ns, int64_t end_ns) {
-  if (end_ns < start_ns) return;
+int64_t OpManager::Launched() {
   std::lock_guard<std::mutex> lock(mu_);
   AccrueLocked(clock_->NowNs());
-  // The accrual above counted this span as idle; take back what it added to
-  // the busy union (ops run in parallel on the caller's threads overlap).
-  tokens_ -= static_cast<double>(AddBusyIntervalLocked(start_ns, end_ns));
-  ProfileLocked(end_ns - start_ns);
+  int64_t estimate = have_profile_ ? static_cast<int64_t>(op_ns_ewma_) : 0;
+  tokens_ -= static_cast<double>(estimate);
+  ++device_pending_;
+  return estimate;
+}
+
+void OpManager::DeviceDone(int64_t provisional_ns, int64_t start_ns,
+                           int64_t end_ns) {
+  std::lock_guard<std::mutex> lock(mu_);
+  AccrueLocked(clock_->NowNs());
+  tokens_ += static_cast<double>(provisional_ns);
+  if (end_ns > start_ns) {
+    tokens_ -= static_cast<double>(ChargeIntervalLocked(start_ns, end_ns));
+    ProfileLocked(end_ns - start_ns);
+  }
+  if (device_pending_ > 0) --device_pending_;
   ++ops_total_;
+  PruneLocked(end_ns);
+  cv_.notify_all();  // a caller may wait for the pending window
 }
 
 void OpManager::AccrueLocked(int64_t now) {
   int64_t dt = now - tokens_at_ns_;
   if (dt <= 0) return;
   tokens_at_ns_ = now;
-  double wall = static_cast<double>(dt);
-  if (sync_running_) {
-    tokens_ += wall * (share_ - 1.0);
-  } else {
-    tokens_ += wall * share_;
-    if (async_in_flight_ > 0) async_pending_ns_ += dt;
-  }
-  // The cap bounds the balance as if the pending charge were already paid.
+  tokens_ += static_cast<double>(dt) * share_;
+  // The cap bounds the balance as if busy time not charged yet were paid.
   tokens_ = std::min(tokens_, static_cast<double>(options_.max_credit_ns +
-                                                  async_pending_ns_));
+                                                  UnchargedLocked(now)));
 }
 
-int64_t OpManager::SlotWaitNsLocked() const {
+int64_t OpManager::SlotWaitNsLocked(Timing timing) const {
   if (stopping_ || share_ >= 1.0) return 0;
   if (share_ <= 0.0) return Clock::kForever;
+  if (timing == Timing::kDevice &&
+      device_pending_ >= options_.max_pending_device_ops) {
+    return Clock::kForever;  // woken by DeviceDone
+  }
   if (tokens_ > -kTokenSlackNs) return 0;
   // Idle accrues `share` tokens per ns; only idle time is known to follow.
   // Tiny shares give huge waits: past ~3 years, wait for a share change.
@@ -172,26 +208,35 @@ int64_t OpManager::SlotWaitNsLocked() const {
   return wait < 1e17 ? static_cast<int64_t>(wait) : Clock::kForever;
 }
 
-void OpManager::BusyChangedLocked(bool was_busy, int64_t now) {
-  bool busy = BusyLocked();
-  if (!was_busy && busy) busy_since_ = now;
-  if (was_busy && !busy) AddBusyIntervalLocked(busy_since_, now);
+int64_t OpManager::UnchargedLocked(int64_t now) const {
+  return running_starts_.empty() ? 0 : now - *running_starts_.begin();
 }
 
-int64_t OpManager::AddBusyIntervalLocked(int64_t start, int64_t end) {
-  if (!recent_busy_.empty()) start = std::max(start, recent_busy_.back().second);
+int64_t OpManager::ChargeIntervalLocked(int64_t start, int64_t end) {
   if (end <= start) return 0;
-  busy_ns_ += end - start;
-  if (!recent_busy_.empty() && recent_busy_.back().second == start) {
-    recent_busy_.back().second = end;
-  } else {
-    recent_busy_.emplace_back(start, end);
+  // Merge [start, end) with every interval it touches: what it adds to the
+  // union is the merged length minus the lengths merged into it.
+  int64_t already = 0;
+  auto it = busy_intervals_.upper_bound(start);
+  if (it != busy_intervals_.begin() && std::prev(it)->second >= start) --it;
+  while (it != busy_intervals_.end() && it->first <= end) {
+    already += it->second - it->first;
+    start = std::min(start, it->first);
+    end = std::max(end, it->second);
+    it = busy_intervals_.erase(it);
   }
-  while (!recent_busy_.empty() &&
-         recent_busy_.front().second <= end - options_.window_ns) {
-    recent_busy_.pop_front();
+  busy_intervals_.emplace(start, end);
+  int64_t added = (end - start) - already;
+  busy_ns_ += added;
+  return added;
+}
+
+void OpManager::PruneLocked(int64_t now) {
+  int64_t horizon = now - options_.window_ns;
+  if (!running_starts_.empty()) horizon = std::min(horizon, *running_starts_.begin());
+  while (!busy_intervals_.empty() && busy_intervals_.begin()->second < horizon) {
+    busy_intervals_.erase(busy_intervals_.begin());
   }
-  return end - start;
 }
 
 void OpManager::ProfileLocked(int64_t op_ns) {
@@ -202,116 +247,25 @@ void OpManager::ProfileLocked(int64_t op_ns) {
   have_profile_ = true;
 }
 
-void OpManager::Loop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    if (queue_.empty()) {
-      if (stopping_) break;
-      clock_->WaitUntil(lock, cv_, Clock::kForever);
-      continue;
-    }
-    int64_t now = clock_->NowNs();
-    AccrueLocked(now);
-    int64_t wait = SlotWaitNsLocked();
-    if (wait > 0) {
-      head_delayed_ = true;
-      bool throttling = share_ > 0.0;
-      int64_t deadline = wait == Clock::kForever ? wait : now + wait;
-      clock_->WaitUntil(lock, cv_, deadline);
-      if (throttling) idle_inserted_ns_ += clock_->NowNs() - now;
-      continue;
-    }
-    if (head_delayed_) {
-      ++ops_delayed_;
-      head_delayed_ = false;
-    }
-    Item item = std::move(queue_.front());
-    queue_.pop_front();
-    LaunchLocked(lock, std::move(item));
-  }
-  // Launched async ops still refer to this manager through their done.
-  while (async_in_flight_ > 0) clock_->WaitUntil(lock, cv_, Clock::kForever);
-}
-
-void OpManager::LaunchLocked(std::unique_lock<std::mutex>& lock, Item item) {
-  int64_t start = clock_->NowNs();
-  AccrueLocked(start);
-  bool was_busy = BusyLocked();
-  if (item.launch) {
-    ++async_in_flight_;
-    BusyChangedLocked(was_busy, start);
-    auto called = std::make_shared<std::atomic<bool>>(false);
-    std::function<void()> done = [this, start, called] {
-      if (!called->exchange(true)) OnAsyncDone(start);
-    };
-    lock.unlock();
-    item.launch(std::move(done));
-    lock.lock();
-    return;
-  }
-  sync_running_ = true;
-  BusyChangedLocked(was_busy, start);
-  lock.unlock();
-  std::exception_ptr error;
-  try {
-    item.op();
-  } catch (...) {
-    error = std::current_exception();
-  }
-  lock.lock();
-  int64_t end = clock_->NowNs();
-  AccrueLocked(end);
-  was_busy = BusyLocked();
-  sync_running_ = false;
-  BusyChangedLocked(was_busy, end);
-  ProfileLocked(end - start);
-  ++ops_total_;
-  if (error) {
-    item.ran->set_exception(error);
-  } else {
-    item.ran->set_value();
-  }
-}
-
-void OpManager::OnAsyncDone(int64_t launch_ns) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    int64_t now = clock_->NowNs();
-    AccrueLocked(now);
-    bool was_busy = BusyLocked();
-    --async_in_flight_;
-    BusyChangedLocked(was_busy, now);
-    // Async-only busy time so far is charged now; sync time that overlapped
-    // it was charged as it ran, so the charge is the busy union.
-    tokens_ -= static_cast<double>(async_pending_ns_);
-    async_pending_ns_ = 0;
-    ProfileLocked(now - launch_ns);
-    ++ops_total_;
-    // Under the lock: once it is released the destructor may finish.
-    cv_.notify_all();
-  }
-}
-
 OpManager::Stats OpManager::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t now = clock_->NowNs();
-  int64_t window_start = now - options_.window_ns;
-  int64_t open_busy = BusyLocked() ? now - busy_since_ : 0;
+  // The window covers only time spent throttled: at share 1 ops are not timed.
+  int64_t window_start = std::max(now - options_.window_ns, throttled_since_);
   int64_t in_window = 0;
-  for (auto it = recent_busy_.rbegin(); it != recent_busy_.rend(); ++it) {
+  for (auto it = busy_intervals_.rbegin(); it != busy_intervals_.rend(); ++it) {
     if (it->second <= window_start) break;
     in_window += std::min(it->second, now) - std::max(it->first, window_start);
   }
-  if (open_busy > 0) in_window += now - std::max(busy_since_, window_start);
-  int64_t span = std::min(options_.window_ns, now - created_ns_);
+  int64_t span = now - window_start;
 
   Stats s;
-  s.busy_ns = busy_ns_ + open_busy;
+  s.busy_ns = busy_ns_;
   s.idle_inserted_ns = idle_inserted_ns_;
   s.ops_total = ops_total_;
   s.ops_delayed = ops_delayed_;
-  s.ops_queued_now = static_cast<int64_t>(queue_.size());
-  s.ops_in_flight = async_in_flight_;
+  s.ops_waiting_now = waiting_;
+  s.ops_in_flight = static_cast<int64_t>(running_starts_.size()) + device_pending_;
   s.share = share_;
   s.achieved_share_window =
       span > 0 ? static_cast<double>(in_window) / static_cast<double>(span)
@@ -320,18 +274,27 @@ OpManager::Stats OpManager::stats() const {
   s.paused = share_ <= 0.0;
   s.op_ns_ewma = static_cast<int64_t>(op_ns_ewma_);
   // What the bucket holds as of now, without mutating it from a const method.
-  // Async-only busy time not charged yet counts as already charged here.
   double tokens = tokens_;
-  int64_t pending = async_pending_ns_;
+  int64_t uncharged = UnchargedLocked(now);
   int64_t dt = now - tokens_at_ns_;
   if (dt > 0) {
-    tokens += static_cast<double>(dt) * (sync_running_ ? share_ - 1.0 : share_);
-    if (!sync_running_ && async_in_flight_ > 0) pending += dt;
-    tokens = std::min(tokens,
-                      static_cast<double>(options_.max_credit_ns + pending));
+    tokens += static_cast<double>(dt) * share_;
+    tokens = std::min(tokens, static_cast<double>(options_.max_credit_ns + uncharged));
   }
-  s.credit_ns = static_cast<int64_t>(tokens) - pending;
+  s.credit_ns = static_cast<int64_t>(tokens) - uncharged;
   return s;
+}
+
+OpManager::ScopedOp::ScopedOp(OpManager& manager)
+    : manager_(manager),
+      admitted_ns_(manager.Admit(Timing::kHost)),
+      outer_(tl_current_op_manager) {
+  tl_current_op_manager = &manager;
+}
+
+OpManager::ScopedOp::~ScopedOp() {
+  tl_current_op_manager = outer_;
+  manager_.Finish(admitted_ns_);
 }
 
 }  // namespace antman

@@ -1,24 +1,34 @@
 // tf-antman GpuOpManager: limits the share of time a job keeps its device busy
-// (paper §3.1.2, §4.1) by delaying operator launches. No TensorFlow types:
-// the framework glue hands over closures.
+// (paper §3.1.2, §4.1) by delaying the *start* of operators. No framework types.
+//
+// The manager decides when an op may start; it never runs an op. The op runs
+// where the framework would have run it (the caller's thread for a synchronous
+// kernel, the framework's callbacks for an asynchronous one), so the
+// framework's threading, floating-point environment and inter-op parallelism
+// are kept, and an op that waits for another op can never deadlock on the
+// manager: admission waits for time and for a share > 0, never for another op.
+//
+// Two ways an op's busy time is known:
+//   host-timed   (emulated device): from admission until Finish(), on the
+//                manager's clock; overlapping ops count once (busy union);
+//   device-timed (GPU): the kernel's own start/end from device events, which
+//                arrive after the launch; the op is charged a provisional
+//                estimate at launch and the true time when the event completes.
+// docs/op-manager.md explains the algorithm and why it is deadlock-free.
 //
 // Units: nanoseconds on the manager's Clock; shares are fractions in [0, 1].
 // Thread safety: every public method may be called from any thread.
-// docs/op-manager.md explains the algorithm and why it keeps FIFO order,
-// cannot deadlock on async ops, and pauses without losing ops.
 #ifndef TF_ANTMAN_CC_CORE_OP_MANAGER_H_
 #define TF_ANTMAN_CC_CORE_OP_MANAGER_H_
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <functional>
-#include <future>
 #include <limits>
+#include <map>
+#include <set>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 
 namespace antman {
@@ -43,94 +53,120 @@ Clock* SystemClock();
 class OpManager {
  public:
   struct Options {
-    // Target busy share at start; 1.0 launches every op without delay.
+    // Target busy share at start; 1.0 admits every op without delay.
     double initial_share = 1.0;
     // Span over which Stats::achieved_share_window is measured.
     int64_t window_ns = 1'000'000'000;
     // Most busy time a job may bank while idle or under its share and then
     // spend at full speed. It also absorbs oversleeping of real clocks.
     int64_t max_credit_ns = 5'000'000;
+    // Device-timed ops launched but not yet completed, at most: bounds how
+    // far a job may run ahead of its share while its charges are provisional.
+    int64_t max_pending_device_ops = 256;
     Clock* clock = nullptr;  // nullptr: SystemClock()
   };
 
+  enum class Timing { kHost, kDevice };
+
   struct Stats {
-    int64_t busy_ns;           // union of the time any op of this job ran
-    int64_t idle_inserted_ns;  // time ready ops were held back, 0 < share < 1
-    int64_t ops_total;         // ops that ran (or were recorded), all paths
-    int64_t ops_delayed;       // ops whose launch waited for a slot or a resume
-    int64_t ops_queued_now;    // ops waiting in the queue
-    int64_t ops_in_flight;     // launched async ops whose done is pending
+    int64_t busy_ns;           // union of the busy time of finished ops
+    int64_t idle_inserted_ns;  // time the head of the line waited for a slot
+    int64_t ops_total;         // ops finished (host) or completed (device)
+    int64_t ops_delayed;       // admissions that had to wait
+    int64_t ops_waiting_now;   // callers blocked in Admit()
+    int64_t ops_in_flight;     // admitted host ops not finished + device ops not completed
     double share;              // target share now
-    double achieved_share_window;  // busy / wall over the last window_ns
+    double achieved_share_window;  // busy / wall over the last window_ns (throttled time only)
     int64_t window_ns;
     bool paused;               // share == 0
-    int64_t op_ns_ewma;        // profiled op execution time (EWMA)
+    int64_t op_ns_ewma;        // profiled op busy time (EWMA)
     int64_t credit_ns;         // banked busy time; negative = idle owed
   };
+
+  // Returned by Admit() to a thread that is already inside an op of this
+  // manager (a kernel that runs other kernels inline): the outer op's busy
+  // time covers the inner one, and waiting could never end (the outer op is
+  // busy until the inner one returns). Finish(kNested) does nothing.
+  static constexpr int64_t kNested = -1;
 
   // "" when valid, else a message naming the bad field and its accepted range.
   static std::string Validate(const Options& options);
   static std::string ValidateShare(double share);
 
   // Throws std::invalid_argument with Validate()'s message on bad options.
-  // Starts one thread that owns the FIFO operator queue.
   explicit OpManager(Options options);
-  // Launches every queued op without throttling (even while paused), waits for
-  // the done of every launched async op, then joins the thread.
+  // Releases every waiting caller (admitting it without throttling) and waits
+  // until none is left inside Admit(). Device ops still pending must not call
+  // DeviceDone() afterwards: their owner drains them first.
   ~OpManager();
 
   OpManager(const OpManager&) = delete;
   OpManager& operator=(const OpManager&) = delete;
 
   // Returns false and keeps the old share when `share` is outside [0, 1].
-  // Takes effect for the next launch; 0 pauses at the next op boundary.
+  // Applies to the next admission and wakes waiting callers; 0 holds every
+  // new op at its admission until a share > 0 (pause at an op boundary).
   bool SetShare(double share);
   double share() const;
 
-  // The hot path: while true, callers run ops themselves and skip the queue.
+  // The hot path: while true, callers run ops directly and skip the manager.
   bool unthrottled() const {
     return unthrottled_.load(std::memory_order_relaxed);
   }
 
-  // Queues `op`; the manager thread runs it at its slot and this call returns
-  // after it ran (rethrowing what it threw). Called from inside an op that the
-  // manager is running, `op` runs inline: queueing it would deadlock.
-  void Run(std::function<void()> op);
+  // Blocks the calling thread until the op may start: callers are admitted in
+  // the order they arrived, each when the token bucket allows it (or at once
+  // at share 1, or when the manager is shutting down). Returns the admission
+  // time, or kNested (see above). A host-timed op is busy from here until
+  // Finish(); a device-timed op must be followed by Launched().
+  int64_t Admit(Timing timing = Timing::kHost);
 
-  // Queues `launch`; at its slot the manager thread calls launch(done) and goes
-  // on without waiting for done, which must be called once, from any thread
-  // (extra calls are ignored). launch->done counts as busy time, charged to
-  // the share when done is called. `launch` must not throw.
-  void RunAsync(std::function<void(std::function<void()> done)> launch);
+  // Ends a host-timed op admitted at `admitted_ns` (any thread); its busy time
+  // (what of [admitted, now) is not in the busy union yet) is charged now.
+  // Charging each op at its end, not while it runs, is what keeps a long or
+  // blocked op from holding back the ops it may be waiting for.
+  void Finish(int64_t admitted_ns);
 
-  // Accounts an op that the caller ran on the unthrottled path and timed with
-  // NowNs(): it counts as busy time and uses up banked credit.
-  void RecordBusy(int64_t start_ns, int64_t end_ns);
+  // A device-timed op was launched: charges the profiled device time of an op
+  // now as a provisional estimate and returns it. Pass it to DeviceDone().
+  int64_t Launched();
+  // The device finished the op: [start_ns, end_ns) is its kernel time on this
+  // manager's clock (from device events). Replaces the provisional charge.
+  // Completions must arrive roughly in device order (one stream per device).
+  void DeviceDone(int64_t provisional_ns, int64_t start_ns, int64_t end_ns);
+
   int64_t NowNs() const { return clock_->NowNs(); }
-
   Stats stats() const;
 
- private:
-  struct Item {
-    std::function<void()> op;                                    // sync
-    std::function<void(std::function<void()>)> launch;           // async
-    std::promise<void>* ran = nullptr;                           // sync only
+  // RAII for a synchronous host-timed op on the calling thread: admits in the
+  // constructor, finishes in the destructor, and marks the thread so that ops
+  // run inline inside it are admitted as kNested.
+  class ScopedOp {
+   public:
+    explicit ScopedOp(OpManager& manager);
+    ~ScopedOp();
+    ScopedOp(const ScopedOp&) = delete;
+    ScopedOp& operator=(const ScopedOp&) = delete;
+
+   private:
+    OpManager& manager_;
+    int64_t admitted_ns_;
+    const OpManager* outer_;
   };
 
-  void Loop();
-  // Nanoseconds the head op must still wait: 0 = launch now.
-  int64_t SlotWaitNsLocked() const;
-  void LaunchLocked(std::unique_lock<std::mutex>& lock, Item item);
-  void OnAsyncDone(int64_t launch_ns);
+ private:
   // Brings the token bucket up to `now` under the share in force since the
   // last update.
   void AccrueLocked(int64_t now);
-  bool BusyLocked() const { return sync_running_ || async_in_flight_ > 0; }
-  // Wraps a change of sync_running_/async_in_flight_ to keep the busy union.
-  void BusyChangedLocked(bool was_busy, int64_t now);
-  // Adds [start, end) to the busy union; returns the ns it added. Intervals
-  // must come roughly in time order: one ending before the last is dropped.
-  int64_t AddBusyIntervalLocked(int64_t start, int64_t end);
+  // Nanoseconds the head of the line must still wait: 0 = admit now.
+  int64_t SlotWaitNsLocked(Timing timing) const;
+  // Busy time of running host ops not charged yet, at most (for the cap).
+  int64_t UnchargedLocked(int64_t now) const;
+  // Adds the part of [start, end) not yet in the busy union; returns its ns.
+  int64_t ChargeIntervalLocked(int64_t start, int64_t end);
+  // Forgets busy intervals that neither the window nor a running op can
+  // still overlap.
+  void PruneLocked(int64_t now);
   void ProfileLocked(int64_t op_ns);
 
   const Options options_;
@@ -138,34 +174,37 @@ class OpManager {
   const int64_t created_ns_;
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;  // the manager thread waits here
-  std::deque<Item> queue_;
+  std::condition_variable cv_;  // waiting callers
   double share_;
   std::atomic<bool> unthrottled_;
   bool stopping_ = false;
+  // Since when the share has been below 1 (the window only covers timed time).
+  int64_t throttled_since_;
 
-  bool sync_running_ = false;
-  int64_t async_in_flight_ = 0;
-  int64_t busy_since_ = 0;
+  // Line of waiting callers: tickets are taken in arrival order and admitted
+  // in the same order.
+  uint64_t next_ticket_ = 0;
+  uint64_t serving_ticket_ = 0;
+  int64_t waiting_ = 0;
 
-  // Token bucket in busy-ns: +share per wall ns, -1 per busy ns, <= max credit.
+  // Admission times of host-timed ops running now.
+  std::multiset<int64_t> running_starts_;
+  int64_t device_pending_ = 0;
+
+  // Token bucket in busy-ns: +share per wall ns, minus each op's busy time
+  // when it finishes (device ops: provisionally at launch, exactly when the
+  // device reports completion).
   double tokens_ = 0.0;
   int64_t tokens_at_ns_;
-  // Busy time while only async ops were in flight, charged at their done so a
-  // long-waiting async op never holds back the ops it waits for.
-  int64_t async_pending_ns_ = 0;
 
+  // Busy union of finished ops: disjoint intervals by start, recent ones only.
   int64_t busy_ns_ = 0;
-  std::deque<std::pair<int64_t, int64_t>> recent_busy_;  // disjoint, sorted
+  std::map<int64_t, int64_t> busy_intervals_;
   int64_t idle_inserted_ns_ = 0;
   int64_t ops_total_ = 0;
   int64_t ops_delayed_ = 0;
-  bool head_delayed_ = false;
   double op_ns_ewma_ = 0.0;
   bool have_profile_ = false;
-
-  std::thread thread_;
-  std::thread::id thread_id_;
 };
 
 }  // namespace antman

@@ -1,6 +1,7 @@
 // Unit tests of the GpuOpManager on a fake clock: time moves only when an op
-// advances it or the manager sleeps, so every figure below is exact and no
-// test depends on how fast this machine is.
+// advances it or a caller waits for its slot, so every figure below is exact
+// and no test depends on how fast this machine is. Ops run on the test's own
+// threads: the manager only admits them.
 #include "cc/core/op_manager.h"
 
 #include <atomic>
@@ -8,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -60,7 +62,12 @@ constexpr int64_t kMs = 1000 * kUs;
 // sleep looks like from inside the timeline; an untimed wait really blocks.
 class FakeClock final : public Clock {
  public:
-  int64_t NowNs() const override { return now_.load(); }
+  // A ticking clock moves 1 ns at every reading, so readings taken under the
+  // manager's lock are unique and ordered (admission order is observable).
+  explicit FakeClock(bool ticking = false) : ticking_(ticking) {}
+  int64_t NowNs() const override {
+    return ticking_ ? now_.fetch_add(1) + 1 : now_.load();
+  }
   void Advance(int64_t ns) { now_.fetch_add(ns); }
   void WaitUntil(std::unique_lock<std::mutex>& lock,
                  std::condition_variable& cv, int64_t deadline_ns) override {
@@ -77,7 +84,8 @@ class FakeClock final : public Clock {
   int untimed_waiters() const { return untimed_waiters_.load(); }
 
  private:
-  std::atomic<int64_t> now_{1'000'000'000};
+  const bool ticking_;
+  mutable std::atomic<int64_t> now_{1'000'000'000};
   std::atomic<int> untimed_waiters_{0};
 };
 
@@ -115,381 +123,372 @@ void JoinOrDie(std::thread& thread, const std::atomic<bool>& finished) {
 
 
 // Ops of known durations back to back: busy / wall from the first launch to
-// a zero-length marker op equals the share, and all the gap was inserted.
-void TestShareHeldForSyncOps() {
+// One host-timed op of `ns` on the calling thread.
+void HostOp(OpManager& manager, FakeClock& clock, int64_t ns) {
+  int64_t admitted = manager.Admit();
+  clock.Advance(ns);
+  manager.Finish(admitted);
+}
+
+// Ops of known durations back to back: busy / wall from the first admission
+// to a zero-length marker op equals the share, and all the gap was inserted.
+void TestShareHeldForHostOps() {
   for (double share : {0.25, 0.5, 0.75}) {
     FakeClock clock;
     OpManager manager(FakeOptions(&clock, share));
     const int64_t durations[] = {300 * kUs, 1 * kMs, 2500 * kUs};
-    int64_t first_start = -1;
-    int64_t busy = 0;
-    const int kOps = 300;
-    for (int i = 0; i < kOps; ++i) {
-      int64_t d = durations[i % 3];
-      busy += d;
-      manager.Run([&clock, &first_start, d] {
-        if (first_start < 0) first_start = clock.NowNs();
-        clock.Advance(d);
-      });
+    int64_t first = -1, busy = 0;
+    for (int i = 0; i < 300; ++i) {
+      int64_t ns = durations[i % 3];
+      int64_t admitted = manager.Admit();
+      if (first < 0) first = admitted;
+      clock.Advance(ns);
+      manager.Finish(admitted);
+      busy += ns;
     }
-    int64_t marker = 0;
-    manager.Run([&] { marker = clock.NowNs(); });
-    double achieved = static_cast<double>(busy) /
-                      static_cast<double>(marker - first_start);
+    int64_t marker = manager.Admit();
+    manager.Finish(marker);
+    double achieved = static_cast<double>(busy) / static_cast<double>(marker - first);
     CHECK_NEAR(achieved, share, 1e-6);
-    OpManager::Stats stats = manager.stats();
-    CHECK_EQ(stats.busy_ns, busy);
-    CHECK_EQ(stats.idle_inserted_ns, marker - first_start - busy);
-    CHECK_EQ(stats.ops_total, kOps + 1);
-    CHECK_EQ(stats.ops_delayed, kOps);  // every op after the first, and marker
+    OpManager::Stats s = manager.stats();
+    CHECK_EQ(s.busy_ns, busy);
+    CHECK_NEAR(static_cast<double>(s.idle_inserted_ns), static_cast<double>(marker - first - busy),
+               300.0);  // ceil() of each wait: < 1 ns per op
+    CHECK_EQ(s.ops_total, 301);
+    CHECK_EQ(s.ops_in_flight, 0);
   }
 }
 
-// A gap the job left by itself counts as idle: no idle is added on top.
+// A gap the job leaves by itself (input, host work) is idle like inserted
+// idle is: no extra idle goes on top of it.
 void TestNaturalGapsCountAsIdle() {
   FakeClock clock;
   OpManager manager(FakeOptions(&clock, 0.5));
-  auto op_of = [&clock](int64_t d, int64_t* start) {
-    return [&clock, d, start] {
-      *start = clock.NowNs();
-      clock.Advance(d);
-    };
-  };
-  int64_t start1 = 0, start2 = 0, start3 = 0;
-  manager.Run(op_of(1 * kMs, &start1));
-  clock.Advance(5 * kMs);  // more than the 1 ms of idle the share needs
-  int64_t submit2 = clock.NowNs();
-  manager.Run(op_of(1 * kMs, &start2));
-  CHECK_EQ(start2, submit2);
-  clock.Advance(400 * kUs);  // 600 us short of the idle owed
-  int64_t submit3 = clock.NowNs();
-  manager.Run(op_of(1 * kMs, &start3));
-  CHECK_EQ(start3 - submit3, 600 * kUs);
-  OpManager::Stats stats = manager.stats();
-  CHECK_EQ(stats.idle_inserted_ns, 600 * kUs);
-  CHECK_EQ(stats.ops_delayed, 1);
+  HostOp(manager, clock, 1 * kMs);  // owes 1 ms of idle
+  clock.Advance(5 * kMs);           // natural gap, longer than owed
+  int64_t t0 = clock.NowNs();
+  HostOp(manager, clock, 1 * kMs);
+  CHECK_EQ(manager.stats().ops_delayed, 0);
+  clock.Advance(400 * kUs);  // natural gap, shorter than the 1 ms owed
+  int64_t before = clock.NowNs();
+  int64_t admitted = manager.Admit();
+  CHECK_EQ(admitted - before, 600 * kUs);  // only the rest of the debt
+  manager.Finish(admitted);
+  CHECK_EQ(manager.stats().ops_delayed, 1);
+  (void)t0;
 }
 
-// After a long idle spell the job may only burst max_credit_ns worth.
+// After a long idle time the job banks at most max_credit_ns.
 void TestCreditIsCapped() {
   FakeClock clock;
-  OpManager manager(FakeOptions(&clock, 0.5, /*max_credit_ns=*/4 * kMs));
-  clock.Advance(1000 * kMs);  // uncapped, this would bank 500 ms
-  std::vector<int64_t> starts;
-  for (int i = 0; i < 20; ++i) {
-    manager.Run([&] {
-      starts.push_back(clock.NowNs());
-      clock.Advance(1 * kMs);
-    });
-  }
-  // 4 ms of credit pays 0.5 ms of idle for each of 8 ops; the 9th starts at
-  // zero credit; the 11 after it each wait 1 ms.
-  OpManager::Stats stats = manager.stats();
-  CHECK_EQ(stats.ops_delayed, 11);
-  CHECK_EQ(starts[8] - starts[0], 8 * kMs);
-  CHECK_EQ(starts[19] - starts[9], 10 * 2 * kMs);
+  OpManager manager(FakeOptions(&clock, 0.5, /*max_credit_ns=*/5 * kMs));
+  clock.Advance(1'000 * kMs);
+  for (int i = 0; i < 20; ++i) HostOp(manager, clock, 1 * kMs);
+  // Each 1 ms op earns 0.5 ms and spends 1 ms: 5 ms of credit carries 10 ops,
+  // the 11th starts at exactly 0, the last 9 wait.
+  CHECK_EQ(manager.stats().ops_delayed, 9);
 }
 
-// Share 0 holds every op (sync callers block), resuming launches them in
-// submission order.
-void TestPauseBlocksAndResumeReleasesInOrder() {
-  FakeClock clock;
-  OpManager manager(FakeOptions(&clock, 0.5));
-  CHECK(manager.SetShare(0.0));
-  std::mutex order_mu;
-  std::vector<int> order;
-  for (int i = 0; i < 50; ++i) {
-    manager.RunAsync([&, i](std::function<void()> done) {
-      {
-        std::lock_guard<std::mutex> lock(order_mu);
-        order.push_back(i);
-      }
-      clock.Advance(100 * kUs);
-      done();
+// Share 0 holds every caller at its admission (nothing runs, nothing is
+// lost); a share > 0 releases them in the order they arrived.
+void TestPauseHoldsAndResumeReleasesInOrder() {
+  FakeClock clock(/*ticking=*/true);
+  OpManager manager(FakeOptions(&clock, 0.0));
+  constexpr int kCallers = 12;
+  std::vector<std::thread> threads;
+  std::vector<int64_t> admitted(kCallers, 0);
+  std::atomic<int> returned{0};
+  for (int i = 0; i < kCallers; ++i) {
+    threads.emplace_back([&, i] {
+      admitted[i] = manager.Admit();
+      manager.Finish(admitted[i]);
+      returned.fetch_add(1);
     });
+    // Caller i is in line before caller i+1 arrives.
+    CHECK(Eventually([&] { return manager.stats().ops_waiting_now == i + 1; }));
   }
-  std::atomic<bool> sync_returned{false};
-  std::thread sync_caller([&] {
-    manager.Run([&] {
-      std::lock_guard<std::mutex> lock(order_mu);
-      order.push_back(50);
-    });
-    sync_returned = true;
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a broken pause would admit now
+  CHECK_EQ(returned.load(), 0);
+  CHECK(manager.stats().paused);
+  manager.SetShare(1.0);
+  std::atomic<bool> all{false};
+  std::thread watcher([&] {
+    Eventually([&] { return returned.load() == kCallers; });
+    all = true;
   });
-  CHECK(Eventually([&] {
-    return manager.stats().ops_queued_now == 51 && clock.untimed_waiters() == 1;
-  }));
-  // Not a timing threshold: a manager that ignores the pause gets time to
-  // show it.
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  {
-    std::lock_guard<std::mutex> lock(order_mu);
-    CHECK(order.empty());
-  }
-  CHECK(!sync_returned.load());
-  OpManager::Stats paused = manager.stats();
-  CHECK(paused.paused);
-  CHECK_EQ(paused.ops_queued_now, 51);
-  CHECK_EQ(paused.ops_total, 0);
-
-  CHECK(manager.SetShare(0.5));
-  JoinOrDie(sync_caller, sync_returned);
-  std::lock_guard<std::mutex> lock(order_mu);
-  CHECK_EQ(order.size(), 51);
-  for (int i = 0; i < static_cast<int>(order.size()); ++i) CHECK_EQ(order[i], i);
-  CHECK_EQ(manager.stats().ops_total, 51);
+  JoinOrDie(watcher, all);
+  for (auto& t : threads) t.join();
+  for (int i = 1; i < kCallers; ++i) CHECK(admitted[i - 1] < admitted[i]);
+  CHECK_EQ(manager.stats().ops_waiting_now, 0);
 }
 
-// A new share applies from the next launch; going to 1 drains the queue
-// without inserting idle.
+// Shares change at the next admission; the time before a change is settled
+// at the old share.
 void TestShareChangeMidStream() {
   FakeClock clock;
   OpManager manager(FakeOptions(&clock, 0.25));
-  std::vector<int64_t> starts;
-  auto op = [&] {
-    starts.push_back(clock.NowNs());
-    clock.Advance(1 * kMs);
-  };
-  for (int i = 0; i < 100; ++i) manager.Run(op);
-  CHECK(manager.SetShare(0.75));
-  for (int i = 0; i < 100; ++i) manager.Run(op);
-  CHECK_EQ(starts.size(), 200);
-  CHECK_NEAR(99.0 * kMs / static_cast<double>(starts[99] - starts[0]), 0.25,
-             1e-6);
-  CHECK_NEAR(99.0 * kMs / static_cast<double>(starts[199] - starts[100]), 0.75,
-             1e-5);
-  // 0.75 ms of idle owed after op 99, paid back at the new share: 1 ms, not 3.
-  CHECK_EQ(starts[100] - starts[99], 2 * kMs);
-
-  CHECK(manager.SetShare(0.0));
-  for (int i = 0; i < 20; ++i) {
-    manager.RunAsync([&](std::function<void()> done) {
+  auto phase = [&](int ops) {
+    int64_t first = -1, busy = 0;
+    for (int i = 0; i < ops; ++i) {
+      int64_t admitted = manager.Admit();
+      if (first < 0) first = admitted;
       clock.Advance(1 * kMs);
-      done();
-    });
-  }
-  CHECK(Eventually([&] { return manager.stats().ops_queued_now == 20; }));
-  int64_t idle_before = manager.stats().idle_inserted_ns;
-  int64_t t0 = clock.NowNs();
-  CHECK(manager.SetShare(1.0));
-  CHECK(manager.unthrottled());
-  manager.Run([] {});
-  CHECK_EQ(clock.NowNs() - t0, 20 * kMs);
-  CHECK_EQ(manager.stats().idle_inserted_ns, idle_before);
-}
-
-// Idle time before a share change accrues at the share then in force.
-void TestShareChangeKeepsEarlierAccrual() {
-  FakeClock clock;
-  OpManager manager(FakeOptions(&clock, 0.5));
-  manager.Run([&] { clock.Advance(1 * kMs); });  // owes 1 ms idle at 0.5
-  clock.Advance(1 * kMs);                          // paid in full
-  CHECK(manager.SetShare(0.25));
-  int64_t submit = clock.NowNs();
-  int64_t start = 0;
-  manager.Run([&] { start = clock.NowNs(); });
-  CHECK_EQ(start, submit);  // at 0.25 the same idle would still owe 1 ms
-}
-
-// Async ops: the queue goes on while one is in flight, its launch->done time
-// is charged when done comes, and one waiting on a later op cannot deadlock.
-void TestAsyncOps() {
-  FakeClock clock;
-  OpManager manager(FakeOptions(&clock, 0.5));
-  int64_t t0 = clock.NowNs();
-  std::function<void()> done_a;
-  manager.RunAsync([&](std::function<void()> done) { done_a = std::move(done); });
-  manager.Run([&] { clock.Advance(1 * kMs); });  // runs while A is in flight
-  CHECK_EQ(manager.stats().ops_in_flight, 1);
-  clock.Advance(2 * kMs);
-  done_a();  // A was busy from t0 to t0 + 3 ms
-  int64_t start_c = 0;
-  manager.Run([&] { start_c = clock.NowNs(); });
-  // 3 ms busy at share 0.5 needs 3 ms idle: C launches at t0 + 6 ms.
-  CHECK_EQ(start_c - t0, 6 * kMs);
-  OpManager::Stats stats = manager.stats();
-  CHECK_EQ(stats.busy_ns, 3 * kMs);  // the overlap with B counts once
-  CHECK_EQ(stats.ops_total, 3);
-  CHECK_EQ(stats.ops_in_flight, 0);
-  done_a();  // a second call is ignored
-  CHECK_EQ(manager.stats().ops_total, 3);
-
-  // Like a Recv waiting for a Send queued behind it.
-  std::atomic<bool> send_ran{false};
-  std::thread waiter;
-  manager.RunAsync([&](std::function<void()> done) {
-    waiter = std::thread([&send_ran, done] {
-      while (!send_ran.load()) std::this_thread::yield();
-      done();
-    });
-  });
-  manager.Run([&] {
+      manager.Finish(admitted);
+      busy += 1 * kMs;
+    }
+    int64_t marker = manager.Admit();
+    manager.Finish(marker);
+    return static_cast<double>(busy) / static_cast<double>(marker - first);
+  };
+  CHECK_NEAR(phase(50), 0.25, 1e-6);
+  manager.SetShare(0.75);
+  CHECK_NEAR(phase(50), 0.75, 1e-6);
+  manager.SetShare(1.0);
+  int64_t delayed = manager.stats().ops_delayed;
+  int64_t idle = manager.stats().idle_inserted_ns;
+  for (int i = 0; i < 50; ++i) {  // share 1: callers take the direct path
+    CHECK(manager.unthrottled());
     clock.Advance(1 * kMs);
-    send_ran = true;
-  });
-  waiter.join();
-  CHECK(send_ran.load());
-  CHECK(Eventually([&] { return manager.stats().ops_in_flight == 0; }));
-}
-
-// The destructor runs what is queued, even while paused, and waits for the
-// done of async ops it launched.
-void TestDestructorRunsQueuedOps() {
-  FakeClock clock;
-  auto manager = std::make_unique<OpManager>(FakeOptions(&clock, 0.0));
-  std::atomic<int> ran{0};
-  for (int i = 0; i < 10; ++i) {
-    manager->RunAsync([&](std::function<void()> done) {
-      ++ran;
-      done();
-    });
   }
-  std::atomic<bool> late_done{false};
-  std::thread late;
-  manager->RunAsync([&](std::function<void()> done) {
-    late = std::thread([&late_done, done] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(30));
-      late_done = true;
-      done();
-    });
-  });
-  std::atomic<bool> sync_returned{false};
-  std::thread sync_caller([&] {
-    manager->Run([&] { ++ran; });
-    sync_returned = true;
-  });
-  CHECK(Eventually([&] { return manager->stats().ops_queued_now == 12; }));
-  CHECK_EQ(ran.load(), 0);
-  manager.reset();
-  CHECK(late_done.load());
-  JoinOrDie(sync_caller, sync_returned);
-  late.join();
-  CHECK_EQ(ran.load(), 11);
-  CHECK(sync_returned.load());
+  CHECK_EQ(manager.stats().ops_delayed, delayed);
+  CHECK_EQ(manager.stats().idle_inserted_ns, idle);
 }
 
-// Many submitters at once: every op runs exactly once, each thread's ops in
-// its own order, and the busy time adds up.
-void TestConcurrentSubmitters() {
+// Ops that overlap (on several threads, or finishing out of order) count
+// once: the charge is the busy union, whatever order they finish in.
+void TestOverlappingOpsCountOnce() {
   FakeClock clock;
   OpManager manager(FakeOptions(&clock, 0.5));
-  constexpr int kThreads = 8;
-  constexpr int kPerThread = 200;
-  std::vector<std::atomic<int>> runs(kThreads * kPerThread);
-  std::vector<std::vector<int>> seen(kThreads);  // appended on the manager
+  int64_t a = manager.Admit();
+  int64_t b = manager.Admit();  // nothing charged yet: admitted at once
+  CHECK_EQ(a, b);
+  clock.Advance(2 * kMs);
+  manager.Finish(b);  // the inner op ends first
+  CHECK_EQ(manager.stats().busy_ns, 2 * kMs);
+  clock.Advance(3 * kMs);
+  manager.Finish(a);
+  OpManager::Stats s = manager.stats();
+  CHECK_EQ(s.busy_ns, 5 * kMs);
+  CHECK_EQ(s.ops_in_flight, 0);
+  // 5 ms busy in 5 ms wall at share 0.5: 2.5 ms owed, 5 ms of idle to pay it.
+  int64_t before = clock.NowNs();
+  int64_t next = manager.Admit();
+  CHECK_EQ(next - before, 5 * kMs);
+  manager.Finish(next);
+}
+
+// The deadlock of the old design: an admitted op that waits for another op
+// (an iterator waiting for its pipeline, a queue dequeue, a py_function) must
+// not keep that op from being admitted. Real clock, real threads.
+void TestBlockedOpDoesNotBlockOthers() {
+  OpManager::Options options;
+  options.initial_share = 0.3;
+  OpManager manager(options);
+  std::promise<void> produced;
+  std::atomic<bool> consumer_done{false}, producer_done{false};
+  std::thread consumer([&] {
+    OpManager::ScopedOp op(manager);  // e.g. a dequeue, busy while it waits
+    produced.get_future().wait();
+    consumer_done = true;
+  });
+  CHECK(Eventually([&] { return manager.stats().ops_in_flight == 1; }));
+  std::thread producer([&] {
+    for (int i = 0; i < 20; ++i) {
+      OpManager::ScopedOp op(manager);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    produced.set_value();
+    producer_done = true;
+  });
+  JoinOrDie(producer, producer_done);
+  JoinOrDie(consumer, consumer_done);
+  CHECK_EQ(manager.stats().ops_total, 21);
+}
+
+// A kernel that runs kernels inline on its own thread: the inner ones are
+// covered by the outer op and admitted at once, even deep in debt.
+void TestNestedOpsAreAdmittedInline() {
+  FakeClock clock;
+  OpManager manager(FakeOptions(&clock, 0.01));
+  HostOp(manager, clock, 10 * kMs);  // ~1 s of idle owed
+  int64_t before = clock.NowNs();
+  {
+    OpManager::ScopedOp outer(manager);
+    int64_t outer_start = clock.NowNs();
+    CHECK(outer_start - before > 900 * kMs);  // the outer op waited its slot
+    int64_t inner = manager.Admit();
+    CHECK_EQ(inner, OpManager::kNested);
+    CHECK_EQ(clock.NowNs(), outer_start);  // no wait
+    clock.Advance(1 * kMs);
+    manager.Finish(inner);  // no-op
+  }
+  OpManager::Stats s = manager.stats();
+  CHECK_EQ(s.ops_total, 2);
+  CHECK_EQ(s.busy_ns, 11 * kMs);
+  CHECK_EQ(s.ops_in_flight, 0);
+}
+
+// Device-timed ops: the launch is charged the profiled kernel time, the
+// completion replaces it by the kernel's own interval.
+void TestDeviceTimedOps() {
+  FakeClock clock;
+  OpManager manager(FakeOptions(&clock, 0.5, /*max_credit_ns=*/5 * kMs));
+  int64_t t0 = manager.Admit(OpManager::Timing::kDevice);
+  CHECK_EQ(manager.Launched(), 0);  // no profile yet
+  CHECK_EQ(manager.stats().ops_in_flight, 1);
+  clock.Advance(4 * kMs);
+  manager.DeviceDone(0, t0 + 1 * kMs, t0 + 3 * kMs);  // a 2 ms kernel
+  OpManager::Stats s = manager.stats();
+  CHECK_EQ(s.busy_ns, 2 * kMs);
+  CHECK_EQ(s.credit_ns, 0);  // 4 ms wall at 0.5 paid for it exactly
+  CHECK_EQ(s.ops_in_flight, 0);
+  // Next launch: provisionally charged 2 ms, so the one after waits 4 ms.
+  int64_t t1 = manager.Admit(OpManager::Timing::kDevice);
+  CHECK_EQ(t1, clock.NowNs());
+  int64_t provisional = manager.Launched();
+  CHECK_EQ(provisional, 2 * kMs);
+  int64_t t2 = manager.Admit(OpManager::Timing::kDevice);
+  CHECK_EQ(t2 - t1, 4 * kMs);
+  int64_t provisional2 = manager.Launched();
+  // The first kernel really took 1 ms: 1 ms of the provisional charge returns.
+  manager.DeviceDone(provisional, t1 + 1 * kMs, t1 + 2 * kMs);
+  manager.DeviceDone(provisional2, t2, t2 + 2 * kMs);
+  s = manager.stats();
+  CHECK_EQ(s.busy_ns, 5 * kMs);
+  CHECK_EQ(s.ops_total, 3);
+}
+
+// A job cannot run ahead of its share by more than max_pending_device_ops
+// launches whose kernels have not completed.
+void TestPendingDeviceOpsAreBounded() {
+  FakeClock clock;
+  OpManager::Options options = FakeOptions(&clock, 0.5, /*max_credit_ns=*/1'000 * kMs);
+  options.max_pending_device_ops = 2;
+  OpManager manager(options);
+  clock.Advance(1'000 * kMs);  // plenty of credit: only the bound can hold a launch
+  int64_t p[3];
+  for (int i = 0; i < 2; ++i) {
+    manager.Admit(OpManager::Timing::kDevice);
+    p[i] = manager.Launched();
+  }
+  std::atomic<bool> third{false};
+  std::thread launcher([&] {
+    manager.Admit(OpManager::Timing::kDevice);
+    p[2] = manager.Launched();
+    third = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!third.load());
+  int64_t now = clock.NowNs();
+  manager.DeviceDone(p[0], now - 2 * kMs, now - 1 * kMs);
+  JoinOrDie(launcher, third);
+  manager.DeviceDone(p[1], now - 1 * kMs, now);
+  manager.DeviceDone(p[2], now, now + 1 * kMs);
+  CHECK_EQ(manager.stats().ops_in_flight, 0);
+}
+
+// Destruction releases a caller held by a pause.
+void TestDestructorReleasesWaiters() {
+  auto manager = std::make_unique<OpManager>(OpManager::Options{0.0});
+  OpManager* raw = manager.get();
+  std::atomic<bool> returned{false};
+  std::thread caller([&returned, raw] {
+    raw->Admit();  // the manager is gone when this returns: no Finish
+    returned = true;
+  });
+  CHECK(Eventually([&] { return manager->stats().ops_waiting_now == 1; }));
+  manager.reset();
+  JoinOrDie(caller, returned);
+}
+
+// Many threads, real clock: every op is admitted and counted exactly once.
+void TestConcurrentCallers() {
+  OpManager::Options options;
+  options.initial_share = 0.5;
+  OpManager manager(options);
+  constexpr int kThreads = 8, kOps = 200;
+  std::atomic<int> ran{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      for (int i = 0; i < kPerThread; ++i) {
-        int id = t * kPerThread + i;
-        auto body = [&, t, i, id] {
-          ++runs[id];
-          seen[t].push_back(i);
-          clock.Advance(10 * kUs);
-        };
-        // The last op is sync, so it returns after all of this thread's ops.
-        if (i % 2 == 0 && i != kPerThread - 1) {
-          manager.RunAsync([body](std::function<void()> done) {
-            body();
-            done();
-          });
-        } else {
-          manager.Run(body);
-        }
+    threads.emplace_back([&] {
+      for (int i = 0; i < kOps; ++i) {
+        OpManager::ScopedOp op(manager);
+        ran.fetch_add(1);
       }
     });
   }
-  for (std::thread& thread : threads) thread.join();
-  for (int id = 0; id < kThreads * kPerThread; ++id) CHECK_EQ(runs[id].load(), 1);
-  for (int t = 0; t < kThreads; ++t) {
-    CHECK_EQ(seen[t].size(), kPerThread);
-    for (int i = 0; i < static_cast<int>(seen[t].size()); ++i) {
-      CHECK_EQ(seen[t][i], i);
-    }
-  }
-  OpManager::Stats stats = manager.stats();
-  CHECK_EQ(stats.ops_total, kThreads * kPerThread);
-  CHECK_EQ(stats.busy_ns, kThreads * kPerThread * 10 * kUs);
+  std::atomic<bool> all{false};
+  std::thread watcher([&] {
+    Eventually([&] { return ran.load() == kThreads * kOps; });
+    all = true;
+  });
+  JoinOrDie(watcher, all);
+  for (auto& t : threads) t.join();
+  OpManager::Stats s = manager.stats();
+  CHECK_EQ(s.ops_total, kThreads * kOps);
+  CHECK_EQ(s.ops_in_flight, 0);
+  CHECK_EQ(s.ops_waiting_now, 0);
 }
 
-void TestWindowShare() {
+// The achieved-share window covers only time spent throttled: right after
+// leaving share 1 (when ops were not timed) it does not read low.
+void TestWindowCoversThrottledTimeOnly() {
   FakeClock clock;
-  OpManager::Options options = FakeOptions(&clock, 0.5);
-  options.window_ns = 100 * kMs;
+  OpManager::Options options = FakeOptions(&clock, 1.0);
+  options.window_ns = 1'000 * kMs;
   OpManager manager(options);
-  for (int i = 0; i < 200; ++i) manager.Run([&] { clock.Advance(1 * kMs); });
-  OpManager::Stats stats = manager.stats();
-  // The window ends on a busy ms: it holds 50 busy and 50 idle ms.
-  CHECK_NEAR(stats.achieved_share_window, 0.5, 1e-6);
-  CHECK_EQ(stats.window_ns, 100 * kMs);
-  CHECK_EQ(stats.op_ns_ewma, 1 * kMs);
-  CHECK_EQ(stats.credit_ns, -500 * kUs);
+  clock.Advance(10'000 * kMs);  // untimed work at share 1
+  manager.SetShare(0.5);
+  for (int i = 0; i < 50; ++i) HostOp(manager, clock, 1 * kMs);
+  int64_t marker = manager.Admit();
+  manager.Finish(marker);
+  OpManager::Stats s = manager.stats();
+  CHECK_NEAR(s.achieved_share_window, 0.5, 1e-6);
+  CHECK_EQ(s.op_ns_ewma, 875 * kUs);  // 1 ms ops, then the 0 ns marker at weight 1/8
 }
 
 void TestValidation() {
-  FakeClock clock;
-  OpManager::Options bad = FakeOptions(&clock, 1.5);
-  std::string message;
-  try {
-    OpManager manager(bad);
-  } catch (const std::invalid_argument& e) {
-    message = e.what();
-  }
-  CHECK(message.find("initial_share") != std::string::npos);
-  CHECK(message.find("[0, 1]") != std::string::npos);
-  bad = FakeOptions(&clock, 0.5);
+  OpManager::Options bad;
+  bad.initial_share = 1.5;
+  CHECK(OpManager::Validate(bad).find("initial_share") == 0);
+  bad.initial_share = 0.5;
   bad.window_ns = 0;
-  CHECK(OpManager::Validate(bad).find("window_ns") != std::string::npos);
-  bad = FakeOptions(&clock, 0.5, -1);
-  CHECK(OpManager::Validate(bad).find("max_credit_ns") != std::string::npos);
-  CHECK(OpManager::Validate(FakeOptions(&clock, 0.5)).empty());
-
-  OpManager manager(FakeOptions(&clock, 0.5));
-  CHECK(!manager.SetShare(1.5));
-  CHECK(!manager.SetShare(-0.1));
-  CHECK(!manager.SetShare(std::nan("")));
-  CHECK_NEAR(manager.share(), 0.5, 0.0);
-  CHECK(OpManager::ValidateShare(2.0).find("share") != std::string::npos);
-}
-
-void TestUnthrottledPathAndRecordBusy() {
-  FakeClock clock;
-  OpManager manager(FakeOptions(&clock, 1.0, 4 * kMs));
-  CHECK(manager.unthrottled());
-  int64_t start = manager.NowNs();
-  clock.Advance(2 * kMs);
-  manager.RecordBusy(start, manager.NowNs());
-  OpManager::Stats stats = manager.stats();
-  CHECK_EQ(stats.busy_ns, 2 * kMs);
-  CHECK_EQ(stats.ops_total, 1);
-  // Two ops that ran in parallel on caller threads: their union is busy.
-  int64_t t = manager.NowNs();
-  clock.Advance(3 * kMs);
-  manager.RecordBusy(t, t + 2 * kMs);
-  manager.RecordBusy(t + 1 * kMs, t + 3 * kMs);
-  stats = manager.stats();
-  CHECK_EQ(stats.busy_ns, 5 * kMs);
-  CHECK_EQ(stats.ops_total, 3);
-  CHECK(manager.SetShare(0.5));
-  CHECK(!manager.unthrottled());
-  // Busy recorded at share 1 used up the credit it accrued: none is left
-  // to burst with after the switch.
-  CHECK_EQ(manager.stats().credit_ns, 0);
-}
-
-void TestExceptionReachesCaller() {
-  FakeClock clock;
-  OpManager manager(FakeOptions(&clock, 0.5));
-  std::string message;
+  CHECK(OpManager::Validate(bad).find("window_ns") == 0);
+  bad.window_ns = 1;
+  bad.max_credit_ns = -1;
+  CHECK(OpManager::Validate(bad).find("max_credit_ns") == 0);
+  bad.max_credit_ns = 0;
+  bad.max_pending_device_ops = 0;
+  CHECK(OpManager::Validate(bad).find("max_pending_device_ops") == 0);
+  bool threw = false;
   try {
-    manager.Run([] { throw std::runtime_error("kernel failed"); });
-  } catch (const std::runtime_error& e) {
-    message = e.what();
+    OpManager m(bad);
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("[1, 2^63)") != std::string::npos;
   }
-  CHECK(message == "kernel failed");
-  bool ran = false;
-  manager.Run([&] { ran = true; });
-  CHECK(ran);
+  CHECK(threw);
+  OpManager ok(OpManager::Options{0.5});
+  CHECK(!ok.SetShare(std::nan("")));
+  CHECK(!ok.SetShare(-0.1));
+  CHECK(!ok.SetShare(1.01));
+  CHECK_NEAR(ok.share(), 0.5, 0.0);
+  CHECK(ok.SetShare(0.0) && ok.stats().paused);
+}
+
+// An op that throws still finishes: nothing stays in flight.
+void TestExceptionFinishesTheOp() {
+  FakeClock clock;
+  OpManager manager(FakeOptions(&clock, 0.5));
+  try {
+    OpManager::ScopedOp op(manager);
+    clock.Advance(1 * kMs);
+    throw std::runtime_error("kernel failed");
+  } catch (const std::runtime_error&) {
+  }
+  OpManager::Stats s = manager.stats();
+  CHECK_EQ(s.ops_in_flight, 0);
+  CHECK_EQ(s.ops_total, 1);
+  CHECK_EQ(s.busy_ns, 1 * kMs);
 }
 
 }  // namespace
@@ -501,21 +500,21 @@ int main() {
     void (*fn)();
   };
   const Case cases[] = {
-      {"ShareHeldForSyncOps", antman::TestShareHeldForSyncOps},
+      {"ShareHeldForHostOps", antman::TestShareHeldForHostOps},
       {"NaturalGapsCountAsIdle", antman::TestNaturalGapsCountAsIdle},
       {"CreditIsCapped", antman::TestCreditIsCapped},
-      {"PauseBlocksAndResumeReleasesInOrder",
-       antman::TestPauseBlocksAndResumeReleasesInOrder},
+      {"PauseHoldsAndResumeReleasesInOrder", antman::TestPauseHoldsAndResumeReleasesInOrder},
       {"ShareChangeMidStream", antman::TestShareChangeMidStream},
-      {"ShareChangeKeepsEarlierAccrual",
-       antman::TestShareChangeKeepsEarlierAccrual},
-      {"AsyncOps", antman::TestAsyncOps},
-      {"DestructorRunsQueuedOps", antman::TestDestructorRunsQueuedOps},
-      {"ConcurrentSubmitters", antman::TestConcurrentSubmitters},
-      {"WindowShare", antman::TestWindowShare},
+      {"OverlappingOpsCountOnce", antman::TestOverlappingOpsCountOnce},
+      {"BlockedOpDoesNotBlockOthers", antman::TestBlockedOpDoesNotBlockOthers},
+      {"NestedOpsAreAdmittedInline", antman::TestNestedOpsAreAdmittedInline},
+      {"DeviceTimedOps", antman::TestDeviceTimedOps},
+      {"PendingDeviceOpsAreBounded", antman::TestPendingDeviceOpsAreBounded},
+      {"DestructorReleasesWaiters", antman::TestDestructorReleasesWaiters},
+      {"ConcurrentCallers", antman::TestConcurrentCallers},
+      {"WindowCoversThrottledTimeOnly", antman::TestWindowCoversThrottledTimeOnly},
       {"Validation", antman::TestValidation},
-      {"UnthrottledPathAndRecordBusy", antman::TestUnthrottledPathAndRecordBusy},
-      {"ExceptionReachesCaller", antman::TestExceptionReachesCaller},
+      {"ExceptionFinishesTheOp", antman::TestExceptionFinishesTheOp},
   };
   int passed = 0, failed = 0;
   for (const Case& c : cases) {

@@ -6,6 +6,7 @@
 
 #include "cc/core/antman_memory.h"
 #include "cc/tf/allocator.h"
+#include "cc/tf/op_classes.h"
 #include "cc/tf/runtime.h"
 
 #define ANTMAN_EXPORT extern "C" __attribute__((visibility("default")))
@@ -70,6 +71,21 @@ ANTMAN_EXPORT int antman_rt_check_invariants(char* err, size_t errlen) {
   return antman_mem_check_invariants(Mem(), err, errlen);
 }
 
+// Is `op_type` one of the kernels the manager lets through uncharged
+// (cc/tf/op_classes.h)? For the consistency test against TF's op registry.
+ANTMAN_EXPORT int antman_rt_is_waiting_op(const char* op_type) {
+  return op_type != nullptr && antman::IsWaitingOpType(op_type) ? 1 : 0;
+}
+
+// The i-th name of that list, or NULL past its end.
+ANTMAN_EXPORT const char* antman_rt_waiting_op(int i) {
+  const char* const* names = antman::WaitingOpTypes();
+  for (int k = 0; names[k] != nullptr; ++k) {
+    if (k == i) return names[k];
+  }
+  return nullptr;
+}
+
 ANTMAN_EXPORT int antman_rt_set_share(double share) {
   antman::OpManager* m = antman::Runtime::Get().op_manager();
   if (m == nullptr) return 1;
@@ -82,11 +98,14 @@ struct antman_op_stats {
   int64_t idle_inserted_ns;
   int64_t ops_total;
   int64_t ops_delayed;
-  int64_t ops_queued_now;
+  int64_t ops_waiting_now;
+  int64_t ops_in_flight;
   double share;
   double achieved_share_window;
   int64_t window_ns;
   int32_t paused;
+  int64_t op_ns_ewma;
+  int64_t credit_ns;
 };
 
 ANTMAN_EXPORT int antman_rt_get_op_stats(antman_op_stats* out) {
@@ -97,10 +116,13 @@ ANTMAN_EXPORT int antman_rt_get_op_stats(antman_op_stats* out) {
   out->idle_inserted_ns = s.idle_inserted_ns;
   out->ops_total = s.ops_total;
   out->ops_delayed = s.ops_delayed;
-  out->ops_queued_now = s.ops_queued_now;
+  out->ops_waiting_now = s.ops_waiting_now;
+  out->ops_in_flight = s.ops_in_flight;
   out->share = s.share;
   out->achieved_share_window = s.achieved_share_window;
   out->window_ns = s.window_ns;
   out->paused = s.paused ? 1 : 0;
+  out->op_ns_ewma = s.op_ns_ewma;
+  out->credit_ns = s.credit_ns;
   return 0;
 }

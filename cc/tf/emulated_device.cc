@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cc/tf/allocator.h"
+#include "cc/tf/op_classes.h"
 #include "cc/tf/runtime.h"
 #include "tensorflow/core/common_runtime/device_factory.h"
 #include "tensorflow/core/common_runtime/process_state.h"
@@ -28,6 +29,11 @@ using tensorflow::AsyncOpKernel;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelContext;
 
+bool IsWaiting(const OpKernel* kernel) {
+  absl::string_view type = kernel->type_string_view();
+  return IsWaitingOpType(std::string_view(type.data(), type.size()));
+}
+
 class EmulatedDevice : public tensorflow::ThreadPoolDevice {
  public:
   EmulatedDevice(const tensorflow::SessionOptions& options, const std::string& name,
@@ -36,28 +42,34 @@ class EmulatedDevice : public tensorflow::ThreadPoolDevice {
                          allocator),
         op_manager_(op_manager) {}
 
+  // At share 100% the whole added cost is one relaxed load. Throttled, the op
+  // is admitted by the manager and then runs right here, on TF's own thread:
+  // the manager never runs it, so nothing can deadlock on the manager and TF's
+  // threading and floating-point environment stay as they are.
   void Compute(OpKernel* op_kernel, OpKernelContext* context) override {
-    if (op_manager_->unthrottled()) {  // the whole hot-path cost at share 100%
+    if (op_manager_->unthrottled() || IsWaiting(op_kernel)) {
       ThreadPoolDevice::Compute(op_kernel, context);
       return;
     }
-    op_manager_->Run([&] { ThreadPoolDevice::Compute(op_kernel, context); });
+    OpManager::ScopedOp admitted(*op_manager_);
+    ThreadPoolDevice::Compute(op_kernel, context);
   }
 
+  // Busy from admission until TF's done callback (the kernel's own work; the
+  // ops that only wait are not gated at all, see op_classes.h).
   void ComputeAsync(AsyncOpKernel* op_kernel, OpKernelContext* context,
                     AsyncOpKernel::DoneCallback done) override {
-    if (op_manager_->unthrottled()) {
+    if (op_manager_->unthrottled() || IsWaiting(op_kernel)) {
       ThreadPoolDevice::ComputeAsync(op_kernel, context, std::move(done));
       return;
     }
-    op_manager_->RunAsync([this, op_kernel, context, done = std::move(done)](
-                              std::function<void()> finished) mutable {
-      ThreadPoolDevice::ComputeAsync(op_kernel, context,
-                                     [done = std::move(done), finished = std::move(finished)]() {
-                                       finished();
-                                       done();
-                                     });
-    });
+    OpManager* manager = op_manager_;
+    int64_t admitted = manager->Admit();
+    ThreadPoolDevice::ComputeAsync(op_kernel, context,
+                                   [manager, admitted, done = std::move(done)]() {
+                                     manager->Finish(admitted);
+                                     done();
+                                   });
   }
 
  private:
