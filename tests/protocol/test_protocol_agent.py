@@ -374,4 +374,7 @@ def test_job_paused_from_the_start_resumes_as_running(tmp_path: Path, agents) ->
     assert not thread.is_alive()
     stats = stats_now(agent, tmp_path)
     assert (stats.state, stats.step, stats.control_seq_applied) == ("running", 1, 2)
-    assert [a.what for a in job.log] == ["pause", "resume"]
+    # Paused at start(), before any step boundary: its ops were held with share 0 until the resume
+    # restored the share in force.
+    assert values(job.log) == [("pause", None, None), ("compute_share", None, 0.0), ("resume", None, None),
+                               ("compute_share", None, 1.0)]
