@@ -214,3 +214,56 @@ def test_custom_loop_marks_steps_and_the_newest_limit_wins(tmp_path: Path) -> No
     assert (r["before_step"], r["after_step"]) == (4 << 30, 300 << 20)
     assert r["coordinator_newer"] == r["still"] == 128 << 20
     assert r["user_newer"] == 96 << 20
+
+
+def test_a_job_without_step_boundaries_gets_its_controls_from_the_fallback(tmp_path: Path) -> None:
+    # Eager ops in a loop that never marks a step (as an unmarked custom loop, or a job stuck
+    # before its first step): limits, a pause and its resume still take effect, by the fallback.
+    job = run_py(CONTROL_HELPERS + textwrap.dedent("""
+        import threading
+        import tensorflow as tf
+        from tf_antman.protocol import read_stats
+        a = tf.random.normal((64, 64))
+        done, count = threading.Event(), [0]
+        def loop():
+            while not done.is_set():
+                tf.matmul(a, a).numpy()
+                count[0] += 1
+        def share():
+            return tf_antman.compute_stats()["share"]
+        def wait(pred):  # bounded: a broken fallback fails the test instead of hanging it
+            deadline = time.monotonic() + 30
+            while not pred():
+                if time.monotonic() > deadline:
+                    done.set()
+                    raise SystemExit("never happened")
+                time.sleep(0.005)
+        worker = threading.Thread(target=loop); worker.start()
+        wait(lambda: count[0] > 10)
+        agent = activation.active().steps.agent
+        t0 = time.monotonic()
+        send(memory_limits=(MemoryLimit(0, 200 * MiB),))
+        wait(lambda: limit() == 200 * MiB)
+        limit_after_s = time.monotonic() - t0
+        send(paused=True)
+        wait(lambda: share() == 0.0)
+        agent.flush_stats()
+        paused_stats = read_stats(pathlib.Path(os.environ["ANTMAN_JOB_DIR"]))
+        frozen = count[0]
+        time.sleep(0.5)
+        moved_while_paused = count[0] - frozen
+        send(paused=False)
+        wait(lambda: share() == 1.0 and count[0] > frozen + 10)
+        done.set(); worker.join()
+        agent.flush_stats()
+        final = read_stats(pathlib.Path(os.environ["ANTMAN_JOB_DIR"]))
+        emit({"limit_after_s": limit_after_s, "moved_while_paused": moved_while_paused,
+              "paused": [paused_stats.state, paused_stats.compute_share, paused_stats.last_applied_by],
+              "final": [final.state, final.step, final.controls_applied, final.controls_applied_fallback,
+                        final.last_applied_by, final.control_seq_applied]})
+    """), ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_CONTROL_FALLBACK_MS="300")
+    r = job.result
+    assert r["limit_after_s"] >= 0.3  # it waited the fallback time for a step boundary first
+    assert r["paused"] == ["paused", 1.0, "fallback"]  # held by share 0; the share in force is reported
+    assert r["moved_while_paused"] <= 1  # at most the op that was running when the share went to 0
+    assert r["final"] == ["starting", 0, 3, 3, "fallback", 3]
