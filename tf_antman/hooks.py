@@ -61,6 +61,14 @@ OVERWRITE_OPS = frozenset({
     "ResourceScatterNdUpdate", "StridedSliceAssign", "ResourceStridedSliceAssign",
     "AssignVariableXlaConcatND",
 })
+# Ops of TF 2.21 whose names say Apply/Assign/Scatter but that write no variable (they make a new
+# tensor or act on a collective group): listed so that a test can show the lists above complete.
+NOT_VARIABLE_WRITES = frozenset({
+    "ScatterNd", "ScatterNdNonAliasingAdd", "TensorScatterAdd", "TensorScatterMax", "TensorScatterMin",
+    "TensorScatterSub", "TensorScatterUpdate", "TensorArrayScatter", "TensorArrayScatterV2",
+    "TensorArrayScatterV3", "TensorListScatter", "TensorListScatterIntoExistingList", "TensorListScatterV2",
+    "CollectiveReduceScatterV2", "CollectiveAssignGroupV2",
+})
 VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable", "_VarHandlesOp"})
 _HANDLE_PASS_THROUGH = frozenset({"Identity", "RefIdentity", "Enter", "RefEnter", "Switch", "RefSwitch"})
 

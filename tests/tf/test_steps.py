@@ -157,10 +157,17 @@ def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> No
                 in_force.append(limit())
                 step()
                 in_force.append(limit())
+        # Every op of this TF whose name speaks of Apply/Assign/Scatter is classified.
+        import re
+        from tf_antman import hooks
+        unclassified = [n for n in dir(tf.raw_ops) if re.search("Apply|Assign|Scatter", n) and not (
+            hooks.OPTIMIZER_KERNEL_RE.match(n) or n in hooks.READ_MODIFY_WRITE_OPS
+            or n in hooks.OVERWRITE_OPS or n in hooks.NOT_VARIABLE_WRITES)]
         emit({"counts": counts, "kinds": kinds, "in_force": in_force, "total": steps(),
-              "native_steps": tf_antman.memory_stats()["steps"]})
+              "native_steps": tf_antman.memory_stats()["steps"], "unclassified": unclassified})
     """), ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_CONTROL_FALLBACK_MS="600000")
     r = job.result
+    assert r["unclassified"] == []
     assert r["kinds"] == ["AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"]
     assert r["counts"] == {"init": 0, "sgd": 3, "adam": 4, "keras3": 5, "eval": 0, "set_weights": 0,
                            "save_restore": 0, "callable": 2, "callable_fed": 3,
