@@ -88,7 +88,7 @@ def test_each_import_order_hooks_fit_and_train_on_batch(tmp_path: Path, first: s
     assert r["seen"] == {"sent": 4 << 30, "next": 300 * MiB, "tob_sent": 300 * MiB, "tob_next": 200 * MiB}
 
 
-def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> None:
+def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> None:  # and tf_keras v1
     job = run_py(CONTROL_HELPERS + textwrap.dedent("""
         import tensorflow as tf, keras
         tf.compat.v1.disable_eager_execution()
@@ -157,6 +157,17 @@ def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> No
                 in_force.append(limit())
                 step()
                 in_force.append(limit())
+        # tf_keras in graph mode (training_v1.Model): 2 epochs x 2 batches + 1 train_on_batch; its
+        # batches run through Session callables inside the marked step, not counted twice.
+        import numpy as np, tf_keras
+        xs = np.ones((32, 4), "float32")
+        m = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(4,))])
+        m.compile(optimizer="adam", loss="mse")
+        before = steps()
+        m.fit(xs, xs[:, 0], batch_size=16, epochs=2, verbose=0)
+        m.train_on_batch(xs[:8], xs[:8, 0])
+        m.evaluate(xs, xs[:, 0], verbose=0)
+        counts["tf_keras_v1"] = steps() - before
         # Every op of this TF whose name speaks of Apply/Assign/Scatter is classified.
         import re
         from tf_antman import hooks
@@ -171,9 +182,9 @@ def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> No
     assert r["kinds"] == ["AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"]
     assert r["counts"] == {"init": 0, "sgd": 3, "adam": 4, "keras3": 5, "eval": 0, "set_weights": 0,
                            "save_restore": 0, "callable": 2, "callable_fed": 3,
-                           "callable_eval": 0}
+                           "callable_eval": 0, "tf_keras_v1": 5}
     assert r["in_force"] == [4 << 30, 100 << 20, 100 << 20, 101 << 20, 101 << 20, 102 << 20]
-    assert r["total"] == r["native_steps"] == 3 + 4 + 5 + 2 + 3 + 3
+    assert r["total"] == r["native_steps"] == 3 + 4 + 5 + 2 + 3 + 3 + 5
 
 
 def test_custom_loop_marks_steps_and_the_newest_limit_wins(tmp_path: Path) -> None:
