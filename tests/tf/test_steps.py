@@ -123,9 +123,13 @@ def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> No
                                   and op.type.endswith("VariableOp") and op.type.startswith("Assign")])
         kinds = sorted({op.type for op in graph.get_operations() if op not in ops_before
                         and op.type.startswith("Assign")})
-        # Writes that are not training: set_weights-style assignment from a placeholder.
+        # 4. A hand-written update: an overwrite computed from the variable itself.
+        manual = w_k.assign(w_k - 0.01 * tf.gradients(loss_k, [w_k])[0])
+        # Writes that are not training: set_weights-style assignment from a placeholder, and a
+        # copy of one trainable variable into another (a target network's sync).
         value = v1.placeholder(tf.float32, [4, 1])
         set_w = w_res.assign(value)
+        copy = w_c.assign(w_res)
         saver = v1.train.Saver()
         with v1.Session() as s:
             runs("init", s, v1.global_variables_initializer(), 1)
@@ -134,6 +138,8 @@ def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> No
             runs("keras3", s, keras_update, 5, feed)
             runs("eval", s, [loss_ref, loss_res, loss_k], 6, feed)
             runs("set_weights", s, set_w, 2, {value: [[0.0]] * 4})
+            runs("manual", s, manual, 2, feed)
+            runs("copy", s, copy, 2)
             path = saver.save(s, os.path.join(os.environ["ANTMAN_JOB_DIR"], "ckpt"))
             before = steps(); saver.restore(s, path); counts["save_restore"] = steps() - before
             # make_callable: without feeds it bypasses run(); with feeds it goes through run().
@@ -180,11 +186,11 @@ def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> No
     r = job.result
     assert r["unclassified"] == []
     assert r["kinds"] == ["AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"]
-    assert r["counts"] == {"init": 0, "sgd": 3, "adam": 4, "keras3": 5, "eval": 0, "set_weights": 0,
+    assert r["counts"] == {"init": 0, "sgd": 3, "adam": 4, "keras3": 5, "eval": 0, "set_weights": 0, "manual": 2, "copy": 0,
                            "save_restore": 0, "callable": 2, "callable_fed": 3,
                            "callable_eval": 0, "tf_keras_v1": 5}
     assert r["in_force"] == [4 << 30, 100 << 20, 100 << 20, 101 << 20, 101 << 20, 102 << 20]
-    assert r["total"] == r["native_steps"] == 3 + 4 + 5 + 2 + 3 + 3 + 5
+    assert r["total"] == r["native_steps"] == 3 + 4 + 5 + 2 + 2 + 3 + 3 + 5
 
 
 def test_custom_loop_marks_steps_and_the_newest_limit_wins(tmp_path: Path) -> None:
