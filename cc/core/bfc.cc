@@ -232,7 +232,9 @@ void* Bfc::Allocate(size_t alignment, size_t bytes) {
       return Carve(h, rounded, alignment);
     }
     const uint64_t room = Room();
-    if (need > room && releasing_ > 0 && need <= room + releasing_) {
+    // Room once the regions on their way back have arrived.
+    const uint64_t room_after = limit_ > reserved_ + growing_ ? limit_ - reserved_ - growing_ : 0;
+    if (need > room && releasing_ > 0 && need <= room_after) {
       // Regions are on their way back to the source (another thread's shrink): their room is
       // ours in a moment. Waiting beats placing a tensor in host memory for its whole life.
       const uint64_t seen = release_completions_;
