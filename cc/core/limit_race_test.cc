@@ -104,12 +104,22 @@ bool Intact(const Block& b) {
 
 void Mark(const Block& b) { b.p[0] = b.p[b.n - 1] = b.p[b.n / 2] = b.tag; }
 
+// What the workers wait for: the observer's first sample before they start, and enough limit
+// changes before they stop (on two busy cores a thread can otherwise miss the whole run).
+struct Gate {
+  std::atomic<bool> observing{false};
+  std::atomic<int> changes{0};
+};
+constexpr int kMinChanges = 50;
+
 // Worker: random allocations and frees through `alloc` / `release`, contents spot-checked.
 template <typename Alloc, typename Release>
-void Work(int seed, int ops, Alloc alloc, Release release, std::atomic<int>* clobbered) {
+void Work(int seed, int ops, Alloc alloc, Release release, std::atomic<int>* clobbered,
+          const Gate* gate) {
+  while (!gate->observing.load()) std::this_thread::yield();
   std::mt19937_64 rng(seed);
   std::vector<Block> live;
-  for (int i = 0; i < ops; ++i) {
+  for (int i = 0; i < ops || gate->changes.load() < kMinChanges; ++i) {
     if (live.size() < 12 && (live.empty() || rng() % 100 < 55)) {
       const size_t n = RandomSize(rng);
       auto* p = static_cast<unsigned char*>(alloc(n));
@@ -137,7 +147,7 @@ struct Observed {
 };
 
 template <typename Snapshot>
-void Observe(const std::atomic<bool>* done, Snapshot snapshot, Observed* out) {
+void Observe(const std::atomic<bool>* done, Snapshot snapshot, Observed* out, Gate* gate) {
   while (!done->load()) {
     const antman::BfcStats s = snapshot();
     if (s.reserved > std::max(s.limit, s.pinned)) {
@@ -148,6 +158,7 @@ void Observe(const std::atomic<bool>* done, Snapshot snapshot, Observed* out) {
       out->max_over_limit = std::max<uint64_t>(out->max_over_limit, s.reserved - s.limit);
     }
     ++out->samples;
+    gate->observing = true;
   }
 }
 
@@ -174,7 +185,9 @@ TEST(LimitHoldsUnderConcurrentAllocationAndLimitChanges) {
   std::atomic<bool> done{false};
   std::atomic<int> clobbered{0};
   Observed observed;
-  std::thread observer([&] { Observe(&done, [&] { return bfc.GetStats(); }, &observed); });
+  Gate gate;
+  std::thread observer(
+      [&] { Observe(&done, [&] { return bfc.GetStats(); }, &observed, &gate); });
   std::thread changer([&] {
     std::mt19937_64 rng(99);
     uint64_t current = kStartLimit;
@@ -185,6 +198,7 @@ TEST(LimitHoldsUnderConcurrentAllocationAndLimitChanges) {
       } else {
         const uint64_t next = (rng() % 25) * MiB + (rng() % 4) * 64 * KiB;
         ChangeLimit(&bound, &current, next, [&](uint64_t l) { bfc.SetLimit(l); });
+        ++gate.changes;
       }
       std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
     }
@@ -193,7 +207,7 @@ TEST(LimitHoldsUnderConcurrentAllocationAndLimitChanges) {
   for (int t = 0; t < 4; ++t) {
     workers.emplace_back([&, t] {
       Work(t + 1, 6000, [&](size_t n) { return bfc.Allocate(256, n); },
-           [&](void* p) { EXPECT(bfc.Free(p)); }, &clobbered);
+           [&](void* p) { EXPECT(bfc.Free(p)); }, &clobbered, &gate);
     });
   }
   for (auto& w : workers) w.join();
@@ -206,6 +220,7 @@ TEST(LimitHoldsUnderConcurrentAllocationAndLimitChanges) {
               (unsigned long long)observed.samples.load(), source.max_held() / double(MiB),
               observed.max_over_limit.load() / double(MiB));
   EXPECT(observed.samples.load() > 0);
+  EXPECT(gate.changes.load() >= kMinChanges);
   EXPECT_EQ(source.max_overshoot(), 0u);
   EXPECT_EQ(observed.max_over_allowed.load(), 0u);
   EXPECT_EQ(clobbered.load(), 0);
@@ -236,7 +251,8 @@ TEST(UniversalLimitHoldsWithStepBoundaryLimitChanges) {
   std::atomic<int> clobbered{0};
   Observed observed;
   auto snapshot = [&] { return mem.device().GetStats(); };
-  std::thread observer([&] { Observe(&done, snapshot, &observed); });
+  Gate gate;
+  std::thread observer([&] { Observe(&done, snapshot, &observed, &gate); });
   std::thread changer([&] {
     std::mt19937_64 rng(5);
     uint64_t current = kStartLimit;
@@ -248,6 +264,7 @@ TEST(UniversalLimitHoldsWithStepBoundaryLimitChanges) {
         mem.RequestLimit(next);
         ChangeLimit(&bound, &current, next, [&](uint64_t) { mem.StepBoundary(); });
       }
+      ++gate.changes;
       std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
     }
   });
@@ -255,7 +272,7 @@ TEST(UniversalLimitHoldsWithStepBoundaryLimitChanges) {
   for (int t = 0; t < 3; ++t) {
     workers.emplace_back([&, t] {
       Work(t + 11, 5000, [&](size_t n) { return mem.Allocate(256, n); },
-           [&](void* p) { EXPECT(mem.Free(p)); }, &clobbered);
+           [&](void* p) { EXPECT(mem.Free(p)); }, &clobbered, &gate);
     });
   }
   for (auto& w : workers) w.join();
