@@ -331,6 +331,22 @@ int main(int argc, char** argv) {
       return Usage(argv[0]);
     }
   }
+  // Arguments first: a usage error is 2 on any machine.
+  if (mode != "probe" && mode != "share" && mode != "guarantee" && mode != "opportunist") {
+    return Usage(argv[0]);
+  }
+  if ((mode == "guarantee" || mode == "opportunist") && (iters < 1 || iters > (1 << 30))) {
+    std::fprintf(stderr, "--iters: %ld is outside the accepted range [1, 2^30]\n", iters);
+    return 2;
+  }
+  if (mode == "guarantee" && (kernels < 1 || kernels > 100'000'000)) {
+    std::fprintf(stderr, "--kernels: %ld is outside the accepted range [1, 1e8]\n", kernels);
+    return 2;
+  }
+  if (mode == "opportunist" && !(share >= 0.0 && share <= 1.0)) {
+    std::fprintf(stderr, "--share: %g is outside the accepted range [0, 1]\n", share);
+    return 2;
+  }
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
@@ -342,27 +358,6 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaFree(nullptr));  // the primary context, which the gate also uses
   if (mode == "probe") return 0;
   if (mode == "share") return Share(quick);
-  if (mode == "guarantee") {
-    if (iters < 1 || iters > (1 << 30)) {
-      std::fprintf(stderr, "--iters: %ld is outside the accepted range [1, 2^30]\n", iters);
-      return 2;
-    }
-    if (kernels < 1 || kernels > 100'000'000) {
-      std::fprintf(stderr, "--kernels: %ld is outside the accepted range [1, 1e8]\n", kernels);
-      return 2;
-    }
-    return Guarantee(static_cast<int>(iters), kernels);
-  }
-  if (mode == "opportunist") {
-    if (iters < 1 || iters > (1 << 30)) {
-      std::fprintf(stderr, "--iters: %ld is outside the accepted range [1, 2^30]\n", iters);
-      return 2;
-    }
-    if (!(share >= 0.0 && share <= 1.0)) {
-      std::fprintf(stderr, "--share: %g is outside the accepted range [0, 1]\n", share);
-      return 2;
-    }
-    return Opportunist(static_cast<int>(iters), share);
-  }
-  return Usage(argv[0]);
+  if (mode == "guarantee") return Guarantee(static_cast<int>(iters), kernels);
+  return Opportunist(static_cast<int>(iters), share);
 }

@@ -1,6 +1,6 @@
 """bench/gpu: the core on a real GPU, in one command, without TensorFlow or Bazel.
 
-    python bench/gpu/run.py [--quick] [--rounds N] [--out DIR] [--build-only]
+    python bench/gpu/run.py [--quick] [--rounds N] [--out DIR] [--build-only | --no-build]
 
 Builds what it needs with bench/gpu/build.sh (memory half: memory_bench) and
 bench/gpu/build_compute.sh (compute half: libantman_core.so + compute_bench), runs both halves and
@@ -142,13 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "out" / "bench_gpu",
                         help="build directory (default out/bench_gpu)")
     parser.add_argument("--build-only", action="store_true", help="build, then stop")
+    parser.add_argument("--no-build", action="store_true",
+                        help="use the binaries already in --out (from an earlier build)")
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 4)
     if not 1 <= rounds <= 50:
         parser.error(f"--rounds: {rounds} is outside the accepted range [1, 50]")
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        build(args.out)
+        if not args.no_build:
+            build(args.out)
         compute_bench = args.out / "compute_bench"
         memory_bench = args.out / "memory_bench"
         if args.build_only:
