@@ -310,6 +310,13 @@ class OpManager(_Handle):
                     raise CoreError(f"{field}: {value} is outside the accepted range of int64")
                 setattr(config, field, value)
         super().__init__(lib, _create(lib, lib.c.antman_opm_create, ctypes.byref(config)))
+        self._gates: set[int] = set()  # ids of open CudaGates that use this manager
+
+    def close(self) -> None:
+        if self._gates:
+            raise CoreError(f"opm: {len(self._gates)} CudaGate(s) still use this manager: "
+                            "close them first")
+        super().close()
 
     def set_share(self, share: float) -> None:
         self.lib.check(self.lib.c.antman_opm_set_share(self.handle, share))
@@ -364,8 +371,10 @@ class OpManager(_Handle):
 class CudaGate(_Handle):
     """Gates launches on CUDA streams through an OpManager and charges device time (antman_gate).
 
-    The OpManager must stay open while the gate is; close() waits for the device to finish every
-    gated op. `stream` arguments are raw CUstream / cudaStream_t values (0 = legacy default)."""
+    The OpManager must stay open while the gate is (closing it first raises CoreError); close()
+    waits for the device to finish every gated op. `stream` arguments are raw CUstream /
+    cudaStream_t values (0 = legacy default). ctypes releases the GIL during each call, so a
+    begin() held by the manager blocks only its own thread."""
 
     _destroy = "antman_gate_destroy"
 
@@ -383,6 +392,12 @@ class CudaGate(_Handle):
         self.opm = opm  # kept alive for as long as the gate
         super().__init__(lib, _create(lib, lib.c.antman_gate_create, opm.handle,
                                       ctypes.byref(config)))
+        opm._gates.add(id(self))
+
+    def close(self) -> None:
+        if self._h is not None:
+            super().close()  # waits for the device to finish every gated op
+            self.opm._gates.discard(id(self))
 
     def begin(self, stream: int) -> int:
         """Admits and records the start event; returns the op handle for end() (0: not gated)."""
