@@ -24,7 +24,9 @@ struct CudaGate::Op {
   void* stream = nullptr;
   Anchor* anchor = nullptr;
   int64_t provisional_ns = 0;
+  bool charge = true;   // Begin: the gate charges the manager; BeginTimed: `done` is told
   bool failed = false;  // an event could not be recorded: charge nothing
+  CudaGate::Done done;
 };
 
 namespace {
@@ -318,7 +320,22 @@ int CudaGate::Begin(void* stream, Op** out, std::string* err) {
   *out = nullptr;
   if (manager_->unthrottled()) return ANTMAN_OK;
   manager_->Admit(OpManager::Timing::kDevice);
-  const int64_t provisional = manager_->Launched();
+  return RecordStart(stream, /*charge=*/true, manager_->Launched(), out, err);
+}
+
+int CudaGate::BeginTimed(void* stream, Op** out, std::string* err) {
+  *out = nullptr;
+  return RecordStart(stream, /*charge=*/false, 0, out, err);
+}
+
+int CudaGate::EndTimed(Op* op, Done done, std::string* err) {
+  if (op == nullptr) return ANTMAN_OK;
+  op->done = std::move(done);
+  return End(op, err);
+}
+
+int CudaGate::RecordStart(void* stream, bool charge, int64_t provisional, Op** out,
+                          std::string* err) {
   bool stale = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -332,6 +349,7 @@ int CudaGate::Begin(void* stream, Op** out, std::string* err) {
   auto* op = new Op;
   op->stream = stream;
   op->provisional_ns = provisional;
+  op->charge = charge;
   int create_rc = kCuSuccess;
   const int rc = InContext([&] {
     {
@@ -355,7 +373,8 @@ int CudaGate::Begin(void* stream, Op** out, std::string* err) {
       ReleaseAnchorLocked(op->anchor);
     }
     delete op;
-    manager_->DeviceDone(provisional, 0, 0);  // nothing will run: return the charge
+    // Nothing will run: return the charge.
+    if (charge) manager_->DeviceDone(provisional, 0, 0);
     return ANTMAN_ERR_DEVICE;
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -424,7 +443,11 @@ void CudaGate::PollLoop() {
         const HostInterval iv = PlaceOnHostClock(op->anchor->host_ns, anchor_to_start,
                                                  start_to_end, floor_ns, manager_->NowNs());
         stream_end[op->stream] = iv.end_ns;
-        manager_->DeviceDone(op->provisional_ns, iv.start_ns, iv.end_ns);
+        if (op->charge) {
+          manager_->DeviceDone(op->provisional_ns, iv.start_ns, iv.end_ns);
+        } else if (op->done) {
+          op->done(iv.start_ns, iv.end_ns);
+        }
         if (options_.on_charged) options_.on_charged(iv.start_ns, iv.end_ns);
         busy = iv.end_ns - iv.start_ns;
         charged = true;
@@ -432,7 +455,8 @@ void CudaGate::PollLoop() {
     }
     // The op failed on the device or its events could not be read: nothing
     // is known of its device time, so its provisional charge is returned.
-    if (!charged) manager_->DeviceDone(op->provisional_ns, 0, 0);
+    if (!charged && op->charge) manager_->DeviceDone(op->provisional_ns, 0, 0);
+    if (!charged && !op->charge && op->done) op->done(0, 0);
     lock.lock();
     queue_.pop_front();
     free_events_.push_back(op->start);

@@ -90,6 +90,16 @@ class CudaGate {
   // See cuda_gate.h. *op is nullptr when the manager is unthrottled.
   int Begin(void* stream, Op** op, std::string* err);
   int End(Op* op, std::string* err);
+
+  // Timing only, for a caller that admits and charges by itself (the TF GPU
+  // device's DeviceOpGate, cc/tf/device_timer.h): records the start event
+  // whatever the share, without admission; EndTimed records the end event and
+  // the poller calls `done(start_ns, end_ns)` once the device has run the op
+  // (in end order, on the poller thread, exactly once; (0, 0) when the
+  // device reported an error). The manager is not charged by the gate.
+  using Done = std::function<void(int64_t start_ns, int64_t end_ns)>;
+  int BeginTimed(void* stream, Op** op, std::string* err);
+  int EndTimed(Op* op, Done done, std::string* err);
   void Drain();
   antman_gate_stats stats() const;
 
@@ -109,6 +119,9 @@ class CudaGate {
   std::string DriverError(const char* call, int rc) const;
   void* TakeEventLocked(int* rc);  // from the pool, or a new one
   void ReleaseAnchorLocked(Anchor* anchor);
+  // Re-anchors if due, then records op's start event; charge: the op was
+  // admitted and provisionally charged by Begin.
+  int RecordStart(void* stream, bool charge, int64_t provisional, Op** out, std::string* err);
   // Records and synchronizes a new anchor; best of a few tries.
   int Reanchor(std::string* err);
   void PollLoop();

@@ -423,6 +423,47 @@ TEST(UnthrottledRecordsNothing) {
   CompleteNext(rig.clock.NowNs());
 }
 
+TEST(TimedOnlyReportsIntervalsWithoutCharging) {
+  Rig rig(1.0);  // unthrottled: Begin would skip; BeginTimed always records
+  REQUIRE(rig.gate != nullptr);
+  std::mutex mu;
+  std::vector<std::pair<int64_t, int64_t>> seen;
+  auto done = [&](int64_t s, int64_t e) {
+    std::lock_guard<std::mutex> lock(mu);
+    seen.emplace_back(s, e);
+  };
+  const int64_t t = rig.clock.NowNs();
+  std::string err;
+  CudaGate::Op* a = nullptr;
+  CudaGate::Op* b = nullptr;
+  EXPECT_EQ(rig.gate->BeginTimed(Stream(1), &a, &err), ANTMAN_OK);
+  REQUIRE(a != nullptr);
+  EXPECT_EQ(rig.gate->EndTimed(a, done, &err), ANTMAN_OK);
+  EXPECT_EQ(rig.gate->BeginTimed(Stream(1), &b, &err), ANTMAN_OK);
+  EXPECT_EQ(rig.gate->EndTimed(b, done, &err), ANTMAN_OK);
+  rig.clock.Advance(10 * kMs);
+  CompleteNext(t + 2 * kMs);
+  CompleteNext(t + 5 * kMs);
+  EXPECT(Eventually([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return seen.size() == 1;
+  }));
+  rig.dev.query_error = 700;  // the second op fails on the device: told (0, 0)
+  CompleteNext(t + 5 * kMs);
+  CompleteNext(t + 6 * kMs);
+  rig.gate->Drain();
+  rig.dev.query_error = 0;
+  REQUIRE(seen.size() == 2u);
+  EXPECT_EQ(seen[0].first, t + 2 * kMs);
+  EXPECT_EQ(seen[0].second, t + 5 * kMs);
+  EXPECT_EQ(seen[1].first, 0);
+  EXPECT_EQ(seen[1].second, 0);
+  OpManager::Stats m = rig.manager->stats();
+  EXPECT_EQ(m.ops_total, 0);  // the caller charges, not the gate
+  EXPECT_EQ(m.busy_ns, 0);
+  EXPECT_EQ(rig.gate->stats().errors, 1);
+}
+
 TEST(DestroyWaitsForTheDeviceAndFreesEverything) {
   auto rig = std::make_unique<Rig>(0.5);
   REQUIRE(rig->gate != nullptr);
