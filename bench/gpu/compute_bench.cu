@@ -78,6 +78,11 @@ double NowS() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// Wall-clock time (Unix epoch), for matching phases with NVML samples taken by run.py.
+double EpochS() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 // The job: alternating compute- and bandwidth-bound kernels on one stream.
 struct Job {
   cudaStream_t stream = nullptr;
@@ -180,6 +185,8 @@ struct Phase {
   double manager;       // the manager's achieved_share_window (comparison only)
   long kernels;
   double mean_kernel_ms;
+  double epoch_start;   // measured part of the phase, Unix time
+  double epoch_end;
 };
 
 // Runs the job at `share` for `seconds` after `warmup_s`, timing every kernel with its own events.
@@ -189,6 +196,7 @@ Phase RunPhase(Job& job, Gated& g, double share, double warmup_s, double seconds
   while (NowS() < t_end) g.Run(job.stream, [&] { job.Launch(); });
   std::vector<cudaEvent_t> ev;
   ev.reserve(1 << 16);
+  const double epoch_start = EpochS();
   t_end = NowS() + seconds;
   while (NowS() < t_end && ev.size() + 2 <= (size_t{1} << 16)) {
     cudaEvent_t a, b;
@@ -203,6 +211,7 @@ Phase RunPhase(Job& job, Gated& g, double share, double warmup_s, double seconds
     ev.push_back(b);
   }
   CUDA_OK(cudaStreamSynchronize(job.stream));
+  const double epoch_end = EpochS();
   ANTMAN_OK_OR_DIE(antman_gate_drain(g.gate));
   antman_opm_stats st;
   ANTMAN_OK_OR_DIE(antman_opm_get_stats(g.opm, &st));
@@ -216,7 +225,8 @@ Phase RunPhase(Job& job, Gated& g, double share, double warmup_s, double seconds
   CUDA_OK(cudaEventElapsedTime(&span_ms, ev.front(), ev.back()));
   for (cudaEvent_t e : ev) cudaEventDestroy(e);
   const long kernels = static_cast<long>(ev.size() / 2);
-  return Phase{busy_ms / span_ms, st.achieved_share_window, kernels, busy_ms / kernels};
+  return Phase{busy_ms / span_ms, st.achieved_share_window, kernels, busy_ms / kernels,
+               epoch_start, epoch_end};
 }
 
 int Share(bool quick) {
@@ -229,6 +239,9 @@ int Share(bool quick) {
   Phase natural = RunPhase(job, g, 1.0, 0.3, seconds);
   const double targets[] = {0.25, 0.5, 0.75};
   std::string achieved = "[", manager = "[", kernels = "[";
+  char span[128];
+  std::snprintf(span, sizeof(span), "[[%.6f, %.6f]", natural.epoch_start, natural.epoch_end);
+  std::string phases = span;
   double worst = 0;
   for (int i = 0; i < 3; ++i) {
     Phase p = RunPhase(job, g, targets[i], 0.3, seconds);
@@ -241,6 +254,8 @@ int Share(bool quick) {
     manager += buf;
     std::snprintf(buf, sizeof(buf), "%s%ld", i ? ", " : "", p.kernels);
     kernels += buf;
+    std::snprintf(span, sizeof(span), ", [%.6f, %.6f]", p.epoch_start, p.epoch_end);
+    phases += span;
   }
   antman_gate_stats gs;
   ANTMAN_OK_OR_DIE(antman_gate_get_stats(g.gate, &gs));
@@ -250,11 +265,12 @@ int Share(bool quick) {
       "\"share_error_points_max\": %.3f, \"natural_share\": %.4f, \"mean_kernel_ms\": %.4f, "
       "\"fma_iters\": %d, \"kernels\": %s], \"manager_share_window\": %s], "
       "\"gate_ops_completed\": %lld, \"gate_errors\": %lld, \"gate_anchors\": %lld, "
-      "\"gate_anchor_uncertainty_ns\": %lld}\n",
+      "\"gate_anchor_uncertainty_ns\": %lld, \"phase_epoch_s\": %s]}\n",
       kJsonVersion, quick ? "true" : "false", achieved.c_str(), worst, natural.achieved,
       natural.mean_kernel_ms, job.iters, kernels.c_str(), manager.c_str(),
       static_cast<long long>(gs.ops_completed), static_cast<long long>(gs.errors),
-      static_cast<long long>(gs.anchors), static_cast<long long>(gs.anchor_uncertainty_ns));
+      static_cast<long long>(gs.anchors), static_cast<long long>(gs.anchor_uncertainty_ns),
+      phases.c_str());
   return gs.errors == 0 ? 0 : 1;
 }
 

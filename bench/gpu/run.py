@@ -10,7 +10,8 @@ prints ONE JSON line with every key:
       host_fallback_slowdown
   compute half (compute_bench.cu): share_error_points_max (25/50/75% of a job of real kernels gated
       through the op manager and the CUDA event gate, measured with the bench's own CUDA events
-      around every kernel, not with the manager's timers), rg_slowdown_throttled and
+      around every kernel, not with the manager's timers; NVML utilisation, sampled by this
+      script, is a second witness: nvml_share_*), rg_slowdown_throttled and
       rg_slowdown_unthrottled (a guarantee process at 100% with an opportunistic process at 5% vs
       at 100%; the guarantee alone is the baseline, measured in the same run, rounds alternated)
 
@@ -27,6 +28,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,65 @@ SKIP = 77
 MEMORY_KEYS = ("shrink_gib_per_ms", "limit_overshoot_bytes", "host_fallback_ok",
                "host_fallback_slowdown")
 THROTTLED_SHARE = 0.05
+SHARE_TARGETS = (0.25, 0.5, 0.75)
+NVML_PERIOD_S = 0.05
+NVML_TRIM_S = 0.3  # NVML averages over its own sample period: drop phase edges
+
+
+class NvmlSampler(threading.Thread):
+    """A second, coarser witness of the share: NVML's GPU utilisation ("percent of time over the
+    past sample period during which one or more kernels was executing"), polled with Unix time
+    stamps. Optional: without pynvml or NVML, `error` says why and the figures are null."""
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.index = index
+        self.samples: list[tuple[float, float]] = []
+        self.error: str | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+                while not self._stop_event.is_set():
+                    util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+                    self.samples.append((time.time(), util / 100.0))
+                    self._stop_event.wait(NVML_PERIOD_S)
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception as e:  # noqa: BLE001 - optional witness: report, never fail the bench
+            self.error = f"{type(e).__name__}: {e}"
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(10)
+
+    def phase_means(self, windows: list[list[float]]) -> list[float | None]:
+        means: list[float | None] = []
+        for start, end in windows:
+            values = [v for t, v in self.samples if start + NVML_TRIM_S <= t <= end - NVML_TRIM_S]
+            means.append(round(statistics.mean(values), 4) if values else None)
+        return means
+
+
+def nvml_share(sampler: NvmlSampler, share: dict[str, Any]) -> dict[str, Any]:
+    """NVML's view of the share phases (natural, 25, 50, 75%), beside the bench's own events."""
+    if sampler.error is not None:
+        return {"nvml_share_achieved": None, "nvml_share_error_points_max": None,
+                "nvml_error": sampler.error}
+    means = sampler.phase_means(share["phase_epoch_s"])
+    natural, achieved = means[0], means[1:]
+    if natural is None or any(a is None for a in achieved):
+        return {"nvml_share_achieved": achieved, "nvml_share_error_points_max": None,
+                "nvml_error": "too few NVML samples inside a phase"}
+    worst = max(abs(a - min(t, natural)) * 100.0 for a, t in zip(achieved, SHARE_TARGETS, strict=True)
+                if a is not None)
+    return {"nvml_natural_share": natural, "nvml_share_achieved": achieved,
+            "nvml_share_error_points_max": round(worst, 3)}
 
 
 class BenchError(RuntimeError):
@@ -165,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError(f"probe failed: {probe.stderr[-2000:]}")
         quick = ["--quick"] if args.quick else []
         memory = run_json([str(memory_bench), *quick], "memory_bench", 600)
-        share = run_json([str(compute_bench), "share", *quick], "compute_bench share", 600)
+        sampler = NvmlSampler()
+        sampler.start()
+        try:
+            share = run_json([str(compute_bench), "share", *quick], "compute_bench share", 600)
+        finally:
+            sampler.stop()
         rg_result = rg(compute_bench, int(share["fma_iters"]), float(share["mean_kernel_ms"]),
                        rounds, 1.0 if args.quick else 3.0)
     except BenchError as e:
@@ -179,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update({k: share[k] for k in ("share_achieved", "natural_share", "mean_kernel_ms",
                                          "manager_share_window", "gate_errors",
                                          "gate_anchor_uncertainty_ns")})
+    result.update(nvml_share(sampler, share))
     result.update(rg_result)
     print(json.dumps(result), flush=True)
     return 0 if memory.get("checks_ok") and share["gate_errors"] == 0 else 1
