@@ -372,9 +372,17 @@ int CudaGate::RecordStart(void* stream, bool charge, int64_t provisional, Op** o
       if (op->end != nullptr) free_events_.push_back(op->end);
       ReleaseAnchorLocked(op->anchor);
     }
+    if (!charge) {
+      // Timing only: the caller's `done` must still run exactly once, in
+      // order, from the poller: the op goes through the queue as a failure.
+      op->start = op->end = nullptr;
+      op->anchor = nullptr;
+      op->failed = true;
+      *out = op;
+      return ANTMAN_ERR_DEVICE;
+    }
     delete op;
-    // Nothing will run: return the charge.
-    if (charge) manager_->DeviceDone(provisional, 0, 0);
+    manager_->DeviceDone(provisional, 0, 0);  // nothing will run: return the charge
     return ANTMAN_ERR_DEVICE;
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -385,7 +393,8 @@ int CudaGate::RecordStart(void* stream, bool charge, int64_t provisional, Op** o
 
 int CudaGate::End(Op* op, std::string* err) {
   if (op == nullptr) return ANTMAN_OK;
-  const int rc = InContext([&] { return d_->cuEventRecord(op->end, op->stream); });
+  const int rc =
+      op->failed ? kCuSuccess : InContext([&] { return d_->cuEventRecord(op->end, op->stream); });
   if (rc != kCuSuccess) {
     op->failed = true;
     *err = DriverError("cuEventRecord (end)", rc);
@@ -459,8 +468,8 @@ void CudaGate::PollLoop() {
     if (!charged && !op->charge && op->done) op->done(0, 0);
     lock.lock();
     queue_.pop_front();
-    free_events_.push_back(op->start);
-    free_events_.push_back(op->end);
+    if (op->start != nullptr) free_events_.push_back(op->start);
+    if (op->end != nullptr) free_events_.push_back(op->end);
     ReleaseAnchorLocked(op->anchor);
     delete op;
     --stats_.ops_pending;

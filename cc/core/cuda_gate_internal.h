@@ -96,7 +96,10 @@ class CudaGate {
   // whatever the share, without admission; EndTimed records the end event and
   // the poller calls `done(start_ns, end_ns)` once the device has run the op
   // (in end order, on the poller thread, exactly once; (0, 0) when the
-  // device reported an error). The manager is not charged by the gate.
+  // device reported an error). The manager is not charged by the gate. A
+  // BeginTimed that fails (ANTMAN_ERR_DEVICE) still returns an op: pass it to
+  // EndTimed as usual and `done(0, 0)` follows, so `done` always runs once.
+  // This is the DeviceTimer contract of cc/tf/device_timer.h (Before/After).
   using Done = std::function<void(int64_t start_ns, int64_t end_ns)>;
   int BeginTimed(void* stream, Op** op, std::string* err);
   int EndTimed(Op* op, Done done, std::string* err);

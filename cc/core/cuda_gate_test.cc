@@ -458,10 +458,21 @@ TEST(TimedOnlyReportsIntervalsWithoutCharging) {
   EXPECT_EQ(seen[0].second, t + 5 * kMs);
   EXPECT_EQ(seen[1].first, 0);
   EXPECT_EQ(seen[1].second, 0);
+  // A start event that cannot be recorded: still an op, and `done(0, 0)`.
+  rig.dev.fail_next_records = 1;
+  CudaGate::Op* c = nullptr;
+  EXPECT_EQ(rig.gate->BeginTimed(Stream(1), &c, &err), ANTMAN_ERR_DEVICE);
+  REQUIRE(c != nullptr);
+  EXPECT_EQ(rig.gate->EndTimed(c, done, &err), ANTMAN_OK);
+  rig.gate->Drain();
+  REQUIRE(seen.size() == 3u);
+  EXPECT_EQ(seen[2].first, 0);
+  EXPECT_EQ(seen[2].second, 0);
   OpManager::Stats m = rig.manager->stats();
   EXPECT_EQ(m.ops_total, 0);  // the caller charges, not the gate
   EXPECT_EQ(m.busy_ns, 0);
-  EXPECT_EQ(rig.gate->stats().errors, 1);
+  EXPECT_EQ(rig.gate->stats().errors, 2);
+  EXPECT_EQ(PendingEvents(), 0u);
 }
 
 TEST(DestroyWaitsForTheDeviceAndFreesEverything) {
