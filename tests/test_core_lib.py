@@ -152,7 +152,7 @@ def test_gate_without_a_driver_is_a_clean_error(result: dict) -> None:
     assert result["gate"].startswith("code 2: CUDA driver not available")
 
 
-def test_abi_mismatch_is_refused(tmp_path: pytest.TempPathFactory) -> None:
+def test_abi_mismatch_is_refused() -> None:
     lib = core.load()
     saved = dict(core.ABI_VERSIONS)
     try:
