@@ -195,6 +195,14 @@ class Driver:
         self.settings[d.job_id] = settings
         return Launch(d.job_id, d.gpus, d.role, settings)
 
+    def set_demand(self, job_id: str, demand_bytes: int) -> None:
+        """The job's memory demand changed (a surge). Without universal memory its limit follows."""
+        self.book.set_memory_demand(job_id, demand_bytes)
+        if not self.universal_memory:
+            limits = self.settings[job_id].limits
+            for g in limits:
+                limits[g] = demand_bytes
+
     def finish(self, job_id: str, now: float, failed: bool = False) -> None:
         """The job left (ended, failed, could not start): release its GPUs and settings."""
         self.book.finish(job_id, failed=failed)
