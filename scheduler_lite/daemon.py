@@ -499,8 +499,7 @@ class Daemon:
             while samples and samples[0][0] < now - window:
                 samples.popleft()
             average = statistics.fmean(u for _, u in samples)
-            # The average covers the window only as far back as the samples go (a fresh daemon).
-            self.driver.observe_utilisation(gpu, round(average, 6), max(now - window, samples[0][0]))
+            self.driver.observe_utilisation(gpu, round(average, 6), now - window)
 
     def _read_stats(self, job_id: str, live: _Live, now: float) -> None:
         try:

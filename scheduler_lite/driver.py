@@ -226,13 +226,14 @@ class Driver:
         self._first_step.setdefault(job_id, now)
 
     def observe_utilisation(self, gpu: int, value: float, covers_since: float) -> bool:
-        """A utilisation reading of the GPU averaged over [covers_since, now]; True if the book changed.
+        """A utilisation reading of the GPU over (covers_since, now]; True if the book changed.
 
-        Jobs placed on the GPU whose first step is not covered keep it marked busy.
+        Jobs placed on the GPU whose first step was not strictly before `covers_since` keep it
+        marked busy: the reading may hold samples from before they stepped.
         """
         held = self._held.get(gpu)
         if held:
-            for job_id in [j for j in held if self._first_step.get(j, math.inf) <= covers_since]:
+            for job_id in [j for j in held if self._first_step.get(j, math.inf) < covers_since]:
                 del held[job_id]
             if held:
                 return False
