@@ -151,7 +151,8 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
             try:
                 store = SqliteStorage(db)
                 try:
-                    def accounted() -> bool:
+                    def accounted(store: SqliteStorage = store, before: int = before,
+                                  alive: dict[str, int] = alive) -> bool:
                         seen = {e.job_id for e in store.events(after_id=before) if e.kind in ("adopted", "exited")}
                         return set(alive) <= seen
                     assert wait_for(accounted, timeout=20), (alive, daemon_log.read_text()[-2000:])
