@@ -77,9 +77,12 @@ def print_status(d: Daemon, names: dict[str, str], t: float) -> None:
         step_ms = f"{j.step_ms_median:.1f}" if j.step_ms_median else "-"
         host = format_bytes(j.host_in_use_bytes) if j.host_in_use_bytes else "0"
         used = format_bytes(j.in_use_bytes) if j.in_use_bytes is not None else "-"
+        # In force as the job reports them ('-' before its first stats.json).
+        limit = format_bytes(j.memory_limit_bytes) if j.memory_limit_bytes is not None else "-"
+        share = f"{j.compute_share:4.2f}" if j.compute_share is not None else "   -"
         print(f"    {names.get(j.job_id, j.job_id):<14} {j.role.value if hasattr(j.role, 'value') else j.role:<13} "
-              f"limit {format_bytes(j.memory_limit_bytes):>10}  in use {used:>10}  host {host:>8}  "
-              f"share {j.compute_share:4.2f}  step {j.step or 0:>5}  median {step_ms:>6} ms", flush=True)
+              f"limit {limit:>10}  in use {used:>10}  host {host:>8}  "
+              f"share {share}  step {j.step or 0:>5}  median {step_ms:>6} ms", flush=True)
 
 
 def job_steps_ms(d: Daemon, job_id: str) -> list[float]:
