@@ -91,6 +91,12 @@ def test_example_config_guarantee_then_opportunistic_use_both_gpus(tmp_path: Pat
     assert d.job(g).placement == (0,) and d.job(o).placement == (1,)  # type: ignore[union-attr]
     # Each alone on its GPU: the whole GPU (the guarantee job has declared no --memory).
     assert launched_limit(d, g) == launched_limit(d, o) == 2 << 30
+    # Submitted before the same tick: one pass, the same split.
+    g2 = d.submit(fake_command(), tenant="research", kind="guarantee", env=SLOW_START)
+    o2 = d.submit(fake_command(), tenant="batch", kind="opportunistic", env=SLOW_START)
+    d.stop_all_jobs(grace_s=1)
+    d.tick()
+    assert d.job(g2).placement == (0,) and d.job(o2).placement == (1,)  # type: ignore[union-attr]
 
 
 def test_an_opportunistic_job_next_to_a_guarantee_job_starts_with_the_minimum(
