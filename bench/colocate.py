@@ -2,8 +2,9 @@
 
     python bench/colocate.py [--quick]
 
-1. One resource-guarantee (RG) job and two opportunistic jobs on one emulated GPU, run by the
-   scheduler_lite daemon (examples/demo.py's scenario). Figures: rg_slowdown (median of the
+1. One resource-guarantee (RG) job and two opportunistic jobs submitted to one emulated GPU, run
+   by the scheduler_lite daemon (examples/demo.py's scenario: the RG job runs next to the first
+   opportunistic job; the second waits until the GPU reads below the threshold M). Figures: rg_slowdown (median of the
    co-located RG step times over the median of the solo ones), rg_slowdown_pairs (each solo run
    against the co-located run that follows it), their spread, and rg_slowdown_worst_pair (target:
    every pair <= 10% on these 2 CPU cores), op_jobs_finished, failed_jobs. Saves
