@@ -171,8 +171,16 @@ class _Live:
 
 class _Faults:
     def __init__(self, environ: Mapping[str, str]) -> None:
-        self.points = frozenset(p for p in environ.get(FAULT_ENV, "").split(",") if p in FAULT_POINTS)
-        self.left = int(environ.get(FAULT_AFTER_ENV, "1") or 1) if self.points else 0
+        names = [p for p in environ.get(FAULT_ENV, "").split(",") if p]
+        after = environ.get(FAULT_AFTER_ENV, "1")
+        bad = [p for p in names if p not in FAULT_POINTS]
+        if bad or not after.isdigit() or not 1 <= int(after) <= 1_000_000:
+            if names:  # a test hook set wrong: say so and run without faults
+                log.error("%s=%r / %s=%r ignored: accepted points %s, and a count in [1, 1000000]",
+                          FAULT_ENV, environ.get(FAULT_ENV), FAULT_AFTER_ENV, after, ",".join(FAULT_POINTS))
+            names = []
+        self.points = frozenset(names)
+        self.left = int(after) if self.points else 0
 
     def at(self, point: str) -> None:
         if point in self.points:
