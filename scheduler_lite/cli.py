@@ -18,25 +18,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
 from scheduler_lite.config import CONFIG_ENV, Config, resolve_config
-from scheduler_lite.daemon import (
-    ClusterStatus,
-    Daemon,
-    DaemonLockedError,
-    SubmitError,
-    build_status,
-    lock_state_dir,
-    make_job_spec,
-    request_cancel,
-    submit_job,
-)
 from scheduler_lite.devices import DeviceError, open_devices
 from scheduler_lite.launcher import STDERR_FILE, STDOUT_FILE, describe_exit
 from scheduler_lite.model import JobKind
 from scheduler_lite.policy.validation import ConfigError
+from scheduler_lite.status import ClusterStatus, build_status
 from scheduler_lite.storage import JobRecord, JobStatus, SqliteStorage, StorageError
+from scheduler_lite.submission import SubmitError, make_job_spec, quota_warning, request_cancel, submit_job
 from tf_antman.units import format_bytes, parse_bytes
 
 PROG = "scheduler-lite"
@@ -78,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = resolve_config(args.config)
         return int(args.run(config, args) or 0)
-    except (UserError, ConfigError, SubmitError, StorageError, DeviceError, DaemonLockedError) as e:
+    except (UserError, ConfigError, SubmitError, StorageError, DeviceError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -104,15 +95,34 @@ def _sim_argv(argv: list[str]) -> list[str] | None:
     return None
 
 
+# submit's options that take a value: the token after them is not the job's command.
+SUBMIT_VALUE_OPTIONS: Final = frozenset({"--tenant", "--gpus", "--type", "--workdir", "--env", "--memory", "--name",
+                                         "--steps", "--duration", "--config"})
+
+
 def _global_options(argv: list[str]) -> tuple[str | None, bool, list[str]]:
-    """--config FILE and --json anywhere before a '--' (so `list --json` and `--json list` agree)."""
+    """--config FILE and --json anywhere before the job's command (so `list --json` and `--json list` agree).
+
+    The job's command starts after '--', or at submit's first positional argument: what follows
+    belongs to the job, so `submit python train.py --json` keeps `--json` for train.py.
+    """
     config, as_json, rest = None, False, []
     i = 0
+    command: str | None = None
     while i < len(argv):
         token = argv[i]
         if token == "--":
             rest.extend(argv[i:])
             break
+        if command == "submit" and not token.startswith("-"):
+            rest.extend(argv[i:])  # the job's command, options and all
+            break
+        if command is None and not token.startswith("-"):
+            command = token
+        if command == "submit" and token in SUBMIT_VALUE_OPTIONS - {"--config"} and i + 1 < len(argv):
+            rest.extend(argv[i : i + 2])
+            i += 2
+            continue
         if token == "--json":
             as_json = True
         elif token == "--config" and i + 1 < len(argv):
@@ -158,9 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "would wait long (default auto)")
     sp.add_argument("--workdir", help="working directory (default: the current one)")
     sp.add_argument("--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)")
-    sp.add_argument("--memory", help="peak GPU memory per GPU, e.g. 2GiB (default: the whole GPU)")
+    sp.add_argument("--memory", help="peak GPU memory per GPU, e.g. 2GiB, at most the GPU's (default: measured "
+                                     "while it runs; until then the whole GPU)")
+    sp.add_argument("--steps", type=int, help="steps the job will run: with its measured step time, its "
+                                              "remaining time (auto jobs' queueing estimate)")
+    sp.add_argument("--duration", type=float, metavar="SECONDS",
+                    help="expected run time, when --steps is not known")
     sp.add_argument("--name", default="", help="a label shown by list")
-    sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the job's command")
+    sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="[--] COMMAND ...",
+                    help="the job's command; everything from its first word on is the job's, options included")
 
     sp = command("list", cmd_list, "list jobs, oldest first")
     sp.add_argument("--state", action="append", choices=[s.value for s in JobStatus],
@@ -189,9 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(config: Config, args: argparse.Namespace) -> int:
+    from scheduler_lite.daemon import Daemon, DaemonLockedError, lock_state_dir  # only `serve` runs the loop
+
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    lock = lock_state_dir(config.state_dir)
+    try:
+        lock = lock_state_dir(config.state_dir)
+    except DaemonLockedError as e:
+        raise UserError(str(e)) from None
     storage = SqliteStorage(config.db_path)
     try:
         Daemon(config, storage).serve()
@@ -220,7 +241,8 @@ def cmd_submit(config: Config, args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UserError(f"--memory: {e}") from None
     spec = make_job_spec(config, command, tenant=args.tenant, gpus=args.gpus, kind=args.kind,
-                         workdir=args.workdir, env=env, memory_bytes=memory, name=args.name)
+                         workdir=args.workdir, env=env, memory_bytes=memory, name=args.name,
+                         expected_steps=args.steps, expected_duration_s=args.duration)
     _check_command(command[0], Path(spec.workdir), dict(env))
     with _storage(config) as storage:
         record = submit_job(storage, spec)
@@ -299,6 +321,7 @@ def cmd_status(config: Config, args: argparse.Namespace) -> int:
         _print_json(_plain(status))
         return 0
     _print_status(status)
+    _print_quota_warning(config)
     return 0
 
 
@@ -326,7 +349,15 @@ def cmd_tenants(config: Config, args: argparse.Namespace) -> int:
         return 0
     _table(["TENANT", "GPU QUOTA", "QUOTA USED", "RUNNING", "QUEUED"],
            [[t.name, str(t.gpu_quota), str(t.quota_used), str(t.running), str(t.queued)] for t in status.tenants])
+    _print_quota_warning(config)
     return 0
+
+
+def _print_quota_warning(config: Config) -> None:
+    gpus = len(config.devices.emulated) if config.devices.kind == "emulated" else None
+    warning = None if gpus is None else quota_warning(config, gpus)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,15 +449,23 @@ def _print_status(status: ClusterStatus) -> None:
         head = [f"{g.id}", format_bytes(g.memory_bytes), g.nvlink_group, util]
         if not g.jobs:
             rows.append([*head, "(idle)" if g.reserved_for is None else f"(reserved for {g.reserved_for})",
-                         "", "", "", "", "", ""])
+                         "", "", "", "", "", "", ""])
         for i, j in enumerate(g.jobs):
-            rows.append([*(head if i == 0 else ["", "", "", ""]), j.job_id, str(j.role),
-                         format_bytes(j.memory_limit_bytes),
+            limit = "-" if j.memory_limit_bytes is None else format_bytes(j.memory_limit_bytes)
+            share = "-" if j.compute_share is None else f"{j.compute_share:.2f}"
+            if j.target_memory_limit_bytes is not None and j.target_memory_limit_bytes != j.memory_limit_bytes:
+                limit += f" -> {format_bytes(j.target_memory_limit_bytes)}"
+            if j.target_compute_share is not None and j.target_compute_share != j.compute_share:
+                share += f" -> {j.target_compute_share:.2f}"
+            rows.append([*(head if i == 0 else ["", "", "", ""]), j.job_id, str(j.role), limit,
                          "-" if j.in_use_bytes is None else format_bytes(j.in_use_bytes),
                          "-" if j.host_in_use_bytes is None else format_bytes(j.host_in_use_bytes),
-                         f"{j.compute_share:.2f}",
+                         share, str(j.controls_pending),
                          "-" if j.step_ms_median is None else f"{j.step_ms_median:.1f} ms (step {j.step})"])
-    _table(["GPU", "MEMORY", "GROUP", "UTIL", "JOB", "ROLE", "LIMIT", "IN USE", "HOST", "SHARE", "STEP TIME"], rows)
+    _table(["GPU", "MEMORY", "GROUP", "UTIL", "JOB", "ROLE", "LIMIT", "IN USE", "HOST", "SHARE", "PENDING",
+            "STEP TIME"], rows)
+    print("LIMIT and SHARE: in force, as the job reports them; '-> X': decided, not applied yet "
+          "(PENDING: control files the job has not applied)")
     for g in status.gpus:
         for j in g.jobs:
             if j.stats_error:
