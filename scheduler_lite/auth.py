@@ -110,7 +110,7 @@ def check_submit(policy: AccessPolicy, who: Identity, tenant: str | None) -> str
             raise AccessDenied(f"user {who.user!r} belongs to no tenant; ask an admin to add you to one")
         raise AccessDenied("--tenant is required; your tenants: " + ", ".join(mine))
     if policy.tenant(tenant) is None:
-        raise AccessDenied(f"unknown tenant {tenant!r}; your tenants: " + (", ".join(mine) or "none"))
+        raise AccessDenied(f"unknown tenant {tenant!r}; tenants: " + ", ".join(m.tenant for m in policy.members))
     if not may_submit(policy, who, tenant):
         raise AccessDenied(f"user {who.user!r} may not submit to tenant {tenant!r}; your tenants: "
                            + (", ".join(mine) or "none"))

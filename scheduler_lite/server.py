@@ -142,7 +142,7 @@ class Server:
         sock.bind(str(self.path))
         # Anyone may connect when the daemon serves every user; the caller's uid decides the rest.
         os.chmod(self.path, 0o666 if self.policy.multi_user else 0o600)
-        sock.listen(64)
+        sock.listen(256)
         sock.settimeout(0.2)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept, name="scheduler-lite-socket", daemon=True)
@@ -166,17 +166,14 @@ class Server:
     def _accept(self) -> None:
         assert self._sock is not None
         while not self._closed.is_set():
+            # A slot first: beyond MAX_CONNECTIONS, clients wait in the listen backlog (their
+            # connect() blocks) instead of being refused.
+            if not self._slots.acquire(timeout=0.2):
+                continue
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._closed.is_set():
-                    return
-                continue
-            if not self._slots.acquire(blocking=False):
-                _send(conn, {"ok": False, "error": "the daemon is busy (too many connections); try again"})
-                conn.close()
+            except OSError:  # the timeout included
+                self._slots.release()
                 continue
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
 
