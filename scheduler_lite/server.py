@@ -50,7 +50,7 @@ from scheduler_lite.auth import (
     tenants_of,
 )
 from scheduler_lite.config import Config
-from scheduler_lite.isolation import SESSION_VARIABLES, job_user, read_log
+from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user, read_log
 from scheduler_lite.launcher import STDERR_FILE, STDOUT_FILE
 from scheduler_lite.model import JobKind
 from scheduler_lite.status import ClusterStatus
@@ -229,7 +229,7 @@ class Server:
         try:
             check_served(self.policy, who)
             return {"ok": True, "result": handler(who, args)}
-        except (AccessDenied, RequestError, SubmitError, StorageError, ProtocolError) as e:
+        except (AccessDenied, RequestError, SubmitError, StorageError, ProtocolError, IsolationError) as e:
             if isinstance(e, AccessDenied):
                 log.warning("refused %s from %s (uid %d): %s", op, who.user, who.uid, e)
             return {"ok": False, "error": str(e)}
