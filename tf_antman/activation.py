@@ -76,3 +76,7 @@ def after_tensorflow(_tf: ModuleType) -> None:
     hooks.install_session_hook(_active.steps)
     importhook.on_import("keras", after=lambda _k: hooks.install_keras_hook(_active.steps))
     _active.steps.start_agent()
+    from tf_antman import exit_report
+
+    active = _active
+    exit_report.register(active.native, lambda: active.steps.agent)
