@@ -114,6 +114,10 @@ log = logging.getLogger("scheduler_lite")
 STEP_HISTORY: Final = 256  # step samples kept per job: several detector windows
 LOCK_FILE: Final = "daemon.lock"
 PRUNE_EVERY_TICKS: Final = 1000  # events beyond MAX_EVENTS are deleted this often
+# A restart that finds a launch booked without a pid, pid file or process looks for one until
+# this long after the booking (a child forked by a Popen the crash interrupted may exec the
+# wrapper late on a loaded machine).
+LAUNCH_GRACE_S: Final = 5.0
 # Test hook (tests/scheduler/test_daemon_crash.py): SCHEDULER_LITE_FAULT="point,point..." and
 # SCHEDULER_LITE_FAULT_AFTER=N make the daemon SIGKILL itself the Nth time it passes one of the
 # points. Points: booked (launch recorded, process not started), started (process started, pid
@@ -177,8 +181,16 @@ class _Live:
 
 class _Faults:
     def __init__(self, environ: Mapping[str, str]) -> None:
-        self.points = frozenset(p for p in environ.get(FAULT_ENV, "").split(",") if p in FAULT_POINTS)
-        self.left = int(environ.get(FAULT_AFTER_ENV, "1") or 1) if self.points else 0
+        names = [p for p in environ.get(FAULT_ENV, "").split(",") if p]
+        after = environ.get(FAULT_AFTER_ENV, "1")
+        bad = [p for p in names if p not in FAULT_POINTS]
+        if bad or not after.isdigit() or not 1 <= int(after) <= 1_000_000:
+            if names:  # a test hook set wrong: say so and run without faults
+                log.error("%s=%r / %s=%r ignored: accepted points %s, and a count in [1, 1000000]",
+                          FAULT_ENV, environ.get(FAULT_ENV), FAULT_AFTER_ENV, after, ",".join(FAULT_POINTS))
+            names = []
+        self.points = frozenset(names)
+        self.left = int(after) if self.points else 0
 
     def at(self, point: str) -> None:
         if point in self.points:
@@ -351,25 +363,47 @@ class Daemon:
     # -- recovery ---------------------------------------------------------------------------------
 
     def _recover(self, now: float) -> None:
-        for record in self.storage.list_jobs([JobStatus.RUNNING]):
-            self._readopt(record, now)
+        running = self.storage.list_jobs([JobStatus.RUNNING])
+        launched = self._find_launched([r for r in running if r.pid is None], now)
+        for record in running:
+            self._readopt(record, now, launched.get(record.id))
         for record in self.storage.list_jobs([JobStatus.QUEUED]):
             self._enqueue(record, now, None)
 
-    def _readopt(self, record: JobRecord, now: float) -> None:
+    def _find_launched(self, records: Sequence[JobRecord], now: float) -> dict[str, int]:
+        """Pids of jobs booked but with no pid recorded (the daemon died mid-launch).
+
+        The wrapper writes its pid file first thing; before that, the launch token in its command
+        line finds it. A daemon killed inside Popen may leave a child that has forked but not yet
+        exec'd the wrapper (which can take seconds on a loaded machine): until LAUNCH_GRACE_S
+        after the booking, a job with neither is looked for again (all of them together).
+        """
+        found: dict[str, int] = {}
+        booked = [r.started_at for r in records if r.launch_token and r.started_at is not None]
+        wait = min(LAUNCH_GRACE_S, max((t + LAUNCH_GRACE_S - now for t in booked), default=0.0))
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            for r in records:
+                if r.id in found:
+                    continue
+                job_dir = Path(r.job_dir) if r.job_dir else self.job_dir(r.id)
+                pid = read_small_int(job_dir / PID_FILE)  # no link followed, no FIFO blocking
+                if pid is None and r.launch_token:
+                    pid = self.launcher.find(r.id, r.launch_token)
+                # The job's user writes the pid file: never adopt (and later signal) another's process.
+                if pid is not None and process_uid(pid) in (None, os.geteuid(), r.uid):
+                    found[r.id] = pid
+            if len(found) == len(records) or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)
+
+    def _readopt(self, record: JobRecord, now: float, launched_pid: int | None = None) -> None:
         """A job the store says runs: its process, how it ended, or 'never started' (requeued)."""
         job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(record.id)
         missing = [g for g in record.placement if g not in self.gpus]
         pid, start = record.pid, record.pid_start
-        if pid is None:
-            # Crashed between booking the launch and recording the pid. The wrapper writes its
-            # pid first thing; before that, the launch token in its command line finds it.
-            pid = read_small_int(job_dir / PID_FILE)
-            if pid is None and record.launch_token:
-                pid = self.launcher.find(record.id, record.launch_token)
-            if pid is not None and process_uid(pid) not in (None, os.geteuid(), record.uid):
-                pid = None  # the job's user writes the pid file: never adopt (and signal) another's process
-            start = None
+        if pid is None:  # crashed between booking the launch and recording the pid
+            pid, start = launched_pid, None
         if pid is None:
             if (job_dir / EXIT_STATUS_FILE).exists():  # ran and ended, pid file lost: not again
                 self._record_end(record, ExitInfo(read_exit_status(job_dir)), now,

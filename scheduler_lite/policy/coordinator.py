@@ -12,14 +12,15 @@ GPU with a guarantee job:
   * arrival: opportunistic jobs are cut to `min_memory_bytes` and a compute share of
     `floor_share` at once, so the guarantee job initialises on an uncontended GPU;
   * once its step time is stable: the baseline is the median step time and becomes the anchor;
-    its limit drops to its measured peak x (1 + `demand_headroom`) (LocalJob.memory_demand_bytes:
-    measured by the daemon, modelled by the simulator) and the opportunistic jobs get the rest;
+    with opportunistic jobs next to it (then, or when the first one arrives) its limit drops to
+    its measured peak x (1 + `demand_headroom`) (LocalJob.memory_demand_bytes: measured by the
+    daemon, modelled by the simulator) and the opportunistic jobs get the rest;
     their combined compute share rises by `share_step` per round while the median of the last
     `detector_window` steps stays within `slowdown_tolerance` of the baseline;
   * slow while the opportunistic jobs are already at the floor: the baseline is measured again,
     but never above anchor x (1 + `slowdown_tolerance`), so interference the share does not
     control cannot erode the protection step by step;
-  * an opportunistic job arriving next to it gets `min_memory_bytes`, taken from the guarantee
+  * an opportunistic job arriving before that gets `min_memory_bytes`, taken from the guarantee
     job's limit if the GPU has no room left (never a limit of 0);
   * degradation: share back to the floor at once (pessimistic) and no higher than one step below
     the level that hurt, until `probe_after_s` has passed;
@@ -220,6 +221,15 @@ def _with_guarantee(
     if ids != memo.opportunistic:
         # A new opportunistic job starts small; the shared level is split again.
         arrived = ids - memo.opportunistic
+        if memo.baseline_s is not None and opps:
+            # The guarantee job is measured: its peak plus headroom, the opportunistic jobs the rest.
+            g_limit = _measured_limit(g, cfg, mem, len(opps))
+            _limit(out, gid, g, g_limit)
+            _fit_opportunistic(out, gid, opps, mem - g_limit)
+            _shares(out, gid, opps, memo.level)
+            return out, _evolve(
+                memo, opportunistic=ids, since=now, phase=Phase.GROWING, next_round_at=now + cfg.round_interval_s
+            )
         others = sum(j.memory_limit_bytes for j in opps if j.job_id not in arrived)
         free = mem - g.memory_limit_bytes - others
         need = len(arrived) * min(cfg.min_memory_bytes, mem // (len(opps) + 1))
@@ -247,7 +257,9 @@ def _with_guarantee(
         if not (stable or timed_out):
             return out, _evolve(memo, next_round_at=tick)
         baseline = statistics.median(samples[-cfg.detector_window :])
-        g_limit = _measured_limit(g, cfg)
+        # Alone, a lower limit would give nothing to anybody: it follows the peak once there are
+        # opportunistic jobs (here, or when the first one arrives).
+        g_limit = _measured_limit(g, cfg, mem, len(opps)) if opps else g.memory_limit_bytes
         _limit(out, gid, g, g_limit)
         _fit_opportunistic(out, gid, opps, mem - g_limit)
         anchor = baseline if memo.anchor_s is None else memo.anchor_s
@@ -372,12 +384,14 @@ def _aggregate_progress(opps: list[LocalJob], since: float, window: int) -> floa
     return total
 
 
-def _measured_limit(g: LocalJob, cfg: CoordinatorConfig) -> int:
-    """The guarantee job's limit once measured: its peak plus headroom, never above what it has."""
+def _measured_limit(g: LocalJob, cfg: CoordinatorConfig, mem: int, n_opps: int) -> int:
+    """The guarantee job's limit once measured: its peak plus headroom, never above what it has,
+    and leaving each opportunistic job at least `min_memory_bytes` (as at its arrival)."""
+    room = mem - n_opps * min(cfg.min_memory_bytes, mem // (n_opps + 1))
     if g.memory_demand_bytes <= 0:
-        return g.memory_limit_bytes
+        return min(g.memory_limit_bytes, room)
     wanted = math.ceil(g.memory_demand_bytes * (1.0 + cfg.demand_headroom))
-    return min(g.memory_limit_bytes, wanted)
+    return min(g.memory_limit_bytes, wanted, room)
 
 
 def _limit(out: list[LocalDecision], gpu: int, job: LocalJob, limit: int) -> None:

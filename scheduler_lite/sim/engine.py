@@ -211,7 +211,7 @@ class Simulator:
         # if the policy reads utilisation; other passes would decide the same as the last one.
         self.util_stale: set[int] = set()
         self.refresh_at: float | None = None
-        has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
+        has_auto = self.has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
         self.reads_util: Callable[[], bool]
         if reads_nothing:
             self.reads_util = _never
@@ -273,7 +273,9 @@ class Simulator:
                     refreshed = self._refresh_utilisation()
                 elif self.round_version.get(key) == ver:  # type: ignore[arg-type]
                     rounds.add(key)  # type: ignore[arg-type]
-            if (need_schedule or (refreshed and self.reads_util())) and self.book.pending_count():
+            if (need_schedule or (refreshed and self.reads_util())) and (
+                self.book.pending_count() or self._upgradable()
+            ):
                 self._schedule(dirty)
             changed = dirty
             if coordinated:
@@ -319,6 +321,11 @@ class Simulator:
                 changed = True
         self.util_stale.clear()
         return changed
+
+    def _upgradable(self) -> bool:
+        """Running auto jobs an upgrade pass could promote (found by the daemon-equivalence test:
+        without this, a finish freeing quota upgraded nothing unless some job was pending)."""
+        return self.has_auto and any(self.book.upgradable_jobs(t) for t in self.book.tenants)
 
     def _opportunistic_pending(self) -> bool:
         return next(self.book.iter_pending_opportunistic(), None) is not None

@@ -28,7 +28,7 @@ from scheduler_lite.submission import submit_job
 from tests.scheduler.test_daemon_fakes import JOB_ENV, REPO, fake_command, wait_for
 
 DEATHS = 20
-JOBS = 24
+JOBS = 40
 CONFIG = """
 version = 1
 [paths]
@@ -59,20 +59,24 @@ min_memory_bytes = "64MiB"
 """
 
 
-def job_processes() -> dict[str, int]:
-    """Live job wrappers on this machine, by job id (their $0 is scheduler-lite:<id>:<token>)."""
+def job_processes(state_dir: Path) -> dict[str, int]:
+    """Live job wrappers of this store, by job id: $0 is scheduler-lite:<id>:<token> and the job
+    directory is under `state_dir` (other daemons on the machine run jobs with the same ids)."""
     found = {}
+    marker = f"SCHEDULER_LITE_JOB_DIR={state_dir}/".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if len(argv) <= 3 or not argv[3].startswith(b"scheduler-lite:job-"):
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if len(argv) > 3 and argv[3].startswith(b"scheduler-lite:job-") and state != "Z":
-            job_id = argv[3].decode().split(":")[1]
-            found[job_id] = int(entry.name)
+        if state != "Z" and any(v.startswith(marker) for v in environ):
+            found[argv[3].decode().split(":")[1]] = int(entry.name)
     return found
 
 
@@ -123,7 +127,7 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
     submitted = []
     for i in range(JOBS):
         tenant, kind = ("A", JobKind.GUARANTEE) if i % 3 == 0 else ("B", JobKind.OPPORTUNISTIC)
-        spec = JobSpec(tenant=tenant, kind=kind, num_gpus=1, command=tuple(fake_command(steps=20, step_s=0.05)),
+        spec = JobSpec(tenant=tenant, kind=kind, num_gpus=1, command=tuple(fake_command(steps=30, step_s=0.05)),
                        workdir=str(tmp_path), submit_time=time.time(), env=env)
         submitted.append(submit_job(store, spec).id)
     store.close()
@@ -134,14 +138,19 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
             fault = rng.choice([*FAULT_POINTS, None])
             proc = start_daemon(config, daemon_log, fault, rng.randint(1, 3))
             try:
-                proc.wait(timeout=rng.uniform(0.5, 2.5) if fault is None else 4.0)
+                proc.wait(timeout=rng.uniform(0.5, 2.5) if fault is None else 6.0)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # kill -9 from outside, wherever it is
                 proc.wait()
             assert proc.returncode == -signal.SIGKILL, (death, fault, proc.returncode, daemon_log.read_text()[-2000:])
             running = check_store(db)
-            alive = job_processes()
-            assert set(alive) <= set(running), f"job processes the store does not know run: {alive}"
+            alive = job_processes(tmp_path / "state")
+            if not set(alive) <= set(running):
+                store = SqliteStorage(db)
+                states = {j: (store.get_job(j), [(e.kind, e.detail) for e in store.events(j)]) for j in alive}
+                store.close()
+                raise AssertionError(f"death {death} ({fault}): job processes the store does not know run: "
+                                     f"{alive} {states}")
             deaths.append((fault, sorted(alive)))
             # The next daemon accounts for every job alive now: adopted, or recorded as ended.
             store = SqliteStorage(db)
@@ -151,7 +160,8 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
             try:
                 store = SqliteStorage(db)
                 try:
-                    def accounted() -> bool:
+                    def accounted(store: SqliteStorage = store, before: int = before,
+                                  alive: dict[str, int] = alive) -> bool:
                         seen = {e.job_id for e in store.events(after_id=before) if e.kind in ("adopted", "exited")}
                         return set(alive) <= seen
                     assert wait_for(accounted, timeout=20), (alive, daemon_log.read_text()[-2000:])
@@ -172,7 +182,7 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
             final.send_signal(signal.SIGTERM)
             final.wait(timeout=20)
     finally:
-        for pid in job_processes().values():  # only this test's jobs run under these names
+        for pid in job_processes(tmp_path / "state").values():  # this test's jobs only
             os.killpg(pid, signal.SIGKILL)
     assert [j.id for j in jobs] == submitted
     assert all(j.state is JobStatus.FINISHED for j in jobs), [(j.id, j.state, j.reason) for j in jobs]

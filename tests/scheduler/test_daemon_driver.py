@@ -91,6 +91,12 @@ def test_example_config_guarantee_then_opportunistic_use_both_gpus(tmp_path: Pat
     assert d.job(g).placement == (0,) and d.job(o).placement == (1,)  # type: ignore[union-attr]
     # Each alone on its GPU: the whole GPU (the guarantee job has declared no --memory).
     assert launched_limit(d, g) == launched_limit(d, o) == 2 << 30
+    # Submitted before the same tick: one pass, the same split.
+    g2 = d.submit(fake_command(), tenant="research", kind="guarantee", env=SLOW_START)
+    o2 = d.submit(fake_command(), tenant="batch", kind="opportunistic", env=SLOW_START)
+    d.stop_all_jobs(grace_s=1)
+    d.tick()
+    assert d.job(g2).placement == (0,) and d.job(o2).placement == (1,)  # type: ignore[union-attr]
 
 
 def test_an_opportunistic_job_next_to_a_guarantee_job_starts_with_the_minimum(
@@ -145,3 +151,34 @@ def test_status_shows_the_settings_in_force_and_what_is_pending(tmp_path: Path, 
     row = d.status().gpu(0).job(opp)
     assert row is not None and row.memory_limit_bytes == config.coordinator.min_memory_bytes
     assert row.compute_share == config.coordinator.floor_share
+
+
+def test_measured_demand_solo_step_and_remaining_time(tmp_path: Path, daemons: list[Daemon]) -> None:
+    config = make_config(tmp_path)
+    d = Daemon(config, SqliteStorage(config.db_path))
+    daemons.append(d)
+    opp = d.submit(fake_command(demand=900 * MIB), tenant="B", kind="opportunistic", env=JOB_ENV)
+    # Alone at full share: its solo step time is measured (the coordinator's trial-and-error reference).
+    assert d.run_until(lambda d: d.driver.solo_step_s(opp) is not None, timeout=20, interval=0.02)
+    solo = d.driver.solo_step_s(opp)
+    assert solo is not None and 0.02 <= solo < 0.5
+    # A guarantee job without --memory: the whole GPU until measured, then its peak plus headroom.
+    g = d.submit(fake_command(demand=300 * MIB), tenant="A", kind="guarantee", expected_steps=100_000, env=JOB_ENV)
+    d.tick()
+    assert d.driver.settings[g].limits[0] == (1 << 30) - config.coordinator.min_memory_bytes
+    assert d.driver.solo_step_s(opp) == solo  # no longer alone: the measurement stands
+
+    def measured(d: Daemon) -> bool:
+        return d.driver.memo(0).anchor_s is not None
+
+    assert d.run_until(measured, timeout=30, interval=0.02)
+    headroom = config.coordinator.demand_headroom
+    g_limit = d.driver.settings[g].limits[0]
+    assert g_limit == int(300 * MIB * (1 + headroom)) or g_limit == int(300 * MIB * (1 + headroom)) + 1
+    assert d.driver.settings[opp].limits[0] == (1 << 30) - g_limit  # the rest, below its 900 MiB demand
+    # Remaining time from --steps and the measured step rate.
+    job = d.book.jobs[g]
+    assert job.estimated_remaining_s is not None and job.mean_step_time_s is not None
+    step = d.status().gpu(0).job(g).step  # type: ignore[union-attr]
+    assert step is not None
+    assert job.estimated_remaining_s == pytest.approx((100_000 - step) * job.mean_step_time_s, rel=0.05)
