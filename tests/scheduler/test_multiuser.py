@@ -307,3 +307,30 @@ def test_submit_needs_a_tenant_of_one_s_own_and_a_workdir_one_can_enter(site: Si
     done = site.cli("a", "submit", "--", "/bin/true")
     assert done.returncode == 0, done.stderr
     assert site.job(done.stdout.strip())["tenant"] == "ta"
+
+
+def test_a_daemon_run_by_a_user_serves_only_that_user_and_says_so(site: Site) -> None:
+    a, b = site.users["a"], site.users["b"]
+    home = site.base / "a-own"
+    home.mkdir()
+    os.chown(home, a.uid, a.gid)
+    config = home / "sl.toml"
+    config.write_text(CONFIG.format(a=a.name, b=b.name, adm="root").replace('state_dir = "state"',
+                                                                             f'state_dir = "{home}/state"'))
+    os.chown(config, a.uid, a.gid)
+    log = home / "daemon.log"
+    daemon = subprocess.Popen([site.python, "-m", "scheduler_lite", "--config", str(config), "serve"],
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/"}, cwd=home,
+                              user=a.uid, group=a.gid, extra_groups=[], stdout=subprocess.DEVNULL,
+                              stderr=open(log, "wb"))
+    try:
+        assert wait_for(lambda: (home / "state" / "scheduler.sock").exists(), timeout=60), log.read_text()
+        assert "not running as root: serving only user " + repr(a.name) in log.read_text()
+        mine = site.run("a", [site.python, "-m", "scheduler_lite", "--config", str(config), "list"])
+        assert mine.returncode == 0, mine.stderr
+        # B cannot even reach the socket (state directory 0700, socket 0600).
+        theirs = site.run("b", [site.python, "-m", "scheduler_lite", "--config", str(config), "list"])
+        _one_error_line(theirs, "permission denied (that daemon serves only its own user)")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)
