@@ -119,9 +119,14 @@ def check_submit(policy: AccessPolicy, who: Identity, tenant: str | None) -> str
 
 def check_owner(policy: AccessPolicy, who: Identity, action: str, job_id: str, owner_uid: int | None,
                 owner: str) -> None:
-    """`action` ("cancel", "read the logs of") on a job: its owner or an admin."""
+    """`action` ("cancel", "read the logs of") on a job: its owner or an admin.
+
+    A job without a recorded owner (submitted through the library, `Daemon.submit`) belongs to the
+    daemon's user.
+    """
     check_served(policy, who)
-    if is_admin(policy, who) or (owner_uid is not None and owner_uid == who.uid):
+    owner_uid = policy.daemon_uid if owner_uid is None else owner_uid
+    if is_admin(policy, who) or owner_uid == who.uid:
         return
     raise AccessDenied(f"user {who.user!r} may not {action} {job_id}: it belongs to {owner or 'another user'!r} "
                        "(only its owner and admins may)")

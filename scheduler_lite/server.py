@@ -462,7 +462,8 @@ def _check_workdir(who: Identity, workdir: str) -> None:
 def job_dict(record: JobRecord, who: Identity, policy: AccessPolicy) -> dict[str, Any]:
     """A job as a client sees it: another user's --env values are hidden (they may hold secrets)."""
     out = plain(record)
-    mine = is_admin(policy, who) or (record.uid is not None and record.uid == who.uid)
+    owner = policy.daemon_uid if record.uid is None else record.uid  # library submissions: the daemon's user
+    mine = is_admin(policy, who) or owner == who.uid
     out["env"] = {k: (v if mine else REDACTED) for k, v in record.env}
     return out
 

@@ -78,7 +78,7 @@ def test_the_only_tenant_is_taken_when_none_is_given() -> None:
 @pytest.mark.parametrize(("who", "owner_uid", "allowed"), [
     (ALICE, ALICE.uid, True),
     (BOB, ALICE.uid, False),
-    (BOB, None, False),  # a library submission (no owner): admins only
+    (BOB, None, False),  # a library submission (no owner): the daemon's user (root here) and admins
     (CAROL, ALICE.uid, True),
     (DAVE, ALICE.uid, True),
     (ROOT, BOB.uid, True),
@@ -101,6 +101,7 @@ def test_a_daemon_not_run_as_root_serves_only_its_own_user() -> None:
     mine = AccessPolicy(ALICE.uid, "alice", (TenantMembers("shared"),))
     assert not mine.multi_user
     check_served(mine, ALICE)
+    check_owner(mine, ALICE, "cancel", "job-1", None, "")  # a library submission is the daemon user's
     with pytest.raises(AccessDenied, match=r"runs as 'alice' \(uid 1001, not root\) and serves only that user"):
         check_served(mine, BOB)
     with pytest.raises(AccessDenied, match="serves only"):
