@@ -41,6 +41,15 @@ from typing import Final
 from scheduler_lite.config import Config
 from scheduler_lite.devices import DeviceBackend, JobLoad, job_load, open_devices
 from scheduler_lite.driver import Driver, Launch, Reading, Settings, estimate_remaining_s
+from scheduler_lite.isolation import (
+    INITIAL_CONTROL_SEQ,
+    base_environment,
+    job_user,
+    prepare_job_dir,
+    process_uid,
+    read_small_int,
+)
+from scheduler_lite.isolation import read_job_stats as read_job_stats_file
 from scheduler_lite.jobenv import MIN_ENV_LIMIT, job_environment
 from scheduler_lite.launcher import (
     EXIT_STATUS_FILE,
@@ -89,8 +98,6 @@ from scheduler_lite.submission import (
     submit_job,
 )
 from tf_antman.protocol import (
-    CONTROL_FILE,
-    STATS_FILE,
     Control,
     DeviceStats,
     MemoryLimit,
@@ -98,7 +105,6 @@ from tf_antman.protocol import (
     Stats,
     control_path,
     parse_control,
-    read_stats,
     read_text,
     write_control,
 )
@@ -311,8 +317,13 @@ class Daemon:
                 return False
             time.sleep(pause)
 
-    def serve(self) -> None:
-        """Tick every daemon.tick_interval_s until SIGTERM/SIGINT (or stop()); jobs keep running."""
+    def serve(self, between_ticks: Callable[[float], None] | None = None) -> None:
+        """Tick every daemon.tick_interval_s until SIGTERM/SIGINT (or stop()); jobs keep running.
+
+        `between_ticks(seconds)`, if given, replaces the sleep between ticks: the socket server
+        (scheduler_lite.server) answers clients on this thread then, so requests and ticks never
+        run at the same time.
+        """
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -324,7 +335,10 @@ class Daemon:
                     self.tick()
                 except Exception:  # one bad tick must not take the jobs' scheduler down
                     log.exception("tick failed; continuing")
-                self._stop.wait(self.config.daemon.tick_interval_s)
+                if between_ticks is None:
+                    self._stop.wait(self.config.daemon.tick_interval_s)
+                else:
+                    between_ticks(self.config.daemon.tick_interval_s)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -332,6 +346,10 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def stop_all_jobs(self, grace_s: float | None = None) -> None:
         """Stop every running job now (blocking) and record it: for tests and demos, not shutdown."""
@@ -369,12 +387,12 @@ class Daemon:
                 if r.id in found:
                     continue
                 job_dir = Path(r.job_dir) if r.job_dir else self.job_dir(r.id)
-                with contextlib.suppress(OSError, ValueError):
-                    found[r.id] = int((job_dir / PID_FILE).read_text().strip())
-                if r.id not in found and r.launch_token:
+                pid = read_small_int(job_dir / PID_FILE)  # no link followed, no FIFO blocking
+                if pid is None and r.launch_token:
                     pid = self.launcher.find(r.id, r.launch_token)
-                    if pid is not None:
-                        found[r.id] = pid
+                # The job's user writes the pid file: never adopt (and later signal) another's process.
+                if pid is not None and process_uid(pid) in (None, os.geteuid(), r.uid):
+                    found[r.id] = pid
             if len(found) == len(records) or time.monotonic() >= deadline:
                 return found
             time.sleep(0.1)
@@ -538,7 +556,7 @@ class Daemon:
 
     def _read_stats(self, job_id: str, live: _Live, now: float) -> None:
         try:
-            stats = read_stats(live.job_dir)
+            stats = read_job_stats_file(live.job_dir, live.record.uid)
         except (ProtocolError, OSError) as e:
             message = str(e)
             if message != live.stats_error:  # once per distinct problem, not every tick
@@ -607,14 +625,13 @@ class Daemon:
     def _book_launch(self, launch: Launch, now: float) -> None:
         """Record the launch (with its token) before any process exists: a crash now requeues it."""
         job_dir = self.job_dir(launch.job_id)
-        job_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (STATS_FILE, CONTROL_FILE, PID_FILE, EXIT_STATUS_FILE):
-            with contextlib.suppress(FileNotFoundError):
-                (job_dir / stale).unlink()
+        booked = self.storage.get_job(launch.job_id)
+        # Owned by the daemon, open to the job's user for its stats only (scheduler_lite.isolation).
+        prepare_job_dir(job_dir, job_user(None if booked is None else booked.uid))
         with self.storage.transaction():
             self.storage.update_job(launch.job_id, state=JobStatus.RUNNING, role=launch.role, placement=launch.gpus,
                                     job_dir=str(job_dir), started_at=now, pid=None, pid_start=None,
-                                    launch_token=uuid.uuid4().hex, control_seq=0)
+                                    launch_token=uuid.uuid4().hex, control_seq=INITIAL_CONTROL_SEQ)
             for g in launch.gpus:
                 self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
         self._booked.append(launch)
@@ -652,9 +669,10 @@ class Daemon:
         job_dir = Path(record.job_dir)
         gpus = [self.gpus[g] for g in launch.gpus]
         limit, share = launch.memory_limit_bytes(), launch.compute_share()
-        env = job_environment(self.config, record, gpus, limit, share, job_dir)
+        user = job_user(record.uid)
+        env = job_environment(self.config, record, gpus, limit, share, job_dir, base=base_environment(user))
         handle = self.launcher.start(LaunchSpec(launch.job_id, record.command, Path(record.workdir), env, job_dir,
-                                                record.launch_token))
+                                                record.launch_token, user))
         self._faults.at("started")
         with self.storage.transaction():
             record = self.storage.update_job(launch.job_id, pid=handle.pid, pid_start=handle.start_ticks)
@@ -663,7 +681,7 @@ class Daemon:
             self.storage.add_event(now, "launched", launch.job_id, pid=handle.pid, gpus=list(launch.gpus),
                                    role=str(launch.role), memory_limit_bytes=max(MIN_ENV_LIMIT, limit),
                                    compute_share=share)
-        self._live[launch.job_id] = _Live(record, handle, job_dir)
+        self._live[launch.job_id] = _Live(record, handle, job_dir, control_seq=record.control_seq)
         out.launched.append(launch.job_id)
 
     # -- 5. coordinate ----------------------------------------------------------------------------

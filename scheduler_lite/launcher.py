@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from scheduler_lite.isolation import JobUser, read_small_int
+
 EXIT_STATUS_FILE: Final = "exit_status"
 PID_FILE: Final = "pid"  # the wrapper's pid, written first: found again if the daemon dies mid-launch
 STDOUT_FILE: Final = "stdout.log"
@@ -36,7 +38,8 @@ STDERR_FILE: Final = "stderr.log"
 _WRAPPER: Final = (
     'echo "$$" > "$SCHEDULER_LITE_JOB_DIR/pid"; '
     'trap : TERM INT HUP; '
-    '"$@"; rc=$?; '
+    # Jobs of other users enter their working directory as themselves (see Launcher.start).
+    'if [ -n "${SCHEDULER_LITE_WORKDIR:-}" ]; then cd -- "$SCHEDULER_LITE_WORKDIR" && "$@"; else "$@"; fi; rc=$?; '
     'printf "%s\\n" "$rc" > "$SCHEDULER_LITE_JOB_DIR/.exit_status.tmp" && '
     'mv -f "$SCHEDULER_LITE_JOB_DIR/.exit_status.tmp" "$SCHEDULER_LITE_JOB_DIR/exit_status"; '
     'if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ]; then trap - TERM INT HUP; kill -"$((rc - 128))" "$$"; fi; '
@@ -56,6 +59,7 @@ class LaunchSpec:
     env: Mapping[str, str]  # the complete environment of the job
     job_dir: Path
     token: str = ""  # the launch token recorded before the start (see the module docstring)
+    user: JobUser | None = None  # run as this account (root daemon only); None: as the daemon's user
 
 
 @dataclass(slots=True)
@@ -123,12 +127,21 @@ class Launcher:
                 (spec.job_dir / stale).unlink()
         env = dict(spec.env)
         env["SCHEDULER_LITE_JOB_DIR"] = str(spec.job_dir)
+        cwd, switch = spec.workdir, {}
+        if spec.user is not None:
+            # All of the account (extra_groups too: else root's groups stay). The wrapper changes
+            # into the working directory as the user: a chdir made as root would give the job a
+            # directory its user cannot reach.
+            switch = {"user": spec.user.uid, "group": spec.user.gid, "extra_groups": list(spec.user.gids),
+                      "umask": 0o022}
+            cwd = Path("/")
+            env["SCHEDULER_LITE_WORKDIR"] = str(spec.workdir)
         try:
             with open(spec.job_dir / STDOUT_FILE, "ab") as out, open(spec.job_dir / STDERR_FILE, "ab") as err:
                 popen = subprocess.Popen(
                     ["/bin/sh", "-c", _WRAPPER, process_name(spec.job_id, spec.token), *spec.command],
-                    cwd=spec.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                    start_new_session=True, close_fds=True,
+                    cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    start_new_session=True, close_fds=True, **switch,  # type: ignore[call-overload]
                 )
         except OSError as e:
             raise LaunchError(f"cannot start {spec.job_id}: {e.strerror or e} ({spec.workdir})") from None
@@ -218,8 +231,9 @@ class Launcher:
 
 
 def read_exit_status(job_dir: Path, fallback: int | None = None) -> int | None:
-    """The status the wrapper recorded in `exit_status`, or `fallback` when there is none."""
-    try:
-        return int((job_dir / EXIT_STATUS_FILE).read_text().strip())
-    except (OSError, ValueError):
-        return fallback
+    """The status the wrapper recorded in `exit_status`, or `fallback` when there is none.
+
+    The job's user writes the file: it is read without following a link or blocking on a FIFO.
+    """
+    code = read_small_int(job_dir / EXIT_STATUS_FILE)
+    return fallback if code is None else code

@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol
 
 from scheduler_lite.model import JobKind, Role
 
-SCHEMA_VERSION: Final = 2  # PRAGMA user_version of a current SQLite database
+SCHEMA_VERSION: Final = 3  # PRAGMA user_version of a current SQLite database
 MAX_EVENTS: Final = 100_000  # events kept; older ones are pruned (prune_events) so the table stays bounded
 
 
@@ -57,6 +57,10 @@ class JobSpec:
     # What the job will do, when the user says (remaining-time estimate of auto jobs' delays).
     expected_steps: int | None = None
     expected_duration_s: float | None = None
+    # Who submitted it, as the daemon identified the caller (SO_PEERCRED): its jobs run as it.
+    # None: submitted through the library (Daemon.submit), i.e. by the daemon's own user.
+    uid: int | None = None
+    user: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,8 @@ class JobRecord:
     # pid recorded looks for a process carrying it ("started, pid unknown") before concluding
     # "never started".
     launch_token: str | None = None
+    uid: int | None = None  # the submitter (JobSpec.uid)
+    user: str = ""
 
 
 # Columns update_job() may set; the others are fixed at submission.

@@ -65,7 +65,7 @@ class MemoryStorage:
                 num_gpus=spec.num_gpus, command=tuple(spec.command), workdir=spec.workdir,
                 submit_time=spec.submit_time, env=tuple(spec.env), memory_bytes=spec.memory_bytes,
                 name=spec.name, expected_steps=spec.expected_steps,
-                expected_duration_s=spec.expected_duration_s,
+                expected_duration_s=spec.expected_duration_s, uid=spec.uid, user=spec.user,
             )
             self._jobs[record.id] = record
             return record

@@ -89,13 +89,18 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ALTER TABLE jobs ADD COLUMN expected_duration_s REAL;
     ALTER TABLE jobs ADD COLUMN launch_token TEXT
     """,
+    # 2 -> 3: the submitter, as the daemon identified it (its jobs run as that user)
+    """
+    ALTER TABLE jobs ADD COLUMN uid INTEGER;
+    ALTER TABLE jobs ADD COLUMN user TEXT NOT NULL DEFAULT ''
+    """,
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 _JOB_COLUMNS: Final = (
     "seq, id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state, "
     "role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, "
-    "cancel_requested, control_seq, expected_steps, expected_duration_s, launch_token"
+    "cancel_requested, control_seq, expected_steps, expected_duration_s, launch_token, uid, user"
 )
 _JSON_COLUMNS: Final = frozenset({"placement"})
 
@@ -168,11 +173,11 @@ class SqliteStorage:
         with self.transaction():
             cur = self._db.execute(
                 "INSERT INTO jobs (id, tenant, kind, num_gpus, command, workdir, submit_time, env, "
-                "memory_bytes, name, state, expected_steps, expected_duration_s) "
-                "VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "memory_bytes, name, state, expected_steps, expected_duration_s, uid, user) "
+                "VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (spec.tenant, str(spec.kind), spec.num_gpus, json.dumps(list(spec.command)), spec.workdir,
                  spec.submit_time, json.dumps([list(kv) for kv in spec.env]), spec.memory_bytes, spec.name,
-                 str(JobStatus.QUEUED), spec.expected_steps, spec.expected_duration_s),
+                 str(JobStatus.QUEUED), spec.expected_steps, spec.expected_duration_s, spec.uid, spec.user),
             )
             seq = cur.lastrowid
             assert seq is not None
@@ -307,7 +312,7 @@ def _retry_locked(call: Callable[[], object]) -> None:
 def _job(row: tuple[Any, ...]) -> JobRecord:
     (seq, job_id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state,
      role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, cancel, control_seq,
-     expected_steps, expected_duration_s, launch_token) = row
+     expected_steps, expected_duration_s, launch_token, uid, user) = row
     return JobRecord(
         id=job_id, seq=seq, tenant=tenant, kind=JobKind(kind), num_gpus=num_gpus,
         command=tuple(json.loads(command)), workdir=workdir, submit_time=submit_time,
@@ -316,5 +321,5 @@ def _job(row: tuple[Any, ...]) -> JobRecord:
         placement=tuple(json.loads(placement)), pid=pid, pid_start=pid_start, job_dir=job_dir,
         started_at=started_at, ended_at=ended_at, exit_code=exit_code, reason=reason,
         cancel_requested=bool(cancel), control_seq=control_seq, expected_steps=expected_steps,
-        expected_duration_s=expected_duration_s, launch_token=launch_token,
+        expected_duration_s=expected_duration_s, launch_token=launch_token, uid=uid, user=user,
     )

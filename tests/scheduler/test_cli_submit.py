@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from scheduler_lite.cli import main
 from scheduler_lite.storage import SqliteStorage
+from tests.scheduler.serving import serving
 from tests.scheduler.test_cli_commands import CONFIG
 from tests.scheduler.test_daemon_fakes import REPO
 
@@ -20,10 +22,11 @@ CONCURRENT = 200
 
 
 @pytest.fixture
-def cfg(tmp_path: Path) -> str:
+def cfg(tmp_path: Path) -> Iterator[str]:
     path = tmp_path / "sl.toml"
     path.write_text(CONFIG)
-    return str(path)
+    with serving(path):  # answers the CLI, does not tick: jobs stay queued
+        yield str(path)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -76,12 +79,13 @@ def test_steps_and_duration_are_validated_and_stored(cfg: str, capsys: pytest.Ca
 def test_quotas_above_the_gpu_count_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "over.toml"
     path.write_text(CONFIG.replace('name = "B"\ngpu_quota = 0', 'name = "B"\ngpu_quota = 2'))
-    rc, _, err = run(capsys, "--config", str(path), "tenants")
-    assert rc == 0
-    assert err.strip() == ("warning: tenant quotas sum to 3 GPUs but 1 GPU(s) are configured: a tenant within its "
-                           "quota may still wait for another tenant's guarantee jobs")
-    rc, _, err = run(capsys, "--config", str(path), "status")
-    assert rc == 0 and "tenant quotas sum to 3 GPUs" in err
+    with serving(path):
+        rc, _, err = run(capsys, "--config", str(path), "tenants")
+        assert rc == 0
+        assert err.strip() == ("warning: tenant quotas sum to 3 GPUs but 1 GPU(s) are configured: a tenant within "
+                               "its quota may still wait for another tenant's guarantee jobs")
+        rc, _, err = run(capsys, "--config", str(path), "status")
+        assert rc == 0 and "tenant quotas sum to 3 GPUs" in err
 
 
 def test_concurrent_submit_processes_each_record_one_job(tmp_path: Path, cfg: str) -> None:
