@@ -17,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import tensorflow, pynvml, watchdog, absl, pytest, matplotlib" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import tensorflow, tf_keras, pynvml, watchdog, absl, pytest, matplotlib, prometheus_client" >/dev/null 2>&1 \
    || ! [ -x .venv/bin/ruff ]; then
   echo "== installing Python packages (tensorflow==2.21.0 ...)"
   .venv/bin/pip install -q --upgrade pip
