@@ -2,9 +2,9 @@
 
 A job that ran past its memory limit keeps training, slower, with tensors in host memory; without
 this line nothing in its log says so. At interpreter exit (before threads are stopped) the
-"tf_antman" logger prints, to the job's stderr:
+job logs, through absl (docs/configuration.md, "Logging"), to its stderr:
 
-    tf-antman: WARNING at exit: peak device memory 1.9 GiB (limit 2.0 GiB); 312.0 MiB served from
+    W... exit_report.py:NN] tf-antman: at exit: peak device memory 1.9 GiB (limit 2.0 GiB); 312.0 MiB served from
     host memory past the limit (4021 allocations, peak 96.0 MiB at once): those steps ran slower;
     paused 0.0 s; throttled 12.4 s (waiting for a compute share below 100%)
 

@@ -12,16 +12,29 @@ from tf_antman.units import format_bytes
 ONE_EPOCH = KERAS_RUN.replace("epochs=2", "epochs=1")
 
 
-def exit_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if " at exit: " in line]
+# Through absl: "<level letter><date> <time> <thread> <file:line>] <message>" once absl's handler is
+# installed (absl.app), else Python logging's "<LEVEL>:absl:<message>". INFO lines show only at
+# INFO verbosity, which the job then asks for, as a user would.
+VERBOSE = "from absl import logging as absl_logging\nabsl_logging.set_verbosity(absl_logging.INFO)\n"
+
+
+def exit_lines(stderr: str) -> list[tuple[str, str]]:
+    """(level letter, message) of every exit-report line."""
+    found = []
+    for line in stderr.splitlines():
+        if "tf-antman: at exit: " not in line:
+            continue
+        head, message = line.split(":absl:", 1) if ":absl:" in line else line.split("] ", 1)
+        found.append((head[:1], message))
+    return found
 
 
 def test_a_job_over_its_limit_says_how_much_came_from_host_memory() -> None:
     job = run_py(ONE_EPOCH, ANTMAN_DEVICE_MEMORY="1GiB", ANTMAN_MEMORY_LIMIT="4MiB")
     result = job.result
     assert result["fallbacks"] > 0
-    [line] = exit_lines(job.stderr)
-    assert line.startswith("tf-antman: WARNING at exit: peak device memory ")
+    [(level, line)] = exit_lines(job.stderr)  # a warning: shown at absl's default verbosity
+    assert level == "W" and line.startswith("tf-antman: at exit: peak device memory ")
     assert "(limit 4.0 MiB)" in line
     # The same allocator counters as tf_antman.memory_stats() at the end of training.
     assert f"{format_bytes(result['host_served'])} served from host memory past the limit " \
@@ -30,9 +43,10 @@ def test_a_job_over_its_limit_says_how_much_came_from_host_memory() -> None:
 
 
 def test_a_job_within_its_limit_says_so_quietly() -> None:
-    job = run_py(ONE_EPOCH, ANTMAN_DEVICE_MEMORY="1GiB")
-    [line] = exit_lines(job.stderr)
-    assert line.startswith("tf-antman: INFO at exit: peak device memory ")
+    assert exit_lines(run_py(ONE_EPOCH, ANTMAN_DEVICE_MEMORY="1GiB").stderr) == []  # quiet by default
+    job = run_py(VERBOSE + ONE_EPOCH, ANTMAN_DEVICE_MEMORY="1GiB")
+    [(level, line)] = exit_lines(job.stderr)
+    assert level == "I" and line.startswith("tf-antman: at exit: peak device memory ")
     assert "limit: the whole device" in line and "nothing served from host memory" in line
     assert format_bytes(job.result["peak"]) in line
 

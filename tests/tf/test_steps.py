@@ -277,10 +277,13 @@ def test_a_job_without_step_boundaries_gets_its_controls_from_the_fallback(tmp_p
         time.sleep(0.5)
         moved_while_paused = count[0] - frozen
         send(paused=False)
-        wait(lambda: share() == 1.0 and count[0] > frozen + 10)
+        job_dir = pathlib.Path(os.environ["ANTMAN_JOB_DIR"])
+        # The share is back before the fallback thread has finished writing its stats: wait for both.
+        wait(lambda: share() == 1.0 and count[0] > frozen + 10 and agent.flush_stats()
+             and read_stats(job_dir).control_seq_applied == 3)
         done.set(); worker.join()
         agent.flush_stats()
-        final = read_stats(pathlib.Path(os.environ["ANTMAN_JOB_DIR"]))
+        final = read_stats(job_dir)
         emit({"limit_after_s": limit_after_s, "moved_while_paused": moved_while_paused,
               "paused": [paused_stats.state, paused_stats.compute_share, paused_stats.last_applied_by],
               "final": [final.state, final.step, final.controls_applied, final.controls_applied_fallback,
