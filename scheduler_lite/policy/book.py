@@ -79,6 +79,9 @@ class ClusterBook:
         self._reserved: dict[int, str] = {}
         self._jobs_on: dict[int, dict[str, None]] = {g: {} for g in self.gpus}
         self._memory_committed: dict[int, int] = dict.fromkeys(self.gpus, 0)
+        # Requested shares of the jobs on each GPU: the sum of those stated, and how many stated none.
+        self._share_stated: dict[int, float] = dict.fromkeys(self.gpus, 0.0)
+        self._share_unstated: dict[int, int] = dict.fromkeys(self.gpus, 0)
         self._pending_g: dict[str, dict[str, None]] = {t: {} for t in self.tenants}
         self._pending_o: dict[str, None] = {}
         self._running: dict[tuple[str, Role], dict[str, None]] = {
@@ -130,6 +133,10 @@ class ClusterBook:
 
     def memory_free(self, gpu: int) -> int:
         return self.gpus[gpu].memory_bytes - self._memory_committed[gpu]
+
+    def committed_share(self, gpu: int, unstated: float) -> float:
+        """Requested shares of the jobs on the GPU; `unstated` counts for a job without one."""
+        return self._share_stated[gpu] + unstated * self._share_unstated[gpu]
 
     def free_for_guarantee(self, group: str) -> set[int]:
         return self._guarantee_free.free[group]
@@ -293,6 +300,7 @@ class ClusterBook:
                 self._holder[gpu] = job.id
             self._jobs_on[gpu][job.id] = None
             self._memory_committed[gpu] += job.memory_demand_bytes
+            self._commit_share(gpu, job, 1)
             self._refresh_free(gpu)
         self._running[(job.tenant, d.role)][job.id] = None
         if d.role is Role.GUARANTEE:
@@ -308,11 +316,20 @@ class ClusterBook:
                 del self._holder[gpu]
             del self._jobs_on[gpu][job.id]
             self._memory_committed[gpu] -= job.memory_demand_bytes
+            self._commit_share(gpu, job, -1)
             self._refresh_free(gpu)
         del self._running[(job.tenant, role)][job.id]
         self._upgradable[job.tenant].pop(job.id, None)
         if role is Role.GUARANTEE:
             self._quota_used[job.tenant] -= job.num_gpus
+
+    def _commit_share(self, gpu: int, job: Job, sign: int) -> None:
+        if job.requested_share is None:
+            self._share_unstated[gpu] += sign
+        elif self._jobs_on[gpu]:
+            self._share_stated[gpu] += sign * job.requested_share
+        else:
+            self._share_stated[gpu] = 0.0  # no job left: no float residue
 
     def _reserve(self, d: Reserve) -> None:
         job = self.jobs[d.job_id]

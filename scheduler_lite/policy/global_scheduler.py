@@ -18,6 +18,11 @@ One pass, in this order:
 4. Opportunistic jobs (Algorithm 1 lines 2-3, 9-10): `findNodes(job.gpu, M)` keeps GPUs whose
    10 s utilisation is below M, `minLoadNodes` takes the least loaded. A GPU gets at most one
    new opportunistic job per pass, because its utilisation is only known once the job runs.
+   With `opportunistic_placement = "share"` (the default) a GPU also needs room for the job's
+   requested share: the requested shares of the jobs already there (guarantee job included)
+   plus this one's stay within one GPU; among those, GPUs with the job's memory free come first.
+   Utilisation alone is not enough: a throttled opportunistic job keeps its GPU's utilisation
+   low, so "paper" placement kept sending more of them to the same GPU (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from scheduler_lite.model import (
 from scheduler_lite.policy.validation import check_choice, check_range
 
 OPPORTUNISTIC_ORDERS = ("fifo", "shortest_predicted")
+OPPORTUNISTIC_PLACEMENTS = ("utilisation", "share")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +65,19 @@ class SchedulerConfig:
     # (MLaaS in the wild, NSDI'22 §5.2: recurring tasks are predictable within ~25%).
     opportunistic_order: str = "fifo"
     enable_upgrade: bool = True
+    # "utilisation": Algorithm 1 as written; "share": requested shares must fit too (module doc).
+    opportunistic_placement: str = "share"
+    # Share counted for a job that states none. 0 keeps utilisation-only placement for such jobs
+    # (the daemon's jobs state none today).
+    unknown_requested_share: float = 0.0
 
     def validate(self) -> SchedulerConfig:
         check_range("utilisation_threshold", self.utilisation_threshold, 0.0, 1.0, low_open=True)
         check_range("auto_opportunistic_after_s", self.auto_opportunistic_after_s, 0.0, 1e9)
         check_range("default_remaining_s", self.default_remaining_s, 0.0, 1e9, low_open=True)
         check_choice("opportunistic_order", self.opportunistic_order, OPPORTUNISTIC_ORDERS)
+        check_choice("opportunistic_placement", self.opportunistic_placement, OPPORTUNISTIC_PLACEMENTS)
+        check_range("unknown_requested_share", self.unknown_requested_share, 0.0, 1.0)
         return self
 
 
@@ -87,6 +100,7 @@ class _Pass:
         self.opp_gpus: Iterator[int] | None = None
         self.opp_buffer: list[int] = []
         self.opp_exhausted = False
+        self.share_added: dict[int, float] = {}  # requested shares placed this pass
 
     def run(self) -> list[GlobalDecision]:
         for tenant in sorted(self.s.tenants.values(), key=_served_ratio(self.quota_used)):
@@ -228,13 +242,26 @@ class _Pass:
             jobs.sort(key=_predicted_key)
         elif self.routed:
             jobs.sort(key=lambda j: (j.submit_time, j.id))
+        by_share = self.cfg.opportunistic_placement == "share"
+        failed: list[tuple[int, float, int]] = []  # (GPUs, share, memory) of jobs that found none
         for job in jobs:
-            gpus = self._min_load_gpus(job.num_gpus)
+            if by_share:
+                want = (job.num_gpus, self._request(job), job.memory_demand_bytes)
+                # A job asking at least as much as one that found no GPU finds none either.
+                if any(n <= want[0] and r <= want[1] for n, r, _ in failed):
+                    continue
+                gpus = self._fitting_gpus(job)
+                if gpus is None:
+                    failed.append(want)
+            else:
+                gpus = self._min_load_gpus(job.num_gpus)
             if gpus is None:
                 if self.opp_exhausted and not self.opp_buffer:
                     return
                 continue
             self.out.append(Place(job.id, tuple(gpus), Role.OPPORTUNISTIC))
+            for g in gpus:
+                self.share_added[g] = self.share_added.get(g, 0.0) + self._request(job)
 
     def _peek_opp_gpu(self) -> int | None:
         if not self.opp_buffer:
@@ -250,6 +277,39 @@ class _Pass:
                 self.opp_exhausted = True
             elif gpu not in self.taken and gpu not in self.opp_taken:
                 self.opp_buffer.append(gpu)
+
+    def _request(self, job: Job) -> float:
+        share = job.requested_share
+        return self.cfg.unknown_requested_share if share is None else share
+
+    def _fitting_gpus(self, job: Job) -> list[int] | None:
+        """Least loaded GPUs below M with room for the job's share; memory fit preferred."""
+        share = self._request(job)
+        n = job.num_gpus
+        fits: list[int] = []
+        tight: list[int] = []  # share fits, memory does not (universal memory spills the rest)
+        i = 0
+        while len(fits) < n:
+            if i == len(self.opp_buffer):
+                self._pull_opp_gpus(i + 1)
+                if i == len(self.opp_buffer):
+                    break
+            g = self.opp_buffer[i]
+            i += 1
+            if self.idx.committed_share(g, self.cfg.unknown_requested_share) + \
+                    self.share_added.get(g, 0.0) + share > 1.0 + 1e-9:
+                continue
+            if self.idx.memory_free(g) >= job.memory_demand_bytes:
+                fits.append(g)
+            elif len(tight) < n:
+                tight.append(g)
+        chosen = (fits + tight)[:n]
+        if len(chosen) < n:
+            return None
+        taken = set(chosen)
+        self.opp_buffer = [g for g in self.opp_buffer if g not in taken]
+        self.opp_taken.update(chosen)
+        return chosen
 
     def _min_load_gpus(self, n: int) -> list[int] | None:
         """findNodes(job.gpu, M) then minLoadNodes: the n least loaded GPUs below M."""
@@ -287,4 +347,4 @@ def _estimated_delay(short_gpus: int, release_times: list[tuple[float, int]], no
     return math.inf
 
 
-__all__ = ["OPPORTUNISTIC_ORDERS", "SchedulerConfig", "schedule"]
+__all__ = ["OPPORTUNISTIC_ORDERS", "OPPORTUNISTIC_PLACEMENTS", "SchedulerConfig", "schedule"]

@@ -39,6 +39,7 @@ from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.coordinator import CoordinatorConfig, CoordinatorMemo
 from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import check_choice
+from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
 from scheduler_lite.sim.perf import ModelPerf, PerfModel
 from scheduler_lite.sim.workload import TraceJob, Workload
 
@@ -86,6 +87,7 @@ class _SimJob:
         "gpus",
         "last_t",
         "limits",
+        "locality",
         "noise_base",
         "perf",
         "preemptions",
@@ -132,6 +134,7 @@ class _SimJob:
         self.gpu_speed: dict[int, float] = {}
         self.seen: dict[int, LocalJob] = {}  # last step-less view of it per GPU, reused
         self.gpus: tuple[int, ...] = ()
+        self.locality = 1.0  # speed factor of its placement (a gang over NVLink groups pays)
         self.role: Role | None = None
         self.busy_gpu_s = 0.0
         self.work_done = 0.0
@@ -179,6 +182,8 @@ class Simulator:
         self.noise = [max(0.1, 1 + self.rng.gauss(0.0, cv)) for _ in range(NOISE_CYCLE)]
         self.book = ClusterBook(workload.gpus, workload.tenants)
         self.mem = {g.id: g.memory_bytes for g in workload.gpus}
+        self.group = {g.id: g.nvlink_group for g in workload.gpus}
+        self.max_mem = max(self.mem.values(), default=0)
         self.jobs: dict[str, _SimJob] = {}  # by book id (changes on retry)
         self.all_jobs: list[_SimJob] = []
         self.on_gpu: dict[int, dict[str, _SimJob]] = {g: {} for g in self.mem}  # book order
@@ -331,8 +336,17 @@ class Simulator:
     def _book_job(self, sj: _SimJob) -> Job:
         tj = sj.trace
         return Job(id=sj.book_id, tenant=tj.tenant, num_gpus=tj.num_gpus, kind=tj.kind,
-                   submit_time=tj.submit_time, memory_demand_bytes=sj.demand,
-                   predicted_runtime_s=tj.predicted_runtime_s)
+                   submit_time=tj.submit_time, memory_demand_bytes=self._profile(sj),
+                   predicted_runtime_s=tj.predicted_runtime_s, requested_share=tj.requested_share)
+
+    def _profile(self, sj: _SimJob) -> int:
+        """Memory the book commits for the job: without universal memory, what its framework's
+        caching allocator holds (a profiling run sees that, not the tensors; interference.py)."""
+        if self.policy.universal_memory:
+            return sj.demand
+        if sj.limits:
+            return max(sj.limits.values())
+        return min(cached_reservation(sj.demand), self.max_mem)
 
     def _settle(self, sj: _SimJob) -> None:
         dt = self.now - sj.last_t
@@ -359,15 +373,14 @@ class Simulator:
             sj.surged = True
             cap = min(self.mem[g] for g in sj.gpus)
             sj.demand = min(cap, int(sj.demand * (1 + tj.surge_growth)))
-            self.book.set_memory_demand(sj.book_id, sj.demand)
             dirty.update(sj.gpus)
             if not self.policy.universal_memory:
-                for g in sj.gpus:
-                    if sum(o.demand for o in self.on_gpu[g].values()) > self.mem[g]:
-                        self._fail(sj, dirty)
-                        return CHANGED
-                for g in sj.gpus:
-                    sj.limits[g] = sj.demand
+                held = self._grow_caches(sj)
+                if held is None:
+                    self._fail(sj, dirty)
+                    return CHANGED
+                sj.limits.update(held)
+            self.book.set_memory_demand(sj.book_id, self._profile(sj))
             self._reschedule(sj)
             return CHANGED
         sj.remaining = 0.0
@@ -376,6 +389,18 @@ class Simulator:
         sj.state = "finished"
         sj.end = self.now
         return FINISHED
+
+    def _grow_caches(self, sj: _SimJob) -> dict[int, int] | None:
+        """What its caching allocator holds on each GPU at its current demand; None: OOM."""
+        held = {}
+        for g in sj.gpus:
+            others = sum(o.limits.get(g, 0) for o in self.on_gpu[g].values() if o is not sj)
+            own = sj.limits.get(g, 0)
+            h = grow_cache(own, sj.demand, self.mem[g] - others - own)
+            if h is None:
+                return None
+            held[g] = h
+        return held
 
     def _leave(self, sj: _SimJob, dirty: set[int]) -> None:
         dirty.update(sj.gpus)
@@ -454,8 +479,6 @@ class Simulator:
             if self.policy.universal_memory:
                 used = sum(o.limits.get(g, 0) for o in others.values())
                 sj.limits[g] = max(0, min(sj.demand, self.mem[g] - used))
-            else:
-                sj.limits[g] = sj.demand
             sj.shares[g] = 1.0
             others[sj.book_id] = sj
             if self.reads_util is not _never:
@@ -464,6 +487,14 @@ class Simulator:
                 self.book.set_utilisation(g, 1.0)
                 self._stale(g)
         dirty.update(d.gpus)
+        groups = len({self.group[g] for g in d.gpus})
+        sj.locality = locality_factor(self.perf.cross_group_slowdown, groups)
+        if not self.policy.universal_memory:
+            held = self._grow_caches(sj)  # on_gpu already lists it: it is not its own co-runner
+            if held is None:
+                self._fail(sj, dirty)  # out of memory while initialising
+                return
+            sj.limits.update(held)
 
     # -- coordinator rounds ---------------------------------------------------------------------
     #
@@ -623,7 +654,7 @@ class Simulator:
         perf = self.perf
         isolated = self.policy.isolated
         k = perf.contention_slowdown
-        overhead = perf.colocation_overhead
+        c = perf.colocation_interference
         opp = Role.OPPORTUNISTIC
         for g in gpus:
             jobs = self.on_gpu[g]
@@ -650,25 +681,30 @@ class Simulator:
                     u = min(u, sj.shares.get(g, 1.0))
                 demand += u
             # perf.contention, inlined: this loop runs after every round that moved a share.
-            slow = (1.0 + k * (demand - 1.0) if demand > 1.0 else 1.0) * (1 + overhead * (n - 1))
+            slow = 1.0 + k * (demand - 1.0) if demand > 1.0 else 1.0
             compute = None
             if not isolated and n > 1 and demand > 1.0:
                 compute = iter(perf.unisolated_speeds([sj.u for sj in jobs.values()]))
-                slow = 1 + overhead * (n - 1)
+                slow = 1.0
             util = 0.0
             mem_used = 0
             for jid, sj in jobs.items():
                 limit = sj.limits.get(g, 0)
                 want = sj.demand
-                s = 1.0 / slow if compute is None else next(compute) / slow
+                u = sj.u
+                if capped and sj.role is opp:
+                    u = min(u, sj.shares.get(g, 1.0))
+                # Bandwidth interference (interference.bandwidth_slowdown, inlined): from the
+                # co-runners' effective utilisation, however far below 1 the total is.
+                s = (1.0 if compute is None else next(compute)) / (slow * (1.0 + c * (demand - u)))
                 if limit < want and want > 0:
                     s /= sj.perf.memory_slowdown(limit / want)
                     mem_used += limit
                 else:
                     mem_used += want
+                if u < sj.u:
+                    s *= u / sj.u
                 u = sj.u
-                if capped and sj.role is opp:
-                    s *= min(u, sj.shares.get(g, 1.0)) / u
                 sj.gpu_speed[g] = s
                 util += u * s
                 touched[jid] = sj
@@ -678,7 +714,7 @@ class Simulator:
             if len(sj.gpus) == 1:
                 speed = sj.gpu_speed[sj.gpus[0]]
             else:
-                speed = min(sj.gpu_speed[g] for g in sj.gpus)
+                speed = min(sj.gpu_speed[g] for g in sj.gpus) * sj.locality
             if abs(speed - sj.speed) > 1e-12:
                 for g in sj.gpus:
                     if g in self.deferred:
@@ -735,10 +771,7 @@ class Simulator:
             holders = [s for s in sjs if s.role is Role.GUARANTEE]
             if len(holders) > 1:
                 raise InvariantError(f"GPU {g}: {len(holders)} guarantee jobs")
-            if self.policy.universal_memory:
-                used = sum(s.limits.get(g, 0) for s in sjs)
-            else:
-                used = sum(s.demand for s in sjs)
+            used = sum(s.limits.get(g, 0) for s in sjs)  # without universal memory: cache held
             if used > self.mem[g]:
                 raise InvariantError(f"GPU {g}: {used} bytes committed of {self.mem[g]}")
             if self.policy.name.startswith("yarn") and len(sjs) > 1:

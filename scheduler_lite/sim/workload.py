@@ -46,6 +46,7 @@ class TraceJob:
     predicted_runtime_s: float | None = None
     surge_at_fraction: float | None = None  # progress at which its memory demand grows
     surge_growth: float = 0.0
+    requested_share: float | None = None  # what the user asks for (fraction of one GPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,7 @@ def paper_recipe(
             memory_demand_bytes=m.memory_bytes, utilisation=m.utilisation,
             step_time_s=m.step_time_s, predicted_runtime_s=predicted,
             surge_at_fraction=perf.surge_at_fraction if surge else None,
-            surge_growth=perf.surge_growth,
+            surge_growth=perf.surge_growth, requested_share=m.utilisation,
         ))
         t += rng.expovariate(rate)
     tenants = (Tenant("A", quota_a), Tenant("B", 0))
