@@ -132,6 +132,10 @@ class ClusterQueries(Protocol):
         """Sum of `requested_share` of the jobs on the GPU; `unstated` for each without one."""
         ...
 
+    def empty_gpus(self, group: str) -> frozenset[int] | set[int]:
+        """GPUs of a group with no job at all and no reservation."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterState:

@@ -48,6 +48,7 @@ from scheduler_lite.policy.validation import check_choice, check_range
 
 OPPORTUNISTIC_ORDERS = ("fifo", "shortest_predicted")
 OPPORTUNISTIC_PLACEMENTS = ("utilisation", "share")
+GANG_LOCALITY = ("wait", "spread")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,10 @@ class SchedulerConfig:
     # Share counted for a job that states none. 0 keeps utilisation-only placement for such jobs
     # (the daemon's jobs state none today).
     unknown_requested_share: float = 0.0
+    # A gang that fits one NVLink group but finds none free: "wait" reserves and waits for one
+    # (Algorithm 1 as written); "spread" takes free GPUs of several groups now and pays the
+    # slower interconnect. Waiting blocks the tenant's queue behind it (no overtaking).
+    gang_locality: str = "spread"
 
     def validate(self) -> SchedulerConfig:
         check_range("utilisation_threshold", self.utilisation_threshold, 0.0, 1.0, low_open=True)
@@ -78,6 +83,7 @@ class SchedulerConfig:
         check_choice("opportunistic_order", self.opportunistic_order, OPPORTUNISTIC_ORDERS)
         check_choice("opportunistic_placement", self.opportunistic_placement, OPPORTUNISTIC_PLACEMENTS)
         check_range("unknown_requested_share", self.unknown_requested_share, 0.0, 1.0)
+        check_choice("gang_locality", self.gang_locality, GANG_LOCALITY)
         return self
 
 
@@ -198,36 +204,43 @@ class _Pass:
             for group in own_groups:
                 avail = available(group)
                 if len(avail) >= n:
-                    return sorted(avail)[:n], True
+                    return self._emptiest(group, avail)[:n], True
                 if len(avail) > len(best):
-                    best = sorted(avail)
+                    best = self._emptiest(group, avail)
             for count in range(n, size + 1):  # best fit keeps big groups whole for big gangs
                 for group in self.idx.groups_with_free_count(count):
                     avail = available(group)
                     if len(avail) >= n:
-                        return sorted(avail)[:n], True
+                        return self._emptiest(group, avail)[:n], True
             for count in range(n - 1, len(best), -1):
                 for group in self.idx.groups_with_free_count(count):
                     avail = available(group)
                     if len(avail) > len(best):
-                        best = sorted(avail)
+                        best = self._emptiest(group, avail)
                         break
                 if best and len(best) >= count:
                     break
-            return best, False
+            if self.cfg.gang_locality == "wait":
+                return best, False
         chosen: list[int] = []
         seen: set[str] = set()
         for group in own_groups:
             seen.add(group)
-            chosen.extend(sorted(available(group))[: n - len(chosen)])
+            chosen.extend(self._emptiest(group, available(group))[: n - len(chosen)])
         for count in range(size, 0, -1):  # whole groups first: fewest groups per gang
             for group in self.idx.groups_with_free_count(count):
                 if len(chosen) >= n:
                     break
                 if group in seen:
                     continue
-                chosen.extend(sorted(available(group))[: n - len(chosen)])
+                chosen.extend(self._emptiest(group, available(group))[: n - len(chosen)])
         return chosen, len(chosen) >= n
+
+    def _emptiest(self, group: str, gpus: set[int]) -> list[int]:
+        """GPUs without any job first: a guarantee job placed next to an opportunistic one
+        throttles it to the floor, while an idle GPU costs nobody anything."""
+        empty = self.idx.empty_gpus(group)
+        return sorted(gpus, key=lambda g: (g not in empty, g))
 
     # -- opportunistic jobs ---------------------------------------------------------------------
 
