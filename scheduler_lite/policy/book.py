@@ -31,6 +31,7 @@ from scheduler_lite.model import (
     Unreserve,
     Upgrade,
 )
+from scheduler_lite.policy.migration import Migrate
 
 UTILISATION_BUCKETS = 20  # 5% wide: finer than that is noise for a 10 s average
 
@@ -223,7 +224,7 @@ class ClusterBook:
         for d in decisions:
             self.apply(d)
 
-    def apply(self, d: GlobalDecision) -> None:
+    def apply(self, d: GlobalDecision | Migrate) -> None:
         match d:
             case Place():
                 self._place(d)
@@ -245,6 +246,12 @@ class ClusterBook:
                 self._upgrade(d.job_id)
             case Downgrade():
                 self._downgrade(d.job_id)
+            case Migrate():
+                job = self._running_job(d.job_id)
+                self._release(job)
+                self.jobs[job.id] = _evolve(job, state=JobState.PENDING, placement=())
+                assert job.role is not None
+                self._place(Place(job.id, d.gpus, job.role))
             case Reject():
                 job = self.jobs[d.job_id]
                 self._dequeue(job)

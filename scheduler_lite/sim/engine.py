@@ -37,6 +37,7 @@ from scheduler_lite.policy import coordinator, global_scheduler
 from scheduler_lite.policy.baselines import yarn_cs_schedule
 from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.coordinator import CoordinatorConfig, CoordinatorMemo
+from scheduler_lite.policy.migration import plan_migrations
 from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import check_choice
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
@@ -88,6 +89,7 @@ class _SimJob:
         "last_t",
         "limits",
         "locality",
+        "migrations",
         "noise_base",
         "perf",
         "preemptions",
@@ -135,6 +137,7 @@ class _SimJob:
         self.seen: dict[int, LocalJob] = {}  # last step-less view of it per GPU, reused
         self.gpus: tuple[int, ...] = ()
         self.locality = 1.0  # speed factor of its placement (a gang over NVLink groups pays)
+        self.migrations = 0
         self.role: Role | None = None
         self.busy_gpu_s = 0.0
         self.work_done = 0.0
@@ -221,7 +224,10 @@ class Simulator:
             self.reads_util = self._opportunistic_pending
         else:
             self.reads_util = _always
-        self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0}
+        self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0}
+        self.migration = policy.migration.validate() if policy.migration is not None else None
+        # Running opportunistic jobs below the migration policy's stranded share (its input).
+        self.low_shares: dict[str, float] = {}
         self.timeseries: list[tuple[float, float, float, int]] = []
 
     # -- driver ---------------------------------------------------------------------------------
@@ -276,6 +282,8 @@ class Simulator:
                     rounds.add(key)  # type: ignore[arg-type]
             if (need_schedule or (refreshed and self.reads_util())) and self.book.pending_count():
                 self._schedule(dirty)
+            if self.low_shares and (need_schedule or refreshed):
+                self._migrate(dirty)
             changed = dirty
             if coordinated:
                 changed = set(dirty)
@@ -409,6 +417,7 @@ class Simulator:
             self.deferred.pop(g, None)
             del self.on_gpu[g][sj.book_id]
         sj.gpus = ()
+        self.low_shares.pop(sj.book_id, None)
         sj.limits.clear()
         sj.shares.clear()
         sj.gpu_speed.clear()
@@ -458,11 +467,37 @@ class Simulator:
                 sj.role = Role.GUARANTEE
                 for g in sj.gpus:
                     sj.shares[g] = 1.0
+                self._track_share(sj)
                 dirty.update(sj.gpus)
             elif isinstance(d, Reject):
                 sj = self.jobs[d.job_id]
                 sj.state = "failed"
                 sj.end = self.now
+
+    def _migrate(self, dirty: set[int]) -> None:
+        """Re-place stranded opportunistic jobs (policy/migration.py); each pays a checkpoint-restart."""
+        assert self.migration is not None
+        moves = plan_migrations(self.book.snapshot(self.now), self.low_shares, self.migration)
+        for m in moves:
+            sj = self.jobs[m.job_id]
+            self._settle(sj)
+            role = sj.role
+            self.book.apply(m)
+            self._leave(sj, dirty)
+            self._start(sj, Place(m.job_id, m.gpus, role or Role.OPPORTUNISTIC), dirty)
+            sj.remaining += self.perf.checkpoint_restart_s
+            sj.migrations += 1
+            self.counters["migrations"] += 1
+
+    def _track_share(self, sj: _SimJob) -> None:
+        """Keep `low_shares` current for the migration policy."""
+        if self.migration is None:
+            return
+        share = min((sj.shares.get(g, 1.0) for g in sj.gpus), default=1.0)
+        if sj.state == "running" and sj.role is Role.OPPORTUNISTIC and share < self.migration.stranded_share:
+            self.low_shares[sj.book_id] = share
+        else:
+            self.low_shares.pop(sj.book_id, None)
 
     def _start(self, sj: _SimJob, d: Place, dirty: set[int]) -> None:
         sj.state = "running"
@@ -523,6 +558,7 @@ class Simulator:
                 sj.limits[d.gpu] = d.limit_bytes
             elif isinstance(d, SetComputeShare):
                 sj.shares[d.gpu] = d.share
+                self._track_share(sj)
         self.memos[gpu] = memo
         if self.periodic:
             at = self._tick_after(gpu, self.now) if self.on_gpu[gpu] else None
@@ -788,6 +824,7 @@ class Simulator:
                 "start_s": sj.first_start, "end_s": sj.end, "jct_s": jct,
                 "queue_delay_s": None if sj.first_start is None else sj.first_start - tj.submit_time,
                 "state": sj.state, "preemptions": sj.preemptions, "failures": sj.failures,
+                "migrations": sj.migrations,
                 "work_done_s": sj.work_done, "busy_gpu_s": sj.busy_gpu_s,
             })
         fin = [r for r in records if r["state"] == "finished"]

@@ -28,7 +28,8 @@ from scheduler_lite.model import GIB
 from scheduler_lite.policy.validation import ConfigError, check_range
 
 FORMAT = "scheduler_lite.perf_model"
-VERSION = 3  # v3: colocation_overhead became colocation_interference; cross_group_slowdown
+VERSION = 3  # v3: colocation_overhead became colocation_interference; cross_group_slowdown,
+# checkpoint_restart_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class PerfModel:
     unisolated_share_exponent: float
     colocation_interference: float  # slowdown per unit of co-runner utilisation (interference.py)
     cross_group_slowdown: float  # a gang over several NVLink groups (named assumption)
+    checkpoint_restart_s: float  # solo-seconds of work a migration costs (named assumption)
     surge_probability: float
     surge_growth: float
     surge_at_fraction: float
@@ -113,10 +115,12 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
     check_range("unisolated_share_exponent", raw["unisolated_share_exponent"], 0.0, 10.0)
     check_range("colocation_interference", raw["colocation_interference"], 0.0, 10.0)
     check_range("cross_group_slowdown", raw["cross_group_slowdown"], 0.0, 100.0)
+    check_range("checkpoint_restart_s", raw["checkpoint_restart_s"], 0.0, 86400.0)
     check_range("memory_surge.probability", surge["probability"], 0.0, 1.0)
     check_range("memory_surge.growth", surge["growth"], 0.0, 10.0)
     check_range("memory_surge.at_fraction", surge["at_fraction"], 0.0, 1.0)
     return PerfModel(models, families, raw["step_noise_cv"], raw["contention_slowdown"],
                      raw["unisolated_share_exponent"],
-                     raw["colocation_interference"], raw["cross_group_slowdown"], surge["probability"], surge["growth"],
+                     raw["colocation_interference"], raw["cross_group_slowdown"],
+                     raw["checkpoint_restart_s"], surge["probability"], surge["growth"],
                      surge["at_fraction"])
