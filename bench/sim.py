@@ -29,7 +29,8 @@ from scheduler_lite.sim.workload import alibaba_v2023, default_trace_dir, paper_
 CURVE_POLICIES = ("yarn-cs", "gandiva", "tf-antman")
 LOADS = (0.8, 1.0, 1.5, 2.0, 3.0)  # offered GPU-seconds per second over the cluster's GPUs
 # Named assumptions of the model, each run at a low and a high value (docs/simulator.md).
-SENSITIVITY = {"colocation_interference": (0.0, 0.2), "cross_group_slowdown": (0.0, 1.0)}
+SENSITIVITY = {"colocation_interference": (0.0, 0.2), "cross_group_slowdown": (0.0, 1.0),
+               "checkpoint_restart_s": (0.0, 600.0)}
 ALIBABA_PEAK_RATIO = 1.25
 
 
@@ -140,6 +141,8 @@ def main() -> int:
                         SchedulerConfig(opportunistic_placement="utilisation")),
                        ("gangs wait for one NVLink group", SchedulerConfig(gang_locality="wait"))):
         variants.append((label, perf, {"tf-antman": dataclasses.replace(base, config=cfg)}))
+    variants.append(("no migration of stranded jobs", perf,
+                     {"tf-antman": dataclasses.replace(base, migration=None)}))
     for label, pm, override in variants:
         pols = {**{n: POLICIES[n] for n in CURVE_POLICIES}, **override}
         per = _run(pm, pols, calibrated, jobs, sens_seeds, ("avg_jct_s",))

@@ -136,6 +136,10 @@ class ClusterQueries(Protocol):
         """GPUs of a group with no job at all and no reservation."""
         ...
 
+    def groups_with_empty_count(self, count: int) -> Sequence[str]:
+        """NVLink groups with exactly `count` empty GPUs (no job, no reservation)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterState:

@@ -52,18 +52,8 @@ def plan_migrations(
     if not low_shares or config.max_per_pass == 0:
         return []
     idx = state.index
-    idle: dict[str, list[int]] = {}
-    for group in sorted({g.nvlink_group for g in state.gpus.values()}):
-        free = [g for g in idx.empty_gpus(group) if idx.reserved_for(g) is None]
-        if free:
-            idle[group] = sorted(free)
-    if not idle:
-        return []
-    out: list[Migrate] = []
-    order = sorted(low_shares.items(), key=lambda kv: (kv[1], state.jobs[kv[0]].submit_time, kv[0]))
-    for job_id, share in order:
-        if len(out) >= config.max_per_pass or not idle:
-            break
+    stranded = []
+    for job_id, share in sorted(low_shares.items(), key=lambda kv: (kv[1], state.jobs[kv[0]].submit_time, kv[0])):
         job = state.jobs[job_id]
         if job.state is not JobState.RUNNING or job.role is not Role.OPPORTUNISTIC:
             continue
@@ -71,9 +61,29 @@ def plan_migrations(
             continue
         if not any(idx.guarantee_holder(g) is not None for g in job.placement):
             continue  # among opportunistic jobs only: nobody throttles it, it just shares
+        stranded.append(job)
+        if len(stranded) >= config.max_per_pass:
+            break
+    if not stranded:
+        return []
+    # Idle GPUs, fullest groups first (best fit), only as many as the stranded jobs could use:
+    # a large cluster has thousands, and this runs after every arrival and finish.
+    need = sum(j.num_gpus for j in stranded)
+    idle: dict[str, list[int]] = {}
+    found = 0
+    for count in range(1, idx.largest_group_size() + 1):
+        for group in idx.groups_with_empty_count(count):
+            idle[group] = sorted(idx.empty_gpus(group))
+            found += count
+        if found >= need:
+            break
+    out: list[Migrate] = []
+    for job in stranded:
+        if not idle:
+            break
         gpus = _take(idle, job.num_gpus)
         if gpus is not None:
-            out.append(Migrate(job_id, gpus))
+            out.append(Migrate(job.id, gpus))
     return out
 
 
