@@ -573,8 +573,16 @@ class Simulator:
         return bool(decisions)
 
     def _alone(self, gpu: int) -> bool:
+        """A lone guarantee job with all its memory on the GPU: its rounds decide nothing.
+
+        With part of it in host memory (its neighbours left while it was settling, e.g. moved
+        away by migration) a later round grows its limit, so its rounds are not deferred.
+        """
         jobs = self.on_gpu[gpu]
-        return len(jobs) == 1 and next(iter(jobs.values())).role is Role.GUARANTEE
+        if len(jobs) != 1:
+            return False
+        sj = next(iter(jobs.values()))
+        return sj.role is Role.GUARANTEE and sj.limits.get(gpu, 0) >= sj.demand
 
     def _catch_up(self, gpu: int, inclusive: bool) -> None:
         """Run the deferred rounds of a lone guarantee job before its GPU changes.
