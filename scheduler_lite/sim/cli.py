@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-gib", type=float, default=32.0)
     p.add_argument("--quota-a", type=int, default=64, help="paper workload: tenant A's quota")
-    p.add_argument("--load", type=float, default=1.2, help="paper workload: offered load")
+    p.add_argument("--load", type=float, default=1.5,
+                   help="paper workload: offered load (1.5: the bench's calibrated load)")
+    p.add_argument("--auto-fraction", type=float, default=0.0,
+                   help="paper workload: share of tenant A's jobs submitted as auto (upgradable)")
     p.add_argument("--trace-dir", type=Path, default=None, help="default: <repo>/../shared/traces")
     p.add_argument("--pods", type=Path, default=None,
                    help="alibaba workload: a pod list in the cluster-trace-gpu-v2023 format "
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == "paper":
             wl = paper_recipe(perf, num_jobs=args.jobs, seed=args.seed, nodes=args.nodes,
                               gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib,
-                              quota_a=args.quota_a, load=args.load)
+                              quota_a=args.quota_a, load=args.load, auto_fraction=args.auto_fraction)
         elif args.pods or args.node_list:
             base = (args.trace_dir or default_trace_dir()) / "alibaba-gpu-v2023"
             wl = load_alibaba(perf, args.pods or base / "openb_pod_list_default.csv",

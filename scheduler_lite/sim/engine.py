@@ -224,7 +224,8 @@ class Simulator:
             self.reads_util = self._opportunistic_pending
         else:
             self.reads_util = _always
-        self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0}
+        self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0,
+                         "upgrades": 0}
         self.migration = policy.migration.validate() if policy.migration is not None else None
         # Running opportunistic jobs below the migration policy's stranded share (its input).
         self.low_shares: dict[str, float] = {}
@@ -463,6 +464,7 @@ class Simulator:
             if isinstance(d, Place):
                 self._start(self.jobs[d.job_id], d, dirty)
             elif isinstance(d, Upgrade):
+                self.counters["upgrades"] += 1
                 sj = self.jobs[d.job_id]
                 sj.role = Role.GUARANTEE
                 for g in sj.gpus:

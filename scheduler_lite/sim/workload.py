@@ -94,12 +94,19 @@ def paper_recipe(
     min_runtime_s: float = 60.0,
     max_runtime_s: float = 4 * 3600.0,
     prediction_error: float = 0.25,
+    auto_fraction: float = 0.0,
 ) -> Workload:
-    """`load`: offered GPU-seconds per second over the cluster size (Poisson arrivals)."""
+    """`load`: offered GPU-seconds per second over the cluster size (Poisson arrivals).
+
+    `auto_fraction`: share of tenant A's jobs submitted as `auto` (guarantee unless their
+    estimated queueing delay is long, then opportunistic and upgraded later); 0 is the paper's
+    trace, and draws nothing extra from the seed's random stream.
+    """
     check_int("num_jobs", num_jobs, 1, 10_000_000)
     check_range("load", load, 0.0, 100.0, low_open=True)
     check_range("max_runtime_s", max_runtime_s, min_runtime_s, 1e9)
     check_range("prediction_error", prediction_error, 0.0, 10.0)
+    check_range("auto_fraction", auto_fraction, 0.0, 1.0)
     rng = random.Random(seed)
     gpus = uniform_cluster(nodes, gpus_per_node, gpu_memory_gib)
     runtimes = RuntimeQuantiles()
@@ -113,18 +120,19 @@ def paper_recipe(
         runtime = min(max(runtimes.sample(rng), min_runtime_s), max_runtime_s)
         num = rng.choices(sizes, weights)[0]
         tenant = "A" if rng.random() < 0.5 else "B"
+        auto = auto_fraction > 0 and tenant == "A" and rng.random() < auto_fraction
         surge = rng.random() < perf.surge_probability
         # Recurring tasks are predicted within ~25% (NSDI'22 §5.2): log-normal error.
         predicted = runtime * math.exp(rng.gauss(0.0, prediction_error))
-        drafts.append((i, model, m, runtime, num, tenant, surge, predicted))
+        drafts.append((i, model, m, runtime, num, tenant, surge, predicted, auto))
     mean_work = sum(d[3] * d[4] for d in drafts) / num_jobs
     rate = load * len(gpus) / mean_work
     t = 0.0
     jobs = []
-    for i, model, m, runtime, num, tenant, surge, predicted in drafts:
+    for i, model, m, runtime, num, tenant, surge, predicted, auto in drafts:
         jobs.append(TraceJob(
             id=f"j{i:06d}", tenant=tenant,
-            kind=JobKind.GUARANTEE if tenant == "A" else JobKind.OPPORTUNISTIC,
+            kind=(JobKind.AUTO if auto else JobKind.GUARANTEE) if tenant == "A" else JobKind.OPPORTUNISTIC,
             submit_time=round(t, 3), num_gpus=num, runtime_s=runtime, model=model,
             memory_demand_bytes=m.memory_bytes, utilisation=m.utilisation,
             step_time_s=m.step_time_s, predicted_runtime_s=predicted,
