@@ -132,6 +132,11 @@ class ClusterQueries(Protocol):
         """Sum of `requested_share` of the jobs on the GPU; `unstated` for each without one."""
         ...
 
+    def gpus_with_room(self, below: float, min_room: float, unstated: float) -> Iterator[tuple[int, float]]:
+        """(GPU, 1 - committed share) for GPUs below `below` utilisation with at least
+        `min_room` share room, least loaded first."""
+        ...
+
     def empty_gpus(self, group: str) -> frozenset[int] | set[int]:
         """GPUs of a group with no job at all and no reservation."""
         ...

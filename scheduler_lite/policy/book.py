@@ -163,6 +163,16 @@ class ClusterBook:
                 if not boundary or self.gpus[gpu].utilisation < below:
                     yield gpu
 
+    def gpus_with_room(self, below: float, min_room: float, unstated: float) -> Iterator[tuple[int, float]]:
+        """(GPU, 1 - committed share) in `gpus_by_utilisation(below)` order, for the GPUs whose
+        room is at least `min_room` (the others are skipped here, where it is cheap)."""
+        stated, count = self._share_stated, self._share_unstated
+        limit = 1.0 - min_room + 1e-9
+        for gpu in self.gpus_by_utilisation(below):
+            committed = stated[gpu] + unstated * count[gpu]
+            if committed <= limit:
+                yield gpu, 1.0 - committed
+
     # -- snapshot -------------------------------------------------------------------------------
 
     def snapshot(self, now: float) -> ClusterState:

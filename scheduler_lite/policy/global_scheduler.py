@@ -273,7 +273,7 @@ class _Pass:
         smallest = min(self._request(j) for j in jobs)
         unstated = self.cfg.unknown_requested_share
         buffer: list[tuple[int, float]] = []
-        gpus_iter = self.idx.gpus_by_utilisation(self.cfg.utilisation_threshold)
+        gpus_iter = self.idx.gpus_with_room(self.cfg.utilisation_threshold, smallest, unstated)
         exhausted = False
         failed: list[tuple[int, float]] = []  # (GPUs, share) of jobs that found no GPU
         for job in jobs:
@@ -288,16 +288,13 @@ class _Pass:
                 if i == len(buffer):
                     if exhausted:
                         break
-                    g = next(gpus_iter, None)
-                    if g is None:
+                    pulled = next(gpus_iter, None)
+                    if pulled is None:
                         exhausted = True
                         break
-                    if g in self.taken or g in self.opp_taken:
+                    if pulled[0] in self.taken or pulled[0] in self.opp_taken:
                         continue
-                    room = 1.0 - self.idx.committed_share(g, unstated)
-                    if smallest > room + 1e-9:
-                        continue
-                    buffer.append((g, room))
+                    buffer.append(pulled)
                 g, room = buffer[i]
                 i += 1
                 if share > room + 1e-9:
