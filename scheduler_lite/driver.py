@@ -27,6 +27,8 @@ The world supplies time and readings and carries decisions out:
   utilisation        average over utilisation_window_s     the model's, at each 10 s refresh
   carry out Launch   start the process with the settings   start integrating the job's progress
   carry out round    write control.json                    recompute the speeds
+  carry out migrate  not wired: the daemon never migrates  restart it there (+ checkpoint cost)
+  memory held        universal memory: the limit in force  caching allocator model (`hold`)
   =================  ====================================  ===================================
 
 A pass, in order: `schedule(now)` -> for each `Launch` the world starts the job (or calls
@@ -63,6 +65,7 @@ from scheduler_lite.model import (
 from scheduler_lite.policy import coordinator
 from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.coordinator import CoordinatorConfig, CoordinatorMemo
+from scheduler_lite.policy.migration import Migrate
 
 SchedulePolicy = Callable[[ClusterState, object], list[GlobalDecision]]
 BUSY: Final = 1.0  # what a GPU with a job not yet covered by a reading reads as
@@ -195,13 +198,42 @@ class Driver:
         self.settings[d.job_id] = settings
         return Launch(d.job_id, d.gpus, d.role, settings)
 
-    def set_demand(self, job_id: str, demand_bytes: int) -> None:
-        """The job's memory demand changed (a surge). Without universal memory its limit follows."""
+    def set_demand(self, job_id: str, demand_bytes: int, held: Mapping[int, int] | None = None) -> None:
+        """The job's memory demand changed (a surge). Without universal memory its limits become
+        what its framework holds: `held` per GPU when the world knows it (the simulator's caching
+        model, sim/interference.py), else the demand."""
         self.book.set_memory_demand(job_id, demand_bytes)
         if not self.universal_memory:
-            limits = self.settings[job_id].limits
-            for g in limits:
-                limits[g] = demand_bytes
+            if held is not None:
+                self.hold(job_id, held)
+            else:
+                limits = self.settings[job_id].limits
+                for g in limits:
+                    limits[g] = demand_bytes
+
+    def hold(self, job_id: str, held: Mapping[int, int]) -> None:
+        """Without universal memory: the bytes the job's framework holds on each of its GPUs (its
+        limit in effect; nothing caps it but the GPU). With universal memory the coordinator sets
+        limits, and this is refused."""
+        if self.universal_memory:
+            raise ValueError(f"hold {job_id!r}: limits under universal memory are the coordinator's")
+        limits = self.settings[job_id].limits
+        for g, b in held.items():
+            if g not in limits:
+                raise ValueError(f"hold {job_id!r}: GPU {g} is not one of its GPUs {sorted(limits)}")
+            limits[g] = b
+
+    def migrate(self, move: Migrate, now: float) -> Launch:
+        """Re-place a running job (policy/migration.py) on `move.gpus`: its settings on the old
+        GPUs are released (their jobs changed) and it starts on the new ones as a new placement
+        would. The world checkpoints it, stops it and starts it there."""
+        job = self.book.jobs[move.job_id]
+        role = job.role
+        if role is None:
+            raise ValueError(f"migrate {move.job_id!r}: not running")
+        self.book.apply(move)
+        self._release(move.job_id, now)
+        return self._place(Place(move.job_id, move.gpus, role), now)
 
     def finish(self, job_id: str, now: float, failed: bool = False) -> None:
         """The job left (ended, failed, could not start): release its GPUs and settings."""

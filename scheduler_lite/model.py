@@ -80,6 +80,9 @@ class Job:
     # and a predicted total run time (used by the shortest-predicted-first variant).
     estimated_remaining_s: float | None = None
     predicted_runtime_s: float | None = None
+    # Fraction of one GPU's compute the job asks for (PAI's GPU request, Alibaba's gpu_milli);
+    # None: not stated. Opportunistic placement adds these up per GPU (global_scheduler.py).
+    requested_share: float | None = None
 
     def with_(self, **changes: object) -> Job:
         return dataclasses.replace(self, **changes)
@@ -122,6 +125,27 @@ class ClusterQueries(Protocol):
 
     def gpus_by_utilisation(self, below: float) -> Iterator[int]:
         """GPUs with utilisation < `below`, least loaded first (5% granularity)."""
+        ...
+
+    def memory_free(self, gpu: int) -> int:
+        """GPU memory minus the memory demands of the jobs placed on it."""
+        ...
+
+    def committed_share(self, gpu: int, unstated: float) -> float:
+        """Sum of `requested_share` of the jobs on the GPU; `unstated` for each without one."""
+        ...
+
+    def gpus_with_room(self, below: float, min_room: float, unstated: float) -> Iterator[tuple[int, float]]:
+        """(GPU, 1 - committed share) for GPUs below `below` utilisation with at least
+        `min_room` share room, least loaded first."""
+        ...
+
+    def empty_gpus(self, group: str) -> frozenset[int] | set[int]:
+        """GPUs of a group with no job at all and no reservation."""
+        ...
+
+    def groups_with_empty_count(self, count: int) -> Sequence[str]:
+        """NVLink groups with exactly `count` empty GPUs (no job, no reservation)."""
         ...
 
 

@@ -29,6 +29,7 @@ from scheduler_lite.model import (
     Unreserve,
     Upgrade,
 )
+from scheduler_lite.policy.migration import Migrate
 
 UTILISATION_BUCKETS = 20  # 5% wide: finer than that is noise for a 10 s average
 
@@ -77,6 +78,9 @@ class ClusterBook:
         self._reserved: dict[int, str] = {}
         self._jobs_on: dict[int, dict[str, None]] = {g: {} for g in self.gpus}
         self._memory_committed: dict[int, int] = dict.fromkeys(self.gpus, 0)
+        # Requested shares of the jobs on each GPU: the sum of those stated, and how many stated none.
+        self._share_stated: dict[int, float] = dict.fromkeys(self.gpus, 0.0)
+        self._share_unstated: dict[int, int] = dict.fromkeys(self.gpus, 0)
         self._pending_g: dict[str, dict[str, None]] = {t: {} for t in self.tenants}
         self._pending_o: dict[str, None] = {}
         self._running: dict[tuple[str, Role], dict[str, None]] = {
@@ -129,6 +133,10 @@ class ClusterBook:
     def memory_free(self, gpu: int) -> int:
         return self.gpus[gpu].memory_bytes - self._memory_committed[gpu]
 
+    def committed_share(self, gpu: int, unstated: float) -> float:
+        """Requested shares of the jobs on the GPU; `unstated` counts for a job without one."""
+        return self._share_stated[gpu] + unstated * self._share_unstated[gpu]
+
     def free_for_guarantee(self, group: str) -> set[int]:
         return self._guarantee_free.free[group]
 
@@ -152,6 +160,16 @@ class ClusterBook:
             for gpu in bucket:
                 if not boundary or self.gpus[gpu].utilisation < below:
                     yield gpu
+
+    def gpus_with_room(self, below: float, min_room: float, unstated: float) -> Iterator[tuple[int, float]]:
+        """(GPU, 1 - committed share) in `gpus_by_utilisation(below)` order, for the GPUs whose
+        room is at least `min_room` (the others are skipped here, where it is cheap)."""
+        stated, count = self._share_stated, self._share_unstated
+        limit = 1.0 - min_room + 1e-9
+        for gpu in self.gpus_by_utilisation(below):
+            committed = stated[gpu] + unstated * count[gpu]
+            if committed <= limit:
+                yield gpu, 1.0 - committed
 
     # -- snapshot -------------------------------------------------------------------------------
 
@@ -214,7 +232,7 @@ class ClusterBook:
         for d in decisions:
             self.apply(d)
 
-    def apply(self, d: GlobalDecision) -> None:
+    def apply(self, d: GlobalDecision | Migrate) -> None:
         match d:
             case Place():
                 self._place(d)
@@ -230,6 +248,12 @@ class ClusterBook:
                 self._drop_reservation(d.job_id)
             case Upgrade():
                 self._upgrade(d.job_id)
+            case Migrate():
+                job = self._running_job(d.job_id)
+                self._release(job)
+                self.jobs[job.id] = _evolve(job, state=JobState.PENDING, placement=())
+                assert job.role is not None
+                self._place(Place(job.id, d.gpus, job.role))
             case Reject():
                 job = self.jobs[d.job_id]
                 self._dequeue(job)
@@ -285,6 +309,7 @@ class ClusterBook:
                 self._holder[gpu] = job.id
             self._jobs_on[gpu][job.id] = None
             self._memory_committed[gpu] += job.memory_demand_bytes
+            self._commit_share(gpu, job, 1)
             self._refresh_free(gpu)
         self._running[(job.tenant, d.role)][job.id] = None
         if d.role is Role.GUARANTEE:
@@ -300,11 +325,20 @@ class ClusterBook:
                 del self._holder[gpu]
             del self._jobs_on[gpu][job.id]
             self._memory_committed[gpu] -= job.memory_demand_bytes
+            self._commit_share(gpu, job, -1)
             self._refresh_free(gpu)
         del self._running[(job.tenant, role)][job.id]
         self._upgradable[job.tenant].pop(job.id, None)
         if role is Role.GUARANTEE:
             self._quota_used[job.tenant] -= job.num_gpus
+
+    def _commit_share(self, gpu: int, job: Job, sign: int) -> None:
+        if job.requested_share is None:
+            self._share_unstated[gpu] += sign
+        elif self._jobs_on[gpu]:
+            self._share_stated[gpu] += sign * job.requested_share
+        else:
+            self._share_stated[gpu] = 0.0  # no job left: no float residue
 
     def _reserve(self, d: Reserve) -> None:
         job = self.jobs[d.job_id]

@@ -18,6 +18,11 @@ One pass, in this order:
 4. Opportunistic jobs (Algorithm 1 lines 2-3, 9-10): `findNodes(job.gpu, M)` keeps GPUs whose
    10 s utilisation is below M, `minLoadNodes` takes the least loaded. A GPU gets at most one
    new opportunistic job per pass, because its utilisation is only known once the job runs.
+   With `opportunistic_placement = "share"` (the default) a GPU also needs room for the job's
+   requested share: the requested shares of the jobs already there (guarantee job included)
+   plus this one's stay within one GPU; among those, GPUs with the job's memory free come first.
+   Utilisation alone is not enough: a throttled opportunistic job keeps its GPU's utilisation
+   low, so "paper" placement kept sending more of them to the same GPU (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from scheduler_lite.model import (
 from scheduler_lite.policy.validation import check_choice, check_range
 
 OPPORTUNISTIC_ORDERS = ("fifo", "shortest_predicted")
+OPPORTUNISTIC_PLACEMENTS = ("utilisation", "share")
+GANG_LOCALITY = ("wait", "spread")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +66,24 @@ class SchedulerConfig:
     # (MLaaS in the wild, NSDI'22 §5.2: recurring tasks are predictable within ~25%).
     opportunistic_order: str = "fifo"
     enable_upgrade: bool = True
+    # "utilisation": Algorithm 1 as written; "share": requested shares must fit too (module doc).
+    opportunistic_placement: str = "share"
+    # Share counted for a job that states none. 0 keeps utilisation-only placement for such jobs
+    # (the daemon's jobs state none today).
+    unknown_requested_share: float = 0.0
+    # A gang that fits one NVLink group but finds none free: "wait" reserves and waits for one
+    # (Algorithm 1 as written); "spread" takes free GPUs of several groups now and pays the
+    # slower interconnect. Waiting blocks the tenant's queue behind it (no overtaking).
+    gang_locality: str = "spread"
 
     def validate(self) -> SchedulerConfig:
         check_range("utilisation_threshold", self.utilisation_threshold, 0.0, 1.0, low_open=True)
         check_range("auto_opportunistic_after_s", self.auto_opportunistic_after_s, 0.0, 1e9)
         check_range("default_remaining_s", self.default_remaining_s, 0.0, 1e9, low_open=True)
         check_choice("opportunistic_order", self.opportunistic_order, OPPORTUNISTIC_ORDERS)
+        check_choice("opportunistic_placement", self.opportunistic_placement, OPPORTUNISTIC_PLACEMENTS)
+        check_range("unknown_requested_share", self.unknown_requested_share, 0.0, 1.0)
+        check_choice("gang_locality", self.gang_locality, GANG_LOCALITY)
         return self
 
 
@@ -184,36 +203,43 @@ class _Pass:
             for group in own_groups:
                 avail = available(group)
                 if len(avail) >= n:
-                    return sorted(avail)[:n], True
+                    return self._emptiest(group, avail)[:n], True
                 if len(avail) > len(best):
-                    best = sorted(avail)
+                    best = self._emptiest(group, avail)
             for count in range(n, size + 1):  # best fit keeps big groups whole for big gangs
                 for group in self.idx.groups_with_free_count(count):
                     avail = available(group)
                     if len(avail) >= n:
-                        return sorted(avail)[:n], True
+                        return self._emptiest(group, avail)[:n], True
             for count in range(n - 1, len(best), -1):
                 for group in self.idx.groups_with_free_count(count):
                     avail = available(group)
                     if len(avail) > len(best):
-                        best = sorted(avail)
+                        best = self._emptiest(group, avail)
                         break
                 if best and len(best) >= count:
                     break
-            return best, False
+            if self.cfg.gang_locality == "wait":
+                return best, False
         chosen: list[int] = []
         seen: set[str] = set()
         for group in own_groups:
             seen.add(group)
-            chosen.extend(sorted(available(group))[: n - len(chosen)])
+            chosen.extend(self._emptiest(group, available(group))[: n - len(chosen)])
         for count in range(size, 0, -1):  # whole groups first: fewest groups per gang
             for group in self.idx.groups_with_free_count(count):
                 if len(chosen) >= n:
                     break
                 if group in seen:
                     continue
-                chosen.extend(sorted(available(group))[: n - len(chosen)])
+                chosen.extend(self._emptiest(group, available(group))[: n - len(chosen)])
         return chosen, len(chosen) >= n
+
+    def _emptiest(self, group: str, gpus: set[int]) -> list[int]:
+        """GPUs without any job first: a guarantee job placed next to an opportunistic one
+        throttles it to the floor, while an idle GPU costs nobody anything."""
+        empty = self.idx.empty_gpus(group)
+        return sorted(gpus, key=lambda g: (g not in empty, g))
 
     # -- opportunistic jobs ---------------------------------------------------------------------
 
@@ -228,6 +254,9 @@ class _Pass:
             jobs.sort(key=_predicted_key)
         elif self.routed:
             jobs.sort(key=lambda j: (j.submit_time, j.id))
+        if self.cfg.opportunistic_placement == "share":
+            self._place_by_share(jobs)
+            return
         for job in jobs:
             gpus = self._min_load_gpus(job.num_gpus)
             if gpus is None:
@@ -235,6 +264,55 @@ class _Pass:
                     return
                 continue
             self.out.append(Place(job.id, tuple(gpus), Role.OPPORTUNISTIC))
+
+    def _place_by_share(self, jobs: list[Job]) -> None:
+        # GPUs below M in Algorithm 1's order (least utilised first), each with the share room
+        # left on it; a GPU gets at most one new job per pass, so the room is read once. GPUs
+        # without room for the smallest request of the pass are dropped as they are pulled
+        # (on a 6,504-GPU cluster most of a pass's time went to rescanning them).
+        smallest = min(self._request(j) for j in jobs)
+        unstated = self.cfg.unknown_requested_share
+        buffer: list[tuple[int, float]] = []
+        gpus_iter = self.idx.gpus_with_room(self.cfg.utilisation_threshold, smallest, unstated)
+        exhausted = False
+        failed: list[tuple[int, float]] = []  # (GPUs, share) of jobs that found no GPU
+        for job in jobs:
+            n, share = job.num_gpus, self._request(job)
+            # A job asking at least as much as one that found no GPU finds none either.
+            if any(fn <= n and fr <= share for fn, fr in failed):
+                continue
+            fits: list[int] = []
+            tight: list[int] = []  # share fits, memory does not (universal memory spills the rest)
+            i = 0
+            while len(fits) < n:
+                if i == len(buffer):
+                    if exhausted:
+                        break
+                    pulled = next(gpus_iter, None)
+                    if pulled is None:
+                        exhausted = True
+                        break
+                    if pulled[0] in self.taken or pulled[0] in self.opp_taken:
+                        continue
+                    buffer.append(pulled)
+                g, room = buffer[i]
+                i += 1
+                if share > room + 1e-9:
+                    continue
+                if self.idx.memory_free(g) >= job.memory_demand_bytes:
+                    fits.append(g)
+                elif len(tight) < n:
+                    tight.append(g)
+            chosen = (fits + tight)[:n]
+            if len(chosen) < n:
+                failed.append((n, share))
+                if exhausted and not buffer:
+                    return
+                continue
+            self.out.append(Place(job.id, tuple(chosen), Role.OPPORTUNISTIC))
+            taken = set(chosen)
+            buffer = [b for b in buffer if b[0] not in taken]
+            self.opp_taken.update(chosen)
 
     def _peek_opp_gpu(self) -> int | None:
         if not self.opp_buffer:
@@ -250,6 +328,10 @@ class _Pass:
                 self.opp_exhausted = True
             elif gpu not in self.taken and gpu not in self.opp_taken:
                 self.opp_buffer.append(gpu)
+
+    def _request(self, job: Job) -> float:
+        share = job.requested_share
+        return self.cfg.unknown_requested_share if share is None else share
 
     def _min_load_gpus(self, n: int) -> list[int] | None:
         """findNodes(job.gpu, M) then minLoadNodes: the n least loaded GPUs below M."""
@@ -287,4 +369,4 @@ def _estimated_delay(short_gpus: int, release_times: list[tuple[float, int]], no
     return math.inf
 
 
-__all__ = ["OPPORTUNISTIC_ORDERS", "SchedulerConfig", "schedule"]
+__all__ = ["OPPORTUNISTIC_ORDERS", "OPPORTUNISTIC_PLACEMENTS", "SchedulerConfig", "schedule"]

@@ -14,6 +14,7 @@ from scheduler_lite.policy.baselines import (
     yarn_cs_schedule,
 )
 from scheduler_lite.policy.global_scheduler import SchedulerConfig, schedule
+from scheduler_lite.policy.migration import MigrationConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,7 @@ class PolicySpec:
     universal_memory: bool  # a job over its memory limit spills to host memory instead of failing
     isolated: bool  # compute shares are enforced (opportunistic jobs cannot slow a guarantee job)
     description: str
+    migration: MigrationConfig | None = None  # re-places stranded opportunistic jobs (migration.py)
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -37,10 +39,12 @@ POLICIES: dict[str, PolicySpec] = {
         PolicySpec("gandiva", gandiva_schedule, GandivaConfig(), False, False, False,
                    "Gandiva packing: least utilised GPU with enough memory, no isolation"),
         PolicySpec("tf-antman", schedule, SchedulerConfig(), True, True, True,
-                   "AntMan (OSDI'20) global scheduler and local coordinator"),
+                   "AntMan (OSDI'20) global scheduler and local coordinator; stranded "
+                   "opportunistic jobs re-placed on idle GPUs", MigrationConfig()),
         PolicySpec("tf-antman-sjf", schedule, SchedulerConfig(opportunistic_order="shortest_predicted"),
                    True, True, True,
-                   "AntMan with opportunistic jobs ordered by predicted run time (NSDI'22 §5.2)"),
+                   "AntMan with opportunistic jobs ordered by predicted run time (NSDI'22 §5.2)",
+                   MigrationConfig()),
     )
 }
 

@@ -33,14 +33,17 @@ from scheduler_lite.model import (
     Preempt,
     Reject,
     Role,
+    SetComputeShare,
     StepSample,
     Upgrade,
 )
 from scheduler_lite.policy import global_scheduler
 from scheduler_lite.policy.baselines import yarn_cs_schedule
 from scheduler_lite.policy.coordinator import CoordinatorConfig
+from scheduler_lite.policy.migration import plan_migrations
 from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import check_choice
+from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
 from scheduler_lite.sim.perf import ModelPerf, PerfModel
 from scheduler_lite.sim.workload import TraceJob, Workload
 
@@ -87,6 +90,8 @@ class _SimJob:
         "gpus",
         "last_t",
         "limits",
+        "locality",
+        "migrations",
         "noise_base",
         "perf",
         "preemptions",
@@ -133,6 +138,8 @@ class _SimJob:
         self.gpu_speed: dict[int, float] = {}
         self.seen: dict[int, LocalJob] = {}  # last step-less view of it per GPU, reused
         self.gpus: tuple[int, ...] = ()
+        self.locality = 1.0  # speed factor of its placement (a gang over NVLink groups pays)
+        self.migrations = 0
         self.role: Role | None = None
         self.busy_gpu_s = 0.0
         self.work_done = 0.0
@@ -184,6 +191,8 @@ class Simulator:
                              universal_memory=policy.universal_memory, marks_busy=not reads_nothing)
         self.book = self.driver.book
         self.mem = {g.id: g.memory_bytes for g in workload.gpus}
+        self.group = {g.id: g.nvlink_group for g in workload.gpus}
+        self.max_mem = max(self.mem.values(), default=0)
         self.jobs: dict[str, _SimJob] = {}  # by book id (changes on retry)
         self.all_jobs: list[_SimJob] = []
         self.on_gpu: dict[int, dict[str, _SimJob]] = {g: {} for g in self.mem}  # book order
@@ -220,7 +229,11 @@ class Simulator:
             self.reads_util = self._opportunistic_pending
         else:
             self.reads_util = _always
-        self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0}
+        self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0,
+                         "upgrades": 0}
+        self.migration = policy.migration.validate() if policy.migration is not None else None
+        # Running opportunistic jobs below the migration policy's stranded share (its input).
+        self.low_shares: dict[str, float] = {}
         self.timeseries: list[tuple[float, float, float, int]] = []
 
     # -- driver ---------------------------------------------------------------------------------
@@ -277,6 +290,8 @@ class Simulator:
                 self.book.pending_count() or self._upgradable()
             ):
                 self._schedule(dirty)
+            if self.low_shares and (need_schedule or refreshed):
+                self._migrate(dirty)
             changed = dirty
             if coordinated:
                 changed = set(dirty)
@@ -342,8 +357,17 @@ class Simulator:
     def _book_job(self, sj: _SimJob) -> Job:
         tj = sj.trace
         return Job(id=sj.book_id, tenant=tj.tenant, num_gpus=tj.num_gpus, kind=tj.kind,
-                   submit_time=tj.submit_time, memory_demand_bytes=sj.demand,
-                   predicted_runtime_s=tj.predicted_runtime_s)
+                   submit_time=tj.submit_time, memory_demand_bytes=self._profile(sj),
+                   predicted_runtime_s=tj.predicted_runtime_s, requested_share=tj.requested_share)
+
+    def _profile(self, sj: _SimJob) -> int:
+        """Memory the book commits for the job: without universal memory, what its framework's
+        caching allocator holds (a profiling run sees that, not the tensors; interference.py)."""
+        if self.policy.universal_memory:
+            return sj.demand
+        if sj.limits:
+            return max(sj.limits.values())
+        return min(cached_reservation(sj.demand), self.max_mem)
 
     def _settle(self, sj: _SimJob) -> None:
         dt = self.now - sj.last_t
@@ -370,13 +394,16 @@ class Simulator:
             sj.surged = True
             cap = min(self.mem[g] for g in sj.gpus)
             sj.demand = min(cap, int(sj.demand * (1 + tj.surge_growth)))
-            self.driver.set_demand(sj.book_id, sj.demand)
             dirty.update(sj.gpus)
-            if not self.policy.universal_memory:
-                for g in sj.gpus:
-                    if sum(o.demand for o in self.on_gpu[g].values()) > self.mem[g]:
-                        self._fail(sj, dirty)
-                        return CHANGED
+            if self.policy.universal_memory:
+                self.driver.set_demand(sj.book_id, sj.demand)
+            else:
+                held = self._grow_caches(sj)
+                if held is None:
+                    self._fail(sj, dirty)
+                    return CHANGED
+                # The book's demand is what a profile sees: the cache held (see _profile).
+                self.driver.set_demand(sj.book_id, max(held.values()), held=held)
             self._reschedule(sj)
             return CHANGED
         sj.remaining = 0.0
@@ -386,6 +413,22 @@ class Simulator:
         sj.end = self.now
         return FINISHED
 
+    def _grow_caches(self, sj: _SimJob, fresh: bool = False) -> dict[int, int] | None:
+        """What its caching allocator holds on each GPU at its current demand; None: OOM.
+
+        `fresh`: the job is just starting and holds nothing yet (the driver's launch limit is the
+        book's profile, an intention, not an allocation).
+        """
+        held = {}
+        for g in sj.gpus:
+            others = sum(o.limits.get(g, 0) for o in self.on_gpu[g].values() if o is not sj)
+            own = 0 if fresh else sj.limits.get(g, 0)
+            h = grow_cache(own, sj.demand, self.mem[g] - others - own)
+            if h is None:
+                return None
+            held[g] = h
+        return held
+
     def _leave(self, sj: _SimJob, dirty: set[int]) -> None:
         dirty.update(sj.gpus)
         for g in sj.gpus:
@@ -393,6 +436,7 @@ class Simulator:
             self.deferred.pop(g, None)
             del self.on_gpu[g][sj.book_id]
         sj.gpus = ()
+        self.low_shares.pop(sj.book_id, None)
         sj.limits = {}  # the driver's settings were released with the job
         sj.shares = {}
         sj.gpu_speed.clear()
@@ -437,13 +481,39 @@ class Simulator:
             if isinstance(d, Place):
                 self._start(self.jobs[d.job_id], next(starts), dirty)
             elif isinstance(d, Upgrade):
+                self.counters["upgrades"] += 1
                 sj = self.jobs[d.job_id]
                 sj.role = Role.GUARANTEE  # the driver set its shares to 1
+                self._track_share(sj)
                 dirty.update(sj.gpus)
             elif isinstance(d, Reject):
                 sj = self.jobs[d.job_id]
                 sj.state = "failed"
                 sj.end = self.now
+
+    def _migrate(self, dirty: set[int]) -> None:
+        """Re-place stranded opportunistic jobs (policy/migration.py); each pays a checkpoint-restart."""
+        assert self.migration is not None
+        moves = plan_migrations(self.book.snapshot(self.now), self.low_shares, self.migration)
+        for m in moves:
+            sj = self.jobs[m.job_id]
+            self._settle(sj)
+            launch = self.driver.migrate(m, self.now)
+            self._leave(sj, dirty)
+            self._start(sj, launch, dirty)
+            sj.remaining += self.perf.checkpoint_restart_s
+            sj.migrations += 1
+            self.counters["migrations"] += 1
+
+    def _track_share(self, sj: _SimJob) -> None:
+        """Keep `low_shares` current for the migration policy."""
+        if self.migration is None:
+            return
+        share = min((sj.shares.get(g, 1.0) for g in sj.gpus), default=1.0)
+        if sj.state == "running" and sj.role is Role.OPPORTUNISTIC and share < self.migration.stranded_share:
+            self.low_shares[sj.book_id] = share
+        else:
+            self.low_shares.pop(sj.book_id, None)
 
     def _start(self, sj: _SimJob, d: Launch, dirty: set[int]) -> None:
         sj.state = "running"
@@ -466,6 +536,14 @@ class Simulator:
             if self.reads_util is not _never:
                 self._stale(g)
         dirty.update(d.gpus)
+        groups = len({self.group[g] for g in d.gpus})
+        sj.locality = locality_factor(self.perf.cross_group_slowdown, groups)
+        if not self.policy.universal_memory:
+            held = self._grow_caches(sj, fresh=True)  # on_gpu already lists it: not its own co-runner
+            if held is None:
+                self._fail(sj, dirty)  # out of memory while initialising
+                return
+            self.driver.hold(sj.book_id, held)
 
     # -- coordinator rounds ---------------------------------------------------------------------
     #
@@ -488,6 +566,10 @@ class Simulator:
         self.counters["rounds"] += 1
         decisions = self.driver.round(self.now, gpu, self._view(gpu))  # applied to sj.limits/shares
         memo = self.driver.memo(gpu)
+        if self.migration is not None:
+            for d in decisions:
+                if isinstance(d, SetComputeShare):
+                    self._track_share(self.jobs[d.job_id])
         if self.periodic:
             at = self._tick_after(gpu, self.now) if self.on_gpu[gpu] else None
         elif memo.next_round_at is not None:
@@ -501,8 +583,16 @@ class Simulator:
         return bool(decisions)
 
     def _alone(self, gpu: int) -> bool:
+        """A lone guarantee job with all its memory on the GPU: its rounds decide nothing.
+
+        With part of it in host memory (its neighbours left while it was settling, e.g. moved
+        away by migration) a later round grows its limit, so its rounds are not deferred.
+        """
         jobs = self.on_gpu[gpu]
-        return len(jobs) == 1 and next(iter(jobs.values())).role is Role.GUARANTEE
+        if len(jobs) != 1:
+            return False
+        sj = next(iter(jobs.values()))
+        return sj.role is Role.GUARANTEE and sj.limits.get(gpu, 0) >= sj.demand
 
     def _catch_up(self, gpu: int, inclusive: bool) -> None:
         """Run the deferred rounds of a lone guarantee job before its GPU changes.
@@ -617,7 +707,7 @@ class Simulator:
         perf = self.perf
         isolated = self.policy.isolated
         k = perf.contention_slowdown
-        overhead = perf.colocation_overhead
+        c = perf.colocation_interference
         opp = Role.OPPORTUNISTIC
         for g in gpus:
             jobs = self.on_gpu[g]
@@ -644,25 +734,30 @@ class Simulator:
                     u = min(u, sj.shares.get(g, 1.0))
                 demand += u
             # perf.contention, inlined: this loop runs after every round that moved a share.
-            slow = (1.0 + k * (demand - 1.0) if demand > 1.0 else 1.0) * (1 + overhead * (n - 1))
+            slow = 1.0 + k * (demand - 1.0) if demand > 1.0 else 1.0
             compute = None
             if not isolated and n > 1 and demand > 1.0:
                 compute = iter(perf.unisolated_speeds([sj.u for sj in jobs.values()]))
-                slow = 1 + overhead * (n - 1)
+                slow = 1.0
             util = 0.0
             mem_used = 0
             for jid, sj in jobs.items():
                 limit = sj.limits.get(g, 0)
                 want = sj.demand
-                s = 1.0 / slow if compute is None else next(compute) / slow
+                u = sj.u
+                if capped and sj.role is opp:
+                    u = min(u, sj.shares.get(g, 1.0))
+                # Bandwidth interference (interference.bandwidth_slowdown, inlined): from the
+                # co-runners' effective utilisation, however far below 1 the total is.
+                s = (1.0 if compute is None else next(compute)) / (slow * (1.0 + c * (demand - u)))
                 if limit < want and want > 0:
                     s /= sj.perf.memory_slowdown(limit / want)
                     mem_used += limit
                 else:
                     mem_used += want
+                if u < sj.u:
+                    s *= u / sj.u
                 u = sj.u
-                if capped and sj.role is opp:
-                    s *= min(u, sj.shares.get(g, 1.0)) / u
                 sj.gpu_speed[g] = s
                 util += u * s
                 touched[jid] = sj
@@ -672,7 +767,7 @@ class Simulator:
             if len(sj.gpus) == 1:
                 speed = sj.gpu_speed[sj.gpus[0]]
             else:
-                speed = min(sj.gpu_speed[g] for g in sj.gpus)
+                speed = min(sj.gpu_speed[g] for g in sj.gpus) * sj.locality
             if abs(speed - sj.speed) > 1e-12:
                 for g in sj.gpus:
                     if g in self.deferred:
@@ -729,10 +824,7 @@ class Simulator:
             holders = [s for s in sjs if s.role is Role.GUARANTEE]
             if len(holders) > 1:
                 raise InvariantError(f"GPU {g}: {len(holders)} guarantee jobs")
-            if self.policy.universal_memory:
-                used = sum(s.limits.get(g, 0) for s in sjs)
-            else:
-                used = sum(s.demand for s in sjs)
+            used = sum(s.limits.get(g, 0) for s in sjs)  # without universal memory: cache held
             if used > self.mem[g]:
                 raise InvariantError(f"GPU {g}: {used} bytes committed of {self.mem[g]}")
             if self.policy.name.startswith("yarn") and len(sjs) > 1:
@@ -749,6 +841,7 @@ class Simulator:
                 "start_s": sj.first_start, "end_s": sj.end, "jct_s": jct,
                 "queue_delay_s": None if sj.first_start is None else sj.first_start - tj.submit_time,
                 "state": sj.state, "preemptions": sj.preemptions, "failures": sj.failures,
+                "migrations": sj.migrations,
                 "work_done_s": sj.work_done, "busy_gpu_s": sj.busy_gpu_s,
             })
         fin = [r for r in records if r["state"] == "finished"]

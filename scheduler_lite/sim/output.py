@@ -1,4 +1,4 @@
-"""Per-job CSV (format version 1), summary JSON and plots of simulation results."""
+"""Per-job CSV (format version 2: v1 plus `migrations`), summary JSON and plots of simulation results."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 from scheduler_lite.sim.engine import SimResult
 
-CSV_VERSION = 1
+CSV_VERSION = 2
 FIELDS = ("id", "tenant", "kind", "model", "num_gpus", "submit_s", "runtime_s", "start_s", "end_s",
-          "jct_s", "queue_delay_s", "state", "preemptions", "failures", "work_done_s", "busy_gpu_s")
+          "jct_s", "queue_delay_s", "state", "preemptions", "failures", "migrations", "work_done_s", "busy_gpu_s")
 
 
 def write_jobs_csv(result: SimResult, path: Path) -> None:

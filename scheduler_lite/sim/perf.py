@@ -1,8 +1,9 @@
 """The simulator's job performance model, read from `scheduler_lite/data/perf_model.json`.
 
-speed = 1 / (memory_slowdown(limit / demand) * contention * (1 + overhead * co-runners)),
-as a fraction of the job's solo speed. Memory: the model's curve, linear between points and
-flat beyond its ends (universal memory keeps the rest in host memory). Compute: jobs on a GPU
+speed = 1 / (memory_slowdown(limit / demand) * contention * bandwidth interference), as a fraction
+of the job's solo speed (bandwidth interference, caching and locality: sim/interference.py).
+Memory: the model's curve, linear between points and flat beyond its ends (universal memory
+keeps the rest in host memory). Compute: jobs on a GPU
 ask for D = sum of their effective utilisations u_i (an opportunistic job under AntMan is capped
 by its compute share). Nothing happens while D <= 1. When D > 1:
 * with isolation (compute shares enforced): every job is slowed by 1 + k (D - 1), k =
@@ -27,7 +28,8 @@ from scheduler_lite.model import GIB
 from scheduler_lite.policy.validation import ConfigError, check_range
 
 FORMAT = "scheduler_lite.perf_model"
-VERSION = 2  # v2: unisolated_contention_slowdown (k) became unisolated_share_exponent (a)
+VERSION = 3  # v3: colocation_overhead became colocation_interference; cross_group_slowdown,
+# checkpoint_restart_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +59,9 @@ class PerfModel:
     step_noise_cv: float
     contention_slowdown: float
     unisolated_share_exponent: float
-    colocation_overhead: float
+    colocation_interference: float  # slowdown per unit of co-runner utilisation (interference.py)
+    cross_group_slowdown: float  # a gang over several NVLink groups (named assumption)
+    checkpoint_restart_s: float  # solo-seconds of work a migration costs (named assumption)
     surge_probability: float
     surge_growth: float
     surge_at_fraction: float
@@ -109,11 +113,14 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
     check_range("step_noise_cv", raw["step_noise_cv"], 0.0, 1.0)
     check_range("contention_slowdown", raw["contention_slowdown"], 0.0, 100.0)
     check_range("unisolated_share_exponent", raw["unisolated_share_exponent"], 0.0, 10.0)
-    check_range("colocation_overhead", raw["colocation_overhead"], 0.0, 1.0)
+    check_range("colocation_interference", raw["colocation_interference"], 0.0, 10.0)
+    check_range("cross_group_slowdown", raw["cross_group_slowdown"], 0.0, 100.0)
+    check_range("checkpoint_restart_s", raw["checkpoint_restart_s"], 0.0, 86400.0)
     check_range("memory_surge.probability", surge["probability"], 0.0, 1.0)
     check_range("memory_surge.growth", surge["growth"], 0.0, 10.0)
     check_range("memory_surge.at_fraction", surge["at_fraction"], 0.0, 1.0)
     return PerfModel(models, families, raw["step_noise_cv"], raw["contention_slowdown"],
                      raw["unisolated_share_exponent"],
-                     raw["colocation_overhead"], surge["probability"], surge["growth"],
+                     raw["colocation_interference"], raw["cross_group_slowdown"],
+                     raw["checkpoint_restart_s"], surge["probability"], surge["growth"],
                      surge["at_fraction"])

@@ -3,13 +3,12 @@
 (a) `paper_recipe`: AntMan §5.2: 9 models in 5 equally likely families (Table 3), tenants A
     (64-GPU quota, guarantee jobs) and B (no quota, opportunistic jobs), run times drawn from
     the Philly distribution (shipped as quantiles), 8 nodes x 8 V100-32GB.
-(b) `alibaba_v2023`: the 8,152-task Alibaba GPU trace on its own 1,213 GPU nodes; see
-    docs/simulator.md for the QoS and gpu_milli mapping.
+(b) `alibaba_v2023`: the 8,152-task Alibaba GPU trace, through sim/alibaba.py (any pod and node
+    list of that format, on a scaled cluster); see docs/simulator.md.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import random
@@ -21,10 +20,6 @@ from scheduler_lite.model import GIB, Gpu, JobKind, Tenant
 from scheduler_lite.policy.validation import check_int, check_range
 from scheduler_lite.sim.perf import PerfModel
 
-# GPU memory per model of the Alibaba node list. G2 and G3 are undisclosed: assumed 32 GiB.
-ALIBABA_GPU_MEMORY_GIB = {"P100": 16, "T4": 16, "V100M16": 16, "V100M32": 32, "A10": 24,
-                          "G2": 32, "G3": 32}
-ALIBABA_DEMAND_REFERENCE_GIB = 16  # gpu_milli is a share of this much memory (smallest GPU)
 # Gang sizes of the recipe. The paper gives none; 82% single-GPU jobs is Philly's share (MLaaS in
 # the wild, NSDI'22 §2, citing Jeon et al. ATC'19), the source of the recipe's run times. The
 # split of the other 18% over 2/4/8 GPUs (3:3:2) is an assumption (docs/simulator.md).
@@ -46,6 +41,7 @@ class TraceJob:
     predicted_runtime_s: float | None = None
     surge_at_fraction: float | None = None  # progress at which its memory demand grows
     surge_growth: float = 0.0
+    requested_share: float | None = None  # what the user asks for (fraction of one GPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +140,7 @@ def paper_recipe(
             memory_demand_bytes=m.memory_bytes, utilisation=m.utilisation,
             step_time_s=m.step_time_s, predicted_runtime_s=predicted,
             surge_at_fraction=perf.surge_at_fraction if surge else None,
-            surge_growth=perf.surge_growth,
+            surge_growth=perf.surge_growth, requested_share=m.utilisation,
         ))
         t += rng.expovariate(rate)
     tenants = (Tenant("A", quota_a), Tenant("B", 0))
@@ -156,43 +152,15 @@ def default_trace_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 
-def alibaba_v2023(perf: PerfModel, trace_dir: Path | None = None, *, seed: int = 0) -> Workload:
+def alibaba_v2023(perf: PerfModel, trace_dir: Path | None = None, *, seed: int = 0,
+                  gpus: int | None = None, peak_ratio: float | None = None,
+                  time_compression: float = 1.0) -> Workload:
+    """The 2023 trace from `trace_dir` (default: the development checkout's); see sim/alibaba.py."""
+    from scheduler_lite.sim.alibaba import load_alibaba  # alibaba.py imports this module
+
     base = (trace_dir or default_trace_dir()) / "alibaba-gpu-v2023"
-    gpus: list[Gpu] = []
-    with open(base / "openb_node_list_gpu_node.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            count = int(row["gpu"])
-            mem = ALIBABA_GPU_MEMORY_GIB.get(row["model"], 16) * GIB
-            for _ in range(count):
-                gpus.append(Gpu(len(gpus), row["sn"], mem, row["sn"]))
-    rng = random.Random(seed)
-    generic = perf.models["generic"]
-    jobs = []
-    skipped = 0
-    with open(base / "openb_pod_list_default.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            num = int(row["num_gpu"])
-            if num == 0:
-                skipped += 1  # CPU-only task: no GPU to schedule
-                continue
-            created = float(row["creation_time"])
-            started = float(row["scheduled_time"]) if row["scheduled_time"] else created
-            runtime = max(1.0, float(row["deletion_time"]) - started)
-            share = int(row["gpu_milli"]) / 1000 if num == 1 else 1.0
-            surge = rng.random() < perf.surge_probability
-            jobs.append(TraceJob(
-                id=row["name"], tenant="alibaba",
-                kind=JobKind.OPPORTUNISTIC if row["qos"] == "BE" else JobKind.GUARANTEE,
-                submit_time=created, num_gpus=num, runtime_s=runtime, model="generic",
-                memory_demand_bytes=int(share * ALIBABA_DEMAND_REFERENCE_GIB * GIB),
-                utilisation=share, step_time_s=generic.step_time_s,
-                predicted_runtime_s=runtime,
-                surge_at_fraction=perf.surge_at_fraction if surge else None,
-                surge_growth=perf.surge_growth,
-            ))
-    jobs.sort(key=lambda j: (j.submit_time, j.id))
-    tenants = (Tenant("alibaba", len(gpus)),)
-    return Workload("alibaba-gpu-v2023", tuple(gpus), tenants, tuple(jobs), skipped)
+    return load_alibaba(perf, base / "openb_pod_list_default.csv", base / "openb_node_list_gpu_node.csv",
+                        seed=seed, gpus=gpus, peak_ratio=peak_ratio, time_compression=time_compression)
 
 
 __all__ = ["TraceJob", "Workload", "alibaba_v2023", "paper_recipe", "uniform_cluster"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,7 +167,13 @@ def test_measured_demand_solo_step_and_remaining_time(tmp_path: Path, daemons: l
     g = d.submit(fake_command(demand=300 * MIB), tenant="A", kind="guarantee", expected_steps=100_000, env=JOB_ENV)
     d.tick()
     assert d.driver.settings[g].limits[0] == (1 << 30) - config.coordinator.min_memory_bytes
-    assert d.driver.solo_step_s(opp) == solo  # no longer alone: the measurement stands
+    # That tick observed before it placed g, so it may still have re-measured opp from steps made
+    # alone: the reference is the value after it. From then on opp is not alone: it stands.
+    solo = d.driver.solo_step_s(opp)
+    for _ in range(20):  # ~1 s: enough steps for a new window (detector_window 10, ~0.02 s each)
+        time.sleep(0.05)
+        d.tick()
+        assert d.driver.solo_step_s(opp) == solo
 
     def measured(d: Daemon) -> bool:
         return d.driver.memo(0).anchor_s is not None

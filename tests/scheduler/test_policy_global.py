@@ -16,23 +16,30 @@ def run(b, now=0.0, cfg=CFG):
     return decisions
 
 
+WAIT = SchedulerConfig(gang_locality="wait")
+
+
 @pytest.mark.parametrize(
-    ("busy", "gang", "expect_group"),
+    ("busy", "gang", "expect_group", "cfg"),
     [
-        ((), 4, "n0"),  # an empty group fits
-        ((0,), 3, "n0"),  # best fit: the group with exactly 3 free
-        ((0, 4), 4, None),  # no group has 4 free: reserve
+        ((), 4, "n0", CFG),  # an empty group fits
+        ((0,), 3, "n0", CFG),  # best fit: the group with exactly 3 free
+        ((0, 4), 4, None, WAIT),  # no group has 4 free: reserve and wait for one
+        ((0, 4), 4, "both", CFG),  # ...or, by default, spread over the two groups now
     ],
 )
-def test_guarantee_gang_stays_inside_one_nvlink_group(busy, gang, expect_group):
+def test_guarantee_gang_stays_inside_one_nvlink_group(busy, gang, expect_group, cfg):
     b = book()
     for i, gpu in enumerate(busy):
         b.submit(job(f"x{i}"))
         b.apply(Place(f"x{i}", (gpu,), Role.GUARANTEE))
     b.submit(job("g", gpus=gang))
-    d = run(b)
+    d = run(b, cfg=cfg)
     if expect_group is None:
         assert d == [Reserve("g", d[0].gpus)] and len(d[0].gpus) == 3
+    elif expect_group == "both":
+        assert len(d) == 1 and isinstance(d[0], Place) and not set(d[0].gpus) & set(busy)
+        assert {b.gpus[g].nvlink_group for g in d[0].gpus} == {"n0", "n1"}
     else:
         assert len(d) == 1 and isinstance(d[0], Place)
         assert {b.gpus[g].nvlink_group for g in d[0].gpus} == {expect_group}

@@ -69,3 +69,11 @@ def test_auto_jobs_run_and_some_are_upgraded():
     assert all(rec["state"] == "finished" for rec in r.records if rec["kind"] != "guarantee")
     assert all(rec["state"] == "finished" or rec["num_gpus"] > 2 for rec in r.records)
     assert upgraded and set(upgraded) <= {j.id for j in autos}
+def test_auto_jobs_run_and_get_upgraded():
+    wl = paper_recipe(PERF, num_jobs=120, seed=4, nodes=2, gpus_per_node=4, quota_a=4, load=2.0, auto_fraction=1.0)
+    assert {str(j.kind) for j in wl.jobs} == {"auto", "opportunistic"}
+    r = simulate(wl, POLICIES["tf-antman"], PERF, seed=4, check_invariants=True)
+    assert {rec["state"] for rec in r.records} == {"finished"}
+    assert r.summary["upgrades"] >= 1  # auto jobs that started opportunistically were upgraded
+    paper = paper_recipe(PERF, num_jobs=120, seed=4, nodes=2, gpus_per_node=4, quota_a=4, load=2.0)
+    assert {str(j.kind) for j in paper.jobs} == {"guarantee", "opportunistic"}

@@ -1,0 +1,87 @@
+"""Opportunistic placement by requested share and memory (global_scheduler, "share" placement)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_lite.model import GIB, JobKind, Place, Role
+from scheduler_lite.policy.global_scheduler import SchedulerConfig, schedule
+from tests.scheduler.builders import book, job
+
+SHARE = SchedulerConfig()
+UTILISATION = SchedulerConfig(opportunistic_placement="utilisation")
+
+
+def _opp(jid: str, share: float | None, memory_gib: float = 4.0, t: float = 1.0):
+    return job(jid, tenant="B", kind=JobKind.OPPORTUNISTIC, t=t).with_(
+        requested_share=share, memory_demand_bytes=int(memory_gib * GIB))
+
+
+@pytest.mark.parametrize(
+    ("cfg", "most_on_gpu0"),
+    [
+        (UTILISATION, 6),  # Algorithm 1 as written: a throttled GPU keeps attracting jobs
+        (SHARE, 1),  # 0.4 (guarantee) + 0.5 fits once, a second 0.5 does not
+    ],
+)
+def test_throttled_jobs_no_longer_pile_onto_one_gpu(cfg, most_on_gpu0):
+    b = book(nodes=1, per_node=4)
+    b.submit(job("g").with_(requested_share=0.4))
+    b.apply(Place("g", (0,), Role.GUARANTEE))
+    for gpu in (1, 2, 3):  # each busy with a guarantee job asking for the whole GPU
+        b.submit(job(f"h{gpu}").with_(requested_share=1.0))
+        b.apply(Place(f"h{gpu}", (gpu,), Role.GUARANTEE))
+        b.set_utilisation(gpu, 0.5)
+    for i in range(6):
+        # Opportunistic jobs on GPU 0 are held to the floor share: its utilisation stays low.
+        b.set_utilisation(0, 0.3)
+        b.submit(_opp(f"o{i}", 0.5, t=1.0 + i))
+        b.apply_all(schedule(b.snapshot(float(i)), cfg))
+    assert len(b.jobs_on(0)) - 1 == most_on_gpu0
+
+
+def test_a_gpu_with_the_memory_free_comes_first():
+    b = book(nodes=1, per_node=2)
+    b.submit(job("big").with_(requested_share=0.3, memory_demand_bytes=30 * GIB))
+    b.apply(Place("big", (0,), Role.GUARANTEE))
+    b.submit(job("small").with_(requested_share=0.3, memory_demand_bytes=2 * GIB))
+    b.apply(Place("small", (1,), Role.GUARANTEE))
+    b.set_utilisation(0, 0.2)  # less utilised, but without the job's 8 GiB free
+    b.set_utilisation(1, 0.4)
+    b.submit(_opp("o", 0.3, memory_gib=8))
+    d = schedule(b.snapshot(0.0), SHARE)
+    assert d == [Place("o", (1,), Role.OPPORTUNISTIC)]
+    assert schedule(b.snapshot(0.0), UTILISATION) == [Place("o", (0,), Role.OPPORTUNISTIC)]
+
+
+def test_unstated_share_counts_as_configured():
+    b = book(nodes=1, per_node=1)
+    b.submit(job("g"))  # states no share
+    b.apply(Place("g", (0,), Role.GUARANTEE))
+    b.submit(_opp("o", None))
+    assert schedule(b.snapshot(0.0), SHARE) == [Place("o", (0,), Role.OPPORTUNISTIC)]  # counts 0
+    strict = SchedulerConfig(unknown_requested_share=0.6)
+    assert schedule(b.snapshot(0.0), strict) == []  # 0.6 + 0.6 > 1: it waits
+    assert b.committed_share(0, 0.6) == pytest.approx(0.6)
+
+
+def test_committed_share_follows_place_and_release():
+    b = book(nodes=1, per_node=1)
+    b.submit(_opp("a", 0.25))
+    b.apply(Place("a", (0,), Role.OPPORTUNISTIC))
+    b.submit(_opp("b", 0.5))
+    b.apply(Place("b", (0,), Role.OPPORTUNISTIC))
+    assert b.committed_share(0, 0.0) == pytest.approx(0.75)
+    b.finish("a")
+    assert b.committed_share(0, 0.0) == pytest.approx(0.5)
+    b.finish("b")
+    assert b.committed_share(0, 0.0) == 0.0
+
+
+def test_bad_placement_choice_is_rejected_with_its_name():
+    from scheduler_lite.policy.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="opportunistic_placement"):
+        SchedulerConfig(opportunistic_placement="random").validate()
+    with pytest.raises(ConfigError, match="gang_locality"):
+        SchedulerConfig(gang_locality="never").validate()
