@@ -56,6 +56,11 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
         raise RuntimeError("tf-antman must be enabled before TensorFlow creates its devices: "
                            "call tf_antman.enable() before the first TensorFlow op, or set ANTMAN_* "
                            "variables before starting Python")
+    if settings.device == "cuda":
+        # TF still builds its GPUBFCAllocator per GPU (unused: our device hands out ours). Should
+        # any TF component allocate from it anyway, growth keeps that to what it uses instead of
+        # the whole GPU (docs/gpu-path.md). A value the user set is kept.
+        os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     lib = native.load()
     capacity, limit = device_select.native_memory(settings, env)
     lib.configure(settings.device, settings.device_id, capacity, limit, settings.host_memory,

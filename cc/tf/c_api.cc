@@ -54,7 +54,8 @@ ANTMAN_EXPORT int antman_rt_get_mem_stats(antman_mem_stats* out) {
 }
 
 ANTMAN_EXPORT int antman_rt_request_limit(uint64_t limit) {
-  if (Mem() == nullptr) return 1;
+  if (!antman::Runtime::Get().configured()) return 1;
+  antman::Runtime::Get().SetLimitForNewDevices(limit);
   EachMem([&](antman_mem* m) { antman_mem_request_limit(m, limit); });
   return 0;
 }
@@ -63,6 +64,7 @@ ANTMAN_EXPORT int antman_rt_request_limit(uint64_t limit) {
 ANTMAN_EXPORT uint64_t antman_rt_set_limit_now(uint64_t limit, uint64_t* unfreed) {
   uint64_t freed = 0;
   uint64_t worst = 0;
+  if (antman::Runtime::Get().configured()) antman::Runtime::Get().SetLimitForNewDevices(limit);
   EachMem([&](antman_mem* m) {
     uint64_t left = 0;
     freed += antman_mem_set_limit(m, limit, &left);

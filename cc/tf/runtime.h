@@ -59,6 +59,12 @@ class Runtime {
 
   // Applies to every device now and to devices created later.
   bool SetShare(double share);
+  // The initial limit of devices created from now on (a limit requested
+  // before TF created the GPUs must not be lost).
+  void SetLimitForNewDevices(uint64_t limit) {
+    std::lock_guard<std::mutex> lock(mu_);
+    config_.limit = limit;
+  }
   double share() const {
     std::lock_guard<std::mutex> lock(mu_);
     return share_;
