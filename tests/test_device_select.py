@@ -38,7 +38,9 @@ def test_probe_counts_gpus_and_names_each_failure() -> None:
     assert device_select.probe_cuda(loader(FakeDriver(count=3))) == CudaProbe(3, "")
     missing = device_select.probe_cuda(loader(None))
     assert missing.gpus == 0 and "libcuda.so.1 cannot be loaded" in missing.problem
-    assert "cuInit returned 100" in device_select.probe_cuda(loader(FakeDriver(init_rc=100))).problem
+    assert "cuInit returned 999" in device_select.probe_cuda(loader(FakeDriver(init_rc=999))).problem
+    # CUDA_ERROR_NO_DEVICE is an answer, not a failure: no GPU (cuda then says "reports no GPU").
+    assert device_select.probe_cuda(loader(FakeDriver(init_rc=100))) == CudaProbe(0, "")
     bad_count = device_select.probe_cuda(loader(FakeDriver(count_rc=3)))
     assert "cuDeviceGetCount returned 3" in bad_count.problem
 

@@ -17,6 +17,7 @@ from tf_antman.config import Settings
 # TF_GPU_ALLOCATOR values whose allocator reserves GPU memory when TF creates a device, outside
 # the job's limit (TF's default BFC allocator reserves nothing until it is used; ours is used).
 RESERVING_TF_ALLOCATORS = ("cuda_malloc_async",)
+CUDA_ERROR_NO_DEVICE = 100  # cuInit's answer when no GPU is visible (e.g. CUDA_VISIBLE_DEVICES="")
 
 
 class DeviceUnavailable(RuntimeError):
@@ -36,6 +37,8 @@ def probe_cuda(load: Callable[[str], ctypes.CDLL] = ctypes.CDLL) -> CudaProbe:
     except OSError as e:
         return CudaProbe(0, f"no CUDA driver (libcuda.so.1 cannot be loaded: {e})")
     rc = lib.cuInit(0)
+    if rc == CUDA_ERROR_NO_DEVICE:  # a driver, but no GPU visible to this process
+        return CudaProbe(0, "")
     if rc != 0:
         return CudaProbe(0, f"the CUDA driver failed to initialise (cuInit returned {rc})")
     count = ctypes.c_int(0)
