@@ -12,7 +12,7 @@ const char* const kWaitingOpTypes[] = {
     "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
     "MultiDeviceIteratorGetNextFromShard", "OptionalGetValue",
     // Cross-device and cross-process transfers wait for their producer.
-    "_Recv", "_HostRecv", "Recv", "HostRecv",
+    "_Recv", "_HostRecv", "Recv",
     // Queues and staging areas block until an element or a slot is there.
     "QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueEnqueueV2",
     "QueueEnqueueManyV2", "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo",
