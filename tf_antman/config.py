@@ -125,8 +125,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ANTMAN_DEVICE_ID", "int", "0", "0..1023",
              "Which device this job runs on (the emulated device's id, reported in statistics).",
              _int_range(0, 1023)),
-    Variable("ANTMAN_DEVICE_MEMORY", "size", "4GiB", "64MiB..1PiB",
-             "Capacity of the emulated device's memory (a budget in host RAM).",
+    Variable("ANTMAN_DEVICE_MEMORY", "size", "4GiB (emulated); the GPU's free memory (cuda)",
+             "64MiB..1PiB",
+             "Emulated: capacity of the device's memory (a budget in host RAM). Cuda: the most of "
+             "each GPU's memory the job may use (device_select.native_memory).",
              _bytes_range(MIN_DEVICE_MEMORY, MAX_BYTES)),
     Variable("ANTMAN_MEMORY_LIMIT", "size", "= ANTMAN_DEVICE_MEMORY", "1MiB..ANTMAN_DEVICE_MEMORY",
              "Initial upper limit of device memory; above it tensors go to host memory.",
