@@ -21,7 +21,8 @@ from setuptools.dist import Distribution
 
 ROOT = Path(__file__).resolve().parent
 NATIVE_DIR = ROOT / "tf_antman" / "_native"
-TARGETS = {"//:libtf_antman.so": "libtf_antman.so", "//:_antman_ops.so": "_antman_ops.so"}
+TARGETS = {"//:libtf_antman.so": "libtf_antman.so", "//:_antman_ops.so": "_antman_ops.so",
+           "//:libantman_core.so": "libantman_core.so"}
 PTH_NAME = "tf_antman-autoload.pth"
 sys.path.insert(0, str(ROOT))
 from tf_antman.importhook import PTH_LINE as PTH_TEXT  # noqa: E402 - one definition of the line

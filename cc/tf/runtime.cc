@@ -2,6 +2,7 @@
 
 #include "cc/tf/emulated_device.h"
 #include "cc/tf/gpu_device.h"
+#include "cc/tf/python_gil.h"
 
 namespace antman {
 
@@ -27,6 +28,7 @@ std::string Runtime::AddDeviceLocked(int key, int backend, int ordinal, Device**
   if (antman_mem_create(&mc, &mem, err, sizeof(err)) != 0) return err;
   OpManager::Options oo;
   oo.initial_share = share_;
+  oo.blocking_hooks = PythonGilHooks();  // an op held back must not hold the GIL
   Device& d = devices_[key];
   d.mem = mem;
   d.op_manager = std::make_unique<OpManager>(oo);
