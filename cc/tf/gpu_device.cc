@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "cc/core/cuda_gate_internal.h"
 #include "cc/tf/allocator.h"
 #include "cc/tf/device_timer.h"
 #include "cc/tf/op_classes.h"
@@ -61,9 +62,8 @@ bool IsWaiting(const OpKernel* kernel) {
 // Device time from TF's event manager: an event recorded on the compute stream
 // after the launch, polled by TF's own thread (the mechanism TF uses to free
 // tensors). It tells when the stream passed the op, not when its kernels
-// started: StreamOccupancy derives the interval (device_timer.h). The exact
-// start/end events of the core's CUDA gate replace it when that lands
-// (docs/gpu-path.md, "Device time").
+// started: StreamOccupancy derives the interval (device_timer.h). The fallback
+// when the core's CUDA gate cannot be created (docs/gpu-path.md, "Device time").
 class EventMgrTimer final : public DeviceTimer {
  public:
   EventMgrTimer(tensorflow::EventMgr* em, stream_executor::Stream* stream)
@@ -84,13 +84,59 @@ class EventMgrTimer final : public DeviceTimer {
   StreamOccupancy occupancy_;
 };
 
+// Device time from the core's CUDA event gate (cc/core/cuda_gate.*) in its
+// timing-only mode: start and end events around the launch on the compute
+// stream, the kernels' own interval placed on the manager's clock by the
+// gate's poller. DeviceOpGate admits and charges; the gate only times.
+class CudaGateTimer final : public DeviceTimer {
+ public:
+  explicit CudaGateTimer(std::unique_ptr<CudaGate> gate) : gate_(std::move(gate)) {}
+
+  int64_t Before(void* stream) override {
+    CudaGate::Op* op = nullptr;
+    std::string err;
+    gate_->BeginTimed(stream, &op, &err);  // a failed begin still yields an op: done(0, 0)
+    return static_cast<int64_t>(reinterpret_cast<intptr_t>(op));
+  }
+
+  void After(int64_t token, void* /*stream*/, Done done) override {
+    auto* op = reinterpret_cast<CudaGate::Op*>(static_cast<intptr_t>(token));
+    if (op == nullptr) {  // not expected; keep the manager's pending count right
+      done(0, 0);
+      return;
+    }
+    std::string err;
+    gate_->EndTimed(op, std::move(done), &err);
+  }
+
+ private:
+  std::unique_ptr<CudaGate> gate_;
+};
+
+// The exact timer when the driver allows it, else TF's event manager.
+std::unique_ptr<DeviceTimer> MakeTimer(OpManager* manager, int ordinal, tensorflow::EventMgr* em,
+                                       stream_executor::Stream* stream) {
+  std::string err;
+  const GateDriver* driver = LoadGateDriver(&err);
+  if (driver != nullptr) {
+    CudaGate::Options options;
+    options.device_ordinal = ordinal;
+    int code = 0;
+    std::unique_ptr<CudaGate> gate = CudaGate::Create(manager, options, driver, &err, &code);
+    if (gate != nullptr) return std::make_unique<CudaGateTimer>(std::move(gate));
+  }
+  LOG(WARNING) << "tf-antman: GPU " << ordinal << " times ops with TF's event manager "
+               << "(stream occupancy), not CUDA events: " << err;
+  return std::make_unique<EventMgrTimer>(em, stream);
+}
+
 // What outlives TF's device objects (one per eager context or Session): the
 // allocator of each GPU and the timer and gate of each compute stream. Device
 // time callbacks may still be pending when a Session closes.
 struct GpuState {
   std::mutex mu;
   std::map<int, std::unique_ptr<UniversalTfAllocator>> allocators;  // by ordinal
-  std::map<stream_executor::Stream*, std::unique_ptr<EventMgrTimer>> timers;
+  std::map<stream_executor::Stream*, std::unique_ptr<DeviceTimer>> timers;
   std::map<stream_executor::Stream*, std::unique_ptr<DeviceOpGate>> gates;
 };
 GpuState& State() {
@@ -119,12 +165,13 @@ class AntmanGpuDevice final : public tensorflow::BaseGPUDevice {
                   tensorflow::Bytes memory_limit, const tensorflow::DeviceLocality& locality,
                   tsl::TfDeviceId tf_device_id, const std::string& physical_device_desc,
                   tsl::Allocator* gpu_allocator, tsl::Allocator* cpu_allocator,
-                  OpManager* op_manager)
+                  OpManager* op_manager, int ordinal)
       : BaseGPUDevice(options, name, memory_limit, locality, tf_device_id, physical_device_desc,
                       gpu_allocator, cpu_allocator, /*sync_every_op=*/false),
         gpu_options_(options.config.gpu_options()),
         force_gpu_compatible_(options.config.gpu_options().force_gpu_compatible()),
-        op_manager_(op_manager) {}
+        op_manager_(op_manager),
+        ordinal_(ordinal) {}
 
   // As TF's GPUDevice: host memory that DMA touches is TF's pinned host
   // allocator, other host memory the CPU allocator, device memory ours.
@@ -179,7 +226,8 @@ class AntmanGpuDevice final : public tensorflow::BaseGPUDevice {
     std::lock_guard<std::mutex> lock(state.mu);
     std::unique_ptr<DeviceOpGate>& slot = state.gates[stream];
     if (slot == nullptr) {
-      auto timer = std::make_unique<EventMgrTimer>(
+      std::unique_ptr<DeviceTimer> timer = MakeTimer(
+          op_manager_, ordinal_,
           tensorflow::EventMgrFactory::Singleton()->GetEventMgr(executor(), gpu_options_), stream);
       slot = std::make_unique<DeviceOpGate>(op_manager_, timer.get());
       state.timers[stream] = std::move(timer);
@@ -192,6 +240,7 @@ class AntmanGpuDevice final : public tensorflow::BaseGPUDevice {
   const tensorflow::GPUOptions gpu_options_;
   const bool force_gpu_compatible_;
   OpManager* const op_manager_;
+  const int ordinal_;  // CUDA ordinal (CUDA_VISIBLE_DEVICES numbering)
   std::atomic<DeviceOpGate*> gate_{nullptr};
   std::atomic<void*> stream_handle_{nullptr};  // the CUstream, for a timer that records CUDA events
 };
@@ -246,7 +295,8 @@ class AntmanGpuDeviceFactory final : public tensorflow::BaseGPUDeviceFactory {
     Runtime::Get().MarkDeviceCreated();
     return std::make_unique<AntmanGpuDevice>(options, name, tensorflow::Bytes(limit), locality,
                                              tf_device_id, physical_device_desc, allocator,
-                                             cpu_allocator, op_manager);
+                                             cpu_allocator, op_manager,
+                                             id_status.ok() ? platform_id.value() : 0);
   }
 };
 
