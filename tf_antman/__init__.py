@@ -111,12 +111,14 @@ def keras_callback() -> Any:
 
 
 def device_info() -> dict[str, str]:
-    """Runs an op on the CPU/emulated device and reports which allocator serves its tensors."""
+    """Runs an op on the job's device (the emulated CPU device, or GPU:0 under ANTMAN_DEVICE=cuda)
+    and reports which allocator serves its tensors."""
     import tensorflow as tf
 
     from tf_antman import native
 
     ops = tf.load_op_library(str(native.lib_path(native.OPS_LIB)))
-    with tf.device("/device:CPU:0"):
+    on_gpu = is_active() and settings().device == "cuda"
+    with tf.device("/device:GPU:0" if on_gpu else "/device:CPU:0"):
         allocator, device = ops.antman_device_info()
     return {"allocator": allocator.numpy().decode(), "device": device.numpy().decode()}
