@@ -21,7 +21,8 @@ from setuptools.dist import Distribution
 
 ROOT = Path(__file__).resolve().parent
 NATIVE_DIR = ROOT / "tf_antman" / "_native"
-TARGETS = {"//:libtf_antman.so": "libtf_antman.so", "//:_antman_ops.so": "_antman_ops.so"}
+TARGETS = {"//:libtf_antman.so": "libtf_antman.so", "//:_antman_ops.so": "_antman_ops.so",
+           "//cc/torch:libantman_torch.so": "libantman_torch.so"}
 PTH_NAME = "tf_antman-autoload.pth"
 sys.path.insert(0, str(ROOT))
 from tf_antman.importhook import PTH_LINE as PTH_TEXT  # noqa: E402 - one definition of the line
@@ -34,8 +35,8 @@ def build_native() -> None:
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     NATIVE_DIR.mkdir(exist_ok=True)
-    for name in TARGETS.values():
-        src = ROOT / "bazel-bin" / name
+    for label, name in TARGETS.items():
+        src = ROOT / "bazel-bin" / label.lstrip("/").replace(":", "/")
         dst = NATIVE_DIR / name
         if dst.exists():
             dst.chmod(0o755)
