@@ -14,7 +14,8 @@ from tf_antman import activation as tf_activation
 from tf_antman._log import log
 from tf_antman.config import Settings
 from tf_antman.steps import StepTracker
-from tf_antman.torch import _core, _shim, settings as torch_settings, steps_hook
+from tf_antman.torch import _core, _shim, steps_hook
+from tf_antman.torch import settings as torch_settings
 from tf_antman.torch.compute import Compute
 from tf_antman.torch.runtime import TorchRuntime
 
