@@ -167,3 +167,81 @@ def test_a_share_below_one_without_compute_scaling_fails_loudly_at_start(tmp_pat
     assert "ANTMAN_COMPUTE_SHARE=0.5 needs compute scaling, which is unavailable" in job.stderr
     assert "libantman_core.so is missing" in job.stderr
     assert "reached" not in job.stdout
+
+
+# ---- compute scaling with the real op manager (libantman_core.so) and a recording hook -------
+
+def _core_or_skip() -> object:
+    from tf_antman.torch import _core
+
+    try:
+        return _core.load()
+    except NativeError as err:
+        pytest.skip(str(err))
+
+
+class RecordingHook:
+    """Stands in for the compiled op hook: records what Compute asks of it, and the manager's
+    share at that moment (the order of the two matters)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.compute: object = None
+
+    def install(self, mode: str, opm: int, gate: int, admit: int, finish: int, begin: int, end: int) -> None:
+        self.calls.append(("install", (mode, bool(opm), gate, bool(admit), bool(finish), bool(begin), bool(end))))
+
+    def set_enabled(self, enabled: bool) -> None:
+        share = self.compute.opm.stats().share if self.compute is not None else None
+        self.calls.append(("enabled", (enabled, share)))
+
+    def stats(self) -> dict[str, int]:
+        return {"gated": 0}
+
+
+def test_hook_is_enabled_only_below_one_and_after_the_share_is_set() -> None:
+    from tf_antman.torch.compute import Compute
+
+    core = _core_or_skip()
+    hook = RecordingHook()
+    compute = Compute(core, 1.0, 0, on_cuda=False, hook_module=hook)
+    hook.compute = compute
+    assert hook.calls == [("install", ("host", True, 0, True, True, True, True)), ("enabled", (False, None))]
+    compute.set_share(0.25)
+    compute.set_share(1.0)
+    assert hook.calls[2:] == [("enabled", (True, 0.25)), ("enabled", (False, 0.25))]
+    assert compute.stats().share == 1.0
+
+
+@needs_shim
+def test_agent_applies_a_compute_share_through_the_runtime(tmp_path: Path) -> None:
+    from tf_antman.agent import JobAgent
+    from tf_antman.jobside import NativeActuator, NativeStatsSource
+    from tf_antman.torch.compute import Compute
+
+    core = _core_or_skip()
+    lib = _shim.load()
+    lib.antman_torch_reset_for_tests()
+    try:
+        mem = _shim.create(lib, _shim.shim_path(), "emulated", 0, 64 * MiB, 0, 0)
+        hook = RecordingHook()
+        rt = TorchRuntime(mem, Compute(core, 1.0, 0, on_cuda=False, hook_module=hook))
+        hook.compute = rt.compute
+        job_dir = tmp_path / "job"
+        job_dir.mkdir()
+        write_control(job_dir, Control(seq=1, compute_share=0.5))
+        try:
+            actuator = NativeActuator(rt, 0)  # type: ignore[arg-type]
+        except TypeError:  # the steps branch's signature: (native, device, limits, received_at)
+            from tf_antman.steps import MemoryLimits
+
+            actuator = NativeActuator(rt, 0, MemoryLimits(rt), lambda: None)  # type: ignore[arg-type,call-arg]
+        agent = JobAgent(job_dir, actuator, NativeStatsSource(rt, 0))  # type: ignore[arg-type]
+        agent.start()
+        agent.close()
+        stats = read_stats(job_dir)
+        assert stats is not None and stats.control_seq_applied == 1
+        assert stats.compute_share == 0.5 and stats.achieved_share is not None
+        assert ("enabled", (True, 0.5)) in hook.calls
+    finally:
+        lib.antman_torch_reset_for_tests()
