@@ -72,7 +72,7 @@ def gpu_free() -> int:
 
 def env_for(antman: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANTMAN_")}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.update(PYTHONUNBUFFERED="1")  # PYTHONPATH: set up by autoload_like_the_wheel()
     env.update(antman or {})
     return env
 
@@ -108,6 +108,20 @@ def in_window(rows: list[tuple[float, float]], lo: float, hi: float) -> list[tup
 
 def rate(rows: list[tuple[float, float]], lo: float, hi: float) -> float:
     return len(in_window(rows, lo, hi)) / (hi - lo) if hi > lo else 0.0
+
+
+def autoload_like_the_wheel(tmp: Path) -> None:
+    """Jobs activate tf-antman at `import torch` as with the installed wheel, whose .pth line
+    runs at interpreter start. Here the package runs from the checkout (the wheel pins
+    tensorflow, which GPU machines need not have), so the same line goes into a sitecustomize
+    module on PYTHONPATH, which every job (also those the daemon starts) inherits."""
+    from tf_antman.importhook import PTH_LINE
+
+    site = tmp / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PTH_LINE)
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO), old) if p)
 
 
 def make_daemon(state_dir: Path, round_s: float):  # noqa: ANN201 - scheduler_lite.daemon.Daemon
@@ -330,10 +344,11 @@ def main() -> None:
         if not (REPO / "tf_antman" / "_native" / lib).exists():
             raise SystemExit(f"gpu_colocate: tf_antman/_native/{lib} is missing: build it with "
                              "`python setup.py build_native` and carry tf_antman/_native")
+    tmp = Path(tempfile.mkdtemp(prefix="tf-antman-gpu-colocate-"))
+    autoload_like_the_wheel(tmp)
     # Build the op hook once, before any timing (later jobs load it from PyTorch's cache).
     subprocess.run([sys.executable, "-c", "from tf_antman.torch.compute import build_hook; build_hook(True)"],
                    env=env_for(None), check=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tf-antman-gpu-colocate-"))
     if a.part == "1":
         print("1. guarantee ResNet-50 + two opportunistic jobs on one GPU (scheduler_lite, nvml)", flush=True)
         out = part1(a.quick, a.repeats or (1 if a.quick else 2), tmp)

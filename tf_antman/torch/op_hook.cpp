@@ -106,14 +106,23 @@ std::unique_ptr<at::ObserverContext> OnStart(const at::RecordFunction& fn) {
     return nullptr;
   }
   auto ctx = std::make_unique<Ctx>();
+  // Admission may block (the job is over its share, or paused at share 0). An op called with
+  // the GIL held (most bindings release it, not all) must not keep it while it waits: the job
+  // agent's threads need it to read the control that lets the op go.
+  PyThreadState* saved = PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+  int rc = 0;
   if (h.device_timed) {
 #ifdef ANTMAN_WITH_CUDA
     void* stream = c10::cuda::getCurrentCUDAStream().stream();
-    if (h.gate_begin(h.gate, stream, &ctx->gate_op) != 0) g_errors.fetch_add(1);
+    rc = h.gate_begin(h.gate, stream, &ctx->gate_op);
 #endif
-  } else if (h.admit(h.opm, kTimingHost, &ctx->admitted_ns) != 0) {
+  } else {
+    rc = h.admit(h.opm, kTimingHost, &ctx->admitted_ns);
+  }
+  if (saved != nullptr) PyEval_RestoreThread(saved);
+  if (rc != 0) {
     g_errors.fetch_add(1);
-    return nullptr;
+    return nullptr;  // not admitted: nothing to end (the op runs ungated, and is counted)
   }
   g_gated.fetch_add(1, std::memory_order_relaxed);
   if (!t_counted) {
