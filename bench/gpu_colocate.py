@@ -82,8 +82,15 @@ def start(args: list[str], antman: dict[str, str] | None) -> subprocess.Popen[st
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def finish(p: subprocess.Popen[str], t0: float) -> tuple[float, str, dict]:
-    out, err = p.communicate()
+def finish(p: subprocess.Popen[str], t0: float, deadline_s: float = 3600.0) -> tuple[float, str, dict]:
+    """JCT, final state and the job's JSON line. A job still running `deadline_s` after t0 is
+    killed and reported as unfinished (its JCT is then only a lower bound)."""
+    try:
+        out, err = p.communicate(timeout=max(1.0, deadline_s - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        return time.monotonic() - t0, f"unfinished after {deadline_s:.0f} s (killed)", {}
     jct = time.monotonic() - t0
     result = next((json.loads(x) for x in reversed(out.splitlines()) if x.startswith("{")), {})
     if p.returncode == 0:
@@ -271,14 +278,16 @@ def part1(quick: bool, repeats: int, tmp: Path) -> dict:
 def part2(quick: bool, capacity: int, tmp: Path) -> dict:
     cuda = {"ANTMAN_ENABLE": "1", "ANTMAN_DEVICE": "cuda"}
     # Calibration: ResNet-50 memory and time per sample on this GPU (peak in use / batch).
-    _, state, cal = finish(start(["--model", "resnet50", "--batch", "32", "--steps", "15"], cuda), time.monotonic())
+    _, state, cal = finish(start(["--model", "resnet50", "--batch", "32", "--steps", "15"], cuda), time.monotonic(), 300)
     if state != "finished" or "peak_in_use" not in cal:
         raise SystemExit(f"gpu_colocate: calibration run {state}: {cal}")
     per_sample = cal["peak_in_use"] / 32
     ms_per_sample = cal["median_ms"] / 32
     a_batch = int(0.60 * capacity / per_sample)
     b_batch = int(0.50 * capacity / per_sample)
-    target_a, target_b, arrival = (45.0, 30.0, 15.0) if quick else (120.0, 80.0, 40.0)
+    # Host-memory fallback can make a job many times slower: every run has a deadline so that a
+    # part fits one device call (10 min); a job killed at it is reported as unfinished.
+    target_a, target_b, arrival, deadline = (30.0, 20.0, 10.0, 90.0) if quick else (120.0, 80.0, 40.0, 900.0)
     a_args = ["--model", "resnet50", "--batch", str(a_batch),
               "--steps", str(max(20, int(target_a * 1000 / (ms_per_sample * a_batch))))]
     b_args = ["--model", "resnet50", "--batch", str(b_batch),
@@ -289,9 +298,9 @@ def part2(quick: bool, capacity: int, tmp: Path) -> dict:
     res: dict[str, dict] = {}
 
     t0 = time.monotonic()
-    a_solo, a_state, _ = finish(start(a_args, cuda), t0)
+    a_solo, a_state, _ = finish(start(a_args, cuda), t0, deadline)
     t0 = time.monotonic()
-    b_solo, b_state, _ = finish(start(b_args, cuda), t0)
+    b_solo, b_state, _ = finish(start(b_args, cuda), t0, deadline)
     res["FIFO"] = {"A": a_solo, "A_state": a_state, "B": max(0.0, a_solo - arrival) + b_solo,
                    "B_state": f"{b_state} (waited for A)"}
 
@@ -300,8 +309,8 @@ def part2(quick: bool, capacity: int, tmp: Path) -> dict:
     a = start(a_args, None)
     time.sleep(arrival)
     tb = time.monotonic()
-    b_jct, b_state, _ = finish(start(b_args, None), tb)
-    a_jct, a_state, _ = finish(a, t0)
+    b_jct, b_state, _ = finish(start(b_args, None), tb, deadline)
+    a_jct, a_state, _ = finish(a, t0, deadline)
     res["Pack"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state}
 
     # UMem: tf-antman memory for both, no coordinator: B's limit is what is free when it arrives.
@@ -311,8 +320,8 @@ def part2(quick: bool, capacity: int, tmp: Path) -> dict:
     free = gpu_free()
     tb = time.monotonic()
     b_jct, b_state, b_out = finish(start(b_args, {**cuda, "ANTMAN_MEMORY_LIMIT": str(max(free - GiB, 1 << 20)),
-                                                  "ANTMAN_HOST_MEMORY": "64GiB"}), tb)
-    a_jct, a_state, _ = finish(a, t0)
+                                                  "ANTMAN_HOST_MEMORY": "64GiB"}), tb, deadline)
+    a_jct, a_state, _ = finish(a, t0, deadline)
     res["UMem"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state,
                    "B_host_fallbacks": b_out.get("host_fallbacks")}
 
@@ -322,11 +331,18 @@ def part2(quick: bool, capacity: int, tmp: Path) -> dict:
     d.run_until(lambda dd: dd.job(a_id).started_at is not None, timeout=120)
     time.sleep(arrival)
     b_id = d.submit([*JOB, *b_args], tenant="research", kind="guarantee", memory_bytes=b_need, name="B")
-    d.run_until(lambda dd: dd.job(a_id).state.done and dd.job(b_id).state.done, timeout=3600)
-    ra, rb = d.job(a_id), d.job(b_id)
-    res["tf-antman"] = {"A": ra.ended_at - ra.started_at, "A_state": ra.state.value,
-                        "B": rb.ended_at - rb.submit_time, "B_state": rb.state.value}
+    d.run_until(lambda dd: dd.job(a_id).state.done and dd.job(b_id).state.done, timeout=deadline)
     d.stop_all_jobs()
+    ra, rb = d.job(a_id), d.job(b_id)
+
+    def outcome(rec: object, since: float) -> tuple[float, str]:
+        if rec.ended_at is None or rec.cancel_requested:  # still running at the deadline
+            return deadline, f"unfinished after {deadline:.0f} s (stopped)"
+        return rec.ended_at - since, rec.state.value
+
+    a_jct, a_state = outcome(ra, ra.started_at)
+    b_jct, b_state = outcome(rb, rb.submit_time)
+    res["tf-antman"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state}
     return {"table2": {k: {kk: (round(vv, 1) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                        for k, v in res.items()},
             "a_batch": a_batch, "b_batch": b_batch, "capacity_bytes": capacity,
