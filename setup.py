@@ -86,7 +86,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["tf_antman", "tf_antman.*", "scheduler_lite", "scheduler_lite.*"]),
-    package_data={"tf_antman": ["_native/*.so"], "scheduler_lite": ["data/*"]},
+    package_data={"tf_antman": ["_native/*.so", "torch/op_hook.cpp"], "scheduler_lite": ["data/*"]},
     install_requires=["tensorflow==2.21.0", "numpy", "pynvml", "watchdog", "absl-py"],
     entry_points={"console_scripts": ["scheduler-lite=scheduler_lite.cli:main"]},
     cmdclass={"build_native": BuildNative, "build_py": BuildPyWithNative},
