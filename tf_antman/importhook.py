@@ -50,12 +50,31 @@ class _Finder(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.hooks:
             return None
-        before, after = self.hooks.pop(fullname)  # once: later imports are cached anyway
+        # Not popped here: importlib.util.find_spec("torch") (as transformers does to see what is
+        # installed) calls this without importing; the hooks must wait for the real import.
+        before, after = self.hooks[fullname]
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _WrappedLoader(spec.loader, before, after)
+        spec.loader = _WrappedLoader(spec.loader, self._once(fullname, before),
+                                     self._once(fullname, after, last=True))
         return spec
+
+    def _once(self, fullname: str, hook: Callable[..., None] | None,
+              last: bool = False) -> Callable[..., None] | None:
+        """Runs `hook` only while `fullname`'s hooks are still registered (once per process)."""
+        if hook is None and not last:
+            return None
+
+        def run(*args: Any) -> None:
+            if fullname not in self.hooks:
+                return
+            if last:
+                self.hooks.pop(fullname, None)
+            if hook is not None:
+                hook(*args)
+
+        return run
 
 
 _finder = _Finder()

@@ -245,3 +245,16 @@ def test_agent_applies_a_compute_share_through_the_runtime(tmp_path: Path) -> No
         assert ("enabled", (True, 0.5)) in hook.calls
     finally:
         lib.antman_torch_reset_for_tests()
+
+
+@needs_shim
+def test_a_find_spec_probe_before_import_does_not_use_up_the_hook(tmp_path: Path) -> None:
+    # transformers and others call importlib.util.find_spec("torch") to see what is installed
+    # before importing it; activation must still happen at the real import.
+    site = stand_in.write(tmp_path / "site")
+    job = run_py("import importlib.util\nassert importlib.util.find_spec('torch')\n"
+                 "import tf_antman\nbefore = tf_antman.is_active()\n"
+                 "import torch\nemit({'before': before, 'after': tf_antman.is_active()})\n",
+                 timeout=120, PYTHONPATH=f"{site}{os.pathsep}{REPO}", ANTMAN_DEVICE="emulated")
+    assert job.rc == 0, job.stderr
+    assert job.result == {"before": False, "after": True}
