@@ -54,6 +54,7 @@ def test_every_thread_is_gated_below_one_and_time_is_charged(compute: Compute) -
     finally:
         compute.set_share(1.0)
     assert after["enabled"] and after["errors"] == 0
+    assert after["inspect_errors"] == 0  # every op's inputs were read (a build mismatch shows here)
     assert after["gated"] - before["gated"] > 50  # forward, backward and optimizer ops
     assert after["nested"] > before["nested"]  # linear -> addmm: covered by the outer op
     assert after["threads"] >= 2

@@ -3,7 +3,10 @@
 // charges the op's kernel time from CUDA events through the gate (cc/core/cuda_gate.h).
 //
 // Built at run time with torch.utils.cpp_extension (tf_antman/torch/compute.py) against the
-// PyTorch of the job: its C++ ABI must match, so no prebuilt binary ships. The core's functions
+// PyTorch of the job: its C++ ABI must match, so no prebuilt binary ships. It must be built with
+// NDEBUG, as libtorch is: at::RecordFunction has a debug-only member, and without NDEBUG our view
+// of its layout differs from libtorch's (seen on torch 2.13: inputs() then failed its debug
+// assertion at random and the callback threw, letting ops through ungated). The core's functions
 // are passed in by address from the library instance Python already loaded (no link to it).
 //
 // Why a global RecordFunction callback (docs/pytorch.md):
@@ -61,6 +64,7 @@ std::atomic<int64_t> g_gated{0};          // top-level ops admitted
 std::atomic<int64_t> g_nested{0};         // ops inside a gated op (covered by it)
 std::atomic<int64_t> g_other_device{0};   // top-level ops that touch no tensor of the device
 std::atomic<int64_t> g_errors{0};         // admit/begin/end calls that returned an error
+std::atomic<int64_t> g_inspect_errors{0}; // ops whose inputs could not be read (then gated)
 std::atomic<int64_t> g_threads{0};        // distinct threads that gated an op
 thread_local int t_depth = 0;             // RecordFunction ops open on this thread
 thread_local bool t_counted = false;
@@ -101,7 +105,13 @@ std::unique_ptr<at::ObserverContext> OnStart(const at::RecordFunction& fn) {
     return nullptr;
   }
   const Hook& h = g_hook;
-  if (!TouchesDevice(fn, h.device_type)) {
+  bool touches = true;  // an op we cannot inspect is gated: over-gating is safe, escaping is not
+  try {
+    touches = TouchesDevice(fn, h.device_type);
+  } catch (...) {
+    g_inspect_errors.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!touches) {
     g_other_device.fetch_add(1, std::memory_order_relaxed);
     return nullptr;
   }
@@ -202,6 +212,7 @@ py::dict Stats() {
   d["nested"] = g_nested.load();
   d["other_device"] = g_other_device.load();
   d["errors"] = g_errors.load();
+  d["inspect_errors"] = g_inspect_errors.load();
   d["threads"] = g_threads.load();
   {
     std::lock_guard<std::mutex> lock(g_mu);
