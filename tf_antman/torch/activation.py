@@ -89,7 +89,7 @@ def activate(environ: Mapping[str, str] | None = None, torch: ModuleType | None 
     _active = state
     log.info("active for PyTorch (pid %d): %s%s", os.getpid(), ts.describe(),
              "" if compute is not None else f" (no compute scaling: {why})")
-    state.step_hook = steps_hook.install(steps, torch.optim.optimizer)
+    state.step_hook = steps_hook.install(steps)  # imports torch.optim.optimizer (not an attribute until imported)
     steps.start_agent()
     return state
 
