@@ -22,6 +22,7 @@ from setuptools.dist import Distribution
 ROOT = Path(__file__).resolve().parent
 NATIVE_DIR = ROOT / "tf_antman" / "_native"
 TARGETS = {"//:libtf_antman.so": "libtf_antman.so", "//:_antman_ops.so": "_antman_ops.so",
+           "//:libantman_core.so": "libantman_core.so",
            "//cc/torch:libantman_torch.so": "libantman_torch.so"}
 PTH_NAME = "tf_antman-autoload.pth"
 sys.path.insert(0, str(ROOT))
@@ -36,7 +37,7 @@ def build_native() -> None:
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     NATIVE_DIR.mkdir(exist_ok=True)
     for label, name in TARGETS.items():
-        src = ROOT / "bazel-bin" / label.lstrip("/").replace(":", "/")
+        src = ROOT / "bazel-bin" / label.lstrip("/").replace(":", "/").lstrip("/")  # //pkg:name -> pkg/name
         dst = NATIVE_DIR / name
         if dst.exists():
             dst.chmod(0o755)

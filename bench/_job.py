@@ -3,15 +3,46 @@
 Prints one JSON line at the end: step times (s) of the timed steps, final loss, compute and
 memory statistics when tf-antman is active. Options: --mode keras|loop, --steps, --warmup,
 --width, --batch, --share-schedule "step:share,step:share" (changes the share mid-run),
---duration (run until this many seconds instead of a step count).
+--duration (run until this many seconds instead of a step count), --inner N (loop mode: N
+training steps per Python step, in a tf.range loop inside the tf.function, so the job keeps its
+device busy without Python gaps), --input const|tfdata|pyfunc (loop mode: the batch comes from
+a constant, a tf.data pipeline with map + prefetch, or the same with a py_function map that
+sleeps --input-sleep-ms), --flip-shares N (a thread changes the share N times, 5 ms apart).
 """
 
 import argparse
 import json
+import threading
 import time
 
 import numpy as np
 import tensorflow as tf
+
+
+def input_pipeline(a: argparse.Namespace, x: tf.Tensor, y: tf.Tensor) -> tf.data.Dataset:
+    """Endless batches of the job's shape through map (+ a py_function map) and prefetch."""
+    rows = tf.data.Dataset.from_tensor_slices((tf.tile(x, [4, 1]), tf.tile(y, [4]))).repeat()
+    rows = rows.map(lambda u, v: (u * 1.0, v), num_parallel_calls=2)
+    ds = rows.batch(a.batch, drop_remainder=True)
+    if a.input == "pyfunc":
+        sleep_s = a.input_sleep_ms / 1000.0
+
+        def py_map(u: np.ndarray) -> np.ndarray:
+            if sleep_s:
+                time.sleep(sleep_s)
+            return u
+
+        ds = ds.map(lambda u, v: (tf.ensure_shape(tf.numpy_function(py_map, [u], tf.float32), u.shape), v))
+    return ds.prefetch(2)
+
+
+def flip_shares(antman, n: int) -> None:  # noqa: ANN001 - the tf_antman module
+    """n share changes, 5 ms apart, through every kind of value (pause included); ends at 1."""
+    shares = [0.3, 0.0, 0.7, 1.0, 0.05, 0.5]
+    for i in range(n):
+        antman.set_compute_share(shares[i % len(shares)])
+        time.sleep(0.005)
+    antman.set_compute_share(1.0)
 
 
 def main() -> None:
@@ -24,6 +55,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=0.0)
     p.add_argument("--share-schedule", default="")
+    p.add_argument("--inner", type=int, default=1)
+    p.add_argument("--input", choices=["const", "tfdata", "pyfunc"], default="const")
+    p.add_argument("--input-sleep-ms", type=float, default=0.0)
+    p.add_argument("--flip-shares", type=int, default=0)
     a = p.parse_args()
 
     antman = None
@@ -63,13 +98,24 @@ def main() -> None:
         times = times[a.warmup:]
         losses = h.history["loss"]
     else:
-        @tf.function
-        def train_step():
+        def one_step(xb, yb):
             with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
+                loss = loss_fn(yb, model(xb, training=True))
             opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables, strict=True))
             return loss
 
+        @tf.function
+        def train_step(xb, yb):
+            loss = tf.constant(0.0)
+            for _ in tf.range(a.inner):  # a While op: its inner kernels pass the manager one by one
+                loss = one_step(xb, yb)
+            return loss
+
+        batches = iter(input_pipeline(a, x, y)) if a.input != "const" else None
+        flipper = None
+        if a.flip_shares and antman:
+            flipper = threading.Thread(target=flip_shares, args=(antman, a.flip_shares), daemon=True)
+            flipper.start()
         deadline = None
         i = 0
         while True:
@@ -77,11 +123,13 @@ def main() -> None:
                 antman.set_compute_share(schedule[i])
             if i == a.warmup:
                 start_wall = time.perf_counter()
+                start_cpu = time.process_time()
                 start_compute = antman.compute_stats() if antman else None
                 if a.duration:
                     deadline = start_wall + a.duration
             t0, c0 = time.perf_counter(), time.process_time()
-            loss = train_step()
+            xb, yb = next(batches) if batches is not None else (x, y)
+            loss = train_step(xb, yb)
             lv = float(loss)
             if antman:
                 antman.step_end(time.perf_counter() - t0)
@@ -94,9 +142,12 @@ def main() -> None:
                 break
             if deadline is None and i >= a.steps + a.warmup and not a.duration:
                 break
+        if flipper is not None:
+            flipper.join()
     out = {"step_times": times, "cpu_times": cpu, "losses": losses}
     if a.mode == "loop":
         out["wall"] = time.perf_counter() - start_wall
+        out["cpu_total"] = time.process_time() - start_cpu  # every thread of the process
     if antman:
         out["compute"] = antman.compute_stats()
         if a.mode == "loop":

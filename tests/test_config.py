@@ -15,6 +15,8 @@ def test_defaults_when_only_enable_is_set() -> None:
     s = config.load({"ANTMAN_ENABLE": "1"})
     assert s.enabled and s.device == "emulated" and s.device_memory == 4 * GiB
     assert s.memory_limit == s.device_memory and s.compute_share == 1.0 and s.job_dir is None
+    assert s.control_fallback_ms == 1000
+    assert config.load({"ANTMAN_CONTROL_FALLBACK_MS": "250"}).control_fallback_ms == 250
 
 
 def test_any_variable_implies_enable_unless_disabled() -> None:
@@ -36,6 +38,8 @@ def test_any_variable_implies_enable_unless_disabled() -> None:
     ("ANTMAN_COMPUTE_SHARE", "1.5", "0.0..1.0"),
     ("ANTMAN_COMPUTE_SHARE", "nan", "0.0..1.0"),
     ("ANTMAN_STATS_INTERVAL_MS", "0", "1..60000"),
+    ("ANTMAN_CONTROL_FALLBACK_MS", "5", "10..600000"),
+    ("ANTMAN_CONTROL_FALLBACK_MS", "1e3", "10..600000"),
     ("ANTMAN_JOB_DIR", "  ", "a directory path"),
     ("ANTMAN_MEMROY_LIMIT", "1GiB", "no such variable"),
 ])
@@ -61,3 +65,13 @@ def test_every_variable_is_documented() -> None:
     # and nothing documented that the code does not know
     assert documented <= {v.name for v in config.VARIABLES}
 
+
+
+def test_documented_type_default_and_range_match_the_code() -> None:
+    rows = {}
+    for line in (REPO / "docs" / "configuration.md").read_text().splitlines():
+        cells = [c.strip().replace("`", "") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("ANTMAN_"):
+            rows[cells[0]] = cells[1:4]
+    for var in config.VARIABLES:
+        assert rows.get(var.name) == [var.kind, var.default, var.accepted], var.name

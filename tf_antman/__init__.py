@@ -26,6 +26,7 @@ _OPTION_TO_VAR = {
     "device_memory": "ANTMAN_DEVICE_MEMORY", "memory_limit": "ANTMAN_MEMORY_LIMIT",
     "host_memory": "ANTMAN_HOST_MEMORY", "compute_share": "ANTMAN_COMPUTE_SHARE",
     "job_dir": "ANTMAN_JOB_DIR", "stats_interval_ms": "ANTMAN_STATS_INTERVAL_MS",
+    "control_fallback_ms": "ANTMAN_CONTROL_FALLBACK_MS",
 }
 
 
@@ -78,11 +79,12 @@ def compute_stats() -> dict[str, Any]:
 
 
 def set_memory_limit(limit: int | str) -> None:
-    """Requests a device-memory limit; it takes effect at the next step boundary."""
+    """Requests a device-memory limit; it takes effect at the next step boundary, unless a
+    coordinator limit received after this request replaces it (the newer one wins)."""
     n = units.parse_bytes(limit) if isinstance(limit, str) else int(limit)
     if not config.MiB <= n <= config.MAX_BYTES:
         raise ValueError(f"memory limit {n} out of range 1MiB..1PiB")
-    _state().native.request_limit(n)
+    _state().steps.limits.request(n)
 
 
 def release_cached() -> int:

@@ -60,9 +60,16 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
                   settings.memory_limit, settings.host_memory, settings.compute_share)
     _active = Active(settings=settings, native=lib, steps=StepTracker(lib, settings))
     log.info("active (pid %d): %s", os.getpid(), settings.describe())
-    if "tensorflow" in sys.modules:
+    from tf_antman import hooks
+
+    # Hooks on the modules that define Session and the Keras Models; registered before any of
+    # them can be half-imported (docs/steps.md). From the .pth hook they are registered already.
+    hooks.register_import_hooks()
+    # Called from tensorflow's own import (before its code runs), tensorflow is in sys.modules
+    # but half-built: its `after` hook starts the agent once it is complete.
+    if importhook.imported("tensorflow") is not None:
         after_tensorflow(sys.modules["tensorflow"])
-    else:
+    elif "tensorflow" not in sys.modules:
         importhook.on_import("tensorflow", after=after_tensorflow)
     return _active
 
@@ -79,8 +86,4 @@ def before_tensorflow() -> None:
 def after_tensorflow(_tf: ModuleType) -> None:
     if _active is None:
         return
-    from tf_antman import hooks
-
-    hooks.install_session_hook(_active.steps)
-    importhook.on_import("keras", after=lambda _k: hooks.install_keras_hook(_active.steps))
     _active.steps.start_agent()

@@ -1,9 +1,12 @@
 """The job's end of the coordinator protocol (paper §3.2, §4.1): apply controls at step boundaries, report stats.
 
-The training loop calls `step_end()` after every step. There, and only there, the newest control the
-coordinator wrote is applied through an `Actuator` (dynamic memory and compute scaling are triggered
-at mini-batch boundaries, paper §4.1), and a new stats document is handed to a writer thread
-(rate-limited, but at once after a control so that the coordinator sees its acknowledgement).
+The training loop calls `step_end()` after every step. There the newest control the coordinator wrote
+is applied through an `Actuator` (dynamic memory and compute scaling are triggered at mini-batch
+boundaries, paper §4.1), and a new stats document is handed to a writer thread (rate-limited, but at
+once after a control so that the coordinator sees its acknowledgement). A control that meets no step
+boundary within `control_fallback_s` (a job that never marks steps, or one stuck in a long step) is
+applied anyway from the agent's own thread, with a pause put into force as compute share 0, and
+reported as applied by the fallback.
 Nothing the coordinator writes can raise into the training loop: a refused control is logged once
 and reported in stats.json. Details: docs/protocol.md.
 
@@ -13,7 +16,6 @@ No TensorFlow here: the coordinator side imports tf_antman.protocol, and tests r
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import statistics
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from tf_antman._log import log
 from tf_antman.protocol.files import LatestTextWriter
 from tf_antman.protocol.layout import (
     checked_job_dir,
@@ -48,15 +51,18 @@ from tf_antman.protocol.watch import (
     ControlWatcher,
 )
 
-log = logging.getLogger("tf_antman")
-
 DEFAULT_MIN_WRITE_INTERVAL_S: Final = 0.05
 DEFAULT_PAUSED_HEARTBEAT_S: Final = 0.5
+DEFAULT_CONTROL_FALLBACK_S: Final = 1.0  # ANTMAN_CONTROL_FALLBACK_MS (tf_antman/config.py)
 SETTABLE_STATES: Final = ("starting", "running", "finished", "failed")  # "paused" belongs to controls
 
 
 class Actuator(Protocol):
-    """Puts settings into force (the native library in a real job). Any exception means "refused"."""
+    """Puts settings into force (the native library in a real job). Any exception means "refused".
+
+    Called at a step boundary, at start(), or from the agent's fallback thread while the training
+    thread is anywhere: every call must be safe from any thread. A share of 0 holds the job's ops at
+    their admission (how the fallback pauses a job that reaches no step boundary)."""
 
     def set_memory_limit(self, device: int, limit_bytes: int) -> None: ...
 
@@ -101,7 +107,10 @@ class JobAgent:
         observer_factory: Callable[[], Any] | None = None,
         pid: int | None = None,
         fsync_stats: bool = False,
+        control_fallback_s: float | None = DEFAULT_CONTROL_FALLBACK_S,
     ) -> None:
+        if control_fallback_s is not None and not (math.isfinite(control_fallback_s) and control_fallback_s > 0):
+            raise ValueError(f"control_fallback_s must be a number of seconds > 0 or None, got {control_fallback_s!r}")
         self._job_dir = checked_job_dir(Path(job_dir))
         self._actuator = actuator
         self._source = stats_source
@@ -126,7 +135,7 @@ class JobAgent:
             use_inotify=use_inotify,
             fallback_poll_s=fallback_poll_s,
             observer_factory=observer_factory,
-            on_change=self._wake.set,
+            on_change=self._control_arrived,
         )
         self._lock = threading.RLock()  # settings, counters and stats writes (step thread vs set_state/close)
         self._seen_version = 0
@@ -148,6 +157,15 @@ class JobAgent:
         self._last_write: float | None = None
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
+        # Fallback: controls that wait for a step boundary since `_pending_since` (agent clock).
+        self._fallback_s = control_fallback_s
+        self._fallback_cv = threading.Condition()
+        self._pending_since: float | None = None
+        self._fallback_thread: threading.Thread | None = None
+        self._held_by_share = False  # paused by the fallback: ops held by compute share 0
+        self._applied_fallback = 0
+        self._last_applied_by: str | None = None
+        self._applying_received_at: float | None = None
 
     @classmethod
     def from_env(cls, actuator: Actuator, stats_source: StatsSource, **kwargs: Any) -> JobAgent:
@@ -162,6 +180,11 @@ class JobAgent:
     def stats_seq(self) -> int:
         return self._stats_seq
 
+    @property
+    def control_received_at(self) -> float | None:
+        """time.monotonic() when the control being (or last) applied was read from control.json."""
+        return self._applying_received_at
+
     def start(self) -> None:
         """Apply a control already present (e.g. the memory limit of an opportunistic job) and report."""
         with self._lock:
@@ -170,8 +193,12 @@ class JobAgent:
             self._started = True
         self._watcher.start()
         with self._lock:
-            self._guarded("apply", self._apply_pending)
+            self._guarded("apply", lambda: self._apply_pending("start"))
             self._write_stats()
+        if self._fallback_s is not None:
+            self._fallback_thread = threading.Thread(
+                target=self._fallback_loop, name="tf_antman-control-fallback", daemon=True)
+            self._fallback_thread.start()
 
     def step_end(self, step_seconds: float, training: bool = True) -> None:
         """Called after every step; only training steps count and enter the step-time window."""
@@ -183,7 +210,7 @@ class JobAgent:
                     self._record_step(step_seconds)
                 acted = False
                 if self._watcher.version != self._seen_version:  # the whole hot path when nothing changed
-                    acted = self._apply_pending()
+                    acted = self._apply_pending("step")
                 if not self._paused:
                     now = self._clock()
                     if acted or self._last_write is None or now - self._last_write >= self._min_write_s:
@@ -191,7 +218,7 @@ class JobAgent:
                     return
             self._wait_while_paused()
         except Exception:  # noqa: BLE001 - the training loop must never see the agent's failures
-            self._warn_once("step_end", "tf_antman: step_end failed; training continues", exc_info=True)
+            self._warn_once("step_end", "step_end failed; training continues", exc_info=True)
 
     def set_state(self, state: str) -> None:
         if state not in SETTABLE_STATES:
@@ -213,8 +240,15 @@ class JobAgent:
             self._closed = True
             self._state = state
         self._wake.set()
+        with self._fallback_cv:
+            self._fallback_cv.notify_all()
         self._watcher.close()
+        if self._fallback_thread is not None and self._fallback_thread is not threading.current_thread():
+            self._fallback_thread.join(timeout=5.0)
         with self._lock:
+            if self._held_by_share:  # the training loop continues unmanaged, not held at share 0
+                self._held_by_share = False
+                self._guarded("resume", lambda: self._actuator.set_compute_share(self._share_in_force()))
             self._write_stats()
         self._writer.close()
 
@@ -227,7 +261,7 @@ class JobAgent:
     def _record_step(self, step_seconds: float) -> None:
         ms = step_seconds * 1000.0
         if not (math.isfinite(ms) and 0.0 <= ms <= MAX_STEP_MS):
-            self._warn_once("step_seconds", "tf_antman: step time %r s is not recorded", step_seconds)
+            self._warn_once("step_seconds", "step time %r s is not recorded", step_seconds)
             ms = min(max(ms, 0.0), MAX_STEP_MS) if math.isfinite(ms) else None
         self._step += 1
         if ms is not None:
@@ -251,10 +285,56 @@ class JobAgent:
             self._wake.clear()
             with self._lock:
                 if self._watcher.version != self._seen_version:
-                    self._apply_pending()
+                    self._apply_pending("step")  # the training thread waits at a step boundary
                 self._write_stats()
 
-    def _apply_pending(self) -> bool:
+    def _control_arrived(self) -> None:
+        # Watcher thread: a new control (or rejection) is waiting; the fallback's clock starts now.
+        self._wake.set()
+        with self._fallback_cv:
+            if self._pending_since is None:
+                self._pending_since = self._clock()
+            self._fallback_cv.notify_all()
+
+    def _fallback_loop(self) -> None:
+        """Applies a control that waited `control_fallback_s` for a step boundary, from this thread.
+
+        While the fallback holds the job paused (share 0) no step boundary can come, so new controls
+        are applied at once and stats are rewritten every `paused_heartbeat_s`.
+        """
+        assert self._fallback_s is not None
+        while True:
+            with self._fallback_cv:
+                if self._closed:
+                    return
+                since = self._pending_since
+                if self._held_by_share:
+                    if since is None:
+                        self._fallback_cv.wait(self._heartbeat_s)
+                elif since is None:
+                    self._fallback_cv.wait()
+                    continue
+                else:
+                    remaining = since + self._fallback_s - self._clock()
+                    if remaining > 0:
+                        self._fallback_cv.wait(remaining)
+                        continue
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    if self._watcher.version != self._seen_version:
+                        self._apply_pending("fallback")
+                    else:
+                        with self._fallback_cv:
+                            self._pending_since = None  # a step boundary took it in the meantime
+                    self._write_stats()
+            except Exception:  # noqa: BLE001 - the fallback must never take the job down
+                self._warn_once("fallback", "applying a control from the fallback failed", exc_info=True)
+
+    def _apply_pending(self, by: str) -> bool:
+        with self._fallback_cv:
+            self._pending_since = None
         self._seen_version = self._watcher.version  # read before take(): a later bump is seen next step
         update = self._watcher.take()
         if update is None:
@@ -263,11 +343,16 @@ class JobAgent:
             self._rejected += update.rejected
             self._last_rejection = update.last_rejection
         if update.control is not None:
-            self._apply(update.control)
+            self._applying_received_at = update.received_at
+            self._apply(update.control, by)
         return True
 
-    def _apply(self, control: Control) -> None:
-        """Apply every field of `control` or none: on failure the settings before it are restored."""
+    def _apply(self, control: Control, by: str = "step") -> None:
+        """Apply every field of `control` or none: on failure the settings before it are restored.
+
+        by: "start" | "step" | "fallback". Only "step" has the training thread at a step boundary,
+        where a pause can hold it in step_end; elsewhere a pause holds its ops with compute share 0.
+        """
         undo: list[Callable[[], None]] = []
         where = "seq"
         try:
@@ -279,32 +364,53 @@ class JobAgent:
                 previous = self._limit_in_force(entry.device)
                 self._actuator.set_memory_limit(entry.device, entry.limit_bytes)
                 undo.append(lambda d=entry.device, b=previous: self._actuator.set_memory_limit(d, b))
+            pausing = control.paused is True and not self._paused
+            resuming = control.paused is False and self._paused
+            hold = self._held_by_share and not resuming
+            share_before = self._share_in_force()
             if control.compute_share is not None:
                 where = "compute_share"
-                previous_share = self._share_in_force()
-                self._actuator.set_compute_share(control.compute_share)
-                undo.append(lambda s=previous_share: self._actuator.set_compute_share(s))
-            if control.paused is not None and control.paused != self._paused:
+                if not hold:  # held at share 0: the new share takes effect on resume
+                    self._actuator.set_compute_share(control.compute_share)
+                    undo.append(lambda s=share_before: self._actuator.set_compute_share(s))
+            if pausing or resuming:
                 where = "paused"
-                if control.paused:
+                if pausing:
                     self._actuator.pause()
+                    if by != "step":
+                        self._actuator.set_compute_share(0.0)
+                        undo.append(lambda s=share_before: self._actuator.set_compute_share(s))
                 else:
                     self._actuator.resume()
+                    if self._held_by_share:
+                        share = control.compute_share if control.compute_share is not None else self._share_in_force()
+                        self._actuator.set_compute_share(share)
         except Exception as err:  # noqa: BLE001 - any actuator failure means "refused", never a crash
             self._undo(undo, control.seq)
             reason = f"could not be applied: {type(err).__name__}: {err}"[:MAX_REASON_CHARS]
             self._rejected += 1
             self._last_rejection = Rejection(control.seq, where, reason)
-            log.warning("tf_antman: control refused (seq %s): %s: %s", control.seq, where, reason)
+            log.warning("control refused (seq %s): %s: %s", control.seq, where, reason)
             return
         for entry in control.memory_limits:
             self._limits[entry.device] = entry.limit_bytes
         if control.compute_share is not None:
             self._share = control.compute_share
+        elif pausing and self._share is None:
+            self._share = share_before  # read before a pause set the actuator's share to 0
+        if pausing:
+            self._held_by_share = by != "step"
+        elif resuming:
+            self._held_by_share = False
         if control.paused is not None and control.paused != self._paused:
             self._set_paused(control.paused)
         self._control_seq_applied = control.seq
         self._applied += 1
+        self._last_applied_by = by
+        if by == "fallback":
+            self._applied_fallback += 1
+            log.info("control seq %d applied by the fallback: no step boundary within %.3f s",
+                     control.seq, self._fallback_s)
 
     def _set_paused(self, paused: bool) -> None:
         self._paused = paused
@@ -320,7 +426,7 @@ class JobAgent:
             try:
                 action()
             except Exception:
-                log.exception("tf_antman: restoring the settings before control %s failed", seq)
+                log.exception("restoring the settings before control %s failed", seq)
 
     def _known_devices(self) -> set[int] | None:
         try:
@@ -348,6 +454,8 @@ class JobAgent:
     def _write_stats(self) -> None:
         try:
             devices, share, achieved = self._figures()
+            if self._held_by_share:
+                share = self._share_in_force()  # the coordinator's share; the pause is in `state`
             window = tuple(self._window)
             stats = Stats(
                 seq=self._stats_seq + 1,
@@ -366,10 +474,12 @@ class JobAgent:
                 controls_rejected=self._rejected,
                 last_rejected=self._last_rejection,
                 wall_time=self._wall_clock(),
+                controls_applied_fallback=self._applied_fallback,
+                last_applied_by=self._last_applied_by,
             )
             text = stats.to_json()
         except Exception:  # noqa: BLE001 - e.g. a figure from the stats source out of its range
-            self._warn_once("stats", "tf_antman: cannot build the stats document", exc_info=True)
+            self._warn_once("stats", "cannot build the stats document", exc_info=True)
             return
         self._writer.submit(text)
         self._stats_seq += 1
@@ -377,7 +487,7 @@ class JobAgent:
 
     def _write_failed(self, err: BaseException) -> None:
         # Called on the writer thread, e.g. when the job directory vanished or the disk is full.
-        self._warn_once("write", "tf_antman: cannot write %s: %s", stats_path(self._job_dir), err)
+        self._warn_once("write", "cannot write %s: %s", stats_path(self._job_dir), err)
 
     def _figures(self) -> tuple[tuple[DeviceStats, ...], float, float | None]:
         try:
@@ -387,14 +497,14 @@ class JobAgent:
                 self._source.achieved_share(),
             )
         except Exception:  # noqa: BLE001
-            self._warn_once("figures", "tf_antman: the stats source failed; reporting no figures", exc_info=True)
+            self._warn_once("figures", "the stats source failed; reporting no figures", exc_info=True)
             return (), (1.0 if self._share is None else self._share), None
 
     def _guarded(self, what: str, action: Callable[[], object]) -> None:
         try:
             action()
         except Exception:  # noqa: BLE001
-            self._warn_once(what, "tf_antman: %s failed", what, exc_info=True)
+            self._warn_once(what, "%s failed", what, exc_info=True)
 
     def _warn_once(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
         with self._warned_lock:

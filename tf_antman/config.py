@@ -38,6 +38,7 @@ class Settings:
     compute_share: float  # 0..1
     job_dir: str | None
     stats_interval_ms: int
+    control_fallback_ms: int = 1000
 
     def describe(self) -> str:
         parts = [
@@ -140,6 +141,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ANTMAN_STATS_INTERVAL_MS", "int", "50", "1..60000",
              "Least time between two statistics writes (control acknowledgements are written at once).",
              _int_range(1, 60000)),
+    Variable("ANTMAN_CONTROL_FALLBACK_MS", "int", "1000", "10..600000",
+             "How long a coordinator control waits for a training step boundary before it is applied "
+             "anyway from the job agent's thread (docs/steps.md).",
+             _int_range(10, 600000)),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -191,4 +196,5 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         compute_share=_get(env, "ANTMAN_COMPUTE_SHARE", 1.0),
         job_dir=_get(env, "ANTMAN_JOB_DIR", None),
         stats_interval_ms=_get(env, "ANTMAN_STATS_INTERVAL_MS", 50),
+        control_fallback_ms=_get(env, "ANTMAN_CONTROL_FALLBACK_MS", 1000),
     )

@@ -1,9 +1,16 @@
 """Activation around `import tensorflow` (and Keras), without changing the user's script.
 
-A meta-path finder wraps the loader of the `tensorflow` package: before its module runs, the
-native library is loaded and configured (so its device factory is registered before TF can
-create a device); after it ran, the step hooks are installed. Keras is patched when it is
-imported, whichever comes first.
+A meta-path finder wraps the loader of a module we care about: `before` runs just before the
+module's code, `after` once it has run to its end. For `tensorflow`, the native library is loaded
+and configured before (so its device factory is registered before TF can create a device); the
+step hooks are installed on the modules that *define* the patched classes (Keras 3's TensorFlow
+trainer, tf_keras's Model, TF's Session), after each has finished executing.
+
+Why the defining modules and not `keras` itself: the import orders interleave. `import keras`
+imports tensorflow half-way through keras's own `__init__`, and tensorflow imports keras (or
+tf_keras) while it is itself half-imported; a hook that reaches for `keras.Model` from
+tensorflow's import finds a partially initialized module. A module's own `after` hook runs only
+when that module is complete, whichever import started the chain.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from typing import Any
 PTH_LINE = ('import os; any(k.startswith("ANTMAN_") for k in os.environ) '
             'and __import__("tf_antman._autoload")\n')
 
+Before = Callable[[], None]
+After = Callable[[ModuleType], None]
+
 
 class _WrappedLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, before: Callable[[], None] | None,
-                 after: Callable[[ModuleType], None] | None) -> None:
+    def __init__(self, inner: importlib.abc.Loader, before: list[Before], after: list[After]) -> None:
         self._inner = inner
         self._before = before
         self._after = after
@@ -32,11 +41,11 @@ class _WrappedLoader(importlib.abc.Loader):
         return self._inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        if self._before:
-            self._before()
+        for hook in self._before:
+            hook()
         self._inner.exec_module(module)
-        if self._after:
-            self._after(module)
+        for hook in self._after:
+            hook(module)
 
     def __getattr__(self, name: str) -> Any:  # is_package, get_code, ... of the real loader
         return getattr(self._inner, name)
@@ -44,7 +53,7 @@ class _WrappedLoader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
-        self.hooks: dict[str, tuple[Callable[[], None] | None, Callable[[ModuleType], None] | None]] = {}
+        self.hooks: dict[str, tuple[list[Before], list[After]]] = {}
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
@@ -52,26 +61,24 @@ class _Finder(importlib.abc.MetaPathFinder):
             return None
         # Not popped here: importlib.util.find_spec("torch") (as transformers does to see what is
         # installed) calls this without importing; the hooks must wait for the real import.
-        before, after = self.hooks[fullname]
+        befores, afters = self.hooks[fullname]
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _WrappedLoader(spec.loader, self._once(fullname, before),
-                                     self._once(fullname, after, last=True))
+        spec.loader = _WrappedLoader(spec.loader, [self._once(fullname, befores)],
+                                     [self._once(fullname, afters, last=True)])
         return spec
 
-    def _once(self, fullname: str, hook: Callable[..., None] | None,
-              last: bool = False) -> Callable[..., None] | None:
-        """Runs `hook` only while `fullname`'s hooks are still registered (once per process)."""
-        if hook is None and not last:
-            return None
+    def _once(self, fullname: str, hooks: list[Any], last: bool = False) -> Callable[..., None]:
+        """Runs `hooks` only while `fullname`'s hooks are still registered: the first module
+        execution that gets here runs them, later probes' loaders do nothing."""
 
         def run(*args: Any) -> None:
             if fullname not in self.hooks:
                 return
             if last:
                 self.hooks.pop(fullname, None)
-            if hook is not None:
+            for hook in list(hooks):
                 hook(*args)
 
         return run
@@ -80,19 +87,47 @@ class _Finder(importlib.abc.MetaPathFinder):
 _finder = _Finder()
 
 
-def on_import(name: str, before: Callable[[], None] | None = None,
-              after: Callable[[ModuleType], None] | None = None) -> None:
-    """Runs before/after around the import of top-level module `name` (at once if imported)."""
-    if name in sys.modules:
+def initializing(module: ModuleType) -> bool:
+    """True while the module's own code is still running (it is in sys.modules, half-built)."""
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+def imported(name: str) -> ModuleType | None:
+    """The module if it has been imported completely, else None (absent or still initializing)."""
+    module = sys.modules.get(name)
+    return None if module is None or initializing(module) else module
+
+
+def on_import(name: str, before: Before | None = None, after: After | None = None) -> bool:
+    """Runs `before`/`after` around the import of module `name` (a dotted name is fine).
+
+    Already imported completely: `after` runs at once. Not imported yet: both run around its
+    import. Half-imported (its code is on the stack right now): nothing can be wrapped any more,
+    returns False and the caller decides (tf-antman registers its hooks before any of these
+    modules can be on the stack: at interpreter start, or in `tf_antman.enable()`).
+    """
+    module = sys.modules.get(name)
+    if module is not None:
+        if initializing(module):
+            return False
         if after:
-            after(sys.modules[name])
-        return
-    _finder.hooks[name] = (before, after)
+            after(module)
+        return True
+    befores, afters = _finder.hooks.setdefault(name, ([], []))
+    if before:
+        befores.append(before)
+    if after:
+        afters.append(after)
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
+    return True
 
 
 def install() -> None:
-    from tf_antman import activation
+    from tf_antman import activation, config, hooks
 
     on_import("tensorflow", before=activation.before_tensorflow, after=activation.after_tensorflow)
+    if config.requested():  # ANTMAN_ENABLE=0: TensorFlow and Keras stay unpatched
+        # Now, at interpreter start, none of the defining modules can be half-imported.
+        hooks.register_import_hooks()

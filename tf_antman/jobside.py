@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tf_antman._log import log
@@ -14,26 +15,31 @@ from tf_antman.protocol import DeviceStats
 
 if TYPE_CHECKING:
     from tf_antman.native import Native
-    from tf_antman.steps import StepTracker
+    from tf_antman.steps import MemoryLimits, StepTracker
 
 
 class NativeActuator:
-    """Called by the agent at a step boundary, so limits apply at once (no pending request)."""
+    """Called by the agent at a step boundary, at its start, or from its fallback thread: the
+    limit applies at once (the allocator takes it under its own mutex) and the share is an atomic
+    the op manager reads at each admission, so every call is safe from any thread."""
 
-    def __init__(self, native: Native, device_id: int) -> None:
+    def __init__(self, native: Native, device_id: int, limits: MemoryLimits,
+                 received_at: Callable[[], float | None]) -> None:
         self.native = native
         self.device_id = device_id
+        self.limits = limits
+        self.received_at = received_at  # when the control being applied was read
 
     def set_memory_limit(self, device: int, limit_bytes: int) -> None:
         if device != self.device_id:
             raise ValueError(f"this job runs on device {self.device_id}, not {device}")
-        self.native.set_limit_now(limit_bytes)
+        self.limits.coordinator(limit_bytes, self.received_at())
 
     def set_compute_share(self, share: float) -> None:
         self.native.set_share(share)
 
-    # Pausing is done by the agent itself: it holds the training thread at the step boundary, so
-    # no op is left half-way and nothing here needs to change.
+    # Pausing is done by the agent itself: it holds the training thread at the step boundary, or,
+    # away from one, sets the share to 0 (which holds ops at their admission).
     def pause(self) -> None:
         pass
 
@@ -74,9 +80,13 @@ class NativeStatsSource:
 def start_agent(steps: StepTracker) -> Any:
     settings = steps.settings
     device = settings.device_id
-    agent = JobAgent(settings.job_dir or "", NativeActuator(steps.native, device),
-                     NativeStatsSource(steps.native, device),
-                     min_write_interval_s=settings.stats_interval_ms / 1000.0)
+    holder: list[JobAgent] = []
+    actuator = NativeActuator(steps.native, device, steps.limits,
+                              lambda: holder[0].control_received_at if holder else None)
+    agent = JobAgent(settings.job_dir or "", actuator, NativeStatsSource(steps.native, device),
+                     min_write_interval_s=settings.stats_interval_ms / 1000.0,
+                     control_fallback_s=settings.control_fallback_ms / 1000.0)
+    holder.append(agent)
     agent.start()
     log.info("job agent on %s (change detection: %s)", settings.job_dir, agent.watch_mode)
 

@@ -13,6 +13,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from tf_antman.core import MemStats  # one mirror of antman_mem_stats, shared with the core binding
+
 LIB_DIR = Path(__file__).resolve().parent / "_native"
 MAIN_LIB = "libtf_antman.so"
 OPS_LIB = "_antman_ops.so"
@@ -23,21 +25,6 @@ BACKENDS = {"emulated": 0, "cuda": 1}
 
 class NativeError(RuntimeError):
     pass
-
-
-class MemStats(ctypes.Structure):
-    """Mirror of antman_mem_stats (cc/core/antman_memory.h); field order matters."""
-
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "limit", "pending_limit", "device_capacity", "in_use", "reserved", "peak_in_use",
-        "step_peak_in_use", "step_min_in_use", "host_in_use", "host_peak", "step_host_peak",
-        "host_capacity", "host_fallbacks", "host_bytes_served", "device_allocs",
-        "device_bytes_served", "failed_allocs", "regions", "shrink_regions_freed",
-        "shrink_bytes_freed", "last_shrink_ns", "last_shrink_unfreed", "steps", "largest_region",
-    )]
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: int(getattr(self, name)) for name, _ in self._fields_}
 
 
 class OpStats(ctypes.Structure):

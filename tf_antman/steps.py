@@ -10,7 +10,7 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from tf_antman._log import log
@@ -22,10 +22,51 @@ if TYPE_CHECKING:
 WINDOW = 64  # recent training step times kept for the public API
 
 
+class MemoryLimits:
+    """The device-memory limit has two writers; the one *received* last wins.
+
+    - the user: `tf_antman.set_memory_limit()`, a request applied at the next step boundary
+      (the native allocator holds it as its pending limit);
+    - the coordinator: a control.json limit, applied by the job agent at a step boundary or by
+      its fallback (`coordinator()`), stamped with the time the job read the control.
+
+    A coordinator limit received after a pending user request replaces that request (so the
+    boundary does not put the older request on top of it); a user request made after the
+    coordinator's control was received is applied at the boundary over it.
+    """
+
+    def __init__(self, native: Native, clock: Callable[[], float] = time.monotonic) -> None:
+        self._native = native
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._user_requested_at: float | None = None  # a user request is pending since then
+
+    def request(self, limit: int) -> None:
+        with self._lock:
+            self._native.request_limit(limit)
+            self._user_requested_at = self._clock()
+
+    def coordinator(self, limit: int, received_at: float | None) -> None:
+        with self._lock:
+            pending = self._user_requested_at
+            if pending is not None and received_at is not None and pending > received_at:
+                return  # a newer user request is pending: it wins at the boundary
+            self._native.set_limit_now(limit)
+            if pending is not None:
+                self._native.request_limit(limit)  # the boundary re-applies this, not the older request
+                self._user_requested_at = None
+
+    def boundary(self) -> None:
+        with self._lock:
+            self._native.step_boundary()  # applies a pending request, resets per-step figures
+            self._user_requested_at = None
+
+
 class StepTracker:
     def __init__(self, native: Native, settings: Settings) -> None:
         self.native = native
         self.settings = settings
+        self.limits = MemoryLimits(native)
         self.steps = 0
         self.window: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.agent: Any = None
@@ -57,7 +98,7 @@ class StepTracker:
                     self.agent.step_end(seconds if seconds is not None else 0.0, training=True)
                 except Exception:  # noqa: BLE001 - the coordinator link must never stop training
                     log.exception("job agent failed at a step boundary; training goes on")
-            self.native.step_boundary()
+            self.limits.boundary()
 
     @contextlib.contextmanager
     def step(self, training: bool = True) -> Iterator[None]:

@@ -20,6 +20,8 @@ namespace {
 
 // Regions smaller than a chunk are meaningless; larger than 1 TiB is surely a units mistake.
 constexpr uint64_t kMaxMinRegion = uint64_t{1} << 40;
+constexpr uint64_t kDefaultHostIdleReleaseMs = 10000;
+constexpr uint64_t kMaxHostIdleReleaseMs = 86400000;  // one day
 
 void SetError(char* err, size_t errlen, const std::string& message) {
   if (err == nullptr || errlen == 0) return;
@@ -42,6 +44,10 @@ std::string Validate(const antman_mem_config& c) {
        c.min_region % antman::kMinChunkBytes != 0)) {
     return "min_region: " + std::to_string(c.min_region) +
            " must be 0 (2 MiB) or a multiple of 256 in [256, 2^40] bytes";
+  }
+  if (c.host_idle_release_ms > kMaxHostIdleReleaseMs) {
+    return "host_idle_release_ms: " + std::to_string(c.host_idle_release_ms) +
+           " must be 0 (10000 ms) or in [1, 86400000] ms";
   }
   return "";
 }
@@ -81,6 +87,9 @@ int antman_mem_create(const antman_mem_config* config, antman_mem** out, char* e
   options.host_capacity = config->host_capacity;
   if (config->min_region != 0) options.min_region = config->min_region;
   options.max_region = std::max<size_t>(options.min_region, antman::kDefaultMaxRegion);
+  const uint64_t idle_ms =
+      config->host_idle_release_ms != 0 ? config->host_idle_release_ms : kDefaultHostIdleReleaseMs;
+  options.host_idle_release_ns = idle_ms * 1000 * 1000;
   mem->allocator = std::make_unique<antman::UniversalAllocator>(
       mem->backend.device.get(), mem->backend.host.get(), options);
   *out = mem.release();
@@ -127,6 +136,14 @@ void antman_mem_step_boundary(antman_mem* mem) { mem->allocator->StepBoundary();
 
 void antman_mem_get_stats(antman_mem* mem, antman_mem_stats* out) {
   mem->allocator->GetStats(out);
+}
+
+size_t antman_mem_get_ext_stats(antman_mem* mem, antman_mem_ext_stats* out, size_t size) {
+  antman_mem_ext_stats s;
+  mem->allocator->GetExtStats(&s);
+  const size_t n = std::min(size, sizeof(s));
+  std::memcpy(out, &s, n);
+  return n;
 }
 
 int antman_mem_check_invariants(antman_mem* mem, char* err, size_t errlen) {

@@ -35,6 +35,9 @@ typedef struct {
   uint64_t limit;               /* initial upper limit; 0 = device_capacity */
   uint64_t host_capacity;       /* cap on host fallback bytes; 0 = no fallback */
   uint64_t min_region;          /* smallest region the BFC grows by; 0 = 2 MiB */
+  /* Host regions with no live block for this long are unpinned and given back;
+   * 0 = 10000 ms, else 1..86400000 ms. */
+  uint64_t host_idle_release_ms;
 } antman_mem_config;
 
 typedef struct {
@@ -63,6 +66,23 @@ typedef struct {
   uint64_t steps;                 /* step boundaries seen */
   uint64_t largest_region;        /* largest device region held now */
 } antman_mem_stats;
+
+/* Figures added after ABI version 1. Fields are only ever appended: a caller
+ * passes sizeof of the struct it was compiled with and gets that many bytes. */
+typedef struct {
+  uint64_t device_pinned;          /* device bytes in regions holding a live block */
+  uint64_t fit_release_regions;    /* cached device regions given back so that an
+                                      allocation fits on the device (lifetime) */
+  uint64_t fit_release_bytes;
+  uint64_t fit_retry_allocs;       /* device allocations served only after such a release */
+  uint64_t growth_returns;         /* regions returned because the limit fell while they
+                                      were being fetched */
+  uint64_t host_reserved;          /* bytes held in host (pinned) regions */
+  uint64_t host_regions;
+  uint64_t host_idle_release_regions;  /* host regions unpinned after idling (lifetime) */
+  uint64_t host_idle_release_bytes;
+  uint64_t host_idle_release_ns;   /* the idle time in force */
+} antman_mem_ext_stats;
 
 typedef struct antman_mem antman_mem;
 
@@ -95,6 +115,8 @@ uint64_t antman_mem_release_cached(antman_mem* mem);
 void antman_mem_step_boundary(antman_mem* mem);
 
 void antman_mem_get_stats(antman_mem* mem, antman_mem_stats* out);
+/* Fills min(size, sizeof(antman_mem_ext_stats)) bytes of *out; returns that count. */
+size_t antman_mem_get_ext_stats(antman_mem* mem, antman_mem_ext_stats* out, size_t size);
 
 /* Checks allocator invariants (no overlapping blocks, free neighbours
  * coalesced, accounting equal to the sum of live blocks). 0 if all hold,

@@ -21,6 +21,13 @@ struct Backend {
 // already been validated.
 bool MakeEmulatedBackend(const antman_mem_config& config, Backend* out, std::string* err);
 bool MakeCudaBackend(const antman_mem_config& config, Backend* out, std::string* err);
+// The same with the driver library at `library` (tests load a fake driver this way).
+bool MakeCudaBackendFrom(const char* library, const antman_mem_config& config, Backend* out,
+                         std::string* err);
+// Empty when the device can serve the host fallback arena (unified addressing and mapped host
+// memory), or when there is no host arena; else the start-up error.
+std::string CheckHostMappingSupport(int ordinal, int unified_addressing, int can_map_host,
+                                    uint64_t host_capacity);
 
 }  // namespace antman
 

@@ -7,6 +7,8 @@
 #include <dlfcn.h>
 
 #include <cstdio>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -22,11 +24,14 @@ using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's ow
 constexpr CUresult kCudaSuccess = 0;
 constexpr unsigned int kHostAllocPortable = 0x01;   // CU_MEMHOSTALLOC_PORTABLE
 constexpr unsigned int kHostAllocDeviceMap = 0x02;  // CU_MEMHOSTALLOC_DEVICEMAP
+constexpr int kAttrCanMapHostMemory = 19;           // CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY
+constexpr int kAttrUnifiedAddressing = 41;          // CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING
 
 struct Driver {
   CUresult (*cuInit)(unsigned int);
   CUresult (*cuDeviceGetCount)(int*);
   CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
   CUresult (*cuCtxPushCurrent)(CUcontext);
@@ -46,23 +51,34 @@ bool Resolve(void* lib, const char* name, F* out, std::string* missing) {
   return *out != nullptr;
 }
 
-// Loaded once per process and never unloaded: the driver keeps global state.
-const Driver* LoadDriver(std::string* err) {
-  static Driver driver;
-  static std::string load_error;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+struct LoadedDriver {
+  Driver driver{};
+  std::string load_error;
+};
+
+// Loaded once per library path and process and never unloaded: the driver keeps global state.
+const Driver* LoadDriver(const char* library, std::string* err) {
+  static std::mutex mu;
+  static auto* loaded = new std::map<std::string, std::unique_ptr<LoadedDriver>>();
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<LoadedDriver>& slot = (*loaded)[library];
+  if (slot == nullptr) {
+    slot = std::make_unique<LoadedDriver>();
+    Driver& driver = slot->driver;
+    std::string& load_error = slot->load_error;
+    void* lib = dlopen(library, RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
       const char* why = dlerror();
-      load_error = std::string("CUDA driver not available: dlopen(libcuda.so.1) failed: ") +
+      load_error = std::string("CUDA driver not available: dlopen(") + library + ") failed: " +
                    (why != nullptr ? why : "unknown error");
-      return;
+      *err = load_error;
+      return nullptr;
     }
     std::string missing;
     Resolve(lib, "cuInit", &driver.cuInit, &missing);
     Resolve(lib, "cuDeviceGetCount", &driver.cuDeviceGetCount, &missing);
     Resolve(lib, "cuDeviceGet", &driver.cuDeviceGet, &missing);
+    Resolve(lib, "cuDeviceGetAttribute", &driver.cuDeviceGetAttribute, &missing);
     Resolve(lib, "cuDevicePrimaryCtxRetain", &driver.cuDevicePrimaryCtxRetain, &missing);
     std::string no_v2;
     if (!Resolve(lib, "cuDevicePrimaryCtxRelease_v2", &driver.cuDevicePrimaryCtxRelease, &no_v2)) {
@@ -77,13 +93,13 @@ const Driver* LoadDriver(std::string* err) {
     Resolve(lib, "cuMemFreeHost", &driver.cuMemFreeHost, &missing);
     std::string optional;
     Resolve(lib, "cuGetErrorString", &driver.cuGetErrorString, &optional);
-    if (!missing.empty()) load_error = "libcuda.so.1 lacks driver entry points: " + missing;
-  });
-  if (!load_error.empty()) {
-    *err = load_error;
+    if (!missing.empty()) load_error = std::string(library) + " lacks driver entry points: " + missing;
+  }
+  if (!slot->load_error.empty()) {
+    *err = slot->load_error;
     return nullptr;
   }
-  return &driver;
+  return &slot->driver;
 }
 
 std::string ErrorText(const Driver& d, CUresult rc) {
@@ -162,8 +178,27 @@ class CudaHostSource : public RegionSource {
 
 }  // namespace
 
+std::string CheckHostMappingSupport(int ordinal, int unified_addressing, int can_map_host,
+                                    uint64_t host_capacity) {
+  if (host_capacity == 0 || (unified_addressing != 0 && can_map_host != 0)) return "";
+  const std::string which = unified_addressing == 0 && can_map_host == 0
+                                ? "unified addressing nor mapping of host memory"
+                                : unified_addressing == 0 ? "unified addressing"
+                                                          : "mapping of host memory";
+  return "CUDA device " + std::to_string(ordinal) + " supports no " + which +
+         " (CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING=" + std::to_string(unified_addressing) +
+         ", CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY=" + std::to_string(can_map_host) +
+         "): kernels could not use tensors in the host fallback arena; set host_capacity to 0 "
+         "(ANTMAN_HOST_MEMORY=0) to run without host fallback";
+}
+
 bool MakeCudaBackend(const antman_mem_config& config, Backend* out, std::string* err) {
-  const Driver* d = LoadDriver(err);
+  return MakeCudaBackendFrom("libcuda.so.1", config, out, err);
+}
+
+bool MakeCudaBackendFrom(const char* library, const antman_mem_config& config, Backend* out,
+                         std::string* err) {
+  const Driver* d = LoadDriver(library, err);
   if (d == nullptr) return false;
   CUresult rc = d->cuInit(0);
   if (rc != kCudaSuccess) {
@@ -181,6 +216,22 @@ bool MakeCudaBackend(const antman_mem_config& config, Backend* out, std::string*
   rc = d->cuDeviceGet(&dev, config.device_ordinal);
   if (rc != kCudaSuccess) {
     *err = "cuDeviceGet failed: " + ErrorText(*d, rc);
+    return false;
+  }
+  // Host fallback hands kernels host pointers as they are: that needs unified addressing and
+  // device-mapped pinned memory. Checked now, not at the first spill in the middle of training.
+  int unified = 0;
+  int can_map = 0;
+  rc = d->cuDeviceGetAttribute(&unified, kAttrUnifiedAddressing, dev);
+  if (rc == kCudaSuccess) rc = d->cuDeviceGetAttribute(&can_map, kAttrCanMapHostMemory, dev);
+  if (rc != kCudaSuccess) {
+    *err = "cuDeviceGetAttribute failed: " + ErrorText(*d, rc);
+    return false;
+  }
+  const std::string unsupported =
+      CheckHostMappingSupport(config.device_ordinal, unified, can_map, config.host_capacity);
+  if (!unsupported.empty()) {
+    *err = unsupported;
     return false;
   }
   CUcontext ctx = nullptr;

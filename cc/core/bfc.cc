@@ -29,10 +29,13 @@ std::string Describe(const char* what, const void* ptr, uint64_t a, uint64_t b) 
 
 }  // namespace
 
+uint64_t SteadyNowNs() { return NowNs(); }
+
 Bfc::Bfc(RegionSource* source, BfcOptions options)
     : source_(source),
       min_region_(RoundUp(std::max<size_t>(options.min_region, kMinChunkBytes), kMinChunkBytes)),
       max_region_(std::max(min_region_, RoundUp(options.max_region, kMinChunkBytes))),
+      clock_(options.clock != nullptr ? options.clock : &SteadyNowNs),
       limit_(options.limit),
       next_region_(min_region_) {}
 
@@ -137,10 +140,14 @@ void* Bfc::Carve(ChunkHandle h, size_t rounded, size_t alignment) {
   }
   // A small remainder stays inside the block (at most 1/16 of it): splitting it off would put a
   // sliver into the bins and cost two tree operations now and a merge later, on the hot path.
-  if (chunks_[h].size - rounded >= std::max(kMinChunkBytes, rounded / kMaxSlackFraction)) {
+  // Not when that slack would put in_use above the limit (the caller checked in_use + rounded).
+  const size_t remainder = chunks_[h].size - rounded;
+  if (remainder >= std::max(kMinChunkBytes, rounded / kMaxSlackFraction) ||
+      (remainder > 0 && in_use_ + chunks_[h].size > limit_)) {
     InsertFree(Split(h, rounded));
   }
   Chunk& c = chunks_[h];
+  if (c.region->live++ == 0) pinned_ += c.region->bytes;
   c.in_use = true;
   in_use_ += c.size;
   ++allocs_;
@@ -179,6 +186,7 @@ void Bfc::AddRegion(char* base, size_t bytes) {
   c.size = bytes;
   c.region = region.get();
   region->handles[0] = h;
+  region->free_since_ns = clock_();
   auto at = std::upper_bound(regions_.begin(), regions_.end(), base,
                              [](const char* q, const std::unique_ptr<Region>& r) {
                                return q < r->base;
@@ -186,6 +194,12 @@ void Bfc::AddRegion(char* base, size_t bytes) {
   regions_.insert(at, std::move(region));
   reserved_ += bytes;
   InsertFree(h);
+}
+
+uint64_t Bfc::Room() const {
+  // Regions being fetched and regions being returned both still count: the source may hold them.
+  const uint64_t held = reserved_ + growing_ + releasing_;
+  return limit_ > held ? RoundDown(limit_ - held, kMinChunkBytes) : 0;
 }
 
 void* Bfc::Allocate(size_t alignment, size_t bytes) {
@@ -201,27 +215,67 @@ void* Bfc::Allocate(size_t alignment, size_t bytes) {
   const size_t rounded = RoundUp(bytes, kMinChunkBytes);
   // Regions and chunks are 256-aligned, so a chunk this large always holds an aligned block.
   const size_t need = rounded + (alignment - kMinChunkBytes);
-  // The limit bounds the bytes the job holds in live blocks (paper §4.1: "triggers
-  // out-of-memory when total bytes exceed the upper limit"), not only growth: after a shrink that
-  // could not release regions with live blocks, their free chunks must not keep serving the job
-  // above its new limit, or a lowered limit would not push the next step's tensors to the host.
-  if (in_use_ + rounded > limit_) {
-    ++failed_allocs_;
-    return nullptr;
+  bool released = false;  // at most one release of cached regions per call
+  // Each pass either serves the block, fails, or changes something (a region added, cached
+  // regions released, a region returned after the limit fell); the bound only guards against a
+  // limit that keeps falling while regions grow.
+  for (int pass = 0; pass < 8; ++pass) {
+    // The limit bounds the bytes the job holds in live blocks (paper §4.1: "triggers
+    // out-of-memory when total bytes exceed the upper limit"), not only growth: after a shrink
+    // that could not release regions with live blocks, their free chunks must not keep serving
+    // the job above its new limit, or a lowered limit would not push the next step's tensors to
+    // the host.
+    if (in_use_ + rounded > limit_) break;
+    const ChunkHandle h = FindFree(need);
+    if (h != kNoChunk) {
+      fit_retry_allocs_ += released;
+      return Carve(h, rounded, alignment);
+    }
+    const uint64_t room = Room();
+    // Room once the regions on their way back have arrived.
+    const uint64_t room_after = limit_ > reserved_ + growing_ ? limit_ - reserved_ - growing_ : 0;
+    if (need > room && releasing_ > 0 && need <= room_after) {
+      // Regions are on their way back to the source (another thread's shrink): their room is
+      // ours in a moment. Waiting beats placing a tensor in host memory for its whole life.
+      const uint64_t seen = release_completions_;
+      release_done_.wait(lock, [&] { return release_completions_ != seen; });
+      continue;
+    }
+    if (need > room) {
+      // The room is held by cached regions that no live block uses (e.g. too small for this
+      // request): give them back and grow instead of spilling to host memory (the paper's
+      // "greatest effort to allocate on GPU").
+      if (!released && ReleaseForRoom(need, &lock)) {
+        released = true;
+        continue;
+      }
+      break;
+    }
+    const Growth g = Grow(need, room, &lock);
+    if (g == Growth::kSourceEmpty) {
+      // The device itself is short (other processes, fragmentation of the driver's heap): our
+      // own cached regions may be what is missing, as in TensorFlow's BFC.
+      if (!released && ReleaseAllForSource(&lock)) {
+        released = true;
+        continue;
+      }
+      break;
+    }
+    // kAdded: the next pass carves from the new region (the lock was held since it was added);
+    // kReturned: the limit fell while growing, so the request is judged again under it.
   }
-  ChunkHandle h = FindFree(need);
-  if (h != kNoChunk) return Carve(h, rounded, alignment);
+  ++failed_allocs_;
+  return nullptr;
+}
 
-  const uint64_t held = reserved_ + growing_;
-  const uint64_t room = limit_ > held ? RoundDown(limit_ - held, kMinChunkBytes) : 0;
-  if (need > room) {
-    ++failed_allocs_;
-    return nullptr;
-  }
-  const size_t planned = static_cast<size_t>(std::min<uint64_t>(std::max(next_region_, need), room));
+Bfc::Growth Bfc::Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* lock) {
+  const size_t planned =
+      static_cast<size_t>(std::min<uint64_t>(std::max(next_region_, need), room));
   // Counted against the limit while unlocked, so concurrent growers cannot overshoot it.
   growing_ += planned;
-  lock.unlock();
+  const uint64_t epoch = limit_epoch_;
+  ++growers_current_;
+  lock->unlock();
 
   size_t size = planned;
   void* base = source_->AllocRegion(size);
@@ -235,24 +289,70 @@ void* Bfc::Allocate(size_t alignment, size_t bytes) {
     base = nullptr;
   }
 
-  lock.lock();
+  lock->lock();
   growing_ -= planned;
   if (base == nullptr) {
-    ++failed_allocs_;
-    return nullptr;
+    EndGrowth(epoch);
+    return Growth::kSourceEmpty;
+  }
+  // A SetLimit may have lowered the limit while the lock was dropped: the region must still fit
+  // under the limit in force now, or it goes back (SetLimit waits for this).
+  if (reserved_ + growing_ + releasing_ + size > limit_) {
+    ++growth_returns_;
+    releasing_ += size;
+    lock->unlock();
+    source_->FreeRegion(base, size);
+    lock->lock();
+    releasing_ -= size;
+    ++release_completions_;
+    release_done_.notify_all();
+    EndGrowth(epoch);
+    return Growth::kReturned;
   }
   if (size >= next_region_) next_region_ = std::min(next_region_ * 2, max_region_);
   AddRegion(static_cast<char*>(base), size);
-  h = FindFree(need);  // the new region fits, or something better freed meanwhile
-  return Carve(h, rounded, alignment);
+  EndGrowth(epoch);
+  return Growth::kAdded;
+}
+
+void Bfc::EndGrowth(uint64_t epoch) {
+  if (epoch == limit_epoch_) {
+    --growers_current_;
+    return;
+  }
+  if (--growers_old_ == 0) growth_done_.notify_all();
+}
+
+bool Bfc::ReleaseForRoom(size_t need, std::unique_lock<std::mutex>* lock) {
+  const uint64_t others = growing_ + releasing_;
+  if (limit_ < others + need) return false;
+  const uint64_t target = limit_ - others - need;  // reserved must come down to this
+  uint64_t free_bytes = 0;
+  for (const auto& r : regions_) free_bytes += r->live == 0 ? r->bytes : 0;
+  if (free_bytes == 0 || reserved_ - free_bytes > target) return false;
+  std::vector<Victim> victims = TakeFreeRegions(target);
+  const ShrinkResult r = ReleaseUnlocked(std::move(victims), lock);
+  fit_release_regions_ += r.regions_freed;
+  fit_release_bytes_ += r.bytes_freed;
+  return r.regions_freed > 0;
+}
+
+bool Bfc::ReleaseAllForSource(std::unique_lock<std::mutex>* lock) {
+  std::vector<Victim> victims = TakeFreeRegions(0);
+  if (victims.empty()) return false;
+  const ShrinkResult r = ReleaseUnlocked(std::move(victims), lock);
+  fit_release_regions_ += r.regions_freed;
+  fit_release_bytes_ += r.bytes_freed;
+  return true;
 }
 
 bool Bfc::Free(void* ptr) {
   if (ptr == nullptr) return false;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   ChunkHandle h = ChunkAt(ptr);
   if (h == kNoChunk || !chunks_[h].in_use) return false;
   Chunk& c = chunks_[h];
+  Region* region = c.region;
   c.in_use = false;
   in_use_ -= c.size;
   NoteInUseChanged();
@@ -268,6 +368,20 @@ bool Bfc::Free(void* ptr) {
     h = prev;
   }
   InsertFree(h);
+  if (--region->live == 0) {
+    pinned_ -= region->bytes;
+    region->free_since_ns = clock_();
+    // Above the limit only because this region held live data (a shrink had to keep it): now
+    // that it is free it goes back at once, so reserved <= max(limit, pinned) still holds.
+    if (reserved_ > limit_) {
+      std::vector<Victim> victims;
+      victims.push_back(Unlink(region));
+      regions_.erase(std::remove(regions_.begin(), regions_.end(), nullptr), regions_.end());
+      const ShrinkResult r = ReleaseUnlocked(std::move(victims), &lock);
+      shrink_regions_freed_ += r.regions_freed;
+      shrink_bytes_freed_ += r.bytes_freed;
+    }
+  }
   return true;
 }
 
@@ -282,17 +396,26 @@ size_t Bfc::AllocatedSize(const void* ptr) const {
   return h != kNoChunk && chunks_[h].in_use ? chunks_[h].size : 0;
 }
 
+Bfc::Victim Bfc::Unlink(Region* r) {
+  const ChunkHandle h = r->handles[0];
+  RemoveFree(h);
+  DeleteChunk(h);
+  reserved_ -= r->bytes;
+  for (auto& owned : regions_) {
+    if (owned.get() == r) return {r->base, r->bytes, std::move(owned)};  // leaves a null slot
+  }
+  return {nullptr, 0, nullptr};  // not reached: r is one of regions_
+}
+
 std::vector<Bfc::Victim> Bfc::TakeFreeRegions(uint64_t target) {
   std::vector<Victim> victims;
   if (reserved_ <= target) return victims;
   std::vector<Region*> candidates;
   for (const auto& r : regions_) {
-    const Chunk& c = chunks_[r->handles[0]];
-    if (!c.in_use && c.size == r->bytes) candidates.push_back(r.get());
+    if (r->live == 0) candidates.push_back(r.get());
   }
   std::sort(candidates.begin(), candidates.end(),
             [](const Region* a, const Region* b) { return a->bytes < b->bytes; });
-  std::vector<Region*> taken;
   while (reserved_ > target && !candidates.empty()) {
     // The smallest region that covers the excess alone, else the largest: few device calls
     // and little overshoot below the target.
@@ -302,53 +425,79 @@ std::vector<Bfc::Victim> Bfc::TakeFreeRegions(uint64_t target) {
     if (it == candidates.end()) it = std::prev(it);
     Region* r = *it;
     candidates.erase(it);
-    const ChunkHandle h = r->handles[0];
-    RemoveFree(h);
-    DeleteChunk(h);
-    reserved_ -= r->bytes;
-    taken.push_back(r);
-  }
-  for (auto& r : regions_) {
-    if (std::find(taken.begin(), taken.end(), r.get()) != taken.end()) {
-      victims.push_back({r->base, r->bytes, std::move(r)});
-    }
+    victims.push_back(Unlink(r));
   }
   regions_.erase(std::remove(regions_.begin(), regions_.end(), nullptr), regions_.end());
   return victims;
 }
 
+ShrinkResult Bfc::ReleaseUnlocked(std::vector<Victim> victims, std::unique_lock<std::mutex>* lock) {
+  ShrinkResult result;
+  for (const Victim& v : victims) result.bytes_freed += v.bytes;
+  result.regions_freed = victims.size();
+  if (victims.empty()) return result;
+  // Until the source has them back they still count against the limit (Room()).
+  releasing_ += result.bytes_freed;
+  lock->unlock();
+  for (Victim& v : victims) source_->FreeRegion(v.base, v.bytes);
+  victims.clear();  // handle arrays can be large: drop them unlocked too
+  lock->lock();
+  releasing_ -= result.bytes_freed;
+  ++release_completions_;
+  release_done_.notify_all();
+  return result;
+}
+
 ShrinkResult Bfc::Shrink(uint64_t target, std::unique_lock<std::mutex>* lock) {
   const uint64_t start = NowNs();
   std::vector<Victim> victims = TakeFreeRegions(target);
-  ShrinkResult result;
-  result.unfreed = reserved_ > target ? reserved_ - target : 0;
-  lock->unlock();
-  for (Victim& v : victims) {
-    source_->FreeRegion(v.base, v.bytes);
-    result.bytes_freed += v.bytes;
-    ++result.regions_freed;
-  }
-  victims.clear();  // handle arrays can be large: drop them unlocked too
-  const uint64_t elapsed = NowNs() - start;
-  lock->lock();
+  const uint64_t unfreed = reserved_ > target ? reserved_ - target : 0;
+  ShrinkResult result = ReleaseUnlocked(std::move(victims), lock);
+  result.unfreed = unfreed;
   shrink_regions_freed_ += result.regions_freed;
   shrink_bytes_freed_ += result.bytes_freed;
-  last_shrink_ns_ = elapsed;
+  last_shrink_ns_ = NowNs() - start;
   last_shrink_unfreed_ = result.unfreed;
   return result;
 }
 
 ShrinkResult Bfc::SetLimit(uint64_t limit) {
   std::unique_lock<std::mutex> lock(mu_);
+  const bool lowered = limit < limit_;
   limit_ = limit;
-  if (reserved_ <= limit) return {};
-  return Shrink(limit, &lock);
+  ShrinkResult result;
+  if (lowered) {
+    // Growers that planned under the old limit re-check against this one when they re-lock.
+    growers_old_ += growers_current_;
+    growers_current_ = 0;
+    ++limit_epoch_;
+  }
+  // Taken in the same critical section as the new limit, so nobody sees reserved above it
+  // while free regions could still be released.
+  if (reserved_ > limit) result = Shrink(limit, &lock);
+  if (lowered) growth_done_.wait(lock, [this] { return growers_old_ == 0; });
+  return result;
 }
 
 ShrinkResult Bfc::ReleaseCached() {
   std::unique_lock<std::mutex> lock(mu_);
   if (reserved_ == 0) return {};
   return Shrink(0, &lock);
+}
+
+ShrinkResult Bfc::ReleaseIdle(uint64_t idle_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t now = clock_();
+  std::vector<Victim> victims;
+  for (auto& r : regions_) {
+    if (r->live == 0 && now - r->free_since_ns >= idle_ns) victims.push_back(Unlink(r.get()));
+  }
+  if (victims.empty()) return {};
+  regions_.erase(std::remove(regions_.begin(), regions_.end(), nullptr), regions_.end());
+  const ShrinkResult result = ReleaseUnlocked(std::move(victims), &lock);
+  idle_release_regions_ += result.regions_freed;
+  idle_release_bytes_ += result.bytes_freed;
+  return result;
 }
 
 void Bfc::ResetStepStats() {
@@ -375,6 +524,15 @@ BfcStats Bfc::GetStats() const {
   s.shrink_bytes_freed = shrink_bytes_freed_;
   s.last_shrink_ns = last_shrink_ns_;
   s.last_shrink_unfreed = last_shrink_unfreed_;
+  s.pinned = pinned_;
+  s.growing = growing_;
+  s.releasing = releasing_;
+  s.fit_release_regions = fit_release_regions_;
+  s.fit_release_bytes = fit_release_bytes_;
+  s.fit_retry_allocs = fit_retry_allocs_;
+  s.growth_returns = growth_returns_;
+  s.idle_release_regions = idle_release_regions_;
+  s.idle_release_bytes = idle_release_bytes_;
   return s;
 }
 
@@ -382,6 +540,7 @@ std::string Bfc::CheckInvariants() const {
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t reserved = 0;
   uint64_t in_use = 0;
+  uint64_t pinned = 0;
   size_t free_chunks = 0;
   size_t live_handles = 0;
   const Region* previous = nullptr;
@@ -394,6 +553,7 @@ std::string Bfc::CheckInvariants() const {
     previous = &r;
     reserved += r.bytes;
     size_t chunks_here = 0;
+    uint32_t live_here = 0;
     char* expect = r.base;
     ChunkHandle prev = kNoChunk;
     for (ChunkHandle h = r.handles[0]; h != kNoChunk; h = chunks_[h].next) {
@@ -408,6 +568,7 @@ std::string Bfc::CheckInvariants() const {
         return Describe("handle array does not point at chunk", c.ptr, h, 0);
       if (c.in_use) {
         in_use += c.size;
+        ++live_here;
       } else {
         ++free_chunks;
         if (prev != kNoChunk && !chunks_[prev].in_use)
@@ -423,6 +584,8 @@ std::string Bfc::CheckInvariants() const {
     }
     if (expect != r.base + r.bytes)
       return Describe("chunks do not cover region", r.base, expect - r.base, r.bytes);
+    if (live_here != r.live) return Describe("region live count wrong", r.base, r.live, live_here);
+    if (r.live > 0) pinned += r.bytes;
     size_t handles_here = 0;
     for (ChunkHandle h : r.handles) handles_here += h != kNoChunk;
     if (handles_here != chunks_here)
@@ -437,6 +600,11 @@ std::string Bfc::CheckInvariants() const {
                     chunks_.size());
   if (reserved != reserved_) return Describe("reserved != sum of regions", nullptr, reserved_, reserved);
   if (in_use != in_use_) return Describe("in_use != sum of live chunks", nullptr, in_use_, in_use);
+  if (pinned != pinned_) return Describe("pinned != sum of regions with live blocks", nullptr, pinned_, pinned);
+  // The limit: growth never passes it, a shrink and the free of a pinned region's last block
+  // bring reserved back under it, and live blocks never pass it.
+  if (reserved_ > std::max(limit_, pinned_))
+    return Describe("reserved above max(limit, pinned)", nullptr, reserved_, std::max(limit_, pinned_));
   if (peak_in_use_ < in_use_ || step_peak_ < in_use_ || step_min_ > in_use_)
     return Describe("peak/min statistics inconsistent", nullptr, peak_in_use_, in_use_);
   return "";

@@ -7,12 +7,18 @@
 // array, indexed by offset / 256, as in TensorFlow's BFC.
 //
 // The limit caps both the bytes in live blocks and `reserved` (bytes held in regions): an
-// allocation that would put either above it fails, so the caller can fall back to host memory. Lowering it releases whole free regions. The lock is never held
-// across a RegionSource call.
+// allocation that would put either above it fails, so the caller can fall back to host memory.
+// Before failing, the allocator gives back its own wholly free cached regions and retries (when
+// that makes room under the limit, or when the source itself ran out). Lowering the limit
+// releases whole free regions; regions that still hold live blocks are released as soon as their
+// last block is freed, so `reserved <= max(limit, pinned)` holds whenever the lock is free
+// (`pinned`: bytes of regions holding at least one live block). The lock is never held across a
+// RegionSource call.
 #ifndef TF_ANTMAN_CC_CORE_BFC_H_
 #define TF_ANTMAN_CC_CORE_BFC_H_
 
 #include <cstddef>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -30,10 +36,15 @@ inline constexpr size_t kDefaultMinRegion = size_t{2} << 20;
 // Regions stop doubling here so that a shrink can give memory back in pieces of useful size.
 inline constexpr size_t kDefaultMaxRegion = size_t{1} << 30;
 
+// Monotonic nanoseconds; injectable so that tests drive the idle-release clock.
+using ClockFn = uint64_t (*)();
+uint64_t SteadyNowNs();
+
 struct BfcOptions {
   uint64_t limit = 0;  // bytes; 0 means nothing may be reserved
   size_t min_region = kDefaultMinRegion;
   size_t max_region = kDefaultMaxRegion;
+  ClockFn clock = nullptr;  // nullptr: SteadyNowNs
 };
 
 // All in bytes except the counters and last_shrink_ns.
@@ -53,6 +64,15 @@ struct BfcStats {
   uint64_t shrink_bytes_freed = 0;
   uint64_t last_shrink_ns = 0;
   uint64_t last_shrink_unfreed = 0;
+  uint64_t pinned = 0;             // bytes of regions holding at least one live block
+  uint64_t growing = 0;            // bytes of regions being fetched from the source now
+  uint64_t releasing = 0;          // bytes of regions being returned to the source now
+  uint64_t fit_release_regions = 0;  // cached regions given back so that an allocation fits
+  uint64_t fit_release_bytes = 0;
+  uint64_t fit_retry_allocs = 0;   // allocations served only after such a release
+  uint64_t growth_returns = 0;     // regions returned because the limit fell while they grew
+  uint64_t idle_release_regions = 0;
+  uint64_t idle_release_bytes = 0;
 };
 
 struct ShrinkResult {
@@ -78,10 +98,16 @@ class Bfc {
   // Chunk size of the live block starting at ptr; 0 if there is none.
   size_t AllocatedSize(const void* ptr) const;
 
-  // New limit in force now; when reserved is above it, frees whole free regions.
+  // New limit in force now; when reserved is above it, frees whole free regions. When the limit
+  // is lowered, waits until every region that was being fetched under an older limit has been
+  // either taken in (within the new limit) or returned, so that once SetLimit returns no memory
+  // is held from the source above max(limit, pinned). Must not be called from inside a
+  // RegionSource call of this allocator.
   ShrinkResult SetLimit(uint64_t limit);
   // Frees every wholly free region, whatever the limit.
   ShrinkResult ReleaseCached();
+  // Frees the wholly free regions that have had no live block for at least idle_ns.
+  ShrinkResult ReleaseIdle(uint64_t idle_ns);
   // Starts a new step window for step_peak_in_use / step_min_in_use.
   void ResetStepStats();
 
@@ -117,6 +143,8 @@ class Bfc {
     char* base;
     size_t bytes;
     std::vector<ChunkHandle> handles;  // chunk starting at base + i*256, or kNoChunk
+    uint32_t live = 0;                 // live blocks in this region
+    uint64_t free_since_ns = 0;        // when live last became 0 (or the region was added)
   };
   struct Victim {
     void* base;
@@ -138,20 +166,53 @@ class Bfc {
   Region* FindRegion(const void* ptr) const;
   ChunkHandle ChunkAt(const void* ptr) const;
   void AddRegion(char* base, size_t bytes);
+  enum class Growth { kAdded, kReturned, kSourceEmpty };
+
+  // Bytes a new region may take under the limit now (multiple of 256).
+  uint64_t Room() const;
+  // Fetches a region of at least `need` bytes with the lock dropped and adds it, unless the limit
+  // was lowered meanwhile and it no longer fits (then it is returned to the source).
+  Growth Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* lock);
+  void EndGrowth(uint64_t epoch);
+  // Gives back wholly free regions so that a region of `need` bytes fits under the limit; false
+  // (nothing released) when even releasing all of them would not make room.
+  bool ReleaseForRoom(size_t need, std::unique_lock<std::mutex>* lock);
+  // After the source ran out: gives back every wholly free region; false if there was none.
+  bool ReleaseAllForSource(std::unique_lock<std::mutex>* lock);
+  Victim Unlink(Region* r);
   // Unlinks whole free regions until reserved_ <= target; the caller frees them unlocked.
   std::vector<Victim> TakeFreeRegions(uint64_t target);
+  // Returns victims to the source with the lock dropped (counted in releasing_ meanwhile).
+  ShrinkResult ReleaseUnlocked(std::vector<Victim> victims, std::unique_lock<std::mutex>* lock);
   ShrinkResult Shrink(uint64_t target, std::unique_lock<std::mutex>* lock);
   void NoteInUseChanged();
 
   RegionSource* const source_;
   const size_t min_region_;
   const size_t max_region_;
+  const ClockFn clock_;
 
   mutable std::mutex mu_;
   uint64_t limit_;
   size_t next_region_;
   uint64_t reserved_ = 0;
-  uint64_t growing_ = 0;  // regions being fetched from the source right now
+  uint64_t growing_ = 0;    // regions being fetched from the source right now
+  uint64_t releasing_ = 0;  // regions being returned to the source right now
+  uint64_t pinned_ = 0;     // bytes of regions with a live block
+  // Growers are counted per limit epoch; lowering the limit starts a new epoch and waits for the
+  // growers of older ones (growers_old_) to finish.
+  uint64_t limit_epoch_ = 0;
+  uint64_t growers_current_ = 0;
+  uint64_t growers_old_ = 0;
+  std::condition_variable growth_done_;
+  uint64_t release_completions_ = 0;  // bumped each time regions have gone back to the source
+  std::condition_variable release_done_;
+  uint64_t fit_release_regions_ = 0;
+  uint64_t fit_release_bytes_ = 0;
+  uint64_t fit_retry_allocs_ = 0;
+  uint64_t growth_returns_ = 0;
+  uint64_t idle_release_regions_ = 0;
+  uint64_t idle_release_bytes_ = 0;
   uint64_t in_use_ = 0;
   uint64_t peak_in_use_ = 0;
   uint64_t step_peak_ = 0;

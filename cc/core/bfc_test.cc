@@ -1,6 +1,7 @@
 #include "cc/core/bfc.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -395,6 +396,224 @@ TEST(RandomOperationsKeepInvariantsAndContents) {
   bfc.ReleaseCached();
   EXPECT_EQ(bfc.GetStats().reserved, 0u);
   EXPECT_EQ(source.live_regions(), 0u);
+}
+
+// A request that no cached chunk fits while the cache fills the limit: the allocator gives back
+// its wholly free regions and grows on the device instead of failing (and spilling to host).
+TEST(ReleasesItsOwnCachedRegionsToMakeRoomBeforeFailing) {
+  TestRegionSource source;
+  Bfc bfc(&source, Options(8 * MiB, 2 * MiB, 2 * MiB));
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(bfc.Allocate(0, 2 * MiB));
+  for (void* b : blocks) REQUIRE(b != nullptr);
+  EXPECT_EQ(bfc.GetStats().reserved, 8 * MiB);
+  void* keep = blocks[0];
+  for (int i = 1; i < 4; ++i) EXPECT(bfc.Free(blocks[i]));
+  // 6 MiB cached in three 2 MiB regions; 4 MiB fits in none of them.
+  void* big = bfc.Allocate(0, 4 * MiB);
+  EXPECT(big != nullptr);
+  const auto s = bfc.GetStats();
+  EXPECT_EQ(s.fit_release_regions, 2u);  // exactly the room needed, not the whole cache
+  EXPECT_EQ(s.fit_release_bytes, 4 * MiB);
+  EXPECT_EQ(s.fit_retry_allocs, 1u);
+  EXPECT_EQ(s.reserved, 8 * MiB);
+  EXPECT_EQ(source.used(), 8 * MiB);
+  EXPECT(source.Holds(keep));
+  // Nothing can make room for more: the live blocks fill the limit.
+  EXPECT(bfc.Allocate(0, 4 * MiB) == nullptr);
+  EXPECT_EQ(bfc.GetStats().fit_release_regions, 2u);
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
+// Releasing would not make room (live blocks hold the limit): the cache is left alone.
+TEST(KeepsTheCacheWhenReleasingCannotMakeRoom) {
+  TestRegionSource source;
+  Bfc bfc(&source, Options(8 * MiB, 2 * MiB, 2 * MiB));
+  void* a = bfc.Allocate(0, 2 * MiB);
+  void* b = bfc.Allocate(0, 2 * MiB);
+  void* c = bfc.Allocate(0, 2 * MiB);
+  REQUIRE(a && b && c);
+  EXPECT(bfc.Free(c));  // 2 MiB cached, 4 MiB live, 2 MiB room
+  EXPECT(bfc.Allocate(0, 6 * MiB) == nullptr);  // above the limit in live bytes anyway
+  EXPECT(bfc.Allocate(0, 4 * MiB + 256) == nullptr);  // needs the cache and then some
+  EXPECT_EQ(bfc.GetStats().fit_release_regions, 0u);
+  EXPECT_EQ(bfc.GetStats().reserved, 6 * MiB);
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
+// The source (the device) is short while the allocator caches free regions: they go back and the
+// request is retried, as TensorFlow's BFC does.
+TEST(SourceShortReleasesCachedRegionsAndRetries) {
+  TestRegionSource source(/*capacity=*/8 * MiB);
+  Bfc bfc(&source, Options(64 * MiB, 2 * MiB, 2 * MiB));
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(bfc.Allocate(0, 2 * MiB));
+  for (void* b : blocks) REQUIRE(b != nullptr);
+  for (void* b : blocks) EXPECT(bfc.Free(b));
+  void* big = bfc.Allocate(0, 6 * MiB);
+  EXPECT(big != nullptr);
+  const auto s = bfc.GetStats();
+  EXPECT_EQ(s.fit_release_bytes, 8 * MiB);
+  EXPECT_EQ(s.reserved, 6 * MiB);
+  EXPECT_EQ(source.used(), 6 * MiB);
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
+// A remainder kept inside a block must not put in_use above the limit. Here the limit was lowered
+// below the held regions (they hold live blocks), and the best fit is a hole only 32 KiB larger
+// than the request: keeping the sliver would put in_use 32 KiB above the limit.
+TEST(CarveSlackNeverPutsInUseAboveTheLimit) {
+  TestRegionSource source;
+  Bfc bfc(&source, Options(64 * MiB, 8 * MiB, 8 * MiB));
+  void* a = bfc.Allocate(0, 256 * KiB);
+  void* hole = bfc.Allocate(0, MiB + 32 * KiB);
+  void* c = bfc.Allocate(0, 256 * KiB);
+  REQUIRE(a && hole && c);
+  EXPECT(bfc.Free(hole));
+  bfc.SetLimit(MiB + 512 * KiB);  // region pinned by a and c: reserved stays 8 MiB
+  EXPECT_EQ(bfc.GetStats().reserved, 8 * MiB);
+  void* p = bfc.Allocate(0, MiB);  // in_use 512 KiB + 1 MiB == limit: admitted
+  REQUIRE(p != nullptr);
+  EXPECT(p == hole);
+  EXPECT_EQ(bfc.AllocatedSize(p), MiB);
+  const auto s = bfc.GetStats();
+  EXPECT_EQ(s.in_use, MiB + 512 * KiB);
+  EXPECT(s.in_use <= s.limit);
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
+// After a shrink had to keep a region for its live blocks, the region goes back as soon as its
+// last block is freed: reserved never stays above max(limit, pinned).
+TEST(FreeingThePinningBlockReleasesARegionAboveTheLimit) {
+  TestRegionSource source;
+  Bfc bfc(&source, Options(64 * MiB, 2 * MiB, 2 * MiB));
+  void* a = bfc.Allocate(0, MiB);
+  void* b = bfc.Allocate(0, 2 * MiB);
+  REQUIRE(a && b);
+  EXPECT_EQ(bfc.GetStats().regions, 2u);
+  const auto r = bfc.SetLimit(0);
+  EXPECT_EQ(r.unfreed, 4 * MiB);
+  EXPECT(bfc.Free(a));
+  auto s = bfc.GetStats();
+  EXPECT_EQ(s.reserved, 2 * MiB);
+  EXPECT_EQ(s.pinned, 2 * MiB);
+  EXPECT(!source.Holds(a));
+  EXPECT(bfc.Free(b));
+  EXPECT_EQ(bfc.GetStats().reserved, 0u);
+  EXPECT_EQ(source.live_regions(), 0u);
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
+// SetLimit lowers the limit while a region is being fetched under the old one (lock dropped):
+// the grower must not take the region in above the new limit, and SetLimit must not return while
+// that region is still held from the source.
+TEST(LimitLoweredWhileARegionGrowsIsNeverExceeded) {
+  TestRegionSource source;
+  Bfc bfc(&source, Options(16 * MiB, 8 * MiB, 8 * MiB));
+  std::thread setter;
+  std::atomic<bool> set_returned{false};
+  size_t used_when_set_returned = ~size_t{0};
+  bool once = false;
+  source.on_call = [&] {
+    if (once) return;
+    once = true;
+    setter = std::thread([&] {
+      bfc.SetLimit(4 * MiB);
+      used_when_set_returned = source.used();
+      set_returned = true;
+    });
+    // Let the new limit land while this region is still in flight.
+    while (bfc.GetStats().limit != 4 * MiB) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT(!set_returned.load());  // it waits for this grower
+  };
+  void* p = bfc.Allocate(0, 6 * MiB);  // planned as an 8 MiB region under 16 MiB
+  setter.join();
+  source.on_call = nullptr;
+  EXPECT(p == nullptr);  // 6 MiB does not fit under 4 MiB
+  EXPECT_EQ(used_when_set_returned, 0u);
+  const auto s = bfc.GetStats();
+  EXPECT_EQ(s.reserved, 0u);
+  EXPECT_EQ(s.growth_returns, 1u);
+  EXPECT_EQ(source.live_regions(), 0u);
+  // A request that fits the new limit is served after the returned region.
+  EXPECT(bfc.Allocate(0, MiB) != nullptr);
+  EXPECT(bfc.GetStats().reserved <= 4 * MiB);
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
+// Regions a shrink is returning still count against the limit until the source has them back,
+// or a grower could hold them and its new region at once. The grower waits for the release and
+// then grows on the device (instead of failing over to host memory).
+TEST(RegionsBeingReleasedCountUntilTheSourceHasThem) {
+  TestRegionSource source;
+  Bfc bfc(&source, Options(4 * MiB, 4 * MiB, 4 * MiB));
+  void* a = bfc.Allocate(0, 4 * MiB);
+  REQUIRE(a != nullptr);
+  EXPECT(bfc.Free(a));
+  std::thread other;
+  std::atomic<bool> other_done{false};
+  void* b = nullptr;
+  size_t used_at_second_alloc = ~size_t{0};
+  int calls = 0;
+  source.on_call = [&] {
+    ++calls;
+    if (calls == 1) {  // inside FreeRegion of the shrink below
+      other = std::thread([&] {
+        b = bfc.Allocate(0, 2 * MiB);
+        other_done = true;
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      EXPECT(!other_done.load());  // waits for the region to be back
+    } else if (calls == 2) {  // AllocRegion of the other thread
+      used_at_second_alloc = source.used();
+    }
+  };
+  bfc.ReleaseCached();
+  other.join();
+  source.on_call = nullptr;
+  EXPECT(b != nullptr);
+  EXPECT_EQ(used_at_second_alloc, 0u);
+  EXPECT(source.used() <= 4 * MiB);
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
+uint64_t g_fake_now_ns = 0;
+uint64_t FakeNow() { return g_fake_now_ns; }
+
+TEST(ReleaseIdleFreesOnlyRegionsIdleLongEnough) {
+  TestRegionSource source;
+  BfcOptions o = Options(64 * MiB, 2 * MiB, 2 * MiB);
+  o.clock = &FakeNow;
+  g_fake_now_ns = 1000;
+  Bfc bfc(&source, o);
+  void* a = bfc.Allocate(0, 2 * MiB);
+  void* b = bfc.Allocate(0, 2 * MiB);
+  void* c = bfc.Allocate(0, 2 * MiB);
+  REQUIRE(a && b && c);
+  EXPECT(bfc.Free(a));  // idle from t = 1000
+  g_fake_now_ns = 5000;
+  EXPECT(bfc.Free(b));  // idle from t = 5000
+  g_fake_now_ns = 1000 + 9999;
+  EXPECT_EQ(bfc.ReleaseIdle(10000).regions_freed, 0u);
+  g_fake_now_ns = 1000 + 10000;
+  auto r = bfc.ReleaseIdle(10000);
+  EXPECT_EQ(r.regions_freed, 1u);
+  EXPECT(!source.Holds(a) && source.Holds(b) && source.Holds(c));
+  // A region used again restarts its idle time.
+  void* b2 = bfc.Allocate(0, MiB);
+  EXPECT(b2 == b);
+  g_fake_now_ns = 20000;
+  EXPECT(bfc.Free(b2));
+  g_fake_now_ns = 29999;
+  EXPECT_EQ(bfc.ReleaseIdle(10000).regions_freed, 0u);
+  g_fake_now_ns = 30000;
+  EXPECT_EQ(bfc.ReleaseIdle(10000).regions_freed, 1u);
+  const auto s = bfc.GetStats();
+  EXPECT_EQ(s.idle_release_regions, 2u);
+  EXPECT_EQ(s.idle_release_bytes, 4 * MiB);
+  EXPECT_EQ(s.reserved, 2 * MiB);  // c is live
+  EXPECT_CLEAN(bfc.CheckInvariants());
 }
 
 TEST_MAIN()

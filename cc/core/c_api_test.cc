@@ -168,4 +168,28 @@ TEST(EmulatedEndToEnd) {
   antman_mem_destroy(mem);
 }
 
+TEST(HostIdleReleaseIsValidated) {
+  antman_mem_config c = Emulated(8 * MiB, 0, 8 * MiB);
+  c.host_idle_release_ms = 86400001;
+  const std::string why = Refusal(&c);
+  EXPECT(Contains(why, "host_idle_release_ms: 86400001"));
+  EXPECT(Contains(why, "[1, 86400000]"));
+  for (uint64_t ok : {uint64_t{0}, uint64_t{1}, uint64_t{86400000}}) {
+    c.host_idle_release_ms = ok;
+    EXPECT(Refusal(&c).empty());
+  }
+  c.host_idle_release_ms = 0;
+  antman_mem* mem = nullptr;
+  char err[256];
+  REQUIRE(antman_mem_create(&c, &mem, err, sizeof(err)) == 0);
+  antman_mem_ext_stats e;
+  EXPECT_EQ(antman_mem_get_ext_stats(mem, &e, sizeof(e)), sizeof(e));
+  EXPECT_EQ(e.host_idle_release_ns, uint64_t{10000} * 1000 * 1000);  // the default
+  // A caller built against a shorter struct gets only its part.
+  uint64_t first[2] = {7, 7};
+  EXPECT_EQ(antman_mem_get_ext_stats(mem, reinterpret_cast<antman_mem_ext_stats*>(first), 8), 8u);
+  EXPECT_EQ(first[1], 7u);
+  antman_mem_destroy(mem);
+}
+
 TEST_MAIN()

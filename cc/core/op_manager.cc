@@ -118,31 +118,48 @@ int64_t OpManager::Admit(Timing timing) {
   const uint64_t ticket = next_ticket_++;
   ++waiting_;
   bool delayed = false;
+  void* lent = nullptr;
+  bool lending = false;
   for (;;) {
     int64_t now = clock_->NowNs();
-    if (ticket != serving_ticket_) {
-      // Not at the head of the line: woken when the line moves.
-      clock_->WaitUntil(lock, cv_, Clock::kForever);
-      continue;
+    int64_t wait = Clock::kForever;  // not at the head: woken when the line moves
+    if (ticket == serving_ticket_) {
+      AccrueLocked(now);
+      wait = SlotWaitNsLocked(timing);
+      if (wait == 0) break;
     }
-    AccrueLocked(now);
-    int64_t wait = SlotWaitNsLocked(timing);
-    if (wait == 0) break;
+    if (!lending && options_.blocking_hooks != nullptr) {
+      // Lend what this thread holds before waiting, never while holding mu_:
+      // taking the GIL back under mu_ could wait for a thread that waits for mu_.
+      lock.unlock();
+      lent = options_.blocking_hooks->BeforeBlock();
+      lending = true;
+      lock.lock();
+      continue;  // the world may have moved while unlocked
+    }
     delayed = true;
-    // Only a wait for tokens is inserted idle; a pause or a full pending
-    // window is not throttling in that sense.
-    bool for_tokens = share_ > 0.0 &&
+    // Only a wait for tokens at the head is inserted idle; a pause or a full
+    // pending window is not throttling in that sense.
+    bool for_tokens = ticket == serving_ticket_ && share_ > 0.0 &&
                       !(timing == Timing::kDevice &&
                         device_pending_ >= options_.max_pending_device_ops);
     clock_->WaitUntil(lock, cv_, wait == Clock::kForever ? wait : now + wait);
     if (for_tokens) idle_inserted_ns_ += clock_->NowNs() - now;
   }
   ++serving_ticket_;
-  --waiting_;
   if (delayed) ++ops_delayed_;
+  cv_.notify_all();  // the next in line
+  if (lending) {
+    // The op starts once the thread has what it lent back: that wait is not
+    // the op's busy time.
+    lock.unlock();
+    options_.blocking_hooks->AfterBlock(lent);
+    lock.lock();
+  }
   int64_t now = clock_->NowNs();
   if (timing == Timing::kHost) running_starts_.insert(now);
-  cv_.notify_all();  // the next in line, and a destructor waiting for waiters
+  --waiting_;
+  if (stopping_) cv_.notify_all();  // a destructor waits for the last waiter
   return now;
 }
 

@@ -50,6 +50,18 @@ class Clock {
 // Monotonic wall clock (std::chrono::steady_clock). Never deleted.
 Clock* SystemClock();
 
+// Called around a wait in Admit(), outside the manager's lock: the framework
+// glue lends what the waiting thread holds (Python's GIL: a TF eager op runs
+// with it held, and a pause that kept it would stop every Python thread,
+// among them the one that would lift the pause).
+class BlockingHooks {
+ public:
+  virtual ~BlockingHooks() = default;
+  // Returns what AfterBlock needs to take it back (nullptr: nothing lent).
+  virtual void* BeforeBlock() = 0;
+  virtual void AfterBlock(void* token) = 0;
+};
+
 class OpManager {
  public:
   struct Options {
@@ -64,6 +76,7 @@ class OpManager {
     // far a job may run ahead of its share while its charges are provisional.
     int64_t max_pending_device_ops = 256;
     Clock* clock = nullptr;  // nullptr: SystemClock()
+    BlockingHooks* blocking_hooks = nullptr;  // not owned; must outlive the manager
   };
 
   enum class Timing { kHost, kDevice };

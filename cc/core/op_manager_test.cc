@@ -491,6 +491,44 @@ void TestExceptionFinishesTheOp() {
   CHECK_EQ(s.busy_ns, 1 * kMs);
 }
 
+
+// The hooks lend what the waiting thread holds (the GIL) only when it must
+// wait, once per admission, and never while the manager's lock is held (a
+// hook that calls back into the manager would deadlock on it).
+class CountingHooks final : public BlockingHooks {
+ public:
+  OpManager* manager = nullptr;
+  int before = 0, after = 0;
+  void* BeforeBlock() override {
+    ++before;
+    manager->stats();  // takes the manager's lock: must not be held here
+    return this;
+  }
+  void AfterBlock(void* token) override {
+    CHECK(token == this);
+    ++after;
+    manager->stats();
+  }
+};
+
+void TestBlockingHooksOnlyAroundWaits() {
+  FakeClock clock;
+  CountingHooks hooks;
+  OpManager::Options options = FakeOptions(&clock, 0.5);
+  options.blocking_hooks = &hooks;
+  OpManager manager(options);
+  hooks.manager = &manager;
+  HostOp(manager, clock, 1 * kMs);  // admitted at once: nothing lent
+  CHECK_EQ(hooks.before, 0);
+  int64_t before = clock.NowNs();
+  int64_t admitted = manager.Admit();  // owes 1 ms of idle: waits, lends
+  CHECK_EQ(admitted - before, 1 * kMs);
+  manager.Finish(admitted);
+  CHECK_EQ(hooks.before, 1);
+  CHECK_EQ(hooks.after, 1);
+  CHECK_EQ(manager.stats().ops_waiting_now, 0);
+}
+
 }  // namespace
 }  // namespace antman
 
@@ -515,6 +553,7 @@ int main() {
       {"WindowCoversThrottledTimeOnly", antman::TestWindowCoversThrottledTimeOnly},
       {"Validation", antman::TestValidation},
       {"ExceptionFinishesTheOp", antman::TestExceptionFinishesTheOp},
+      {"BlockingHooksOnlyAroundWaits", antman::TestBlockingHooksOnlyAroundWaits},
   };
   int passed = 0, failed = 0;
   for (const Case& c : cases) {

@@ -1,15 +1,30 @@
 #include "cc/core/universal.h"
 
+#include <algorithm>
+
 namespace antman {
 
 UniversalAllocator::UniversalAllocator(RegionSource* device, RegionSource* host,
                                        UniversalOptions options)
     : options_(options),
-      device_(device, BfcOptions{options.limit, options.min_region, options.max_region}) {
+      clock_(options.clock != nullptr ? options.clock : &SteadyNowNs),
+      device_(device,
+              BfcOptions{options.limit, options.min_region, options.max_region, options.clock}) {
   if (host != nullptr && options.host_capacity > 0) {
-    host_ = std::make_unique<Bfc>(
-        host, BfcOptions{options.host_capacity, options.min_region, options.max_region});
+    host_ = std::make_unique<Bfc>(host, BfcOptions{options.host_capacity, options.min_region,
+                                                   options.max_region, options.clock});
   }
+}
+
+void UniversalAllocator::MaybeReleaseIdleHost() {
+  if (host_ == nullptr) return;
+  const uint64_t now = clock_();
+  uint64_t next = next_idle_check_ns_.load(std::memory_order_relaxed);
+  if (now < next) return;
+  const uint64_t interval = std::max<uint64_t>(options_.host_idle_release_ns / 4, 1);
+  // One thread does the scan; the others go on.
+  if (!next_idle_check_ns_.compare_exchange_strong(next, now + interval)) return;
+  host_->ReleaseIdle(options_.host_idle_release_ns);
 }
 
 void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
@@ -17,6 +32,7 @@ void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
   if (p != nullptr) return p;
   if (bytes == 0) return nullptr;
   if (host_ != nullptr) {
+    MaybeReleaseIdleHost();
     p = host_->Allocate(alignment, bytes);
     if (p != nullptr) {
       host_fallbacks_.fetch_add(1, std::memory_order_relaxed);
@@ -30,7 +46,9 @@ void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
 
 bool UniversalAllocator::Free(void* ptr) {
   if (device_.Free(ptr)) return true;
-  return host_ != nullptr && host_->Free(ptr);
+  if (host_ == nullptr || !host_->Free(ptr)) return false;
+  MaybeReleaseIdleHost();
+  return true;
 }
 
 int UniversalAllocator::IsHost(const void* ptr) const {
@@ -69,6 +87,7 @@ void UniversalAllocator::StepBoundary() {
     pending_limit_ = 0;
   }
   if (apply) device_.SetLimit(limit);
+  MaybeReleaseIdleHost();
   device_.ResetStepStats();
   if (host_ != nullptr) host_->ResetStepStats();
   steps_.fetch_add(1, std::memory_order_relaxed);
@@ -105,6 +124,23 @@ void UniversalAllocator::GetStats(antman_mem_stats* out) const {
   s.last_shrink_unfreed = d.last_shrink_unfreed;
   s.largest_region = d.largest_region;
   s.steps = steps_.load(std::memory_order_relaxed);
+  *out = s;
+}
+
+void UniversalAllocator::GetExtStats(antman_mem_ext_stats* out) const {
+  const BfcStats d = device_.GetStats();
+  const BfcStats h = host_ != nullptr ? host_->GetStats() : BfcStats();
+  antman_mem_ext_stats s{};
+  s.device_pinned = d.pinned;
+  s.fit_release_regions = d.fit_release_regions;
+  s.fit_release_bytes = d.fit_release_bytes;
+  s.fit_retry_allocs = d.fit_retry_allocs;
+  s.growth_returns = d.growth_returns;
+  s.host_reserved = h.reserved;
+  s.host_regions = h.regions;
+  s.host_idle_release_regions = h.idle_release_regions;
+  s.host_idle_release_bytes = h.idle_release_bytes;
+  s.host_idle_release_ns = options_.host_idle_release_ns;
   *out = s;
 }
 

@@ -16,12 +16,20 @@
 
 namespace antman {
 
+// Host regions that have had no live block for this long are unpinned and given back (see
+// docs/memory-core.md, "Host arena: idle release"). Pinning is slow (hundreds of ms per GiB),
+// so a job that spills every step keeps its host regions; 10 s is many steps of any job, yet
+// short next to the scheduler's limit changes, after which the pinned memory is no longer needed.
+inline constexpr uint64_t kDefaultHostIdleReleaseNs = uint64_t{10} * 1000 * 1000 * 1000;
+
 struct UniversalOptions {
   uint64_t device_capacity = 0;
   uint64_t limit = 0;
   uint64_t host_capacity = 0;  // 0: no host fallback
   size_t min_region = kDefaultMinRegion;
   size_t max_region = kDefaultMaxRegion;
+  uint64_t host_idle_release_ns = kDefaultHostIdleReleaseNs;  // > 0
+  ClockFn clock = nullptr;  // nullptr: SteadyNowNs
 };
 
 class UniversalAllocator {
@@ -40,13 +48,21 @@ class UniversalAllocator {
   void RequestLimit(uint64_t limit);
   // Device and host arenas; returns the bytes freed in both.
   uint64_t ReleaseCached();
+  // Also gives back host regions idle for host_idle_release_ns (checked here and on host-arena
+  // allocations and frees, at most every quarter of that time).
   void StepBoundary();
 
   void GetStats(antman_mem_stats* out) const;
+  void GetExtStats(antman_mem_ext_stats* out) const;
+  const Bfc& device() const { return device_; }
+  const Bfc* host() const { return host_.get(); }
   std::string CheckInvariants() const;
 
  private:
+  void MaybeReleaseIdleHost();
+
   const UniversalOptions options_;
+  const ClockFn clock_;
   Bfc device_;
   std::unique_ptr<Bfc> host_;  // null without fallback
 
@@ -58,6 +74,7 @@ class UniversalAllocator {
   std::atomic<uint64_t> host_bytes_served_{0};
   std::atomic<uint64_t> failed_allocs_{0};
   std::atomic<uint64_t> steps_{0};
+  std::atomic<uint64_t> next_idle_check_ns_{0};
 };
 
 }  // namespace antman

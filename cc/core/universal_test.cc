@@ -159,4 +159,93 @@ TEST(ReleaseCachedEmptiesBothArenas) {
   EXPECT_EQ(u.IsHost(h), -1);
 }
 
+// The device allocator's cache fills the limit with regions too small for the request: the
+// request still lands on the device (the cache is given back first), not in host memory.
+TEST(PrefersReleasingDeviceCacheToSpillingToHost) {
+  TestRegionSource device;
+  TestRegionSource host;
+  UniversalOptions o = Options(8 * MiB, 64 * MiB);
+  o.min_region = 2 * MiB;
+  o.max_region = 2 * MiB;
+  UniversalAllocator u(&device, &host, o);
+  std::vector<void*> small;
+  for (int i = 0; i < 4; ++i) small.push_back(u.Allocate(0, 2 * MiB));
+  for (void* p : small) REQUIRE(p != nullptr && u.IsHost(p) == 0);
+  for (void* p : small) EXPECT(u.Free(p));
+  void* big = u.Allocate(0, 6 * MiB);
+  REQUIRE(big != nullptr);
+  EXPECT_EQ(u.IsHost(big), 0);
+  const antman_mem_stats s = Stats(u);
+  EXPECT_EQ(s.host_fallbacks, 0u);
+  EXPECT(s.reserved <= 8 * MiB);
+  antman_mem_ext_stats e;
+  u.GetExtStats(&e);
+  EXPECT_EQ(e.fit_release_bytes, 6 * MiB);
+  EXPECT_EQ(e.fit_retry_allocs, 1u);
+  EXPECT(u.Free(big));
+  EXPECT_CLEAN(u.CheckInvariants());
+}
+
+uint64_t g_now_ns = 0;
+uint64_t FakeNow() { return g_now_ns; }
+
+// Pinned host memory the job no longer uses goes back after host_idle_release_ns, checked at
+// step boundaries; memory in use, or used within that time, stays.
+TEST(HostArenaGivesBackIdlePinnedMemory) {
+  TestRegionSource device;
+  TestRegionSource host;
+  UniversalOptions o = Options(0, 64 * MiB);  // limit 0: everything goes to the host
+  o.host_idle_release_ns = 1000;
+  o.clock = &FakeNow;
+  g_now_ns = 1;
+  UniversalAllocator u(&device, &host, o);
+  void* a = u.Allocate(0, 4 * MiB);
+  void* b = u.Allocate(0, 8 * MiB);
+  REQUIRE(a && b && u.IsHost(a) == 1 && u.IsHost(b) == 1);
+  const size_t held = host.used();
+  EXPECT(held >= 12 * MiB);
+  EXPECT(u.Free(a));
+  g_now_ns = 500;
+  u.StepBoundary();
+  EXPECT_EQ(host.used(), held);  // idle for 499 ns only
+  g_now_ns = 1 + 1000;
+  u.StepBoundary();
+  antman_mem_ext_stats e;
+  u.GetExtStats(&e);
+  EXPECT_EQ(e.host_idle_release_regions, 1u);
+  EXPECT(host.Holds(b) && !host.Holds(a));
+  EXPECT_EQ(e.host_reserved, host.used());
+  EXPECT(u.Free(b));
+  // Freed at t = 1001; the next check may come a quarter period later at the earliest.
+  g_now_ns = 1 + 1000 + 1000;
+  u.StepBoundary();
+  EXPECT_EQ(host.used(), 0u);
+  u.GetExtStats(&e);
+  EXPECT_EQ(e.host_reserved, 0u);
+  EXPECT_EQ(e.host_idle_release_ns, 1000u);
+  EXPECT_CLEAN(u.CheckInvariants());
+}
+
+// Without step boundaries the release also happens on host-arena traffic.
+TEST(HostIdleReleaseAlsoRunsOnHostAllocations) {
+  TestRegionSource device;
+  TestRegionSource host;
+  UniversalOptions o = Options(0, 64 * MiB);
+  o.host_idle_release_ns = 1000;
+  o.clock = &FakeNow;
+  g_now_ns = 10;
+  UniversalAllocator u(&device, &host, o);
+  void* a = u.Allocate(0, 8 * MiB);
+  REQUIRE(a != nullptr);
+  EXPECT(u.Free(a));
+  g_now_ns = 5000;
+  void* small = u.Allocate(0, 256);  // the idle 8 MiB region goes before this is served
+  REQUIRE(small != nullptr);
+  antman_mem_ext_stats e;
+  u.GetExtStats(&e);
+  EXPECT_EQ(e.host_idle_release_bytes, 8 * MiB);
+  EXPECT(host.used() < 8 * MiB);
+  EXPECT(u.Free(small));
+}
+
 TEST_MAIN()

@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "cc/tf/emulated_device.h"
+#include "cc/tf/python_gil.h"
 
 namespace antman {
 namespace {
@@ -33,6 +34,7 @@ std::string Runtime::Configure(const RuntimeConfig& config) {
   if (antman_mem_create(&mc, &mem, err, sizeof(err)) != 0) return err;
   OpManager::Options oo;
   oo.initial_share = config.compute_share;
+  oo.blocking_hooks = PythonGilHooks();  // an op held back must not hold the GIL
   op_manager_ = std::make_unique<OpManager>(oo);
   mem_ = mem;
   config_ = config;

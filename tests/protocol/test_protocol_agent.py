@@ -374,4 +374,63 @@ def test_job_paused_from_the_start_resumes_as_running(tmp_path: Path, agents) ->
     assert not thread.is_alive()
     stats = stats_now(agent, tmp_path)
     assert (stats.state, stats.step, stats.control_seq_applied) == ("running", 1, 2)
-    assert [a.what for a in job.log] == ["pause", "resume"]
+    # Paused at start(), before any step boundary: its ops were held with share 0 until the resume
+    # restored the share in force.
+    assert values(job.log) == [("pause", None, None), ("compute_share", None, 0.0), ("resume", None, None),
+                               ("compute_share", None, 1.0)]
+
+
+def test_a_control_that_meets_no_step_boundary_is_applied_by_the_fallback(tmp_path: Path, agents) -> None:
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=0.05, paused_heartbeat_s=0.005)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, memory_limits=(MemoryLimit(0, 4096),), compute_share=0.5))
+    stats = wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 1 and s,
+                     "applied without a step")
+    assert (stats.last_applied_by, stats.controls_applied, stats.controls_applied_fallback) == ("fallback", 1, 1)
+    assert values(job.log) == [("memory_limit", 0, 4096), ("compute_share", None, 0.5)]
+    # A pause away from a step boundary holds the job's ops with share 0...
+    write_control(tmp_path, Control(seq=2, paused=True))
+    stats = wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 2 and s, "paused")
+    assert stats.state == "paused" and stats.compute_share == 0.5  # the share in force, not the hold
+    assert values(job.log)[2:] == [("pause", None, None), ("compute_share", None, 0.0)]
+    # ...stats stay fresh (heartbeats from the fallback thread), a new share waits for the resume,
+    # and controls are applied at once: a held job reaches no step boundary.
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.seq >= stats.seq + 3, "heartbeats")
+    write_control(tmp_path, Control(seq=3, compute_share=0.25))
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 3, "applied while held")
+    assert job.share == 0.0
+    write_control(tmp_path, Control(seq=4, paused=False))
+    stats = wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 4 and s, "resumed")
+    assert stats.state == "starting" and stats.controls_applied_fallback == 4
+    assert values(job.log)[4:] == [("resume", None, None), ("compute_share", None, 0.25)]
+    assert job.share == 0.25 and not job.paused
+
+
+def test_a_step_boundary_before_the_fallback_time_applies_the_control(tmp_path: Path, agents) -> None:
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=HOUR)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, paused=True))
+    returned = threading.Event()
+    wait_for(lambda: agent._watcher.version > 0, "control read")
+    thread = threading.Thread(target=lambda: (agent.step_end(0.01), returned.set()))
+    thread.start()
+    stats = wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused" and s, "paused")
+    assert (stats.last_applied_by, stats.controls_applied_fallback) == ("step", 0)
+    assert [a.what for a in job.log] == ["pause"]  # held in step_end: the share is left alone
+    write_control(tmp_path, Control(seq=2, paused=False))
+    thread.join(timeout=10)
+    assert returned.is_set() and [a.what for a in job.log] == ["pause", "resume"]
+
+
+def test_close_releases_a_job_held_by_the_fallback(tmp_path: Path, agents) -> None:
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=0.01)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, paused=True))
+    wait_for(lambda: job.share == 0.0, "held")
+    agent.close()
+    assert job.share == 1.0  # the loop goes on unmanaged, not frozen at share 0
+    with pytest.raises(ValueError, match="control_fallback_s"):
+        JobAgent(tmp_path, job, job, control_fallback_s=0.0)

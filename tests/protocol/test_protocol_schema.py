@@ -52,6 +52,8 @@ def full_stats() -> Stats:
         controls_rejected=2,
         last_rejected=Rejection(10, "compute_share", "must be a number in [0.0, 1.0], got 2 (integer)"),
         wall_time=1_700_000_000.25,
+        controls_applied_fallback=1,
+        last_applied_by="fallback",
     )
 
 
@@ -91,7 +93,8 @@ def test_stats_round_trip_keeps_every_field() -> None:
 
 def test_stats_written_by_python_is_plain_json() -> None:
     doc = json.loads(full_stats().to_json())
-    assert doc["schema"] == "tf-antman/stats" and doc["version"] == 1
+    assert doc["schema"] == "tf-antman/stats" and doc["version"] == 2
+    assert doc["controls_applied_fallback"] == 1 and doc["last_applied_by"] == "fallback"
     assert doc["devices"][1]["limit_bytes"] is None
     assert doc["last_rejected"] == {
         "seq": 10,
@@ -262,3 +265,39 @@ def test_stats_field_missing_is_named() -> None:
 )
 def test_seq_hint_labels_rejections(text: str, seq: int | None) -> None:
     assert seq_hint(text) == seq
+
+
+def test_stats_version_1_still_reads_without_the_fallback_fields() -> None:
+    # A job of the previous release writes v1: a current coordinator reads it, with "no control
+    # applied by the fallback" and no origin.
+    doc = json.loads(full_stats().to_json())
+    del doc["controls_applied_fallback"], doc["last_applied_by"]
+    doc["version"] = 1
+    parsed = parse_stats(json.dumps(doc))
+    assert parsed.controls_applied_fallback == 0 and parsed.last_applied_by is None
+    assert parsed.controls_applied == 4 and parsed.step == 120
+    # ...but a v1 document with v2's fields is refused (unknown in v1), as is a v2 one without them.
+    doc["last_applied_by"] = "step"
+    with pytest.raises(ProtocolError) as err:
+        parse_stats(json.dumps(doc))
+    assert err.value.field == "last_applied_by" and "unknown field" in err.value.reason
+    v2 = json.loads(full_stats().to_json())
+    del v2["last_applied_by"]
+    with pytest.raises(ProtocolError) as err:
+        parse_stats(json.dumps(v2))
+    assert err.value.field == "last_applied_by" and "required" in err.value.reason
+
+
+@pytest.mark.parametrize(("change", "field", "accepted"), [
+    ({"version": 3}, "version", "{1, 2}"),
+    ({"last_applied_by": "boundary"}, "last_applied_by", "start|step|fallback or null"),
+    ({"last_applied_by": 1}, "last_applied_by", "start|step|fallback or null"),
+    ({"controls_applied_fallback": -1}, "controls_applied_fallback", f"[0, {MAX_SEQ}]"),
+    ({"controls_applied_fallback": 5}, "controls_applied_fallback", "at most controls_applied (4)"),
+])
+def test_stats_v2_fields_are_validated(change: dict[str, object], field: str, accepted: str) -> None:
+    doc = json.loads(full_stats().to_json())
+    doc.update(change)
+    with pytest.raises(ProtocolError) as err:
+        parse_stats(json.dumps(doc))
+    assert err.value.field == field and accepted in err.value.reason

@@ -1,57 +1,201 @@
-"""Step boundaries: only training steps count, in Keras fit, Session.run and custom loops."""
+"""Step boundaries (docs/steps.md): every import order installs the hooks; Keras 3 and tf_keras
+fit/train_on_batch, Session.run with each kind of optimizer update, make_callable and marked
+custom loops count exactly their training steps; a control from the job directory is in force
+after exactly one step; the newest of a user request and a coordinator limit wins.
+
+Each test is one TensorFlow process that combines several checks (a process costs seconds)."""
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
+import pytest
+
 from tests.conftest import run_py
 
+# In the job: send a control through the job directory and wait until the job's watcher has read
+# it (so the next step boundary is the first that can apply it); read what is in force.
+CONTROL_HELPERS = """
+import os, pathlib, time, tf_antman
+from tf_antman import activation
+from tf_antman.protocol import Control, MemoryLimit, write_control
+_seq = [0]
+def send(**fields):
+    agent = activation.active().steps.agent
+    version = agent._watcher.version
+    _seq[0] += 1
+    write_control(pathlib.Path(os.environ["ANTMAN_JOB_DIR"]), Control(seq=_seq[0], **fields))
+    while agent._watcher.version == version:
+        time.sleep(0.001)
+def limit():
+    return tf_antman.memory_stats()["limit"]
+def steps():
+    return activation.active().steps.steps
+MiB = 1 << 20
+"""
 
-def test_keras_fit_counts_train_batches_not_validation_or_evaluate() -> None:
-    job = run_py("""
-        import numpy as np, tensorflow as tf, tf_antman, time
-        from tf_antman import activation
-        x = np.random.default_rng(0).normal(size=(320, 8)).astype("float32")
-        y = (x.sum(axis=1) > 0).astype("float32")
-        m = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16, activation="relu"),
-                                 tf.keras.layers.Dense(1)])
-        m.compile(optimizer="sgd", loss="mse")
-        t0 = time.perf_counter()
-        m.fit(x, y, batch_size=32, epochs=3, verbose=0, validation_split=0.25)  # 8 train batches/epoch
-        m.evaluate(x, y, batch_size=32, verbose=0)
-        m.predict(x, batch_size=32, verbose=0)
-        st = activation.active().steps
-        emit({"steps": st.steps, "native_steps": tf_antman.memory_stats()["steps"],
-              "window": list(st.window)})
-    """, ANTMAN_ENABLE="1")
+MiB = 1 << 20
+
+# Trains with fit (2 epochs x 3 batches, validation batches too), 3 train_on_batch, then
+# evaluate/predict/test_on_batch/predict_on_batch, which are not steps: 9 steps. During fit a
+# limit is sent before batch 1 and read at batch 2 (one step later); during train_on_batch
+# another is sent between two calls.
+KERAS_JOB = CONTROL_HELPERS + """
+import numpy as np
+x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32"); y = x.sum(1)
+m = K.Sequential([K.Input((8,)), K.layers.Dense(4), K.layers.Dense(1)])
+m.compile(optimizer="adam", loss="mse")
+seen = {}
+class Probe(K.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 1 and "sent" not in seen:
+            send(memory_limits=(MemoryLimit(0, 300 * MiB),))
+            seen["sent"] = limit()
+        elif batch == 2 and "next" not in seen:
+            seen["next"] = limit()
+m.fit(x, y, batch_size=16, epochs=2, verbose=0, validation_split=0.25, callbacks=[Probe()])
+m.train_on_batch(x[:16], y[:16])
+send(memory_limits=(MemoryLimit(0, 200 * MiB),))
+seen["tob_sent"] = limit()
+m.train_on_batch(x[:16], y[:16])
+seen["tob_next"] = limit()
+m.train_on_batch(x[:16], y[:16])
+m.evaluate(x, y, verbose=0); m.predict(x, verbose=0); m.test_on_batch(x, y); m.predict_on_batch(x)
+emit({"steps": steps(), "native_steps": tf_antman.memory_stats()["steps"], "seen": seen,
+      "model": type(m).__module__, "window": list(activation.active().steps.window)})
+"""
+
+
+@pytest.mark.parametrize(("first", "keras", "env"), [
+    ("import keras", "keras", {}),
+    ("import tensorflow", "tf.keras", {}),
+    ("from tensorflow import keras", "keras", {}),
+    ("import tf_keras", "tf_keras", {}),
+    ("import tensorflow", "tf.keras", {"TF_USE_LEGACY_KERAS": "1"}),
+])
+def test_each_import_order_hooks_fit_and_train_on_batch(tmp_path: Path, first: str, keras: str,
+                                                        env: dict[str, str]) -> None:
+    job = run_py(f"{first}\nimport tensorflow as tf\nK = {keras}\n" + KERAS_JOB, ANTMAN_JOB_DIR=str(tmp_path),
+                 ANTMAN_CONTROL_FALLBACK_MS="600000", KERAS_BACKEND="tensorflow", **env)
     r = job.result
-    assert r["steps"] == 24
-    assert r["native_steps"] == 24  # the allocator saw exactly those boundaries
+    legacy = keras == "tf_keras" or "TF_USE_LEGACY_KERAS" in env
+    assert r["model"].startswith("tf_keras." if legacy else "keras."), r["model"]
+    assert r["steps"] == r["native_steps"] == 9
     assert all(t > 0 for t in r["window"])
+    # In force after exactly one step: not before (read right after the watcher had it), and
+    # at the next batch's start.
+    assert r["seen"] == {"sent": 4 << 30, "next": 300 * MiB, "tob_sent": 300 * MiB, "tob_next": 200 * MiB}
 
 
-def test_session_run_counts_only_runs_with_a_training_op() -> None:
-    job = run_py("""
-        import tensorflow as tf, tf_antman
-        from tf_antman import activation
+def test_session_run_counts_every_kind_of_optimizer_update(tmp_path: Path) -> None:  # and tf_keras v1
+    job = run_py(CONTROL_HELPERS + textwrap.dedent("""
+        import tensorflow as tf, keras
         tf.compat.v1.disable_eager_execution()
-        x = tf.compat.v1.placeholder(tf.float32, [None, 4])
-        w = tf.compat.v1.get_variable("w", [4, 1])
-        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
-        train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
-        with tf.compat.v1.Session() as s:
-            s.run(tf.compat.v1.global_variables_initializer())   # init: not a step
-            for _ in range(7):
-                s.run([train, loss], {x: [[1, 2, 3, 4]]})        # training steps
-            for _ in range(5):
-                s.run(loss, {x: [[1, 2, 3, 4]]})                 # evaluation: not steps
-        emit({"steps": activation.active().steps.steps, "info_steps": tf_antman.memory_stats()["steps"]})
-    """, ANTMAN_ENABLE="1")
-    assert job.result == {"steps": 7, "info_steps": 7}
+        v1 = tf.compat.v1
+        x = v1.placeholder(tf.float32, [None, 4])
+        counts = {}
+        def runs(name, sess, fetches, n, feed=None):
+            before = steps()
+            for _ in range(n):
+                sess.run(fetches, feed)
+            counts[name] = steps() - before
+        feed = {x: [[1, 2, 3, 4]]}
+        # 1. A reference variable and GradientDescentOptimizer: ApplyGradientDescent.
+        w_ref = v1.get_variable("w_ref", [4, 1], use_resource=False)
+        loss_ref = tf.reduce_mean(tf.square(tf.matmul(x, w_ref) - 1.0))
+        sgd = v1.train.GradientDescentOptimizer(0.1).minimize(loss_ref)
+        # 2. A resource variable and AdamOptimizer: ResourceApplyAdam.
+        w_res = v1.get_variable("w_res", [4, 1], use_resource=True)
+        loss_res = tf.reduce_mean(tf.square(tf.matmul(x, w_res) - 1.0))
+        adam = v1.train.AdamOptimizer(0.1).minimize(loss_res)
+        # 2b. No placeholder (make_callable without feeds): ResourceApplyMomentum.
+        w_c = v1.get_variable("w_c", [4, 1], use_resource=True)
+        momentum = v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            tf.reduce_mean(tf.square(tf.matmul(tf.ones((1, 4)), w_c) - 1.0)))
+        # 3. A Keras 3 optimizer in a TF1 graph: AssignSubVariableOp / AssignAddVariableOp.
+        w_k = tf.Variable(tf.ones((4, 1)), name="w_k")
+        loss_k = tf.reduce_mean(tf.square(tf.matmul(x, w_k) - 1.0))
+        graph = v1.get_default_graph()
+        ops_before = set(graph.get_operations())
+        keras.optimizers.Adam(0.1).apply_gradients(zip(tf.gradients(loss_k, [w_k]), [w_k]))
+        keras_update = tf.group(*[op for op in graph.get_operations() if op not in ops_before
+                                  and op.type.endswith("VariableOp") and op.type.startswith("Assign")])
+        kinds = sorted({op.type for op in graph.get_operations() if op not in ops_before
+                        and op.type.startswith("Assign")})
+        # 4. A hand-written update: an overwrite computed from the variable itself.
+        manual = w_k.assign(w_k - 0.01 * tf.gradients(loss_k, [w_k])[0])
+        # Writes that are not training: set_weights-style assignment from a placeholder, and a
+        # copy of one trainable variable into another (a target network's sync).
+        value = v1.placeholder(tf.float32, [4, 1])
+        set_w = w_res.assign(value)
+        copy = w_c.assign(w_res)
+        saver = v1.train.Saver()
+        with v1.Session() as s:
+            runs("init", s, v1.global_variables_initializer(), 1)
+            runs("sgd", s, [sgd, loss_ref], 3, feed)
+            runs("adam", s, adam, 4, feed)
+            runs("keras3", s, keras_update, 5, feed)
+            runs("eval", s, [loss_ref, loss_res, loss_k], 6, feed)
+            runs("set_weights", s, set_w, 2, {value: [[0.0]] * 4})
+            runs("manual", s, manual, 2, feed)
+            runs("copy", s, copy, 2)
+            path = saver.save(s, os.path.join(os.environ["ANTMAN_JOB_DIR"], "ckpt"))
+            before = steps(); saver.restore(s, path); counts["save_restore"] = steps() - before
+            # make_callable: without feeds it bypasses run(); with feeds it goes through run().
+            call_train = s.make_callable(momentum)
+            call_train_fed = s.make_callable([sgd, loss_ref], feed_list=[x])
+            call_eval = s.make_callable(loss_k, feed_list=[x])
+            before = steps()
+            for _ in range(3):
+                call_train_fed([[1, 2, 3, 4]])
+            counts["callable_fed"] = steps() - before
+            before = steps(); call_eval([[1, 2, 3, 4]]); counts["callable_eval"] = steps() - before
+            # A limit sent now is in force after exactly one training step of each kind.
+            before = steps()
+            for _ in range(2):
+                call_train()
+            counts["callable"] = steps() - before
+            in_force = []
+            for i, step in enumerate([lambda: call_train(), lambda: s.run(sgd, feed),
+                                      lambda: s.run(keras_update, feed)]):
+                send(memory_limits=(MemoryLimit(0, (100 + i) * MiB),))
+                in_force.append(limit())
+                step()
+                in_force.append(limit())
+        # tf_keras in graph mode (training_v1.Model): 2 epochs x 2 batches + 1 train_on_batch; its
+        # batches run through Session callables inside the marked step, not counted twice.
+        import numpy as np, tf_keras
+        xs = np.ones((32, 4), "float32")
+        m = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(4,))])
+        m.compile(optimizer="adam", loss="mse")
+        before = steps()
+        m.fit(xs, xs[:, 0], batch_size=16, epochs=2, verbose=0)
+        m.train_on_batch(xs[:8], xs[:8, 0])
+        m.evaluate(xs, xs[:, 0], verbose=0)
+        counts["tf_keras_v1"] = steps() - before
+        # Every op of this TF whose name speaks of Apply/Assign/Scatter is classified.
+        import re
+        from tf_antman import hooks
+        unclassified = [n for n in dir(tf.raw_ops) if re.search("Apply|Assign|Scatter", n) and not (
+            hooks.OPTIMIZER_KERNEL_RE.match(n) or n in hooks.READ_MODIFY_WRITE_OPS
+            or n in hooks.OVERWRITE_OPS or n in hooks.NOT_VARIABLE_WRITES)]
+        emit({"counts": counts, "kinds": kinds, "in_force": in_force, "total": steps(),
+              "native_steps": tf_antman.memory_stats()["steps"], "unclassified": unclassified})
+    """), ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_CONTROL_FALLBACK_MS="600000")
+    r = job.result
+    assert r["unclassified"] == []
+    assert r["kinds"] == ["AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"]
+    assert r["counts"] == {"init": 0, "sgd": 3, "adam": 4, "keras3": 5, "eval": 0, "set_weights": 0, "manual": 2, "copy": 0,
+                           "save_restore": 0, "callable": 2, "callable_fed": 3,
+                           "callable_eval": 0, "tf_keras_v1": 5}
+    assert r["in_force"] == [4 << 30, 100 << 20, 100 << 20, 101 << 20, 101 << 20, 102 << 20]
+    assert r["total"] == r["native_steps"] == 3 + 4 + 5 + 2 + 2 + 3 + 3 + 5
 
 
-def test_custom_loop_marks_steps_explicitly() -> None:
-    job = run_py("""
-        import tensorflow as tf, tf_antman
-        from tf_antman import activation
+def test_custom_loop_marks_steps_and_the_newest_limit_wins(tmp_path: Path) -> None:
+    job = run_py(CONTROL_HELPERS + textwrap.dedent("""
+        import tensorflow as tf
         v = tf.Variable(tf.ones((4, 4)))
         opt = tf.keras.optimizers.SGD(0.01)
         @tf.function
@@ -63,8 +207,87 @@ def test_custom_loop_marks_steps_explicitly() -> None:
         for _ in range(6):
             with tf_antman.step():
                 train_step()
-        with tf_antman.step(training=False):   # an evaluation pass
+        with tf_antman.step(training=False):   # an evaluation pass: not a step
             tf.reduce_sum(v).numpy()
-        emit({"steps": activation.active().steps.steps})
-    """, ANTMAN_ENABLE="1")
-    assert job.result["steps"] == 6
+        counted = steps()
+        send(memory_limits=(MemoryLimit(0, 300 << 20),))
+        before_step = limit()
+        with tf_antman.step():
+            train_step()
+        after_step = limit()
+        # The user asks first, the coordinator's limit is received after: the coordinator's wins.
+        tf_antman.set_memory_limit(64 << 20)
+        send(memory_limits=(MemoryLimit(0, 128 << 20),))
+        with tf_antman.step():
+            train_step()
+        coordinator_newer = limit()
+        with tf_antman.step():
+            train_step()
+        still = limit()
+        # The coordinator's limit is received first, the user asks after: the user's wins.
+        send(memory_limits=(MemoryLimit(0, 256 << 20),))
+        tf_antman.set_memory_limit(96 << 20)
+        with tf_antman.step():
+            train_step()
+        user_newer = limit()
+        emit({"counted": counted, "before_step": before_step, "after_step": after_step,
+              "coordinator_newer": coordinator_newer, "still": still, "user_newer": user_newer})
+    """), ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_CONTROL_FALLBACK_MS="600000")
+    r = job.result
+    assert r["counted"] == 6
+    assert (r["before_step"], r["after_step"]) == (4 << 30, 300 << 20)
+    assert r["coordinator_newer"] == r["still"] == 128 << 20
+    assert r["user_newer"] == 96 << 20
+
+
+def test_a_job_without_step_boundaries_gets_its_controls_from_the_fallback(tmp_path: Path) -> None:
+    # Eager ops in a loop that never marks a step (as an unmarked custom loop, or a job stuck
+    # before its first step): limits, a pause and its resume still take effect, by the fallback.
+    job = run_py(CONTROL_HELPERS + textwrap.dedent("""
+        import threading
+        import tensorflow as tf
+        from tf_antman.protocol import read_stats
+        a = tf.random.normal((64, 64))
+        done, count = threading.Event(), [0]
+        def loop():
+            while not done.is_set():
+                tf.matmul(a, a).numpy()
+                count[0] += 1
+        def share():
+            return tf_antman.compute_stats()["share"]
+        def wait(pred):  # bounded: a broken fallback fails the test instead of hanging it
+            deadline = time.monotonic() + 30
+            while not pred():
+                if time.monotonic() > deadline:
+                    done.set()
+                    raise SystemExit("never happened")
+                time.sleep(0.005)
+        worker = threading.Thread(target=loop); worker.start()
+        wait(lambda: count[0] > 10)
+        agent = activation.active().steps.agent
+        t0 = time.monotonic()
+        send(memory_limits=(MemoryLimit(0, 200 * MiB),))
+        wait(lambda: limit() == 200 * MiB)
+        limit_after_s = time.monotonic() - t0
+        send(paused=True)
+        wait(lambda: share() == 0.0)
+        agent.flush_stats()
+        paused_stats = read_stats(pathlib.Path(os.environ["ANTMAN_JOB_DIR"]))
+        frozen = count[0]
+        time.sleep(0.5)
+        moved_while_paused = count[0] - frozen
+        send(paused=False)
+        wait(lambda: share() == 1.0 and count[0] > frozen + 10)
+        done.set(); worker.join()
+        agent.flush_stats()
+        final = read_stats(pathlib.Path(os.environ["ANTMAN_JOB_DIR"]))
+        emit({"limit_after_s": limit_after_s, "moved_while_paused": moved_while_paused,
+              "paused": [paused_stats.state, paused_stats.compute_share, paused_stats.last_applied_by],
+              "final": [final.state, final.step, final.controls_applied, final.controls_applied_fallback,
+                        final.last_applied_by, final.control_seq_applied]})
+    """), ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_CONTROL_FALLBACK_MS="300")
+    r = job.result
+    assert r["limit_after_s"] >= 0.3  # it waited the fallback time for a step boundary first
+    assert r["paused"] == ["paused", 1.0, "fallback"]  # held by share 0; the share in force is reported
+    assert r["moved_while_paused"] <= 1  # at most the op that was running when the share went to 0
+    assert r["final"] == ["starting", 0, 3, 3, "fallback", 3]

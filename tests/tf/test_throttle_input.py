@@ -7,6 +7,8 @@ these jobs hung for ever at any share below 1. Timing figures live in bench/comp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.conftest import run_py
 
 PIPELINE = """
@@ -129,3 +131,79 @@ def test_waiting_op_list_names_real_tensorflow_ops() -> None:
     assert len(r["names"]) > 20
     assert "IteratorGetNext" in r["names"] and "EagerPyFunc" in r["names"]
     assert r["missing"] == []
+
+
+def test_coordinator_share_controls_during_tf_keras_train_on_batch_and_custom_loop(tmp_path: Path) -> None:
+    """Controls written to the job directory cycle the share 1 -> 0.3 -> 0 -> 0.7 -> 1 (again and
+    again) while a tf_keras fit on a tf.data pipeline, a train_on_batch loop and a custom loop
+    train: they finish with the losses of an unthrottled run. Share 0 stops the job inside an op,
+    so the next control can only arrive through the fallback (ANTMAN_CONTROL_FALLBACK_MS)."""
+    code = """
+        import os, pathlib, threading, time
+        import numpy as np, tensorflow as tf, tf_keras, tf_antman
+        from tf_antman import activation
+        from tf_antman.protocol import Control, read_stats, write_control
+        tf.keras.utils.set_random_seed(7)
+        CONTROL = %s
+        job_dir = pathlib.Path(os.environ["ANTMAN_JOB_DIR"])
+        sent = [0]
+        done = threading.Event()
+        def controller():
+            shares = (1.0, 0.3, 0.0, 0.7, 1.0)
+            while not done.is_set():
+                sent[0] += 1
+                write_control(job_dir, Control(seq=sent[0], compute_share=shares[sent[0] %% 5]))
+                time.sleep(0.15)
+            sent[0] += 1
+            write_control(job_dir, Control(seq=sent[0], compute_share=1.0))
+        x = np.random.default_rng(1).random((512, 16)).astype("float32")
+        y = (x.sum(1) > 8).astype("float32")
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a * 2.0, b))
+        ds = ds.map(lambda a, b: (tf.reshape(tf.numpy_function(lambda v: v + 1.0, [a], tf.float32), (16,)), b))
+        ds = ds.batch(32).prefetch(2)
+        m = tf_keras.Sequential([tf_keras.layers.Dense(32, activation="relu", input_shape=(16,)),
+                                 tf_keras.layers.Dense(1)])
+        m.compile(tf_keras.optimizers.SGD(0.05), "mse")
+        t = threading.Thread(target=controller)
+        if CONTROL:
+            t.start()
+        losses = [float(v) for v in m.fit(ds, epochs=3, verbose=0).history["loss"]]
+        for i in range(20):
+            losses.append(float(m.train_on_batch(x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16])))
+        v = tf.Variable(tf.ones((16, 1)) * 0.1)
+        @tf.function
+        def step(a, b):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.matmul(a, v)[:, 0] - b))
+            v.assign_sub(0.01 * tape.gradient(loss, v))
+            return loss
+        for a, b in ds.repeat(2):
+            with tf_antman.step():
+                losses.append(float(step(a, b)))
+        done.set()
+        if CONTROL:
+            t.join()
+            while activation.active().steps.agent._watcher.version == 0:
+                time.sleep(0.01)
+            with tf_antman.step():      # one more boundary: the last control is applied here
+                losses.append(float(step(x[:32] * 2.0 + 1.0, y[:32])))
+            activation.active().steps.agent.flush_stats()
+            s = read_stats(job_dir)
+            final = {"seq": s.control_seq_applied, "share": s.compute_share, "applied": s.controls_applied,
+                     "fallback": s.controls_applied_fallback}
+        else:
+            losses.append(float(step(x[:32] * 2.0 + 1.0, y[:32])))
+            final = {}
+        emit({"losses": losses, "sent": sent[0], "final": final})
+    """
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "changed").mkdir()
+    plain = run_py(code % "False", timeout=300, ANTMAN_JOB_DIR=str(tmp_path / "plain"),
+                   ANTMAN_CONTROL_FALLBACK_MS="200").result
+    changed = run_py(code % "True", timeout=300, ANTMAN_JOB_DIR=str(tmp_path / "changed"),
+                     ANTMAN_CONTROL_FALLBACK_MS="200").result
+    assert changed["losses"] == plain["losses"]
+    assert changed["sent"] >= 6  # the cycle went through share 0 at least once
+    f = changed["final"]
+    assert f["seq"] == changed["sent"] and f["share"] == 1.0
+    assert f["applied"] >= 3 and f["fallback"] >= 1  # a share-0 stop was lifted by the fallback

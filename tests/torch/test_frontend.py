@@ -143,7 +143,6 @@ def test_unchanged_script_is_activated_at_import_torch(tmp_path: Path) -> None:
                  ANTMAN_HOST_MEMORY="64MiB", ANTMAN_JOB_DIR=str(job_dir))
     out = job.result
     assert job.rc == 0, job.stderr
-    assert "active for PyTorch" in job.stderr
     assert out["active"] and out["steps"] == 6  # 5 optimizer iterations + 1 marked step
     assert sorted(out["host"]) == [0, 0, 1, 1]  # over the limit: host fallback, no failure
     assert out["mem"]["limit"] == 16 * MiB

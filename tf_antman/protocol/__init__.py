@@ -23,7 +23,9 @@ from tf_antman.protocol.layout import (
 )
 from tf_antman.protocol.schema import (
     CONTROL_SCHEMA,
+    CONTROL_VERSION,
     STATS_SCHEMA,
+    STATS_VERSION,
     VERSION,
     Control,
     DeviceStats,
@@ -38,9 +40,11 @@ from tf_antman.protocol.watch import ControlUpdate, ControlWatcher
 __all__ = [
     "CONTROL_FILE",
     "CONTROL_SCHEMA",
+    "CONTROL_VERSION",
     "JOB_DIR_ENV",
     "STATS_FILE",
     "STATS_SCHEMA",
+    "STATS_VERSION",
     "TMP_DIR",
     "VERSION",
     "Control",

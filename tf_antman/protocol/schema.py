@@ -16,10 +16,15 @@ from tf_antman.protocol.errors import ProtocolError
 
 STATS_SCHEMA: Final = "tf-antman/stats"
 CONTROL_SCHEMA: Final = "tf-antman/control"
-VERSION: Final = 1
-# A reader refuses any other version instead of guessing (unknown fields are refused as well, so
-# every change to either document needs a new version).
-SUPPORTED_VERSIONS: Final = frozenset({1})
+# Each document has its own version. A reader refuses any version it does not list instead of
+# guessing (unknown fields are refused as well, so every change to a document needs a new version).
+CONTROL_VERSION: Final = 1
+CONTROL_VERSIONS: Final = frozenset({1})
+# Stats v2 (adds controls_applied_fallback, last_applied_by). Written: 2; read: 1 and 2, a v1
+# document reads as "no control applied by the fallback, origin unknown".
+STATS_VERSION: Final = 2
+STATS_VERSIONS: Final = frozenset({1, 2})
+VERSION: Final = CONTROL_VERSION  # the name before the documents were versioned separately
 
 MAX_SEQ: Final = 2**53 - 1  # the largest integer that every JSON implementation holds exactly
 MAX_COUNT: Final = MAX_SEQ
@@ -37,6 +42,9 @@ MAX_STATS_BYTES: Final = 256 * 1024
 MAX_INT_DIGITS: Final = 20  # longer integer literals are refused before Python converts them
 
 STATES: Final = ("starting", "running", "paused", "finished", "failed")
+# Where the last applied control was put into force: at the agent's start, at a step boundary, or
+# by the fallback from the agent's own thread when no step boundary came in time.
+APPLIED_BY: Final = ("start", "step", "fallback")
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class Control:
         _adopt(self, _control_fields(self.to_dict()))
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"schema": CONTROL_SCHEMA, "version": VERSION, "seq": self.seq}
+        out: dict[str, Any] = {"schema": CONTROL_SCHEMA, "version": CONTROL_VERSION, "seq": self.seq}
         if self.memory_limits:
             out["memory_limits"] = [
                 _entry_dict(entry, MemoryLimit, f"memory_limits[{i}]")
@@ -128,6 +136,8 @@ class Stats:
     controls_rejected: int = 0
     last_rejected: Rejection | None = None
     wall_time: float = 0.0
+    controls_applied_fallback: int = 0
+    last_applied_by: str | None = None
 
     def __post_init__(self) -> None:
         _adopt(self, _stats_fields(self.to_dict()))
@@ -135,7 +145,7 @@ class Stats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": STATS_SCHEMA,
-            "version": VERSION,
+            "version": STATS_VERSION,
             "seq": self.seq,
             "pid": self.pid,
             "state": self.state,
@@ -156,6 +166,8 @@ class Stats:
             if self.last_rejected is None
             else _entry_dict(self.last_rejected, Rejection, "last_rejected"),
             "wall_time": self.wall_time,
+            "controls_applied_fallback": self.controls_applied_fallback,
+            "last_applied_by": self.last_applied_by,
         }
 
     def to_json(self) -> str:
@@ -195,7 +207,7 @@ def seq_hint(text: str) -> int | None:
 
 def _control_fields(data: object) -> dict[str, Any]:
     doc = _Fields(data, "")
-    doc.schema(CONTROL_SCHEMA)
+    doc.schema(CONTROL_SCHEMA, CONTROL_VERSIONS)
     out: dict[str, Any] = {"seq": doc.int("seq", 1, MAX_SEQ)}
     entries = doc.list("memory_limits", MAX_DEVICES, required=False)
     limits: list[MemoryLimit] = []
@@ -217,7 +229,7 @@ def _control_fields(data: object) -> dict[str, Any]:
 
 def _stats_fields(data: object) -> dict[str, Any]:
     doc = _Fields(data, "")
-    doc.schema(STATS_SCHEMA)
+    version = doc.schema(STATS_SCHEMA, STATS_VERSIONS)
     out: dict[str, Any] = {
         "seq": doc.int("seq", 1, MAX_SEQ),
         "pid": doc.int("pid", 1, MAX_PID),
@@ -270,6 +282,16 @@ def _stats_fields(data: object) -> dict[str, Any]:
         )
         rejected.finish()
     out["wall_time"] = doc.number("wall_time", 0.0, MAX_WALL_TIME)
+    if version >= 2:
+        out["controls_applied_fallback"] = doc.int("controls_applied_fallback", 0, MAX_COUNT)
+        out["last_applied_by"] = doc.choice("last_applied_by", APPLIED_BY, nullable=True)
+        if out["controls_applied_fallback"] > out["controls_applied"]:
+            raise ProtocolError("controls_applied_fallback",
+                                f"must be at most controls_applied ({out['controls_applied']}), "
+                                f"got {out['controls_applied_fallback']}")
+    else:
+        out["controls_applied_fallback"] = 0
+        out["last_applied_by"] = None
     doc.finish()
     return out
 
@@ -301,14 +323,15 @@ class _Fields:
             return _ABSENT
         return value
 
-    def schema(self, expected: str) -> None:
+    def schema(self, expected: str, supported: frozenset[int]) -> int:
         schema = self._take("schema", True, False, f"must be {expected!r}")
         if schema != expected:
             raise ProtocolError("schema", f"must be {expected!r}, got {_describe(schema)}")
-        versions = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        versions = ", ".join(str(v) for v in sorted(supported))
         version = self._take("version", True, False, f"must be one of {{{versions}}}")
-        if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        if type(version) is not int or version not in supported:
             raise ProtocolError("version", f"must be one of {{{versions}}}, got {_describe(version)}")
+        return version
 
     def int(self, key: str, lo: int, hi: int, *, required: bool = True, nullable: bool = False) -> Any:
         value = self._take(key, required, nullable, f"must be an integer in [{lo}, {hi}]")
@@ -328,10 +351,13 @@ class _Fields:
             raise ProtocolError(self.path(key), f"must be true or false, got {_describe(value)}")
         return value
 
-    def choice(self, key: str, choices: tuple[str, ...]) -> str:
-        value = self._take(key, True, False, f"must be one of {'|'.join(choices)}")
+    def choice(self, key: str, choices: tuple[str, ...], *, nullable: bool = False) -> Any:
+        also = " or null" if nullable else ""
+        value = self._take(key, True, nullable, f"must be one of {'|'.join(choices)}{also}")
+        if value is _ABSENT:
+            return None
         if type(value) is not str or value not in choices:
-            raise ProtocolError(self.path(key), f"must be one of {'|'.join(choices)}, got {_describe(value)}")
+            raise ProtocolError(self.path(key), f"must be one of {'|'.join(choices)}{also}, got {_describe(value)}")
         return value
 
     def text(self, key: str, max_chars: int) -> str:

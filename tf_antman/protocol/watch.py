@@ -8,15 +8,15 @@ The step thread only compares an integer (`version`) on its hot path and calls `
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from tf_antman._log import log
 from tf_antman.protocol.errors import ProtocolError
 from tf_antman.protocol.files import FileIdentity, read_snapshot
 from tf_antman.protocol.layout import CONTROL_FILE, control_path
@@ -27,8 +27,6 @@ from tf_antman.protocol.schema import (
     parse_control,
     seq_hint,
 )
-
-log = logging.getLogger("tf_antman")
 
 DEFAULT_REREAD_INTERVAL_S: Final = 1.0
 DEFAULT_DEBOUNCE_S: Final = 0.001
@@ -45,11 +43,14 @@ class ControlUpdate:
     control: the newest valid control, or None. Older valid controls that it superseded before the step
     thread took them are dropped on purpose (their seq is lower; only the newest matters).
     last_rejection / rejected: the latest refused file and how many were refused in total since then.
+    received_at: time.monotonic() when `control` was read (None without a control); the job uses it to
+    order a control against a user's own request (the newer wins).
     """
 
     control: Control | None
     last_rejection: Rejection | None
     rejected: int
+    received_at: float | None = field(default=None, compare=False)
 
 
 class ControlWatcher:
@@ -100,6 +101,7 @@ class ControlWatcher:
         self._last_identity: FileIdentity | None = None
         self._max_seq = 0
         self._pending: Control | None = None
+        self._received_at = 0.0
         self._last_rejection: Rejection | None = None
         self._rejected = 0
         self.version = 0  # bumped under _lock whenever take() has something new; read lock-free
@@ -129,7 +131,7 @@ class ControlWatcher:
             except Exception as err:  # noqa: BLE001 - e.g. OSError(ENOSPC) when inotify watches run out
                 self._fell_back = True
                 log.warning(
-                    "tf_antman: cannot watch %s with inotify (%s); polling every %.3f s instead",
+                    "cannot watch %s with inotify (%s); polling every %.3f s instead",
                     self._job_dir,
                     err,
                     min(self._reread_s, self._fallback_poll_s),
@@ -145,7 +147,7 @@ class ControlWatcher:
                 self._observer.stop()
                 self._observer.join(timeout=5.0)
             except Exception as err:  # noqa: BLE001 - closing must not fail the job
-                log.warning("tf_antman: stopping the file observer failed: %s", err)
+                log.warning("stopping the file observer failed: %s", err)
             self._observer = None
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
@@ -156,7 +158,10 @@ class ControlWatcher:
         with self._lock:
             if self._pending is None and self._rejected == 0:
                 return None
-            update = ControlUpdate(self._pending, self._last_rejection, self._rejected)
+            update = ControlUpdate(
+                self._pending, self._last_rejection, self._rejected,
+                self._received_at if self._pending is not None else None,
+            )
             self._pending = None
             self._rejected = 0
             return update
@@ -185,6 +190,7 @@ class ControlWatcher:
             self._max_seq = control.seq
             with self._lock:
                 self._pending = control
+                self._received_at = time.monotonic()
                 self.version += 1
         self._notify()
         return True
@@ -192,7 +198,7 @@ class ControlWatcher:
     def _publish_rejection(self, rejection: Rejection) -> None:
         # Logged here, once per distinct file: the periodic re-read of the same file is deduplicated.
         log.warning(
-            "tf_antman: control refused (seq %s): %s: %s", rejection.seq, rejection.field, rejection.reason
+            "control refused (seq %s): %s: %s", rejection.seq, rejection.field, rejection.reason
         )
         if rejection.seq is not None:
             self._max_seq = max(self._max_seq, rejection.seq)
@@ -237,7 +243,7 @@ class ControlWatcher:
             try:
                 self.check_now()
             except Exception:
-                log.exception("tf_antman: reading %s failed", self._path)
+                log.exception("reading %s failed", self._path)
 
 
 def _default_observer() -> Any:

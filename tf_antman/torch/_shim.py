@@ -26,6 +26,7 @@ class MemConfig(ctypes.Structure):
         ("backend", ctypes.c_int), ("device_ordinal", ctypes.c_int),
         ("device_capacity", ctypes.c_uint64), ("limit", ctypes.c_uint64),
         ("host_capacity", ctypes.c_uint64), ("min_region", ctypes.c_uint64),
+        ("host_idle_release_ms", ctypes.c_uint64),  # 0 = the core's default (10 s)
     ]
 
 
@@ -123,7 +124,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
 def create(lib: ctypes.CDLL, path: Path, backend: str, device: int, device_capacity: int,
            limit: int, host_capacity: int) -> TorchMemory:
     """The memory core of `device` (capacity / limit 0: the device's free memory)."""
-    cfg = MemConfig(BACKENDS[backend], device, device_capacity, limit, host_capacity, 0)
+    cfg = MemConfig(BACKENDS[backend], device, device_capacity, limit, host_capacity, 0, 0)
     err = ctypes.create_string_buffer(512)
     if lib.antman_torch_mem_create(ctypes.byref(cfg), err, len(err)) != 0:
         raise NativeError(err.value.decode(errors="replace"))

@@ -1,0 +1,97 @@
+/* tf-antman CUDA event gate: C API (libantman_core.so).
+ *
+ * Gates kernel launches on CUDA streams through an op manager and charges the
+ * manager with the time the *device* spent on them, not the time the launch
+ * call took (a launch returns long before its kernels run).
+ *
+ *     antman_gate_op* op;
+ *     antman_gate_begin(gate, stream, &op);  // admit (may block), event before
+ *     ... enqueue the op's kernels on `stream` ...
+ *     antman_gate_end(gate, op);             // event after; never skip it
+ *
+ * begin: returns at once with op = NULL while the manager is unthrottled
+ *        (share 1: nothing is recorded, end(NULL) does nothing). Otherwise it
+ *        admits a device-timed op (blocks while the job is over its share, is
+ *        paused, or has max_pending_device_ops launches not completed),
+ *        charges the profiled op time provisionally and records a start event
+ *        on `stream`.
+ * end:   records an end event on `stream` and queues the op.
+ * A poller thread of the gate waits for the queued ops' end events in the
+ * order end was called (poll: cuEventQuery every poll_interval_ns) and calls
+ * device_done with the kernel interval [start event, end event) placed on the
+ * manager's clock. The stream's earlier work is not charged to the op: the
+ * start event completes only when that work has. Events come from a pool and
+ * are reused.
+ *
+ * Clocks: event timestamps are mapped onto the manager's clock through an
+ * anchor, an event recorded on a private stream and synchronized, whose host
+ * time is known to within the sync's round trip (antman_gate_stats reports
+ * it). cuEventElapsedTime is a float in ms (24-bit mantissa: ~60 ns at 1 s,
+ * ~1 ms at 3 h), so begin re-anchors when the anchor is older than
+ * anchor_interval_ns (one record + sync on the launching thread, about once a
+ * second while throttled). An op's duration is read between its own two events
+ * and does not depend on the anchor.
+ *
+ * Context: the device's primary context (the one the CUDA runtime, PyTorch and
+ * TensorFlow use); `stream` must belong to it (NULL = its legacy default
+ * stream). The driver is loaded with dlopen: without one, create fails with
+ * ANTMAN_ERR_DEVICE and a message, it does not crash the process.
+ * Lifetime: the manager must outlive the gate. destroy waits until every ended
+ * op has completed on the device and been charged.
+ * Thread safety: any thread; begin/end pairs may come from many threads.
+ * Errors: as in antman_ops.h (ANTMAN_OK, ANTMAN_ERR_*, antman_core_last_error).
+ * A device error seen on an op's events (a failed kernel) returns the op's
+ * provisional charge, is counted in stats.errors and does not stop the gate.
+ */
+#ifndef TF_ANTMAN_CC_CORE_CUDA_GATE_H_
+#define TF_ANTMAN_CC_CORE_CUDA_GATE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cc/core/antman_ops.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ANTMAN_GATE_ABI_VERSION 1
+
+typedef struct {
+  int32_t device_ordinal;     /* CUDA device ordinal, [0, devices visible) */
+  int32_t reserved0;          /* 0 */
+  int64_t poll_interval_ns;   /* [1000, 100000000]; default 20000 (20 us) */
+  int64_t anchor_interval_ns; /* [1000000, 60000000000]; default 1 s */
+} antman_gate_config;
+
+typedef struct {
+  int64_t ops_begun;          /* begin calls that recorded events */
+  int64_t ops_completed;      /* ops charged with their device interval */
+  int64_t ops_pending;        /* ended, not completed yet */
+  int64_t errors;             /* ops whose events reported a device error */
+  int64_t device_busy_ns;     /* sum of the charged kernel intervals */
+  int64_t anchors;            /* anchors taken (1 at create) */
+  int64_t anchor_uncertainty_ns; /* round trip of the current anchor's sync */
+  int64_t events_created;     /* pool size: events ever created */
+} antman_gate_stats;
+
+typedef struct antman_gate antman_gate;
+typedef struct antman_gate_op antman_gate_op;
+
+void antman_gate_default_config(antman_gate_config* out);
+int antman_gate_create(antman_opm* opm, const antman_gate_config* config,
+                       antman_gate** out, char* err, size_t errlen);
+void antman_gate_destroy(antman_gate* gate);
+
+/* stream: a CUstream / cudaStream_t of the gate's device, or NULL. */
+int antman_gate_begin(antman_gate* gate, void* stream, antman_gate_op** op);
+int antman_gate_end(antman_gate* gate, antman_gate_op* op);
+/* Waits until every ended op has been charged. */
+int antman_gate_drain(antman_gate* gate);
+int antman_gate_get_stats(antman_gate* gate, antman_gate_stats* out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TF_ANTMAN_CC_CORE_CUDA_GATE_H_ */

@@ -1,0 +1,574 @@
+// The CUDA event gate against a fake driver: events get device timestamps
+// when the test says their work completed, elapsed times come back as float
+// milliseconds like the real driver's, and the manager runs on a fake clock.
+// What needs a real GPU runs in bench/gpu (compute_bench).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/core/cuda_gate.h"
+#include "cc/core/cuda_gate_internal.h"
+#include "cc/core/op_manager.h"
+#include "cc/core/test_check.h"
+
+namespace {
+
+using antman::CudaGate;
+using antman::OpManager;
+
+constexpr int64_t kUs = 1000;
+constexpr int64_t kMs = 1000 * kUs;
+constexpr int64_t kS = 1000 * kMs;
+
+// Virtual time; a timed wait jumps to its deadline.
+class FakeClock final : public antman::Clock {
+ public:
+  int64_t NowNs() const override { return now_.load(); }
+  void Advance(int64_t ns) { now_.fetch_add(ns); }
+  void WaitUntil(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
+                 int64_t deadline_ns) override {
+    if (deadline_ns == kForever) {
+      cv.wait(lock);
+      return;
+    }
+    int64_t now = now_.load();
+    while (now < deadline_ns && !now_.compare_exchange_weak(now, deadline_ns)) {
+    }
+  }
+
+ private:
+  std::atomic<int64_t> now_{1000 * kS};
+};
+
+struct FakeEvent {
+  bool recorded = false;
+  bool complete = false;
+  int64_t device_ns = 0;
+  void* stream = nullptr;
+};
+
+// One fake device per test (the driver table is plain function pointers).
+struct FakeDevice {
+  std::mutex mu;
+  FakeClock* clock = nullptr;
+  // The device's clock has its own epoch: only differences are meaningful.
+  int64_t device_offset_ns = 7'000 * kS + 123;
+  std::vector<std::unique_ptr<FakeEvent>> events;
+  std::deque<FakeEvent*> pending;  // recorded on user streams, not complete
+  int created = 0;
+  int destroyed = 0;
+  int streams_alive = 0;
+  int ctx_retained = 0;
+  int fail_next_records = 0;
+  int query_error = 0;  // returned by cuEventQuery instead of success when set
+  int user_records = 0;
+};
+FakeDevice* g_dev = nullptr;
+char g_anchor_stream_tag;
+void* const kAnchorStream = &g_anchor_stream_tag;
+thread_local std::vector<void*> tl_ctx_stack;
+
+FakeEvent* Ev(void* e) { return static_cast<FakeEvent*>(e); }
+
+const antman::GateDriver* FakeDriver() {
+  static antman::GateDriver d;
+  d.cuInit = [](unsigned) { return 0; };
+  d.cuDeviceGetCount = [](int* n) {
+    *n = 1;
+    return 0;
+  };
+  d.cuDeviceGet = [](int* dev, int ordinal) {
+    *dev = ordinal;
+    return 0;
+  };
+  d.cuDevicePrimaryCtxRetain = [](void** ctx, int) {
+    ++g_dev->ctx_retained;
+    *ctx = reinterpret_cast<void*>(0xC0);
+    return 0;
+  };
+  d.cuDevicePrimaryCtxRelease = [](int) {
+    --g_dev->ctx_retained;
+    return 0;
+  };
+  d.cuCtxGetCurrent = [](void** ctx) {
+    *ctx = tl_ctx_stack.empty() ? nullptr : tl_ctx_stack.back();
+    return 0;
+  };
+  d.cuCtxPushCurrent = [](void* ctx) {
+    tl_ctx_stack.push_back(ctx);
+    return 0;
+  };
+  d.cuCtxPopCurrent = [](void** ctx) {
+    *ctx = tl_ctx_stack.back();
+    tl_ctx_stack.pop_back();
+    return 0;
+  };
+  d.cuEventCreate = [](void** e, unsigned) {
+    std::lock_guard<std::mutex> lock(g_dev->mu);
+    g_dev->events.push_back(std::make_unique<FakeEvent>());
+    *e = g_dev->events.back().get();
+    ++g_dev->created;
+    return 0;
+  };
+  d.cuEventDestroy = [](void*) {
+    std::lock_guard<std::mutex> lock(g_dev->mu);
+    ++g_dev->destroyed;
+    return 0;
+  };
+  d.cuEventRecord = [](void* e, void* stream) {
+    std::lock_guard<std::mutex> lock(g_dev->mu);
+    if (tl_ctx_stack.empty() || tl_ctx_stack.back() != reinterpret_cast<void*>(0xC0)) {
+      return 201;  // CUDA_ERROR_INVALID_CONTEXT: the gate must make its context current
+    }
+    if (stream != kAnchorStream && g_dev->fail_next_records > 0) {
+      --g_dev->fail_next_records;
+      return 1;
+    }
+    FakeEvent* ev = Ev(e);
+    ev->recorded = true;
+    ev->stream = stream;
+    if (stream == kAnchorStream) {  // the gate's idle private stream: done at once
+      ev->complete = true;
+      ev->device_ns = g_dev->clock->NowNs() + g_dev->device_offset_ns;
+    } else {
+      ev->complete = false;
+      ++g_dev->user_records;
+      g_dev->pending.push_back(ev);
+    }
+    return 0;
+  };
+  d.cuEventQuery = [](void* e) {
+    std::lock_guard<std::mutex> lock(g_dev->mu);
+    if (!Ev(e)->complete) return antman::kCuErrorNotReady;
+    return g_dev->query_error;
+  };
+  d.cuEventSynchronize = [](void* e) {
+    std::lock_guard<std::mutex> lock(g_dev->mu);
+    return Ev(e)->complete ? 0 : 999;
+  };
+  d.cuEventElapsedTime = [](float* ms, void* a, void* b) {
+    std::lock_guard<std::mutex> lock(g_dev->mu);
+    if (!Ev(a)->complete || !Ev(b)->complete) return antman::kCuErrorNotReady;
+    // The driver's answer is a float in ms: 24 bits of mantissa.
+    *ms = static_cast<float>(static_cast<double>(Ev(b)->device_ns - Ev(a)->device_ns) / 1e6);
+    return 0;
+  };
+  d.cuStreamCreate = [](void** s, unsigned) {
+    ++g_dev->streams_alive;
+    *s = kAnchorStream;
+    return 0;
+  };
+  d.cuStreamDestroy = [](void*) {
+    --g_dev->streams_alive;
+    return 0;
+  };
+  d.cuGetErrorString = nullptr;
+  return &d;
+}
+
+// Completes the oldest pending user-stream event at host time host_ns.
+void CompleteNext(int64_t host_ns) {
+  std::lock_guard<std::mutex> lock(g_dev->mu);
+  REQUIRE(!g_dev->pending.empty());
+  FakeEvent* ev = g_dev->pending.front();
+  g_dev->pending.pop_front();
+  ev->device_ns = host_ns + g_dev->device_offset_ns;
+  ev->complete = true;
+}
+
+size_t PendingEvents() {
+  std::lock_guard<std::mutex> lock(g_dev->mu);
+  return g_dev->pending.size();
+}
+
+template <typename Pred>
+bool Eventually(Pred done) {
+  auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
+
+struct Charged {
+  std::mutex mu;
+  std::vector<std::pair<int64_t, int64_t>> intervals;
+};
+
+// A fake device, a manager on a fake clock and a gate over both.
+struct Rig {
+  FakeClock clock;
+  FakeDevice dev;
+  Charged charged;
+  std::unique_ptr<OpManager> manager;
+  std::unique_ptr<CudaGate> gate;
+
+  explicit Rig(double share, int64_t anchor_interval_ns = 1 * kS) {
+    g_dev = &dev;
+    dev.clock = &clock;
+    OpManager::Options o;
+    o.initial_share = share;
+    o.max_credit_ns = 1000 * kS;  // admission never waits for tokens here
+    o.clock = &clock;
+    manager = std::make_unique<OpManager>(o);
+    clock.Advance(10 * kS);  // bank credit
+    CudaGate::Options g;
+    g.poll_interval_ns = 1 * kUs;
+    g.anchor_interval_ns = anchor_interval_ns;
+    g.on_charged = [this](int64_t s, int64_t e) {
+      std::lock_guard<std::mutex> lock(charged.mu);
+      charged.intervals.emplace_back(s, e);
+    };
+    std::string err;
+    int code = 0;
+    gate = CudaGate::Create(manager.get(), g, FakeDriver(), &err, &code);
+    if (gate == nullptr) std::fprintf(stderr, "gate: %s\n", err.c_str());
+  }
+  ~Rig() {
+    gate.reset();
+    manager.reset();
+    g_dev = nullptr;
+  }
+  CudaGate::Op* Begin(void* stream) {
+    CudaGate::Op* op = nullptr;
+    std::string err;
+    EXPECT_EQ(gate->Begin(stream, &op, &err), ANTMAN_OK);
+    return op;
+  }
+  void End(CudaGate::Op* op) {
+    std::string err;
+    EXPECT_EQ(gate->End(op, &err), ANTMAN_OK);
+  }
+  std::vector<std::pair<int64_t, int64_t>> Intervals() {
+    std::lock_guard<std::mutex> lock(charged.mu);
+    return charged.intervals;
+  }
+};
+
+int64_t Abs(int64_t v) { return v < 0 ? -v : v; }
+
+void* Stream(int n) { return reinterpret_cast<void*>(static_cast<uintptr_t>(0x1000 + n)); }
+
+}  // namespace
+
+TEST(PlacementMath) {
+  using antman::PlaceOnHostClock;
+  // anchor at 1'000'000 ns; start 2 us after it, 1 us long.
+  auto iv = PlaceOnHostClock(1'000'000, 0.002f, 0.001f, 0, 10'000'000);
+  EXPECT_EQ(iv.start_ns, 1'002'000);
+  EXPECT_EQ(iv.end_ns, 1'003'000);
+  // Rounding must not overlap the previous op of the stream.
+  iv = PlaceOnHostClock(1'000'000, 0.002f, 0.001f, 1'002'500, 10'000'000);
+  EXPECT_EQ(iv.start_ns, 1'002'500);
+  EXPECT_EQ(iv.end_ns, 1'003'500);
+  // Nor end after the completion was seen: slide back, keep the duration.
+  iv = PlaceOnHostClock(1'000'000, 0.002f, 0.001f, 0, 1'002'400);
+  EXPECT_EQ(iv.start_ns, 1'001'400);
+  EXPECT_EQ(iv.end_ns, 1'002'400);
+  // Both bounds at once: the floor wins, the interval shrinks, never inverts.
+  iv = PlaceOnHostClock(1'000'000, 0.002f, 0.001f, 1'002'200, 1'002'400);
+  EXPECT_EQ(iv.start_ns, 1'002'200);
+  EXPECT_EQ(iv.end_ns, 1'002'400);
+  // Negative duration noise is an empty interval.
+  iv = PlaceOnHostClock(1'000'000, 0.0f, -0.0005f, 0, 10'000'000);
+  EXPECT_EQ(iv.end_ns - iv.start_ns, 0);
+}
+
+TEST(ChargesKernelIntervalsInOrderAndRecyclesEvents) {
+  Rig rig(0.5);
+  REQUIRE(rig.gate != nullptr);
+  const int64_t t = rig.clock.NowNs();
+  CudaGate::Op* a = rig.Begin(Stream(1));
+  rig.End(a);
+  CudaGate::Op* b = rig.Begin(Stream(1));
+  rig.End(b);
+  EXPECT_EQ(rig.manager->stats().ops_in_flight, 2);
+  rig.clock.Advance(5 * kMs);
+  // The poller must wait for the first op even when it cannot see the second:
+  // complete nothing yet and check nothing was charged.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(rig.gate->stats().ops_completed, 0);
+  CompleteNext(t + 1 * kMs);  // a.start: the stream's earlier work ends here
+  CompleteNext(t + 3 * kMs);  // a.end
+  CompleteNext(t + 3 * kMs);  // b.start
+  CompleteNext(t + 4 * kMs);  // b.end
+  rig.gate->Drain();
+  antman_gate_stats s = rig.gate->stats();
+  EXPECT_EQ(s.ops_begun, 2);
+  EXPECT_EQ(s.ops_completed, 2);
+  EXPECT_EQ(s.ops_pending, 0);
+  EXPECT_EQ(s.errors, 0);
+  EXPECT_EQ(s.device_busy_ns, 3 * kMs);
+  OpManager::Stats m = rig.manager->stats();
+  EXPECT_EQ(m.busy_ns, 3 * kMs);  // kernel time, not launch->completion time (5 ms)
+  EXPECT_EQ(m.ops_total, 2);
+  EXPECT_EQ(m.ops_in_flight, 0);
+  auto iv = rig.Intervals();
+  REQUIRE(iv.size() == 2u);
+  EXPECT_EQ(iv[0].first, t + 1 * kMs);
+  EXPECT_EQ(iv[0].second, t + 3 * kMs);
+  EXPECT_EQ(iv[1].first, t + 3 * kMs);
+  EXPECT_EQ(iv[1].second, t + 4 * kMs);
+  // The pool: 1 anchor + 2 ops x 2 events; later ops reuse them.
+  EXPECT_EQ(s.events_created, 5);
+  for (int i = 0; i < 10; ++i) {
+    rig.End(rig.Begin(Stream(1)));
+    rig.clock.Advance(1 * kMs);
+    CompleteNext(rig.clock.NowNs() - 1 * kMs);
+    CompleteNext(rig.clock.NowNs());
+    rig.gate->Drain();
+  }
+  EXPECT_EQ(rig.gate->stats().events_created, 5);
+  EXPECT_EQ(rig.gate->stats().ops_completed, 12);
+}
+
+TEST(AnchorKeepsPlacementPreciseOverHours) {
+  Rig rig(0.5);
+  REQUIRE(rig.gate != nullptr);
+  int64_t worst = 0;
+  std::vector<int64_t> truth;
+  // 200 ops 0.7 s apart (re-anchored every other op), then one after 3 hours:
+  // float ms from a 3-hour-old anchor would be off by up to ~0.5 ms.
+  for (int i = 0; i <= 200; ++i) {
+    rig.clock.Advance(i < 200 ? 700 * kMs : 3 * 3600 * kS);
+    rig.End(rig.Begin(Stream(2)));
+    const int64_t start = rig.clock.NowNs() + 137 * kUs + 11;  // odd values: no exact floats
+    rig.clock.Advance(1 * kMs);
+    CompleteNext(start);
+    CompleteNext(start + 333 * kUs + 7);
+    truth.push_back(start);
+    rig.gate->Drain();
+  }
+  auto iv = rig.Intervals();
+  REQUIRE(iv.size() == truth.size());
+  for (size_t i = 0; i < iv.size(); ++i) {
+    worst = std::max(worst, Abs(iv[i].first - truth[i]));
+    const int64_t duration_error = Abs((iv[i].second - iv[i].first) - (333 * kUs + 7));
+    EXPECT(duration_error <= 10);
+  }
+  std::printf("  worst placement error: %lld ns, anchors: %lld\n", static_cast<long long>(worst),
+              static_cast<long long>(rig.gate->stats().anchors));
+  EXPECT(worst <= 100);  // float ms read < 1 s after the anchor: <= 61 ns per reading
+  EXPECT(rig.gate->stats().anchors >= 100);
+}
+
+TEST(DeviceErrorReturnsTheProvisionalCharge) {
+  Rig rig(0.5);
+  REQUIRE(rig.gate != nullptr);
+  // Profile one 2 ms op so the next launch is charged provisionally.
+  rig.End(rig.Begin(Stream(1)));
+  rig.clock.Advance(3 * kMs);
+  CompleteNext(rig.clock.NowNs() - 3 * kMs);
+  CompleteNext(rig.clock.NowNs() - 1 * kMs);
+  rig.gate->Drain();
+  const int64_t credit_before = rig.manager->stats().credit_ns;
+  rig.dev.query_error = 700;  // CUDA_ERROR_ILLEGAL_ADDRESS
+  rig.End(rig.Begin(Stream(1)));
+  CompleteNext(rig.clock.NowNs());
+  CompleteNext(rig.clock.NowNs());
+  rig.gate->Drain();
+  antman_gate_stats s = rig.gate->stats();
+  EXPECT_EQ(s.errors, 1);
+  EXPECT_EQ(s.ops_completed, 1);
+  OpManager::Stats m = rig.manager->stats();
+  EXPECT_EQ(m.ops_in_flight, 0);
+  EXPECT_EQ(m.busy_ns, 2 * kMs);
+  EXPECT_EQ(m.credit_ns, credit_before);  // provisional 2 ms charged and returned
+  rig.dev.query_error = 0;
+}
+
+TEST(FailedRecordIsAnErrorAndChargesNothing) {
+  Rig rig(0.5);
+  REQUIRE(rig.gate != nullptr);
+  rig.dev.fail_next_records = 1;
+  CudaGate::Op* op = reinterpret_cast<CudaGate::Op*>(0x1);
+  std::string err;
+  EXPECT_EQ(rig.gate->Begin(Stream(1), &op, &err), ANTMAN_ERR_DEVICE);
+  EXPECT(op == nullptr);
+  EXPECT(err.find("cuEventRecord (start)") != std::string::npos);
+  EXPECT_EQ(rig.manager->stats().ops_in_flight, 0);
+  // A failing end record: the op is still retired, as an error, in order.
+  CudaGate::Op* ok = rig.Begin(Stream(1));
+  rig.dev.fail_next_records = 1;
+  EXPECT_EQ(rig.gate->End(ok, &err), ANTMAN_ERR_DEVICE);
+  CompleteNext(rig.clock.NowNs());  // its start event
+  rig.gate->Drain();
+  EXPECT_EQ(rig.gate->stats().errors, 1);
+  EXPECT_EQ(rig.manager->stats().ops_in_flight, 0);
+}
+
+TEST(UnthrottledRecordsNothing) {
+  Rig rig(1.0);
+  REQUIRE(rig.gate != nullptr);
+  CudaGate::Op* op = reinterpret_cast<CudaGate::Op*>(0x1);
+  std::string err;
+  EXPECT_EQ(rig.gate->Begin(Stream(1), &op, &err), ANTMAN_OK);
+  EXPECT(op == nullptr);
+  EXPECT_EQ(rig.gate->End(op, &err), ANTMAN_OK);
+  EXPECT_EQ(rig.dev.user_records, 0);
+  EXPECT_EQ(rig.gate->stats().ops_begun, 0);
+  rig.manager->SetShare(0.5);
+  rig.End(rig.Begin(Stream(1)));
+  EXPECT_EQ(rig.dev.user_records, 2);
+  CompleteNext(rig.clock.NowNs());
+  CompleteNext(rig.clock.NowNs());
+}
+
+TEST(TimedOnlyReportsIntervalsWithoutCharging) {
+  Rig rig(1.0);  // unthrottled: Begin would skip; BeginTimed always records
+  REQUIRE(rig.gate != nullptr);
+  std::mutex mu;
+  std::vector<std::pair<int64_t, int64_t>> seen;
+  auto done = [&](int64_t s, int64_t e) {
+    std::lock_guard<std::mutex> lock(mu);
+    seen.emplace_back(s, e);
+  };
+  const int64_t t = rig.clock.NowNs();
+  std::string err;
+  CudaGate::Op* a = nullptr;
+  CudaGate::Op* b = nullptr;
+  EXPECT_EQ(rig.gate->BeginTimed(Stream(1), &a, &err), ANTMAN_OK);
+  REQUIRE(a != nullptr);
+  EXPECT_EQ(rig.gate->EndTimed(a, done, &err), ANTMAN_OK);
+  EXPECT_EQ(rig.gate->BeginTimed(Stream(1), &b, &err), ANTMAN_OK);
+  EXPECT_EQ(rig.gate->EndTimed(b, done, &err), ANTMAN_OK);
+  rig.clock.Advance(10 * kMs);
+  CompleteNext(t + 2 * kMs);
+  CompleteNext(t + 5 * kMs);
+  EXPECT(Eventually([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return seen.size() == 1;
+  }));
+  rig.dev.query_error = 700;  // the second op fails on the device: told (0, 0)
+  CompleteNext(t + 5 * kMs);
+  CompleteNext(t + 6 * kMs);
+  rig.gate->Drain();
+  rig.dev.query_error = 0;
+  REQUIRE(seen.size() == 2u);
+  EXPECT_EQ(seen[0].first, t + 2 * kMs);
+  EXPECT_EQ(seen[0].second, t + 5 * kMs);
+  EXPECT_EQ(seen[1].first, 0);
+  EXPECT_EQ(seen[1].second, 0);
+  // A start event that cannot be recorded: still an op, and `done(0, 0)`.
+  rig.dev.fail_next_records = 1;
+  CudaGate::Op* c = nullptr;
+  EXPECT_EQ(rig.gate->BeginTimed(Stream(1), &c, &err), ANTMAN_ERR_DEVICE);
+  REQUIRE(c != nullptr);
+  EXPECT_EQ(rig.gate->EndTimed(c, done, &err), ANTMAN_OK);
+  rig.gate->Drain();
+  REQUIRE(seen.size() == 3u);
+  EXPECT_EQ(seen[2].first, 0);
+  EXPECT_EQ(seen[2].second, 0);
+  OpManager::Stats m = rig.manager->stats();
+  EXPECT_EQ(m.ops_total, 0);  // the caller charges, not the gate
+  EXPECT_EQ(m.busy_ns, 0);
+  EXPECT_EQ(rig.gate->stats().errors, 2);
+  EXPECT_EQ(PendingEvents(), 0u);
+}
+
+TEST(DestroyWaitsForTheDeviceAndFreesEverything) {
+  auto rig = std::make_unique<Rig>(0.5);
+  REQUIRE(rig->gate != nullptr);
+  for (int i = 0; i < 3; ++i) rig->End(rig->Begin(Stream(i)));
+  std::atomic<bool> destroyed{false};
+  std::thread destroyer([&] {
+    rig->gate.reset();
+    destroyed = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT(!destroyed.load());  // 3 ops still running on the device
+  EXPECT_EQ(rig->manager->stats().ops_in_flight, 3);
+  const int64_t now = rig->clock.NowNs();
+  while (PendingEvents() > 0) CompleteNext(now);
+  destroyer.join();
+  EXPECT(destroyed.load());
+  EXPECT_EQ(rig->manager->stats().ops_in_flight, 0);
+  EXPECT_EQ(rig->manager->stats().ops_total, 3);
+  EXPECT_EQ(rig->dev.destroyed, rig->dev.created);  // pool and anchor events
+  EXPECT_EQ(rig->dev.streams_alive, 0);
+  EXPECT_EQ(rig->dev.ctx_retained, 0);
+}
+
+TEST(PendingBoundHoldsTheLaunchingThread) {
+  FakeClock clock;
+  FakeDevice dev;
+  g_dev = &dev;
+  dev.clock = &clock;
+  OpManager::Options o;
+  o.initial_share = 0.5;
+  o.max_credit_ns = 1000 * kS;
+  o.max_pending_device_ops = 2;
+  o.clock = &clock;
+  OpManager manager(o);
+  clock.Advance(10 * kS);
+  std::string err;
+  int code = 0;
+  auto gate = CudaGate::Create(&manager, CudaGate::Options{0, 1 * kUs, 1 * kS, {}}, FakeDriver(),
+                               &err, &code);
+  REQUIRE(gate != nullptr);
+  for (int i = 0; i < 2; ++i) {
+    CudaGate::Op* op = nullptr;
+    gate->Begin(Stream(1), &op, &err);
+    gate->End(op, &err);
+  }
+  std::atomic<bool> third{false};
+  std::thread launcher([&] {
+    CudaGate::Op* op = nullptr;
+    std::string e;
+    gate->Begin(Stream(1), &op, &e);
+    gate->End(op, &e);
+    third = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT(!third.load());
+  CompleteNext(clock.NowNs());
+  CompleteNext(clock.NowNs());  // the first op completes: one slot frees
+  EXPECT(Eventually([&] { return third.load(); }));
+  launcher.join();
+  clock.Advance(1 * kMs);
+  while (PendingEvents() > 0) CompleteNext(clock.NowNs());
+  gate.reset();
+  EXPECT_EQ(manager.stats().ops_in_flight, 0);
+  g_dev = nullptr;
+}
+
+TEST(CreateValidatesNamingTheField) {
+  FakeClock clock;
+  FakeDevice dev;
+  g_dev = &dev;
+  dev.clock = &clock;
+  OpManager::Options o;
+  o.clock = &clock;
+  OpManager manager(o);
+  std::string err;
+  int code = 0;
+  CudaGate::Options g;
+  g.poll_interval_ns = 10;
+  EXPECT(CudaGate::Create(&manager, g, FakeDriver(), &err, &code) == nullptr);
+  EXPECT(err.find("poll_interval_ns: 10 is outside the accepted range") != std::string::npos);
+  EXPECT_EQ(code, ANTMAN_ERR_INVALID);
+  g = CudaGate::Options{};
+  g.anchor_interval_ns = 61 * kS;
+  EXPECT(CudaGate::Create(&manager, g, FakeDriver(), &err, &code) == nullptr);
+  EXPECT(err.find("anchor_interval_ns") != std::string::npos);
+  g = CudaGate::Options{};
+  g.device_ordinal = 3;  // the fake has one device
+  EXPECT(CudaGate::Create(&manager, g, FakeDriver(), &err, &code) == nullptr);
+  EXPECT(err.find("device_ordinal: 3 is outside the accepted range [0, 1)") != std::string::npos);
+  EXPECT(CudaGate::Create(nullptr, CudaGate::Options{}, FakeDriver(), &err, &code) == nullptr);
+  EXPECT(err.find("opm") != std::string::npos);
+  EXPECT_EQ(dev.ctx_retained, 0);
+  EXPECT_EQ(dev.streams_alive, 0);
+  g_dev = nullptr;
+}
+
+TEST_MAIN()
