@@ -19,10 +19,16 @@ HOOK_NAME = "tf_antman_torch_op_hook"
 
 def build_hook(with_cuda: bool, verbose: bool = False) -> Any:
     """Compiles (or loads from PyTorch's extension cache) the op hook module."""
+    import hashlib
+
     from torch.utils import cpp_extension
 
-    name = HOOK_NAME + ("_cuda" if with_cuda else "_cpu")
-    flags = ["-O2", "-DANTMAN_WITH_CUDA"] if with_cuda else ["-O2"]
+    # NDEBUG as in libtorch's own build: at::RecordFunction's layout depends on it (op_hook.cpp).
+    flags = ["-O2", "-DNDEBUG", *(["-DANTMAN_WITH_CUDA"] if with_cuda else [])]
+    # The name carries a digest of the source and flags: PyTorch's cache reused a build made
+    # with other flags (seen on torch 2.13), and a stale hook must never be loaded.
+    digest = hashlib.sha256(HOOK_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"{HOOK_NAME}_{'cuda' if with_cuda else 'cpu'}_{digest}"
     return cpp_extension.load(name=name, sources=[str(HOOK_SOURCE)], extra_cflags=flags,
                               with_cuda=with_cuda, verbose=verbose)
 
