@@ -1,13 +1,14 @@
 """scheduler-lite: the command line of the daemon (docs/scheduler.md). Parse, validate, build, run.
 
-Every command but `serve` works on the store directly (the SQLite file under paths.state_dir), so
-`submit`, `list`, `cancel` work whether the daemon runs or not; the daemon picks submissions and
-cancel requests up at its next tick.
+Every command but `serve` and `sim` is a request to the daemon over its Unix socket
+(scheduler_lite.client): the daemon is the only writer of the store and identifies the caller
+from the socket itself. Without a running daemon these commands say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import enum
 import json
@@ -18,25 +19,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Final
 
+from scheduler_lite.client import ClientError, call, cluster_status, job_record
 from scheduler_lite.config import CONFIG_ENV, Config, resolve_config
-from scheduler_lite.daemon import (
-    ClusterStatus,
-    Daemon,
-    DaemonLockedError,
-    SubmitError,
-    build_status,
-    lock_state_dir,
-    make_job_spec,
-    request_cancel,
-    submit_job,
-)
-from scheduler_lite.devices import DeviceError, open_devices
-from scheduler_lite.launcher import STDERR_FILE, STDOUT_FILE, describe_exit
+from scheduler_lite.devices import DeviceError
+from scheduler_lite.isolation import SESSION_VARIABLES
+from scheduler_lite.launcher import describe_exit
 from scheduler_lite.model import JobKind
 from scheduler_lite.policy.validation import ConfigError
-from scheduler_lite.storage import JobRecord, JobStatus, SqliteStorage, StorageError
+from scheduler_lite.status import ClusterStatus
+from scheduler_lite.storage import JobRecord, JobStatus, StorageError
+from scheduler_lite.submission import SubmitError, quota_warning
 from tf_antman.units import format_bytes, parse_bytes
 
 PROG = "scheduler-lite"
@@ -78,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = resolve_config(args.config)
         return int(args.run(config, args) or 0)
-    except (UserError, ConfigError, SubmitError, StorageError, DeviceError, DaemonLockedError) as e:
+    except (UserError, ConfigError, SubmitError, StorageError, DeviceError, ClientError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -104,15 +98,34 @@ def _sim_argv(argv: list[str]) -> list[str] | None:
     return None
 
 
+# submit's options that take a value: the token after them is not the job's command.
+SUBMIT_VALUE_OPTIONS: Final = frozenset({"--tenant", "--gpus", "--type", "--workdir", "--env", "--memory", "--name",
+                                         "--steps", "--duration", "--config"})
+
+
 def _global_options(argv: list[str]) -> tuple[str | None, bool, list[str]]:
-    """--config FILE and --json anywhere before a '--' (so `list --json` and `--json list` agree)."""
+    """--config FILE and --json anywhere before the job's command (so `list --json` and `--json list` agree).
+
+    The job's command starts after '--', or at submit's first positional argument: what follows
+    belongs to the job, so `submit python train.py --json` keeps `--json` for train.py.
+    """
     config, as_json, rest = None, False, []
     i = 0
+    command: str | None = None
     while i < len(argv):
         token = argv[i]
         if token == "--":
             rest.extend(argv[i:])
             break
+        if command == "submit" and not token.startswith("-"):
+            rest.extend(argv[i:])  # the job's command, options and all
+            break
+        if command is None and not token.startswith("-"):
+            command = token
+        if command == "submit" and token in SUBMIT_VALUE_OPTIONS - {"--config"} and i + 1 < len(argv):
+            rest.extend(argv[i : i + 2])
+            i += 2
+            continue
         if token == "--json":
             as_json = True
         elif token == "--config" and i + 1 < len(argv):
@@ -148,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("serve", cmd_serve, "run the daemon in the foreground until SIGTERM/SIGINT",
                  "Running jobs keep running when the daemon stops; the next start re-adopts them.")
     sp.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    sp.add_argument("--metrics-port", type=int, metavar="PORT",
+                    help="serve Prometheus metrics on this TCP port (docs/scheduler.md, \"Metrics\")")
+    sp.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDR",
+                    help="address the metrics endpoint listens on (default 127.0.0.1)")
 
     sp = command("submit", cmd_submit, "queue a job; prints its id",
                  f"example:\n  {PROG} submit --tenant research --gpus 1 --type guarantee -- python train.py --lr 0.1")
@@ -158,9 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "would wait long (default auto)")
     sp.add_argument("--workdir", help="working directory (default: the current one)")
     sp.add_argument("--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)")
-    sp.add_argument("--memory", help="peak GPU memory per GPU, e.g. 2GiB (default: the whole GPU)")
+    sp.add_argument("--memory", help="peak GPU memory per GPU, e.g. 2GiB, at most the GPU's (default: measured "
+                                     "while it runs; until then the whole GPU)")
+    sp.add_argument("--steps", type=int, help="steps the job will run: with its measured step time, its "
+                                              "remaining time (auto jobs' queueing estimate)")
+    sp.add_argument("--duration", type=float, metavar="SECONDS",
+                    help="expected run time, when --steps is not known")
     sp.add_argument("--name", default="", help="a label shown by list")
-    sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the job's command")
+    sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="[--] COMMAND ...",
+                    help="the job's command; everything from its first word on is the job's, options included")
 
     sp = command("list", cmd_list, "list jobs, oldest first")
     sp.add_argument("--state", action="append", choices=[s.value for s in JobStatus],
@@ -189,15 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(config: Config, args: argparse.Namespace) -> int:
+    from scheduler_lite.daemon import DaemonLockedError  # only `serve` runs the loop
+    from scheduler_lite.metrics import MetricsUnavailable
+    from scheduler_lite.server import run_daemon
+
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    lock = lock_state_dir(config.state_dir)
-    storage = SqliteStorage(config.db_path)
     try:
-        Daemon(config, storage).serve()
-    finally:
-        storage.close()
-        os.close(lock)
+        run_daemon(config, metrics_port=args.metrics_port, metrics_address=args.metrics_address)
+    except (DaemonLockedError, MetricsUnavailable) as e:
+        raise UserError(str(e)) from None
     return 0
 
 
@@ -212,49 +236,49 @@ def cmd_submit(config: Config, args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UserError(f"--env {item!r}: expected KEY=VALUE")
-        env.append((key, value))
+        env.append([key, value])
     memory = None
     if args.memory is not None:
         try:
             memory = parse_bytes(args.memory)
         except ValueError as e:
             raise UserError(f"--memory: {e}") from None
-    spec = make_job_spec(config, command, tenant=args.tenant, gpus=args.gpus, kind=args.kind,
-                         workdir=args.workdir, env=env, memory_bytes=memory, name=args.name)
-    _check_command(command[0], Path(spec.workdir), dict(env))
-    with _storage(config) as storage:
-        record = submit_job(storage, spec)
+    workdir = Path(args.workdir or os.getcwd()).absolute()
+    _check_command(command[0], workdir, dict(env))
+    session = {k: os.environ[k] for k in SESSION_VARIABLES if k in os.environ}
+    result = call(config, "submit", command=command, tenant=args.tenant, gpus=args.gpus, kind=args.kind,
+                  workdir=str(workdir), env=env, session_env=session, memory_bytes=memory, name=args.name,
+                  steps=args.steps, duration_s=args.duration)
     if args.json:
-        _print_json({"id": record.id, "job": _job_dict(record)})
+        _print_json(result)
     else:
-        print(record.id)
+        print(result["id"])
     return 0
 
 
 def cmd_list(config: Config, args: argparse.Namespace) -> int:
-    with _storage(config) as storage:
-        jobs = storage.list_jobs(args.state)
+    found = call(config, "list", states=args.state)
     if args.json:
-        _print_json([_job_dict(j) for j in jobs])
+        _print_json(found)
         return 0
-    rows = [[j.id, j.name or "-", j.tenant, str(j.kind), str(j.role) if j.role else "-", _state(j),
+    jobs = [job_record(j) for j in found]
+    rows = [[j.id, j.name or "-", j.tenant, j.user or "-", str(j.kind), str(j.role) if j.role else "-", _state(j),
              ",".join(map(str, j.placement)) if j.placement else f"({j.num_gpus})",
              _clock(j.submit_time), _duration(j), _command(j.command)] for j in jobs]
-    _table(["ID", "NAME", "TENANT", "TYPE", "ROLE", "STATE", "GPUS", "SUBMITTED", "RUNTIME", "COMMAND"], rows)
+    _table(["ID", "NAME", "TENANT", "USER", "TYPE", "ROLE", "STATE", "GPUS", "SUBMITTED", "RUNTIME", "COMMAND"],
+           rows)
     return 0
 
 
 def cmd_show(config: Config, args: argparse.Namespace) -> int:
-    with _storage(config) as storage:
-        job = _get(storage, args.job)
-        events = storage.events(job.id)
-        placements = storage.placements(job.id)
+    found = call(config, "show", job=args.job)
     if args.json:
-        _print_json({"job": _job_dict(job), "placements": [dataclasses.asdict(p) for p in placements],
-                     "events": [dataclasses.asdict(e) for e in events]})
+        _print_json(found)
         return 0
+    job = job_record(found["job"])
     fields = [
-        ("id", job.id), ("name", job.name or "-"), ("tenant", job.tenant), ("type", str(job.kind)),
+        ("id", job.id), ("name", job.name or "-"), ("tenant", job.tenant), ("user", job.user or "-"),
+        ("type", str(job.kind)),
         ("role", str(job.role) if job.role else "-"), ("state", _state(job)), ("gpus", str(job.num_gpus)),
         ("placement", ",".join(map(str, job.placement)) or "-"), ("command", _command(job.command, 10_000)),
         ("workdir", job.workdir), ("memory", format_bytes(job.memory_bytes) if job.memory_bytes else "whole GPU"),
@@ -263,26 +287,22 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
         ("pid", str(job.pid) if job.pid else "-"), ("exit", describe_exit(job.exit_code) if job.state.done else "-"),
         ("reason", job.reason or "-"), ("job dir", job.job_dir or "-"),
     ]
-    for p in placements:
-        fields.append((f"gpu {p.gpu}", f"limit {format_bytes(p.memory_limit_bytes)}, share {p.compute_share:.2f}"))
+    for p in found["placements"]:
+        fields.append((f"gpu {p['gpu']}",
+                       f"limit {format_bytes(p['memory_limit_bytes'])}, share {p['compute_share']:.2f}"))
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
         print(f"{key:<{width}}  {value}")
-    if events:
+    if found["events"]:
         print("\nevents:")
         _table(["TIME", "EVENT", "DETAIL"],
-               [[_clock(e.time), e.kind, " ".join(f"{k}={v}" for k, v in e.detail.items())] for e in events])
+               [[_clock(e["time"]), e["kind"], " ".join(f"{k}={v}" for k, v in e["detail"].items())]
+                for e in found["events"]])
     return 0
 
 
 def cmd_cancel(config: Config, args: argparse.Namespace) -> int:
-    out = []
-    with _storage(config) as storage:
-        for job_id in args.jobs:
-            _get(storage, job_id)
-            record = request_cancel(storage, job_id, time.time())
-            note = f"already {record.state}" if record.state.done else "cancel requested"
-            out.append({"id": job_id, "state": str(record.state), "result": note})
+    out = call(config, "cancel", jobs=list(args.jobs))
     if args.json:
         _print_json(out)
     else:
@@ -292,66 +312,55 @@ def cmd_cancel(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_status(config: Config, args: argparse.Namespace) -> int:
-    gpus = open_devices(config.devices).inventory()
-    with _storage(config) as storage:
-        status = build_status(config, storage, gpus, time.time())
+    found = call(config, "status")
     if args.json:
-        _print_json(_plain(status))
+        _print_json(found)
         return 0
-    _print_status(status)
+    _print_status(cluster_status(found))
+    _print_quota_warning(config)
     return 0
 
 
 def cmd_logs(config: Config, args: argparse.Namespace) -> int:
-    with _storage(config) as storage:
-        job = _get(storage, args.job)
-        if not job.job_dir:
-            raise UserError(f"{job.id} has not started yet ({job.state}): no logs")
-        path = Path(job.job_dir) / (STDERR_FILE if args.stderr else STDOUT_FILE)
-        offset = _copy_from(path, 0, sys.stdout)
-        while args.follow:
-            job = _get(storage, args.job)
-            time.sleep(0.5)
-            offset = _copy_from(path, offset, sys.stdout)
-            if job.state.done:
-                break
-    return 0
+    offset = 0
+    while True:
+        chunk = call(config, "logs", job=args.job, stderr=args.stderr, offset=offset)
+        if not chunk["started"]:
+            if not args.follow:
+                raise UserError(f"{args.job} has not started yet ({chunk['state']}): no logs")
+        else:
+            data = base64.b64decode(chunk["data"])
+            sys.stdout.write(data.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+            offset = chunk["offset"]
+            if data:
+                continue  # more may be there already
+        if not args.follow or chunk["done"]:
+            return 0
+        time.sleep(0.5)
 
 
 def cmd_tenants(config: Config, args: argparse.Namespace) -> int:
-    with _storage(config) as storage:
-        status = build_status(config, storage, (), time.time())
+    found = call(config, "tenants")
     if args.json:
-        _print_json([dataclasses.asdict(t) for t in status.tenants])
+        _print_json(found)
         return 0
     _table(["TENANT", "GPU QUOTA", "QUOTA USED", "RUNNING", "QUEUED"],
-           [[t.name, str(t.gpu_quota), str(t.quota_used), str(t.running), str(t.queued)] for t in status.tenants])
+           [[t["name"], str(t["gpu_quota"]), str(t["quota_used"]), str(t["running"]), str(t["queued"])]
+            for t in found])
+    _print_quota_warning(config)
     return 0
+
+
+def _print_quota_warning(config: Config) -> None:
+    gpus = len(config.devices.emulated) if config.devices.kind == "emulated" else None
+    warning = None if gpus is None else quota_warning(config, gpus)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------
 # Helpers.
-
-
-class _storage:
-    """The store of the config, opened for one command (creates it on first use)."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-
-    def __enter__(self) -> SqliteStorage:
-        self.storage = SqliteStorage(self.config.db_path)
-        return self.storage
-
-    def __exit__(self, *exc: object) -> None:
-        self.storage.close()
-
-
-def _get(storage: SqliteStorage, job_id: str) -> JobRecord:
-    job = storage.get_job(job_id)
-    if job is None:
-        raise UserError(f"no job {job_id!r} (see '{PROG} list')")
-    return job
 
 
 def _check_command(program: str, workdir: Path, env: dict[str, str]) -> None:
@@ -363,18 +372,6 @@ def _check_command(program: str, workdir: Path, env: dict[str, str]) -> None:
     search = env.get("PATH", os.environ.get("PATH", os.defpath))
     if shutil.which(program, path=search) is None:
         raise UserError(f"command {program!r} not found on PATH")
-
-
-def _copy_from(path: Path, offset: int, out: TextIO) -> int:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return offset
-    out.write(data.decode("utf-8", errors="replace"))
-    out.flush()
-    return offset + len(data)
 
 
 def _state(job: JobRecord) -> str:
@@ -418,15 +415,23 @@ def _print_status(status: ClusterStatus) -> None:
         head = [f"{g.id}", format_bytes(g.memory_bytes), g.nvlink_group, util]
         if not g.jobs:
             rows.append([*head, "(idle)" if g.reserved_for is None else f"(reserved for {g.reserved_for})",
-                         "", "", "", "", "", ""])
+                         "", "", "", "", "", "", ""])
         for i, j in enumerate(g.jobs):
-            rows.append([*(head if i == 0 else ["", "", "", ""]), j.job_id, str(j.role),
-                         format_bytes(j.memory_limit_bytes),
+            limit = "-" if j.memory_limit_bytes is None else format_bytes(j.memory_limit_bytes)
+            share = "-" if j.compute_share is None else f"{j.compute_share:.2f}"
+            if j.target_memory_limit_bytes is not None and j.target_memory_limit_bytes != j.memory_limit_bytes:
+                limit += f" -> {format_bytes(j.target_memory_limit_bytes)}"
+            if j.target_compute_share is not None and j.target_compute_share != j.compute_share:
+                share += f" -> {j.target_compute_share:.2f}"
+            rows.append([*(head if i == 0 else ["", "", "", ""]), j.job_id, str(j.role), limit,
                          "-" if j.in_use_bytes is None else format_bytes(j.in_use_bytes),
                          "-" if j.host_in_use_bytes is None else format_bytes(j.host_in_use_bytes),
-                         f"{j.compute_share:.2f}",
+                         share, str(j.controls_pending),
                          "-" if j.step_ms_median is None else f"{j.step_ms_median:.1f} ms (step {j.step})"])
-    _table(["GPU", "MEMORY", "GROUP", "UTIL", "JOB", "ROLE", "LIMIT", "IN USE", "HOST", "SHARE", "STEP TIME"], rows)
+    _table(["GPU", "MEMORY", "GROUP", "UTIL", "JOB", "ROLE", "LIMIT", "IN USE", "HOST", "SHARE", "PENDING",
+            "STEP TIME"], rows)
+    print("LIMIT and SHARE: in force, as the job reports them; '-> X': decided, not applied yet "
+          "(PENDING: control files the job has not applied)")
     for g in status.gpus:
         for j in g.jobs:
             if j.stats_error:

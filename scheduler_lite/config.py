@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from scheduler_lite.auth import TenantMembers
 from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
@@ -36,6 +37,10 @@ MAX_BYTES: Final = 1 << 50
 MAX_DEVICE_ID: Final = 1023  # ANTMAN_DEVICE_ID's upper bound
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 C = TypeVar("C")
+SOCKET_FILE: Final = "scheduler.sock"
+# POSIX portable user and group names (useradd's default NAME_REGEX, without the trailing '$').
+_ACCOUNT_RE: Final = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+ACCOUNT_RULE: Final = "a list of user or group names (1-32 of a-z, 0-9, '_', '-', starting with a letter or '_')"
 NAME_RULE: Final = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
 
 
@@ -72,6 +77,15 @@ class DaemonConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AccessConfig:
+    """Who may use which tenant, and who administers (scheduler_lite.auth applies it)."""
+
+    members: tuple[TenantMembers, ...] = ()  # per tenant: its users and groups (none: open to all)
+    admins: tuple[str, ...] = ()
+    admin_groups: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     version: int
     state_dir: Path
@@ -82,6 +96,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     source: str = "<memory>"
+    access: AccessConfig = field(default_factory=AccessConfig)
 
     @property
     def db_path(self) -> Path:
@@ -90,6 +105,11 @@ class Config:
     @property
     def jobs_dir(self) -> Path:
         return self.state_dir / "jobs"
+
+    @property
+    def socket_path(self) -> Path:
+        """The daemon's Unix socket: every client command goes through it (scheduler_lite.server)."""
+        return self.state_dir / SOCKET_FILE
 
     def tenant(self, name: str) -> Tenant | None:
         return next((t for t in self.tenants if t.name == name), None)
@@ -136,7 +156,8 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
     paths.finish()
 
     devices = _devices(root.table("devices"))
-    tenants = _tenants(root.take("tenants", required=True))
+    tenants, members = _tenants(root.take("tenants", required=True))
+    access = _access(root.table("access", required=False), members)
     jobs = _jobs(root.table("jobs", required=False))
     daemon = _daemon(root.table("daemon", required=False))
     scheduler = _pass_through(root.table("scheduler", required=False), SchedulerConfig, sizes=())
@@ -144,7 +165,7 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
         root.table("coordinator", required=False), CoordinatorConfig, sizes=("min_memory_bytes",)
     )
     root.finish()
-    return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source)
+    return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source, access)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,10 +269,11 @@ def _devices(t: _Table) -> DevicesConfig:
     return DevicesConfig(kind, tuple(devices))
 
 
-def _tenants(value: object) -> tuple[Tenant, ...]:
+def _tenants(value: object) -> tuple[tuple[Tenant, ...], tuple[TenantMembers, ...]]:
     if not isinstance(value, list) or not value:
         raise ConfigError("tenants", _short(value), "at least one [[tenants]] table")
     out = []
+    members = []
     for i, entry in enumerate(value):
         t = _Table(entry, f"tenants[{i}]")
         name = _name(t.path("name"), t.take("name", required=True))
@@ -259,9 +281,25 @@ def _tenants(value: object) -> tuple[Tenant, ...]:
             raise ConfigError(t.path("name"), name, "a name not used by another tenant")
         quota = t.take("gpu_quota", required=True)
         check_int(t.path("gpu_quota"), quota, 0, 4096)
+        users = _accounts(t.path("users"), t.take("users", default=[]))
+        groups = _accounts(t.path("groups"), t.take("groups", default=[]))
         t.finish()
         out.append(Tenant(name, quota))
-    return tuple(out)
+        members.append(TenantMembers(name, frozenset(users), frozenset(groups)))
+    return tuple(out), tuple(members)
+
+
+def _accounts(field: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and _ACCOUNT_RE.match(v) for v in value):
+        raise ConfigError(field, _short(value), ACCOUNT_RULE)
+    return tuple(value)
+
+
+def _access(t: _Table, members: tuple[TenantMembers, ...]) -> AccessConfig:
+    admins = _accounts(t.path("admins"), t.take("admins", default=[]))
+    admin_groups = _accounts(t.path("admin_groups"), t.take("admin_groups", default=[]))
+    t.finish()
+    return AccessConfig(members, admins, admin_groups)
 
 
 def _jobs(t: _Table) -> JobsConfig:

@@ -1,18 +1,23 @@
-"""The scheduler_lite daemon: one loop, `tick(now)`, around the pure policies (paper §3.2-3.3).
+"""The scheduler_lite daemon: the driver's loop (scheduler_lite.driver) in the real world.
 
-Each tick, in this order (like the staged round of the paper's figure):
-  1. ingest   pick up submissions and cancel requests the CLI wrote into the store;
-  2. reap     notice job exits (SIGKILL what outlived its cancel grace period);
-  3. observe  read every running job's stats.json (a bad file is logged and skipped), turn new
-              steps into step samples, average the GPUs' utilisation over the last window;
-  4. schedule on any event (and periodically while jobs wait): `global_scheduler.schedule`, apply
-              the decisions to the book, launch what was placed;
-  5. coordinate per GPU, when its jobs changed and every `round_interval_s`: `coordinator.round`,
-              then write the changed settings into the jobs' control.json files.
+Each tick, in this order (the simulator runs the same steps on its model, sim/engine.py):
+  1. ingest     pick up submissions and cancel requests the CLI wrote into the store;
+  2. reap       notice job exits (SIGKILL what outlived its cancel grace period);
+  3. observe    read every running job's stats.json (a bad file is logged and skipped): step
+                samples, peak memory, solo step time, remaining time; average the GPUs'
+                utilisation over the last window and hand it to the driver;
+  4. schedule   on any event (and periodically while jobs wait): `Driver.schedule`, then book
+                each launch in the store (state running, launch token, no pid yet);
+  5. coordinate per GPU, when its jobs changed and every `round_interval_s`: `Driver.round`,
+                then write the changed settings into the running jobs' control.json files;
+  6. launch     start the booked jobs with the settings in force after step 5, record the pid.
+
+Submission, the job environment and status live in scheduler_lite.submission, .jobenv and .status;
+the CLI calls those, never the loop.
 
 The store (scheduler_lite.storage) is the truth: a new Daemon on the same store re-adopts running
-jobs (pid + start time + job directory), keeps queued jobs queued and finished ones as they were.
-The clock is injected: tests and the simulator-like demo drive `tick(now)` themselves.
+jobs (pid + start time + launch token), requeues booked jobs that never started, keeps queued jobs
+queued and finished ones as they were. The clock is injected: tests drive `tick(now)` themselves.
 """
 
 from __future__ import annotations
@@ -22,20 +27,32 @@ import fcntl
 import logging
 import math
 import os
-import re
 import signal
 import statistics
 import threading
 import time
+import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 from scheduler_lite.config import Config
 from scheduler_lite.devices import DeviceBackend, JobLoad, job_load, open_devices
+from scheduler_lite.driver import Driver, Launch, Reading, Settings, estimate_remaining_s
+from scheduler_lite.isolation import (
+    INITIAL_CONTROL_SEQ,
+    base_environment,
+    job_user,
+    prepare_job_dir,
+    process_uid,
+    read_small_int,
+)
+from scheduler_lite.isolation import read_job_stats as read_job_stats_file
+from scheduler_lite.jobenv import MIN_ENV_LIMIT, job_environment
 from scheduler_lite.launcher import (
+    EXIT_STATUS_FILE,
     PID_FILE,
     ExitInfo,
     Launcher,
@@ -43,20 +60,16 @@ from scheduler_lite.launcher import (
     LaunchSpec,
     ProcessHandle,
     describe_exit,
+    read_exit_status,
 )
 from scheduler_lite.model import (
     Decision,
-    Downgrade,
     Gpu,
-    GpuView,
     Job,
     JobKind,
-    LocalJob,
-    Pause,
     Place,
     Reject,
     Reserve,
-    Resume,
     Role,
     SetComputeShare,
     SetMemoryLimit,
@@ -65,15 +78,26 @@ from scheduler_lite.model import (
     Unreserve,
     Upgrade,
 )
-from scheduler_lite.policy import coordinator
-from scheduler_lite.policy.book import ClusterBook
-from scheduler_lite.policy.coordinator import CoordinatorMemo
 from scheduler_lite.policy.global_scheduler import schedule
-from scheduler_lite.storage import JobRecord, JobSpec, JobStatus, Storage
-from tf_antman.config import VARIABLES as ANTMAN_VARIABLES
+from scheduler_lite.status import (
+    ClusterStatus,
+    GpuStatus,
+    JobOnGpu,
+    TenantStatus,
+    build_status,
+    read_job_stats,
+)
+from scheduler_lite.storage import MAX_EVENTS, JobRecord, JobStatus, Storage
+from scheduler_lite.submission import (
+    RESERVED_ENV,
+    USER_ANTMAN_VARIABLES,
+    SubmitError,
+    make_job_spec,
+    quota_warning,
+    request_cancel,
+    submit_job,
+)
 from tf_antman.protocol import (
-    CONTROL_FILE,
-    STATS_FILE,
     Control,
     DeviceStats,
     MemoryLimit,
@@ -81,85 +105,31 @@ from tf_antman.protocol import (
     Stats,
     control_path,
     parse_control,
-    read_stats,
     read_text,
     write_control,
 )
 
 log = logging.getLogger("scheduler_lite")
 
-MIB: Final = 1 << 20
-MIN_ENV_LIMIT: Final = MIB  # ANTMAN_MEMORY_LIMIT's lower bound
 STEP_HISTORY: Final = 256  # step samples kept per job: several detector windows
 LOCK_FILE: Final = "daemon.lock"
-# ANTMAN_* variables a submission may set; the others are the scheduler's to set.
-USER_ANTMAN_VARIABLES: Final = frozenset({"ANTMAN_ENABLE", "ANTMAN_HOST_MEMORY", "ANTMAN_STATS_INTERVAL_MS"})
-RESERVED_ENV: Final = frozenset({"CUDA_VISIBLE_DEVICES"})
-_ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class SubmitError(ValueError):
-    """A submission that is refused; the message is one line naming what to fix."""
+PRUNE_EVERY_TICKS: Final = 1000  # events beyond MAX_EVENTS are deleted this often
+# A restart that finds a launch booked without a pid, pid file or process looks for one until
+# this long after the booking (a child forked by a Popen the crash interrupted may exec the
+# wrapper late on a loaded machine).
+LAUNCH_GRACE_S: Final = 5.0
+# Test hook (tests/scheduler/test_daemon_crash.py): SCHEDULER_LITE_FAULT="point,point..." and
+# SCHEDULER_LITE_FAULT_AFTER=N make the daemon SIGKILL itself the Nth time it passes one of the
+# points. Points: booked (launch recorded, process not started), started (process started, pid
+# not recorded), control (between two control.json writes), observe (between two stats reads),
+# ended (an exit noticed, not yet recorded). Unset: no effect.
+FAULT_ENV: Final = "SCHEDULER_LITE_FAULT"
+FAULT_AFTER_ENV: Final = "SCHEDULER_LITE_FAULT_AFTER"
+FAULT_POINTS: Final = ("booked", "started", "control", "observe", "ended")
 
 
 class DaemonLockedError(RuntimeError):
     pass
-
-
-# ----------------------------------------------------------------------------------------------
-# Typed results.
-
-
-@dataclass(frozen=True, slots=True)
-class JobOnGpu:
-    job_id: str
-    tenant: str
-    role: Role
-    memory_limit_bytes: int
-    compute_share: float
-    in_use_bytes: int | None = None  # None: no stats yet
-    host_in_use_bytes: int | None = None  # kept in host memory past the limit
-    host_fallbacks: int | None = None
-    step: int | None = None
-    last_step_ms: float | None = None
-    step_ms_median: float | None = None
-    achieved_share: float | None = None
-    stats_error: str | None = None  # why the last stats.json was refused
-
-
-@dataclass(frozen=True, slots=True)
-class GpuStatus:
-    id: int
-    memory_bytes: int
-    nvlink_group: str
-    utilisation: float | None  # averaged over daemon.utilisation_window_s; None outside the daemon
-    jobs: tuple[JobOnGpu, ...]
-    reserved_for: str | None = None
-    coordinator_phase: str | None = None
-
-    def job(self, job_id: str) -> JobOnGpu | None:
-        return next((j for j in self.jobs if j.job_id == job_id), None)
-
-
-@dataclass(frozen=True, slots=True)
-class TenantStatus:
-    name: str
-    gpu_quota: int
-    quota_used: int  # GPUs of its running guarantee jobs
-    running: int
-    queued: int
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterStatus:
-    time: float
-    gpus: tuple[GpuStatus, ...]
-    tenants: tuple[TenantStatus, ...]
-    queued: tuple[str, ...]
-    running: tuple[str, ...]
-
-    def gpu(self, gpu_id: int) -> GpuStatus:
-        return next(g for g in self.gpus if g.id == gpu_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,14 +164,11 @@ class _TickLog:
 
 @dataclass
 class _Live:
-    """What the daemon tracks of one running job."""
+    """What the daemon tracks of one running job (its settings are the driver's)."""
 
     record: JobRecord
     handle: ProcessHandle
     job_dir: Path
-    limits: dict[int, int]  # per GPU, in force as far as the coordinator knows
-    shares: dict[int, float]
-    paused: bool = False
     control_seq: int = 0
     stats: Stats | None = None
     stats_error: str | None = None
@@ -212,124 +179,25 @@ class _Live:
     killed: bool = False
 
 
-# ----------------------------------------------------------------------------------------------
-# Submissions (shared by Daemon.submit and the CLI, which writes into the store without a daemon).
+class _Faults:
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        names = [p for p in environ.get(FAULT_ENV, "").split(",") if p]
+        after = environ.get(FAULT_AFTER_ENV, "1")
+        bad = [p for p in names if p not in FAULT_POINTS]
+        if bad or not after.isdigit() or not 1 <= int(after) <= 1_000_000:
+            if names:  # a test hook set wrong: say so and run without faults
+                log.error("%s=%r / %s=%r ignored: accepted points %s, and a count in [1, 1000000]",
+                          FAULT_ENV, environ.get(FAULT_ENV), FAULT_AFTER_ENV, after, ",".join(FAULT_POINTS))
+            names = []
+        self.points = frozenset(names)
+        self.left = int(after) if self.points else 0
 
-
-def make_job_spec(
-    config: Config,
-    command: Sequence[str],
-    *,
-    tenant: str | None = None,
-    gpus: int = 1,
-    kind: JobKind | str = JobKind.AUTO,
-    workdir: str | Path | None = None,
-    env: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
-    memory_bytes: int | None = None,
-    name: str = "",
-    now: float | None = None,
-) -> JobSpec:
-    """Validate a submission against the config; SubmitError (one line) when it cannot run here."""
-    if not command or not all(isinstance(c, str) and c for c in command):
-        raise SubmitError("the command is empty: give it after '--', e.g. submit -- python train.py")
-    if tenant is None:
-        if len(config.tenants) != 1:
-            raise SubmitError("--tenant is required; tenants: " + ", ".join(t.name for t in config.tenants))
-        tenant = config.tenants[0].name
-    found = config.tenant(tenant)
-    if found is None:
-        raise SubmitError(f"unknown tenant {tenant!r}; tenants: " + ", ".join(t.name for t in config.tenants))
-    try:
-        job_kind = JobKind(kind)
-    except ValueError:
-        raise SubmitError(f"--type {kind!r} is invalid: accepted " + ", ".join(k.value for k in JobKind)) from None
-    device_count = len(config.devices.emulated) if config.devices.kind == "emulated" else None
-    limit = device_count or 1024
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= limit:
-        raise SubmitError(f"--gpus {gpus!r} is invalid: accepted an integer in [1, {limit}]")
-    if job_kind is JobKind.GUARANTEE and gpus > found.gpu_quota:
-        raise SubmitError(f"a guarantee job of {gpus} GPU(s) can never run: tenant {tenant!r} has a quota "
-                          f"of {found.gpu_quota}; use --type opportunistic or auto")
-    path = Path(workdir) if workdir is not None else Path.cwd()
-    if not path.is_dir():
-        raise SubmitError(f"--workdir {str(path)!r} is not a directory")
-    pairs = list(env.items()) if isinstance(env, Mapping) else list(env or ())
-    for key, _ in pairs:
-        if not _ENV_NAME.match(key):
-            raise SubmitError(f"--env {key!r}: not a variable name (letters, digits, '_')")
-        owned = key in RESERVED_ENV or key.startswith("SCHEDULER_LITE_") or (
-            key.startswith("ANTMAN_") and key not in USER_ANTMAN_VARIABLES
-        )
-        if owned:
-            allowed = ", ".join(sorted(USER_ANTMAN_VARIABLES))
-            raise SubmitError(f"--env {key}: set by the scheduler for each placement; a job may set {allowed}")
-        if key.startswith("ANTMAN_") and key not in {v.name for v in ANTMAN_VARIABLES}:
-            raise SubmitError(f"--env {key}: not a tf-antman variable (docs/configuration.md)")
-    if memory_bytes is not None and (isinstance(memory_bytes, bool) or memory_bytes < 0):
-        raise SubmitError(f"--memory {memory_bytes!r} is invalid: accepted a size >= 0")
-    return JobSpec(
-        tenant=tenant, kind=job_kind, num_gpus=gpus, command=tuple(command), workdir=str(path.resolve()),
-        submit_time=time.time() if now is None else now, env=tuple(pairs), memory_bytes=memory_bytes, name=name,
-    )
-
-
-def submit_job(storage: Storage, spec: JobSpec) -> JobRecord:
-    with storage.transaction():
-        record = storage.add_job(spec)
-        storage.add_event(spec.submit_time, "submitted", record.id, tenant=spec.tenant, kind=str(spec.kind),
-                          gpus=spec.num_gpus, command=list(spec.command))
-    return record
-
-
-def request_cancel(storage: Storage, job_id: str, now: float) -> JobRecord:
-    """Mark a job for cancellation (the daemon acts on it); a finished job is returned unchanged."""
-    record = storage.get_job(job_id)
-    if record is None:
-        raise SubmitError(f"no job {job_id!r}")
-    if record.state.done or record.cancel_requested:
-        return record
-    with storage.transaction():
-        record = storage.update_job(job_id, cancel_requested=True)
-        storage.add_event(now, "cancel_requested", job_id)
-    return record
-
-
-# ----------------------------------------------------------------------------------------------
-# Environment of a job.
-
-
-def job_environment(
-    config: Config,
-    record: JobRecord,
-    gpus: Sequence[Gpu],
-    memory_limit_bytes: int,
-    compute_share: float,
-    job_dir: Path,
-    base: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """The complete environment of a job placed on `gpus` (docs/scheduler.md, "Job environment")."""
-    env = {k: v for k, v in (os.environ if base is None else base).items()
-           if not k.startswith("ANTMAN_") and k not in RESERVED_ENV and not k.startswith("SCHEDULER_LITE_")}
-    env.update(dict(record.env))
-    first = gpus[0]
-    env.update({
-        "ANTMAN_JOB_DIR": str(job_dir),
-        "ANTMAN_COMPUTE_SHARE": repr(float(compute_share)),
-        "ANTMAN_DEVICE_MEMORY": str(first.memory_bytes),
-        "ANTMAN_MEMORY_LIMIT": str(max(MIN_ENV_LIMIT, min(memory_limit_bytes, first.memory_bytes))),
-        "SCHEDULER_LITE_JOB_ID": record.id,
-        "SCHEDULER_LITE_GPUS": ",".join(str(g.id) for g in gpus),
-    })
-    env.setdefault("ANTMAN_HOST_MEMORY", str(config.jobs.host_memory_bytes))
-    if config.devices.kind == "nvml":
-        # The job sees only its GPUs, renumbered from 0. (Not tested here: no GPU on this machine.)
-        env["ANTMAN_DEVICE"] = "cuda"
-        env["ANTMAN_DEVICE_ID"] = "0"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.id) for g in gpus)
-    else:
-        env["ANTMAN_DEVICE"] = "emulated"
-        env["ANTMAN_DEVICE_ID"] = str(first.id)
-    return env
+    def at(self, point: str) -> None:
+        if point in self.points:
+            self.left -= 1
+            if self.left <= 0:
+                log.warning("fault injection: SIGKILL at %s", point)
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,13 +222,15 @@ class Daemon:
         self.launcher = launcher if launcher is not None else Launcher()
         self.gpus: dict[int, Gpu] = {g.id: g for g in self.devices.inventory()}
         self._live: dict[str, _Live] = {}
-        self._memos: dict[int, CoordinatorMemo] = {}
+        self._booked: list[Launch] = []  # booked this tick, started after the rounds
         self._round_sig: dict[int, tuple[tuple[str, Role], ...]] = {}
         self._last_round: dict[int, float] = {}
         self._util_samples: dict[int, deque[tuple[float, float]]] = {g: deque() for g in self.gpus}
         self._last_schedule = -math.inf
         self._dirty = True
+        self._ticks = 0
         self._stop = threading.Event()
+        self._faults = _Faults(os.environ)
         now = clock()
         tenants = list(config.tenants)
         known = {t.name for t in tenants}
@@ -368,7 +238,12 @@ class Daemon:
             if record.tenant not in known:  # dropped from the config while its job ran
                 tenants.append(Tenant(record.tenant, 0))
                 known.add(record.tenant)
-        self.book = ClusterBook(self.gpus.values(), tenants)
+        self.driver = Driver(self.gpus.values(), tenants, policy=schedule,  # type: ignore[arg-type]
+                             scheduler_config=config.scheduler, coordinator_config=config.coordinator)
+        self.book = self.driver.book
+        warning = quota_warning(config, len(self.gpus))
+        if warning:
+            log.warning("%s", warning)
         with storage.transaction():
             for t in config.tenants:
                 storage.set_quota(t.name, t.gpu_quota)
@@ -387,10 +262,13 @@ class Daemon:
         env: Mapping[str, str] | None = None,
         memory_bytes: int | None = None,
         name: str = "",
+        expected_steps: int | None = None,
+        expected_duration_s: float | None = None,
     ) -> str:
         """Queue a job (picked up at the next tick); returns its id. SubmitError if it cannot run."""
         spec = make_job_spec(self.config, command, tenant=tenant, gpus=gpus, kind=kind, workdir=workdir,
-                             env=env, memory_bytes=memory_bytes, name=name, now=self.clock())
+                             env=env, memory_bytes=memory_bytes, name=name, expected_steps=expected_steps,
+                             expected_duration_s=expected_duration_s, now=self.clock())
         return submit_job(self.storage, spec).id
 
     def cancel(self, job_id: str) -> None:
@@ -413,11 +291,15 @@ class Daemon:
         if self._dirty or (waiting and now - self._last_schedule >= self.config.daemon.schedule_interval_s):
             self._schedule(now, out)
         self._coordinate(now, out)
+        self._start_booked(now, out)
+        self._ticks += 1
+        if self._ticks % PRUNE_EVERY_TICKS == 0:
+            self.storage.prune_events(MAX_EVENTS)
         return out.freeze()
 
     def status(self) -> ClusterStatus:
         utilisation = {g: self.book.gpus[g].utilisation for g in self.gpus}
-        phases = {g: str(m.phase) for g, m in self._memos.items()}
+        phases = {g: str(m.phase) for g, m in self.driver.memos.items()}
         stats = {j: (live.stats, live.stats_error) for j, live in self._live.items()}
         return build_status(self.config, self.storage, list(self.gpus.values()), self.clock(), stats,
                             utilisation, phases, self.book.reservations)
@@ -435,8 +317,13 @@ class Daemon:
                 return False
             time.sleep(pause)
 
-    def serve(self) -> None:
-        """Tick every daemon.tick_interval_s until SIGTERM/SIGINT (or stop()); jobs keep running."""
+    def serve(self, between_ticks: Callable[[float], None] | None = None) -> None:
+        """Tick every daemon.tick_interval_s until SIGTERM/SIGINT (or stop()); jobs keep running.
+
+        `between_ticks(seconds)`, if given, replaces the sleep between ticks: the socket server
+        (scheduler_lite.server) answers clients on this thread then, so requests and ticks never
+        run at the same time.
+        """
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -448,7 +335,10 @@ class Daemon:
                     self.tick()
                 except Exception:  # one bad tick must not take the jobs' scheduler down
                     log.exception("tick failed; continuing")
-                self._stop.wait(self.config.daemon.tick_interval_s)
+                if between_ticks is None:
+                    self._stop.wait(self.config.daemon.tick_interval_s)
+                else:
+                    between_ticks(self.config.daemon.tick_interval_s)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -456,6 +346,10 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def stop_all_jobs(self, grace_s: float | None = None) -> None:
         """Stop every running job now (blocking) and record it: for tests and demos, not shutdown."""
@@ -469,27 +363,60 @@ class Daemon:
     # -- recovery ---------------------------------------------------------------------------------
 
     def _recover(self, now: float) -> None:
-        for record in self.storage.list_jobs([JobStatus.RUNNING]):
-            self._readopt(record, now)
+        running = self.storage.list_jobs([JobStatus.RUNNING])
+        launched = self._find_launched([r for r in running if r.pid is None], now)
+        for record in running:
+            self._readopt(record, now, launched.get(record.id))
         for record in self.storage.list_jobs([JobStatus.QUEUED]):
             self._enqueue(record, now, None)
 
-    def _readopt(self, record: JobRecord, now: float) -> None:
+    def _find_launched(self, records: Sequence[JobRecord], now: float) -> dict[str, int]:
+        """Pids of jobs booked but with no pid recorded (the daemon died mid-launch).
+
+        The wrapper writes its pid file first thing; before that, the launch token in its command
+        line finds it. A daemon killed inside Popen may leave a child that has forked but not yet
+        exec'd the wrapper (which can take seconds on a loaded machine): until LAUNCH_GRACE_S
+        after the booking, a job with neither is looked for again (all of them together).
+        """
+        found: dict[str, int] = {}
+        booked = [r.started_at for r in records if r.launch_token and r.started_at is not None]
+        wait = min(LAUNCH_GRACE_S, max((t + LAUNCH_GRACE_S - now for t in booked), default=0.0))
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            for r in records:
+                if r.id in found:
+                    continue
+                job_dir = Path(r.job_dir) if r.job_dir else self.job_dir(r.id)
+                pid = read_small_int(job_dir / PID_FILE)  # no link followed, no FIFO blocking
+                if pid is None and r.launch_token:
+                    pid = self.launcher.find(r.id, r.launch_token)
+                # The job's user writes the pid file: never adopt (and later signal) another's process.
+                if pid is not None and process_uid(pid) in (None, os.geteuid(), r.uid):
+                    found[r.id] = pid
+            if len(found) == len(records) or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)
+
+    def _readopt(self, record: JobRecord, now: float, launched_pid: int | None = None) -> None:
+        """A job the store says runs: its process, how it ended, or 'never started' (requeued)."""
         job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(record.id)
         missing = [g for g in record.placement if g not in self.gpus]
         pid, start = record.pid, record.pid_start
-        if pid is None:  # crashed between the launch record and the pid record: the wrapper wrote it
-            with contextlib.suppress(OSError, ValueError):
-                pid = int((job_dir / PID_FILE).read_text().strip())
+        if pid is None:  # crashed between booking the launch and recording the pid
+            pid, start = launched_pid, None
         if pid is None:
-            # It was never started: back to the queue.
+            if (job_dir / EXIT_STATUS_FILE).exists():  # ran and ended, pid file lost: not again
+                self._record_end(record, ExitInfo(read_exit_status(job_dir)), now,
+                                 "ended while the daemon was down")
+                return
+            # No process carries its token and it never wrote a pid: the command never ran.
             with self.storage.transaction():
                 self.storage.update_job(record.id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
-                                        started_at=None)
+                                        started_at=None, launch_token=None)
                 self.storage.clear_placements(record.id)
                 self.storage.add_event(now, "requeued", record.id, reason="never started")
             return
-        found = self.launcher.adopt(pid, start, job_dir)
+        found = self.launcher.adopt(pid, start, job_dir, record.launch_token, record.id)
         if isinstance(found, ExitInfo):
             self._record_end(record, found, now, "ended while the daemon was down")
             return
@@ -498,17 +425,20 @@ class Daemon:
             self.launcher.signal(found, signal.SIGTERM)
             self._record_end(record, ExitInfo(None), now, f"GPU(s) {missing} no longer configured")
             return
-        self.book.submit(self._book_job(record))
-        self.book.apply(Place(record.id, record.placement, record.role))
         placements = {p.gpu: p for p in self.storage.placements(record.id)}
-        limits = {g: placements[g].memory_limit_bytes if g in placements else self.gpus[g].memory_bytes
-                  for g in record.placement}
-        shares = {g: placements[g].compute_share if g in placements else 1.0 for g in record.placement}
+        settings = Settings(
+            {g: placements[g].memory_limit_bytes if g in placements else self.gpus[g].memory_bytes
+             for g in record.placement},
+            {g: placements[g].compute_share if g in placements else 1.0 for g in record.placement},
+        )
+        self.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
         seq = max(record.control_seq, _control_file_seq(job_dir))
-        live = _Live(record, found, job_dir, limits, shares, control_seq=seq)
+        with self.storage.transaction():
+            record = self.storage.update_job(record.id, pid=pid, pid_start=found.start_ticks)
+            self.storage.add_event(now, "adopted", record.id, pid=pid, gpus=list(record.placement))
+        live = _Live(record, found, job_dir, control_seq=seq)
         live.stop_sent_at = now if record.cancel_requested else None
         self._live[record.id] = live
-        self.storage.add_event(now, "adopted", record.id, pid=pid, gpus=list(record.placement))
         log.info("re-adopted %s (pid %d) on GPU(s) %s", record.id, pid, list(record.placement))
 
     def _book_job(self, record: JobRecord) -> Job:
@@ -532,7 +462,7 @@ class Daemon:
                     self.storage.update_job(record.id, state=JobStatus.CANCELLED, ended_at=now,
                                             reason="cancelled while queued")
                     self.storage.add_event(now, "cancelled", record.id, while_state="queued")
-                self.book.finish(record.id, failed=True)
+                self.driver.finish(record.id, now, failed=True)
                 out.ended.append((record.id, JobStatus.CANCELLED, None))
                 self._dirty = True
             else:
@@ -545,10 +475,13 @@ class Daemon:
     def _enqueue(self, record: JobRecord, now: float, out: _TickLog | None) -> bool:
         """Into the book; False (and the job failed) when it can never run here."""
         problem = None
+        largest = max((g.memory_bytes for g in self.gpus.values()), default=0)
         if record.tenant not in self.book.tenants:
             problem = f"tenant {record.tenant!r} is not configured"
         elif record.num_gpus > len(self.gpus):
             problem = f"needs {record.num_gpus} GPUs; this machine has {len(self.gpus)}"
+        elif record.memory_bytes is not None and not 0 < record.memory_bytes <= largest:
+            problem = f"memory {record.memory_bytes} bytes is outside [1, {largest}] (the largest GPU)"
         if problem is not None:
             with self.storage.transaction():
                 self.storage.update_job(record.id, state=JobStatus.FAILED, ended_at=now, reason=problem)
@@ -556,7 +489,7 @@ class Daemon:
             if out is not None:
                 out.ended.append((record.id, JobStatus.FAILED, None))
             return False
-        self.book.submit(self._book_job(record))
+        self.driver.submit(self._book_job(record))
         self._dirty = True
         if out is not None:
             out.picked_up.append(record.id)
@@ -568,6 +501,7 @@ class Daemon:
         for job_id, live in list(self._live.items()):
             ended = self.launcher.poll(live.handle)
             if ended is not None:
+                self._faults.at("ended")
                 self._finish(job_id, ended, now, out)
             elif (live.stop_sent_at is not None and not live.killed
                   and now - live.stop_sent_at >= self.config.jobs.cancel_grace_s):
@@ -580,7 +514,7 @@ class Daemon:
         self.launcher.cleanup(live.handle)
         record = self.storage.get_job(job_id) or live.record
         state = self._record_end(record, ended, now, None)
-        self.book.finish(job_id, failed=state is not JobStatus.FINISHED)
+        self.driver.finish(job_id, now, failed=state is not JobStatus.FINISHED)
         self._dirty = True
         if out is not None:
             out.ended.append((job_id, state, ended.exit_code))
@@ -607,23 +541,22 @@ class Daemon:
         window = self.config.daemon.utilisation_window_s
         loads: dict[int, list[JobLoad]] = {g: [] for g in self.gpus}
         for job_id, live in self._live.items():
+            self._faults.at("observe")
             self._read_stats(job_id, live, now)
             stepping = now - live.last_progress_at <= window
             for gpu in live.record.placement:
                 loads[gpu].append(job_load(live.stats, stepping))
-            if live.stats is not None and live.stats.step_ms_median is not None:
-                self.book.update_hints(job_id, mean_step_time_s=live.stats.step_ms_median / 1000.0)
         readings = self.devices.utilisation(loads)
         for gpu, samples in self._util_samples.items():
             samples.append((now, readings.get(gpu, 0.0)))
             while samples and samples[0][0] < now - window:
                 samples.popleft()
             average = statistics.fmean(u for _, u in samples)
-            self.book.set_utilisation(gpu, round(average, 6))
+            self.driver.observe_utilisation(gpu, round(average, 6), now - window)
 
     def _read_stats(self, job_id: str, live: _Live, now: float) -> None:
         try:
-            stats = read_stats(live.job_dir)
+            stats = read_job_stats_file(live.job_dir, live.record.uid)
         except (ProtocolError, OSError) as e:
             message = str(e)
             if message != live.stats_error:  # once per distinct problem, not every tick
@@ -641,82 +574,115 @@ class Daemon:
             for ms in stats.step_ms_window[-min(new, len(stats.step_ms_window)):]:
                 live.samples.append(StepSample(now, ms / 1000.0))
             live.last_progress_at = now
+        if stats.step > 0:
+            self.driver.first_step(job_id, now)
         live.last_step = stats.step
         live.stats = stats
+        for index, gpu in enumerate(live.record.placement):
+            device = next((d for d in stats.devices if d.device == index), None)
+            if device is not None:
+                self.driver.observe_memory(job_id, gpu, device.step_peak_bytes + device.host_in_use_bytes)
+        self.driver.observe_steps(job_id, live.samples)
+        step_s = None if stats.step_ms_median is None else stats.step_ms_median / 1000.0
+        started = live.record.started_at if live.record.started_at is not None else now
+        remaining = estimate_remaining_s(step=stats.step, step_s=step_s, expected_steps=live.record.expected_steps,
+                                         expected_duration_s=live.record.expected_duration_s,
+                                         running_s=now - started)
+        self.book.update_hints(job_id, mean_step_time_s=step_s, estimated_remaining_s=remaining)
 
     # -- 4. schedule ------------------------------------------------------------------------------
 
     def _schedule(self, now: float, out: _TickLog) -> None:
         self._dirty = False
         self._last_schedule = now
-        decisions = schedule(self.book.snapshot(now), self.config.scheduler)
+        decisions, launches = self.driver.schedule(now)
         for d in decisions:
             out.decisions.append(d)
-            self.book.apply(d)
             match d:
-                case Place():
-                    self._launch(d, now, out)
                 case Reserve():
                     self.storage.add_event(now, "reserved", d.job_id, gpus=list(d.gpus))
                 case Unreserve():
                     self.storage.add_event(now, "unreserved", d.job_id)
-                case Upgrade() | Downgrade():
-                    role = Role.GUARANTEE if isinstance(d, Upgrade) else Role.OPPORTUNISTIC
+                case Upgrade():
                     with self.storage.transaction():
-                        self.storage.update_job(d.job_id, role=role)
-                        self.storage.add_event(now, "upgraded" if role is Role.GUARANTEE else "downgraded", d.job_id)
-                    if d.job_id in self._live:
-                        self._live[d.job_id].record = self.storage.get_job(d.job_id) or self._live[d.job_id].record
+                        self.storage.update_job(d.job_id, role=Role.GUARANTEE)
+                        self.storage.add_event(now, "upgraded", d.job_id)
+                    live = self._live.get(d.job_id)
+                    if live is not None:
+                        live.record = self.storage.get_job(d.job_id) or live.record
+                        self._write_control(d.job_id, now, out)  # its share is 1 now
                 case Reject():
                     with self.storage.transaction():
                         self.storage.update_job(d.job_id, state=JobStatus.FAILED, ended_at=now, reason=d.reason)
                         self.storage.add_event(now, "rejected", d.job_id, reason=d.reason)
                     out.ended.append((d.job_id, JobStatus.FAILED, None))
-                case _:
-                    # global_scheduler.schedule never preempts or unplaces (the baselines do).
-                    log.error("decision %r is not supported by the daemon; ignored", d)
+        for launch in launches:
+            try:
+                self._book_launch(launch, now)
+            except Exception as e:  # noqa: BLE001 - whatever it was, the GPUs must not stay held
+                self._launch_failed(launch, now, out, f"could not book the launch: {e}")
 
-    def _launch(self, d: Place, now: float, out: _TickLog) -> None:
-        record = self.storage.get_job(d.job_id)
-        assert record is not None
-        gpus = [self.gpus[g] for g in d.gpus]
-        demand = self.book.jobs[d.job_id].memory_demand_bytes
-        limits = {}
-        for g in gpus:
-            if d.role is Role.GUARANTEE:
-                # What the coordinator's arrival step gives it at this tick: all but the minimum
-                # of each opportunistic job, so it does not start in host memory.
-                opps = sum(1 for j in self.book.jobs_on(g.id) if j != d.job_id)
-                room = g.memory_bytes - opps * self.config.coordinator.min_memory_bytes
-            else:
-                room = g.memory_bytes - sum(live.limits.get(g.id, 0) for live in self._live.values())
-            limits[g.id] = max(0, min(demand, room))
-        shares = dict.fromkeys(d.gpus, 1.0)
-        job_dir = self.job_dir(d.job_id)
-        job_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (STATS_FILE, CONTROL_FILE):
-            with contextlib.suppress(FileNotFoundError):
-                (job_dir / stale).unlink()
-        env = job_environment(self.config, record, gpus, min(limits.values()), 1.0, job_dir)
+    def _book_launch(self, launch: Launch, now: float) -> None:
+        """Record the launch (with its token) before any process exists: a crash now requeues it."""
+        job_dir = self.job_dir(launch.job_id)
+        booked = self.storage.get_job(launch.job_id)
+        # Owned by the daemon, open to the job's user for its stats only (scheduler_lite.isolation).
+        prepare_job_dir(job_dir, job_user(None if booked is None else booked.uid))
         with self.storage.transaction():
-            record = self.storage.update_job(d.job_id, state=JobStatus.RUNNING, role=d.role, placement=d.gpus,
-                                             job_dir=str(job_dir), started_at=now, pid=None, pid_start=None)
-            for g in d.gpus:
-                self.storage.set_placement(d.job_id, g, limits[g], shares[g])
-        try:
-            handle = self.launcher.start(LaunchSpec(d.job_id, record.command, Path(record.workdir),
-                                                    env, job_dir))
-        except LaunchError as e:
-            self._record_end(record, ExitInfo(None), now, str(e))
-            self.book.finish(d.job_id, failed=True)
-            out.ended.append((d.job_id, JobStatus.FAILED, None))
-            return
+            self.storage.update_job(launch.job_id, state=JobStatus.RUNNING, role=launch.role, placement=launch.gpus,
+                                    job_dir=str(job_dir), started_at=now, pid=None, pid_start=None,
+                                    launch_token=uuid.uuid4().hex, control_seq=INITIAL_CONTROL_SEQ)
+            for g in launch.gpus:
+                self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
+        self._booked.append(launch)
+        self._faults.at("booked")
+
+    def _launch_failed(self, launch: Launch, now: float, out: _TickLog, reason: str) -> None:
+        """Release the booking (driver and store): the job failed, its GPUs are free again."""
+        log.error("%s: %s", launch.job_id, reason)
+        self.driver.finish(launch.job_id, now, failed=True)
+        self._dirty = True
         with self.storage.transaction():
-            record = self.storage.update_job(d.job_id, pid=handle.pid, pid_start=handle.start_ticks)
-            self.storage.add_event(now, "launched", d.job_id, pid=handle.pid, gpus=list(d.gpus), role=str(d.role),
-                                   memory_limit_bytes=min(limits.values()))
-        self._live[d.job_id] = _Live(record, handle, job_dir, limits, shares)
-        out.launched.append(d.job_id)
+            self.storage.update_job(launch.job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
+            self.storage.clear_placements(launch.job_id)
+            self.storage.add_event(now, "exited", launch.job_id, state=str(JobStatus.FAILED), exit_code=None,
+                                   reason=reason)
+        out.ended.append((launch.job_id, JobStatus.FAILED, None))
+
+    # -- 6. launch --------------------------------------------------------------------------------
+
+    def _start_booked(self, now: float, out: _TickLog) -> None:
+        booked, self._booked = self._booked, []
+        for launch in booked:
+            if launch.job_id not in self.driver.settings:  # released meanwhile
+                continue
+            try:
+                self._start(launch, now, out)
+            except LaunchError as e:
+                self._launch_failed(launch, now, out, str(e))
+            except Exception as e:  # noqa: BLE001 - between booking and launch: release the booking
+                self._launch_failed(launch, now, out, f"could not start: {e!r}")
+
+    def _start(self, launch: Launch, now: float, out: _TickLog) -> None:
+        record = self.storage.get_job(launch.job_id)
+        assert record is not None and record.launch_token is not None and record.job_dir is not None
+        job_dir = Path(record.job_dir)
+        gpus = [self.gpus[g] for g in launch.gpus]
+        limit, share = launch.memory_limit_bytes(), launch.compute_share()
+        user = job_user(record.uid)
+        env = job_environment(self.config, record, gpus, limit, share, job_dir, base=base_environment(user))
+        handle = self.launcher.start(LaunchSpec(launch.job_id, record.command, Path(record.workdir), env, job_dir,
+                                                record.launch_token, user))
+        self._faults.at("started")
+        with self.storage.transaction():
+            record = self.storage.update_job(launch.job_id, pid=handle.pid, pid_start=handle.start_ticks)
+            for g in launch.gpus:
+                self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
+            self.storage.add_event(now, "launched", launch.job_id, pid=handle.pid, gpus=list(launch.gpus),
+                                   role=str(launch.role), memory_limit_bytes=max(MIN_ENV_LIMIT, limit),
+                                   compute_share=share)
+        self._live[launch.job_id] = _Live(record, handle, job_dir, control_seq=record.control_seq)
+        out.launched.append(launch.job_id)
 
     # -- 5. coordinate ----------------------------------------------------------------------------
 
@@ -725,7 +691,7 @@ class Daemon:
         for gpu in self.gpus:
             ids = self.book.jobs_on(gpu)
             sig = tuple((j, self.book.jobs[j].role or Role.OPPORTUNISTIC) for j in ids)
-            memo = self._memos.get(gpu, CoordinatorMemo())
+            memo = self.driver.memo(gpu)
             changed = sig != self._round_sig.get(gpu)
             due = bool(ids) and (
                 now - self._last_round.get(gpu, -math.inf) >= interval
@@ -733,55 +699,42 @@ class Daemon:
             )
             if not (changed or due):
                 continue
-            view = GpuView(self.book.gpus[gpu], tuple(self._local_job(j, gpu) for j in ids))
-            decisions, memo = coordinator.round(now, view, self.config.coordinator, memo)
-            self._memos[gpu] = memo
+            view = self.driver.view(gpu, {j: self._reading(j, gpu) for j in ids})
+            decisions = self.driver.round(now, gpu, view)
             self._round_sig[gpu] = sig
             self._last_round[gpu] = now
             touched: dict[str, None] = {}
             for d in decisions:
-                live = self._live.get(d.job_id)
-                if live is None:
-                    continue
+                out.decisions.append(d)
+                if d.job_id not in self._live:
+                    continue  # booked, not started: it starts with these settings
                 match d:
                     case SetMemoryLimit():
-                        live.limits[d.gpu] = d.limit_bytes
                         self.storage.add_event(now, "memory_limit", d.job_id, gpu=d.gpu, limit_bytes=d.limit_bytes,
                                                previous_bytes=d.previous_bytes)
                     case SetComputeShare():
-                        live.shares[d.gpu] = d.share
                         self.storage.add_event(now, "compute_share", d.job_id, gpu=d.gpu, share=d.share,
                                                previous=d.previous)
-                    case Pause() | Resume():
-                        live.paused = isinstance(d, Pause)
-                out.decisions.append(d)
                 touched[d.job_id] = None
             for job_id in touched:  # in decision order: shrinks before grows
                 self._write_control(job_id, now, out)
+                self._faults.at("control")
 
-    def _local_job(self, job_id: str, gpu: int) -> LocalJob:
+    def _reading(self, job_id: str, gpu: int) -> Reading:
         live = self._live.get(job_id)
-        job = self.book.jobs[job_id]
-        role = job.role or Role.OPPORTUNISTIC
-        if live is None:  # placed but not started (launch failed this tick)
-            return LocalJob(job_id, role, job.memory_demand_bytes, 0, 0, 1.0)
-        demand = job.memory_demand_bytes
-        spill = 0
+        if live is None:
+            return Reading()
         device = _device_stats(live, gpu)
-        if device is not None:
-            spill = device.host_in_use_bytes
-            demand = max(demand, device.in_use_bytes + device.host_in_use_bytes)
-        return LocalJob(job_id, role, demand, live.limits.get(gpu, 0), spill, live.shares.get(gpu, 1.0),
-                        tuple(live.samples))
+        return Reading(steps=tuple(live.samples), spill_bytes=0 if device is None else device.host_in_use_bytes)
 
     def _write_control(self, job_id: str, now: float, out: _TickLog) -> None:
         live = self._live[job_id]
         placement = live.record.placement
+        settings = self.driver.settings[job_id]
         control = Control(
             seq=live.control_seq + 1,
-            memory_limits=tuple(MemoryLimit(i, live.limits[g]) for i, g in enumerate(placement)),
-            compute_share=min(live.shares[g] for g in placement),
-            paused=live.paused,
+            memory_limits=tuple(MemoryLimit(i, settings.limits[g]) for i, g in enumerate(placement)),
+            compute_share=min(settings.shares[g] for g in placement),
         )
         try:
             write_control(live.job_dir, control)
@@ -793,12 +746,11 @@ class Daemon:
         with self.storage.transaction():
             self.storage.update_job(job_id, control_seq=control.seq)
             for g in placement:
-                self.storage.set_placement(job_id, g, live.limits[g], live.shares[g])
+                self.storage.set_placement(job_id, g, settings.limits[g], settings.shares[g])
         out.controls.append(ControlWrite(job_id, control))
 
 
 # ----------------------------------------------------------------------------------------------
-# Helpers shared with the CLI.
 
 
 def _device_stats(live: _Live, gpu: int) -> DeviceStats | None:
@@ -816,72 +768,6 @@ def _control_file_seq(job_dir: Path) -> int:
         return 0
 
 
-def read_job_stats(record: JobRecord) -> tuple[Stats | None, str | None]:
-    if not record.job_dir:
-        return None, None
-    try:
-        return read_stats(Path(record.job_dir)), None
-    except (ProtocolError, OSError) as e:
-        return None, str(e)
-
-
-def build_status(
-    config: Config,
-    storage: Storage,
-    gpus: Sequence[Gpu],
-    now: float,
-    stats: Mapping[str, tuple[Stats | None, str | None]] | None = None,
-    utilisation: Mapping[int, float] | None = None,
-    phases: Mapping[int, str] | None = None,
-    reservations: Mapping[str, tuple[int, ...]] | None = None,
-) -> ClusterStatus:
-    """Per GPU: its jobs with limits, shares, memory in use, host fallback and step times.
-
-    Works from the store and the job directories alone, so the CLI can answer without the daemon;
-    the daemon adds utilisation, coordinator phases and reservations.
-    """
-    running = storage.list_jobs([JobStatus.RUNNING])
-    queued = storage.list_jobs([JobStatus.QUEUED])
-    settings = {(p.job_id, p.gpu): p for p in storage.placements()}
-    reserved_for = {g: j for j, gs in (reservations or {}).items() for g in gs}
-    per_gpu: dict[int, list[JobOnGpu]] = {g.id: [] for g in gpus}
-    for record in running:
-        found, error = (stats or {}).get(record.id) or read_job_stats(record)
-        for index, gpu in enumerate(record.placement):
-            if gpu not in per_gpu:
-                continue
-            setting = settings.get((record.id, gpu))
-            device = None if found is None else next((d for d in found.devices if d.device == index), None)
-            per_gpu[gpu].append(JobOnGpu(
-                job_id=record.id, tenant=record.tenant, role=record.role or Role.OPPORTUNISTIC,
-                memory_limit_bytes=setting.memory_limit_bytes if setting else 0,
-                compute_share=setting.compute_share if setting else 1.0,
-                in_use_bytes=None if device is None else device.in_use_bytes,
-                host_in_use_bytes=None if device is None else device.host_in_use_bytes,
-                host_fallbacks=None if device is None else device.host_fallbacks,
-                step=None if found is None else found.step,
-                last_step_ms=None if found is None else found.last_step_ms,
-                step_ms_median=None if found is None else found.step_ms_median,
-                achieved_share=None if found is None else found.achieved_share,
-                stats_error=error,
-            ))
-    gpu_status = tuple(
-        GpuStatus(g.id, g.memory_bytes, g.nvlink_group, None if utilisation is None else utilisation.get(g.id),
-                  tuple(per_gpu[g.id]), reserved_for.get(g.id), None if phases is None else phases.get(g.id))
-        for g in gpus
-    )
-    tenants = []
-    quotas = {t.name: t.gpu_quota for t in config.tenants}
-    for name in sorted(set(quotas) | {r.tenant for r in running} | {r.tenant for r in queued}):
-        mine = [r for r in running if r.tenant == name]
-        tenants.append(TenantStatus(
-            name, quotas.get(name, 0),
-            sum(r.num_gpus for r in mine if r.role is Role.GUARANTEE),
-            len(mine), sum(1 for r in queued if r.tenant == name),
-        ))
-    return ClusterStatus(now, gpu_status, tuple(tenants), tuple(r.id for r in queued), tuple(r.id for r in running))
-
-
 def lock_state_dir(state_dir: Path) -> int:
     """Hold the state directory for this process (one daemon per store); returns the lock's fd."""
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -895,3 +781,11 @@ def lock_state_dir(state_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd
+
+
+# Names kept importable from here for library users (the CLI imports their own modules).
+__all__ = [
+    "RESERVED_ENV", "USER_ANTMAN_VARIABLES", "ClusterStatus", "ControlWrite", "Daemon", "DaemonLockedError",
+    "GpuStatus", "JobOnGpu", "SubmitError", "TenantStatus", "TickReport", "build_status", "job_environment",
+    "lock_state_dir", "make_job_spec", "read_job_stats", "request_cancel", "submit_job",
+]

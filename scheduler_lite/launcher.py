@@ -6,7 +6,10 @@ command's exit status to `<job dir>/exit_status`: a job that ends while the daem
 leaves its status behind. stdout and stderr go to `stdout.log` / `stderr.log` in the job directory.
 
 A process is identified by (pid, start time in clock ticks since boot, from /proc/<pid>/stat), so a
-pid reused by an unrelated process after a reboot or a long outage is not mistaken for the job.
+pid reused by an unrelated process after a reboot or a long outage is not mistaken for the job,
+and by the launch token in the wrapper's command line (`scheduler-lite:<job id>:<token>`), which
+the daemon records before it starts the process: a restart that finds no pid recorded and no pid
+file yet can still find the process (`find`), so it never starts the job a second time.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from scheduler_lite.isolation import JobUser, read_small_int
+
 EXIT_STATUS_FILE: Final = "exit_status"
 PID_FILE: Final = "pid"  # the wrapper's pid, written first: found again if the daemon dies mid-launch
 STDOUT_FILE: Final = "stdout.log"
@@ -33,7 +38,8 @@ STDERR_FILE: Final = "stderr.log"
 _WRAPPER: Final = (
     'echo "$$" > "$SCHEDULER_LITE_JOB_DIR/pid"; '
     'trap : TERM INT HUP; '
-    '"$@"; rc=$?; '
+    # Jobs of other users enter their working directory as themselves (see Launcher.start).
+    'if [ -n "${SCHEDULER_LITE_WORKDIR:-}" ]; then cd -- "$SCHEDULER_LITE_WORKDIR" && "$@"; else "$@"; fi; rc=$?; '
     'printf "%s\\n" "$rc" > "$SCHEDULER_LITE_JOB_DIR/.exit_status.tmp" && '
     'mv -f "$SCHEDULER_LITE_JOB_DIR/.exit_status.tmp" "$SCHEDULER_LITE_JOB_DIR/exit_status"; '
     'if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ]; then trap - TERM INT HUP; kill -"$((rc - 128))" "$$"; fi; '
@@ -52,6 +58,8 @@ class LaunchSpec:
     workdir: Path
     env: Mapping[str, str]  # the complete environment of the job
     job_dir: Path
+    token: str = ""  # the launch token recorded before the start (see the module docstring)
+    user: JobUser | None = None  # run as this account (root daemon only); None: as the daemon's user
 
 
 @dataclass(slots=True)
@@ -83,6 +91,19 @@ def describe_exit(code: int | None) -> str:
     return f"exit status {code}"
 
 
+def process_name(job_id: str, token: str) -> str:
+    """The wrapper's $0: names the job and its launch in `ps` and /proc/<pid>/cmdline."""
+    return f"scheduler-lite:{job_id}:{token}" if token else f"scheduler-lite:{job_id}"
+
+
+def _has_name(pid: int, name: str) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return name.encode() in argv[:5]
+
+
 def process_start_ticks(pid: int) -> int | None:
     """Start time of `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat); None if gone."""
     fields = _proc_stat(pid)
@@ -106,22 +127,54 @@ class Launcher:
                 (spec.job_dir / stale).unlink()
         env = dict(spec.env)
         env["SCHEDULER_LITE_JOB_DIR"] = str(spec.job_dir)
+        cwd, switch = spec.workdir, {}
+        if spec.user is not None:
+            # All of the account (extra_groups too: else root's groups stay). The wrapper changes
+            # into the working directory as the user: a chdir made as root would give the job a
+            # directory its user cannot reach.
+            switch = {"user": spec.user.uid, "group": spec.user.gid, "extra_groups": list(spec.user.gids),
+                      "umask": 0o022}
+            cwd = Path("/")
+            env["SCHEDULER_LITE_WORKDIR"] = str(spec.workdir)
         try:
             with open(spec.job_dir / STDOUT_FILE, "ab") as out, open(spec.job_dir / STDERR_FILE, "ab") as err:
                 popen = subprocess.Popen(
-                    ["/bin/sh", "-c", _WRAPPER, f"scheduler-lite:{spec.job_id}", *spec.command],
-                    cwd=spec.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                    start_new_session=True, close_fds=True,
+                    ["/bin/sh", "-c", _WRAPPER, process_name(spec.job_id, spec.token), *spec.command],
+                    cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    start_new_session=True, close_fds=True, **switch,  # type: ignore[call-overload]
                 )
         except OSError as e:
             raise LaunchError(f"cannot start {spec.job_id}: {e.strerror or e} ({spec.workdir})") from None
         return ProcessHandle(popen.pid, process_start_ticks(popen.pid), spec.job_dir, popen)
 
-    def adopt(self, pid: int, start_ticks: int | None, job_dir: Path) -> ProcessHandle | ExitInfo:
-        """The process of a job started before a restart, or how it ended if it is gone."""
+    def adopt(self, pid: int, start_ticks: int | None, job_dir: Path, token: str | None = None,
+              job_id: str = "") -> ProcessHandle | ExitInfo:
+        """The process of a job started before a restart, or how it ended if it is gone.
+
+        The pid must name a process with the recorded start time (when one was recorded) and
+        with the launch token in its command line (when there is a token): a pid reused by
+        another process reads as the job having ended.
+        """
+        if token and start_ticks is None:
+            if not _has_name(pid, process_name(job_id, token)):
+                return ExitInfo(self._status_file(job_dir, None))
+            start_ticks = process_start_ticks(pid)
         handle = ProcessHandle(pid, start_ticks, job_dir)
         ended = self.poll(handle)
+        if ended is None and token and not _has_name(pid, process_name(job_id, token)):
+            return ExitInfo(self._status_file(job_dir, None))
         return handle if ended is None else ended
+
+    @staticmethod
+    def find(job_id: str, token: str) -> int | None:
+        """The pid of a live process started with this launch token, if any (scans /proc)."""
+        name = process_name(job_id, token)
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and _has_name(int(entry.name), name):
+                fields = _proc_stat(int(entry.name))
+                if fields is not None and fields[0] != "Z":
+                    return int(entry.name)
+        return None
 
     def poll(self, handle: ProcessHandle) -> ExitInfo | None:
         """None while the process runs; how it ended otherwise (reaps it if it is our child)."""
@@ -174,7 +227,13 @@ class Launcher:
 
     @staticmethod
     def _status_file(job_dir: Path, fallback: int | None) -> int | None:
-        try:
-            return int((job_dir / EXIT_STATUS_FILE).read_text().strip())
-        except (OSError, ValueError):
-            return fallback
+        return read_exit_status(job_dir, fallback)
+
+
+def read_exit_status(job_dir: Path, fallback: int | None = None) -> int | None:
+    """The status the wrapper recorded in `exit_status`, or `fallback` when there is none.
+
+    The job's user writes the file: it is read without following a link or blocking on a FIFO.
+    """
+    code = read_small_int(job_dir / EXIT_STATUS_FILE)
+    return fallback if code is None else code

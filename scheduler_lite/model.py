@@ -8,8 +8,11 @@ A policy never mutates what it is given: the snapshot classes are frozen, and th
 `ClusterState.index` is typed as the read-only `ClusterQueries` protocol. The bookkeeping that
 applies decisions and keeps the indexes current lives in `scheduler_lite.policy.book`.
 
-Every decision that grants something (GPUs, a reservation, quota, memory, compute) has an exact
-undo, returned by its `undo()` method, so a caller can roll back a partly applied batch.
+Decisions are plain records; they carry no undo. The one reversal a policy performs (the
+coordinator taking back a memory trial) is a new `SetMemoryLimit` built by `reverted()`, which is
+exact because the decision records the limit it replaced. The driver (scheduler_lite.driver)
+applies decisions; a caller that fails to carry one out releases what it booked
+(`Driver.finish`), it does not replay inverses.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class ClusterState:
 
 
 # ----------------------------------------------------------------------------------------------
-# Decisions. Frozen so that a batch can be logged, replayed and undone.
+# Decisions. Frozen so that a batch can be logged and compared (daemon vs simulator).
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,17 +148,6 @@ class Place:
     job_id: str
     gpus: tuple[int, ...]
     role: Role
-
-    def undo(self) -> Unplace:
-        return Unplace(self.job_id, reason="undo")
-
-
-@dataclass(frozen=True, slots=True)
-class Unplace:
-    """The job leaves its GPUs: finished, failed, preempted or undone."""
-
-    job_id: str
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +164,6 @@ class Reserve:
     job_id: str
     gpus: tuple[int, ...]
 
-    def undo(self) -> Unreserve:
-        return Unreserve(self.job_id)
-
 
 @dataclass(frozen=True, slots=True)
 class Unreserve:
@@ -185,14 +174,6 @@ class Unreserve:
 class Upgrade:
     """Opportunistic job becomes a guarantee job in place and consumes its tenant's quota."""
 
-    job_id: str
-
-    def undo(self) -> Downgrade:
-        return Downgrade(self.job_id)
-
-
-@dataclass(frozen=True, slots=True)
-class Downgrade:
     job_id: str
 
 
@@ -211,7 +192,8 @@ class SetMemoryLimit:
     limit_bytes: int
     previous_bytes: int
 
-    def undo(self) -> SetMemoryLimit:
+    def reverted(self) -> SetMemoryLimit:
+        """Back to the limit this one replaced (the coordinator's failed memory trial)."""
         return SetMemoryLimit(self.job_id, self.gpu, self.previous_bytes, self.limit_bytes)
 
 
@@ -222,25 +204,9 @@ class SetComputeShare:
     share: float
     previous: float
 
-    def undo(self) -> SetComputeShare:
-        return SetComputeShare(self.job_id, self.gpu, self.previous, self.share)
 
-
-@dataclass(frozen=True, slots=True)
-class Pause:
-    job_id: str
-
-    def undo(self) -> Resume:
-        return Resume(self.job_id)
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    job_id: str
-
-
-GlobalDecision = Place | Unplace | Preempt | Reserve | Unreserve | Upgrade | Downgrade | Reject
-LocalDecision = SetMemoryLimit | SetComputeShare | Pause | Resume
+GlobalDecision = Place | Preempt | Reserve | Unreserve | Upgrade | Reject
+LocalDecision = SetMemoryLimit | SetComputeShare
 Decision = GlobalDecision | LocalDecision
 
 

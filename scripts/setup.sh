@@ -17,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import tensorflow, pynvml, watchdog, absl, pytest, matplotlib" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import tensorflow, tf_keras, pynvml, watchdog, absl, pytest, matplotlib, prometheus_client" >/dev/null 2>&1 \
    || ! [ -x .venv/bin/ruff ]; then
   echo "== installing Python packages (tensorflow==2.21.0 ...)"
   .venv/bin/pip install -q --upgrade pip
@@ -30,4 +30,9 @@ TF_ANTMAN_PYTHON=$ROOT/.venv/bin/python .venv/bin/python setup.py -q build_nativ
 # Development hook: the checkout on sys.path and the same autoload line the wheel installs.
 SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 { echo "$ROOT"; .venv/bin/python -c "import sys; sys.path.insert(0, '$ROOT'); from tf_antman.importhook import PTH_LINE; print(PTH_LINE, end='')"; } > "$SITE/tf_antman-dev.pth"
-echo "== ready: .venv/bin/python (tf-antman from $ROOT)"
+# The scheduler's command on the PATH (the dev hook installs no console scripts): .venv/bin for
+# this checkout, and /usr/local/bin when run as root, for every user of the machine.
+printf '#!/bin/sh\nexec "%s/.venv/bin/python" -m scheduler_lite "$@"\n' "$ROOT" > .venv/bin/scheduler-lite
+chmod 755 .venv/bin/scheduler-lite
+if [ "$(id -u)" -eq 0 ] && [ -d /usr/local/bin ]; then ln -sf "$ROOT/.venv/bin/scheduler-lite" /usr/local/bin/scheduler-lite; fi
+echo "== ready: .venv/bin/python (tf-antman from $ROOT), scheduler-lite on the PATH"

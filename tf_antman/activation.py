@@ -87,3 +87,7 @@ def after_tensorflow(_tf: ModuleType) -> None:
     if _active is None:
         return
     _active.steps.start_agent()
+    from tf_antman import exit_report
+
+    active = _active
+    exit_report.register(active.native, lambda: active.steps.agent)

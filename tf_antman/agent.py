@@ -144,6 +144,7 @@ class JobAgent:
         self._state = "starting"
         self._state_after_pause = "running"
         self._paused = False
+        self.paused_seconds = 0.0  # total time step_end held the training thread paused
         self._limits: dict[int, int] = {}
         self._share: float | None = None
         self._step = 0
@@ -277,9 +278,11 @@ class JobAgent:
         # asked to shrink its memory) and stats stay fresh so the coordinator sees the job is alive.
         with self._lock:
             self._write_stats()
+        started = time.monotonic()
         while True:
             with self._lock:
                 if not self._paused or self._closed:
+                    self.paused_seconds += time.monotonic() - started  # told at exit (exit_report)
                     return
             self._wake.wait(self._heartbeat_s)
             self._wake.clear()

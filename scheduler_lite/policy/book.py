@@ -15,7 +15,6 @@ from types import MappingProxyType
 
 from scheduler_lite.model import (
     ClusterState,
-    Downgrade,
     GlobalDecision,
     Gpu,
     Job,
@@ -27,7 +26,6 @@ from scheduler_lite.model import (
     Reserve,
     Role,
     Tenant,
-    Unplace,
     Unreserve,
     Upgrade,
 )
@@ -220,10 +218,6 @@ class ClusterBook:
         match d:
             case Place():
                 self._place(d)
-            case Unplace():
-                job = self._running_job(d.job_id)
-                self._release(job)
-                self.jobs[job.id] = _evolve(job, state=JobState.FINISHED, placement=())
             case Preempt():
                 job = self._running_job(d.job_id)
                 self._release(job)
@@ -236,8 +230,6 @@ class ClusterBook:
                 self._drop_reservation(d.job_id)
             case Upgrade():
                 self._upgrade(d.job_id)
-            case Downgrade():
-                self._downgrade(d.job_id)
             case Reject():
                 job = self.jobs[d.job_id]
                 self._dequeue(job)
@@ -347,20 +339,6 @@ class ClusterBook:
         self.jobs[job_id] = _evolve(job, role=Role.GUARANTEE)
         for gpu in job.placement:
             self._holder[gpu] = job_id
-            self._refresh_free(gpu)
-
-    def _downgrade(self, job_id: str) -> None:
-        job = self._running_job(job_id)
-        if job.role is not Role.GUARANTEE:
-            raise BookError(f"downgrade {job_id!r}: not a guarantee job")
-        del self._running[(job.tenant, Role.GUARANTEE)][job_id]
-        self._running[(job.tenant, Role.OPPORTUNISTIC)][job_id] = None
-        if job.kind is JobKind.AUTO:
-            self._upgradable[job.tenant][job_id] = None
-        self._quota_used[job.tenant] -= job.num_gpus
-        self.jobs[job_id] = _evolve(job, role=Role.OPPORTUNISTIC)
-        for gpu in job.placement:
-            del self._holder[gpu]
             self._refresh_free(gpu)
 
 

@@ -11,10 +11,17 @@ caller may skip that call and reset the memo itself.
 GPU with a guarantee job:
   * arrival: opportunistic jobs are cut to `min_memory_bytes` and a compute share of
     `floor_share` at once, so the guarantee job initialises on an uncontended GPU;
-  * once its step time is stable: the baseline is the median step time; opportunistic jobs get
-    the memory it does not use, and their combined compute share rises by `share_step` per round
-    while the median of the last `detector_window` steps stays within `slowdown_tolerance` of the
-    baseline;
+  * once its step time is stable: the baseline is the median step time and becomes the anchor;
+    with opportunistic jobs next to it (then, or when the first one arrives) its limit drops to
+    its measured peak x (1 + `demand_headroom`) (LocalJob.memory_demand_bytes: measured by the
+    daemon, modelled by the simulator) and the opportunistic jobs get the rest;
+    their combined compute share rises by `share_step` per round while the median of the last
+    `detector_window` steps stays within `slowdown_tolerance` of the baseline;
+  * slow while the opportunistic jobs are already at the floor: the baseline is measured again,
+    but never above anchor x (1 + `slowdown_tolerance`), so interference the share does not
+    control cannot erode the protection step by step;
+  * an opportunistic job arriving before that gets `min_memory_bytes`, taken from the guarantee
+    job's limit if the GPU has no room left (never a limit of 0);
   * degradation: share back to the floor at once (pessimistic) and no higher than one step below
     the level that hurt, until `probe_after_s` has passed;
   * spill to host memory: its limit grows by the spilled bytes, opportunistic jobs shrink.
@@ -76,6 +83,10 @@ class CoordinatorConfig:
     trial_chunk_fraction: float = 0.1
     # Stop trying after this many consecutive moves that did not help (until jobs change).
     max_failed_trials: int = 4
+    # A guarantee job's limit follows its measured peak plus this fraction once its baseline is
+    # measured (and at each re-measure): room for the step-to-step variation of the peak; a real
+    # surge spills to host memory and takes the bytes back (see the module docstring).
+    demand_headroom: float = 0.1
 
     def validate(self) -> CoordinatorConfig:
         check_range("round_interval_s", self.round_interval_s, 0.0, 3600.0, low_open=True)
@@ -92,6 +103,7 @@ class CoordinatorConfig:
         check_int("min_memory_bytes", self.min_memory_bytes, 0, 1 << 40)
         check_range("trial_chunk_fraction", self.trial_chunk_fraction, 0.0, 0.5, low_open=True)
         check_int("max_failed_trials", self.max_failed_trials, 0, 1000)
+        check_range("demand_headroom", self.demand_headroom, 0.0, 1.0)
         return self
 
 
@@ -114,6 +126,9 @@ class CoordinatorMemo:
     phase: Phase = Phase.IDLE
     since: float = float("-inf")  # last change; older steps say nothing about now
     baseline_s: float | None = None
+    # The first baseline, measured while the opportunistic jobs were held at the floor: a
+    # re-measure never raises the baseline above anchor x (1 + slowdown_tolerance).
+    anchor_s: float | None = None
     level: float = 0.0  # combined compute share of the opportunistic jobs
     ceiling: float = 1.0
     cut_at: float | None = None
@@ -206,7 +221,24 @@ def _with_guarantee(
     if ids != memo.opportunistic:
         # A new opportunistic job starts small; the shared level is split again.
         arrived = ids - memo.opportunistic
-        free = mem - g.memory_limit_bytes - sum(j.memory_limit_bytes for j in opps if j.job_id not in arrived)
+        if memo.baseline_s is not None and opps:
+            # The guarantee job is measured: its peak plus headroom, the opportunistic jobs the rest.
+            g_limit = _measured_limit(g, cfg, mem, len(opps))
+            _limit(out, gid, g, g_limit)
+            _fit_opportunistic(out, gid, opps, mem - g_limit)
+            _shares(out, gid, opps, memo.level)
+            return out, _evolve(
+                memo, opportunistic=ids, since=now, phase=Phase.GROWING, next_round_at=now + cfg.round_interval_s
+            )
+        others = sum(j.memory_limit_bytes for j in opps if j.job_id not in arrived)
+        free = mem - g.memory_limit_bytes - others
+        need = len(arrived) * min(cfg.min_memory_bytes, mem // (len(opps) + 1))
+        if free < need:
+            # No room left: the guarantee job gives up what the arrivals need (as at its own
+            # arrival, it keeps all but min_memory_bytes per opportunistic job).
+            g_limit = max(0, g.memory_limit_bytes - (need - free))
+            _limit(out, gid, g, g_limit)
+            free = mem - g_limit - others
         for job in opps:
             if job.job_id in arrived:
                 _limit(out, gid, job, max(0, min(cfg.min_memory_bytes, free // len(arrived))))
@@ -225,9 +257,14 @@ def _with_guarantee(
         if not (stable or timed_out):
             return out, _evolve(memo, next_round_at=tick)
         baseline = statistics.median(samples[-cfg.detector_window :])
-        _fit_opportunistic(out, gid, opps, mem - g.memory_limit_bytes)
+        # Alone, a lower limit would give nothing to anybody: it follows the peak once there are
+        # opportunistic jobs (here, or when the first one arrives).
+        g_limit = _measured_limit(g, cfg, mem, len(opps)) if opps else g.memory_limit_bytes
+        _limit(out, gid, g, g_limit)
+        _fit_opportunistic(out, gid, opps, mem - g_limit)
+        anchor = baseline if memo.anchor_s is None else memo.anchor_s
         return out, _evolve(
-            memo, phase=Phase.GROWING, baseline_s=baseline, since=now, next_round_at=tick
+            memo, phase=Phase.GROWING, baseline_s=baseline, anchor_s=anchor, since=now, next_round_at=tick
         )
 
     if g.host_spill_bytes > 0:
@@ -253,8 +290,11 @@ def _with_guarantee(
                 phase=Phase.GROWING, next_round_at=tick,
             )
         # Slow with neighbours already at the floor: not their doing. The job itself changed
-        # (phase, input pipeline), so measure a new baseline instead of cutting forever.
+        # (phase, input pipeline), so measure a new baseline instead of cutting forever, but
+        # anchored: never above the first baseline plus the tolerance.
         baseline = statistics.median(samples[-cfg.detector_window :])
+        if memo.anchor_s is not None:
+            baseline = min(baseline, memo.anchor_s * (1.0 + cfg.slowdown_tolerance))
         return out, _evolve(memo, baseline_s=baseline, since=now, next_round_at=tick)
     ceiling = memo.ceiling
     if memo.cut_at is not None and now - memo.cut_at >= cfg.probe_after_s:
@@ -305,7 +345,7 @@ def _opportunistic_only(
     if memo.trial is not None:
         failed = 0
         if score < memo.trial.score_before:
-            out.extend(m.undo() for m in reversed(memo.trial.moves))
+            out.extend(m.reverted() for m in reversed(memo.trial.moves))
             failed = memo.failed_trials + 1
         return out, _evolve(memo, trial=None, failed_trials=failed, since=now, next_round_at=tick)
     if memo.failed_trials >= cfg.max_failed_trials:
@@ -342,6 +382,16 @@ def _aggregate_progress(opps: list[LocalJob], since: float, window: int) -> floa
         reference = job.solo_step_time_s or min(recent)
         total += reference / current if current > 0 else 0.0
     return total
+
+
+def _measured_limit(g: LocalJob, cfg: CoordinatorConfig, mem: int, n_opps: int) -> int:
+    """The guarantee job's limit once measured: its peak plus headroom, never above what it has,
+    and leaving each opportunistic job at least `min_memory_bytes` (as at its arrival)."""
+    room = mem - n_opps * min(cfg.min_memory_bytes, mem // (n_opps + 1))
+    if g.memory_demand_bytes <= 0:
+        return min(g.memory_limit_bytes, room)
+    wanted = math.ceil(g.memory_demand_bytes * (1.0 + cfg.demand_headroom))
+    return min(g.memory_limit_bytes, wanted, room)
 
 
 def _limit(out: list[LocalDecision], gpu: int, job: LocalJob, limit: int) -> None:

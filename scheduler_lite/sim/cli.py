@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, default=32.0)
     p.add_argument("--quota-a", type=int, default=64, help="paper workload: tenant A's quota")
     p.add_argument("--load", type=float, default=1.2, help="paper workload: offered load")
+    p.add_argument("--auto-fraction", type=float, default=0.0,
+                   help="paper workload: share of tenant A's jobs submitted as auto (default 0)")
     p.add_argument("--trace-dir", type=Path, default=None, help="default: <repo>/../shared/traces")
     p.add_argument("--perf-model", type=Path, default=None, help="default: the shipped one")
     p.add_argument("--rounds", choices=ROUND_MODES, default="event",
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == "paper":
             wl = paper_recipe(perf, num_jobs=args.jobs, seed=args.seed, nodes=args.nodes,
                               gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib,
-                              quota_a=args.quota_a, load=args.load)
+                              quota_a=args.quota_a, load=args.load, auto_fraction=args.auto_fraction)
         else:
             wl = alibaba_v2023(perf, args.trace_dir, seed=args.seed)
         policies = [get_policy(n) for n in (args.policy or list(POLICIES))]

@@ -1,4 +1,8 @@
-"""Discrete-event simulator that drives the registered policies unchanged.
+"""Discrete-event simulator: the driver's loop (scheduler_lite.driver) on a performance model.
+
+Everything between a policy decision and the world (applying decisions to the book, launch
+settings, busy marks, coordinator memos and settings) is the shared `Driver`, as in the daemon;
+this module supplies time (events), readings (sim/perf.py) and the jobs' progress.
 
 Events: job arrival, job progress (finish or memory surge), coordinator round on one GPU.
 After each batch of same-time events the global policy runs once on the book's snapshot (when
@@ -19,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from scheduler_lite.driver import Driver, Launch
 from scheduler_lite.model import (
     GpuView,
     Job,
@@ -28,15 +33,12 @@ from scheduler_lite.model import (
     Preempt,
     Reject,
     Role,
-    SetComputeShare,
-    SetMemoryLimit,
     StepSample,
     Upgrade,
 )
-from scheduler_lite.policy import coordinator, global_scheduler
+from scheduler_lite.policy import global_scheduler
 from scheduler_lite.policy.baselines import yarn_cs_schedule
-from scheduler_lite.policy.book import ClusterBook
-from scheduler_lite.policy.coordinator import CoordinatorConfig, CoordinatorMemo
+from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import check_choice
 from scheduler_lite.sim.perf import ModelPerf, PerfModel
@@ -53,7 +55,6 @@ ROUND_MODES = ("event", "periodic")
 NOISE_CYCLE = 4093
 NOISE_JOB_STRIDE = 611
 NOISE_EPOCH_STRIDE = 97
-_EMPTY_MEMO = CoordinatorMemo()
 
 
 class InvariantError(AssertionError):
@@ -177,14 +178,17 @@ class Simulator:
         # event-driven and periodic rounds see the same steps.
         cv = perf.step_noise_cv
         self.noise = [max(0.1, 1 + self.rng.gauss(0.0, cv)) for _ in range(NOISE_CYCLE)]
-        self.book = ClusterBook(workload.gpus, workload.tenants)
+        reads_nothing = policy.schedule is yarn_cs_schedule
+        self.driver = Driver(workload.gpus, workload.tenants, policy=policy.schedule,  # type: ignore[arg-type]
+                             scheduler_config=self.sched_cfg, coordinator_config=self.ccfg,
+                             universal_memory=policy.universal_memory, marks_busy=not reads_nothing)
+        self.book = self.driver.book
         self.mem = {g.id: g.memory_bytes for g in workload.gpus}
         self.jobs: dict[str, _SimJob] = {}  # by book id (changes on retry)
         self.all_jobs: list[_SimJob] = []
         self.on_gpu: dict[int, dict[str, _SimJob]] = {g: {} for g in self.mem}  # book order
         self.heap: list[tuple[float, int, int, object, int]] = []
         self.seq = 0
-        self.memos: dict[int, CoordinatorMemo] = {}
         self.round_version: dict[int, int] = {}
         self.round_at: dict[int, float | None] = {}
         self.anchor: dict[int, float] = {}  # time of the GPU's last change-driven round
@@ -207,9 +211,9 @@ class Simulator:
         # if the policy reads utilisation; other passes would decide the same as the last one.
         self.util_stale: set[int] = set()
         self.refresh_at: float | None = None
-        has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
+        has_auto = self.has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
         self.reads_util: Callable[[], bool]
-        if policy.schedule is yarn_cs_schedule:
+        if reads_nothing:
             self.reads_util = _never
         elif policy.schedule is global_scheduler.schedule and not has_auto:
             # Utilisation is read only to place opportunistic jobs; time only for auto jobs.
@@ -269,7 +273,9 @@ class Simulator:
                     refreshed = self._refresh_utilisation()
                 elif self.round_version.get(key) == ver:  # type: ignore[arg-type]
                     rounds.add(key)  # type: ignore[arg-type]
-            if (need_schedule or (refreshed and self.reads_util())) and self.book.pending_count():
+            if (need_schedule or (refreshed and self.reads_util())) and (
+                self.book.pending_count() or self._upgradable()
+            ):
                 self._schedule(dirty)
             changed = dirty
             if coordinated:
@@ -310,11 +316,16 @@ class Simulator:
         self.refresh_at = None
         changed = False
         for g in sorted(self.util_stale):
-            if self.book.gpus[g].utilisation != self.gpu_util[g]:
-                self.book.set_utilisation(g, self.gpu_util[g])
+            # The model's utilisation is instantaneous: a reading at `now` covers now.
+            if self.driver.observe_utilisation(g, self.gpu_util[g], self.now):
                 changed = True
         self.util_stale.clear()
         return changed
+
+    def _upgradable(self) -> bool:
+        """Running auto jobs an upgrade pass could promote (found by the daemon-equivalence test:
+        without this, a finish freeing quota upgraded nothing unless some job was pending)."""
+        return self.has_auto and any(self.book.upgradable_jobs(t) for t in self.book.tenants)
 
     def _opportunistic_pending(self) -> bool:
         return next(self.book.iter_pending_opportunistic(), None) is not None
@@ -359,19 +370,17 @@ class Simulator:
             sj.surged = True
             cap = min(self.mem[g] for g in sj.gpus)
             sj.demand = min(cap, int(sj.demand * (1 + tj.surge_growth)))
-            self.book.set_memory_demand(sj.book_id, sj.demand)
+            self.driver.set_demand(sj.book_id, sj.demand)
             dirty.update(sj.gpus)
             if not self.policy.universal_memory:
                 for g in sj.gpus:
                     if sum(o.demand for o in self.on_gpu[g].values()) > self.mem[g]:
                         self._fail(sj, dirty)
                         return CHANGED
-                for g in sj.gpus:
-                    sj.limits[g] = sj.demand
             self._reschedule(sj)
             return CHANGED
         sj.remaining = 0.0
-        self.book.finish(sj.book_id)
+        self.driver.finish(sj.book_id, self.now)
         self._leave(sj, dirty)
         sj.state = "finished"
         sj.end = self.now
@@ -384,8 +393,8 @@ class Simulator:
             self.deferred.pop(g, None)
             del self.on_gpu[g][sj.book_id]
         sj.gpus = ()
-        sj.limits.clear()
-        sj.shares.clear()
+        sj.limits = {}  # the driver's settings were released with the job
+        sj.shares = {}
         sj.gpu_speed.clear()
         sj.seen.clear()
         sj.speed = 0.0
@@ -394,7 +403,7 @@ class Simulator:
 
     def _fail(self, sj: _SimJob, dirty: set[int]) -> None:
         """Out of GPU memory without universal memory: the job dies; resubmitted once."""
-        self.book.finish(sj.book_id, failed=True)
+        self.driver.finish(sj.book_id, self.now, failed=True)
         self._leave(sj, dirty)
         sj.failures += 1
         if sj.failures > MAX_RETRIES:
@@ -413,33 +422,30 @@ class Simulator:
 
     def _schedule(self, dirty: set[int]) -> None:
         self.counters["schedule_calls"] += 1
-        decisions = self.policy.schedule(self.book.snapshot(self.now), self.sched_cfg)
+        decisions, launches = self.driver.schedule(self.now)
         self.counters["decisions"] += len(decisions)
+        starts = iter(launches)
         for d in decisions:
             if isinstance(d, Preempt):
                 sj = self.jobs[d.job_id]
                 self._settle(sj)
-                self.book.apply(d)
                 self._leave(sj, dirty)
                 sj.preemptions += 1
                 sj.remaining = sj.trace.runtime_s  # killed: starts over
                 sj.state = "pending"
                 continue
-            self.book.apply(d)
             if isinstance(d, Place):
-                self._start(self.jobs[d.job_id], d, dirty)
+                self._start(self.jobs[d.job_id], next(starts), dirty)
             elif isinstance(d, Upgrade):
                 sj = self.jobs[d.job_id]
-                sj.role = Role.GUARANTEE
-                for g in sj.gpus:
-                    sj.shares[g] = 1.0
+                sj.role = Role.GUARANTEE  # the driver set its shares to 1
                 dirty.update(sj.gpus)
             elif isinstance(d, Reject):
                 sj = self.jobs[d.job_id]
                 sj.state = "failed"
                 sj.end = self.now
 
-    def _start(self, sj: _SimJob, d: Place, dirty: set[int]) -> None:
+    def _start(self, sj: _SimJob, d: Launch, dirty: set[int]) -> None:
         sj.state = "running"
         sj.role = d.role
         sj.gpus = d.gpus
@@ -447,21 +453,17 @@ class Simulator:
         sj.changed_at = self.now
         if sj.first_start is None:
             sj.first_start = self.now
+        # The driver's settings, by reference: its rounds change them, _recompute reads them.
+        sj.limits = d.settings.limits
+        sj.shares = d.settings.shares
+        # The model steps from the start: a utilisation refresh after now covers the job, and
+        # the driver's busy mark on its GPUs lasts until then.
+        self.driver.first_step(sj.book_id, self.now)
         for g in d.gpus:
             if g in self.deferred:
                 self._catch_up(g, inclusive=False)
-            others = self.on_gpu[g]
-            if self.policy.universal_memory:
-                used = sum(o.limits.get(g, 0) for o in others.values())
-                sj.limits[g] = max(0, min(sj.demand, self.mem[g] - used))
-            else:
-                sj.limits[g] = sj.demand
-            sj.shares[g] = 1.0
-            others[sj.book_id] = sj
+            self.on_gpu[g][sj.book_id] = sj
             if self.reads_util is not _never:
-                # A GPU that just got a job has no utilisation sample with it yet: the policy
-                # sees it as full until the next refresh, as within one pass it skips it.
-                self.book.set_utilisation(g, 1.0)
                 self._stale(g)
         dirty.update(d.gpus)
 
@@ -480,19 +482,12 @@ class Simulator:
         if not self.on_gpu[gpu]:
             # The coordinator's documented answer for a GPU without jobs: no decisions, a fresh
             # memo. Not asking saves a tenth of all rounds (every last departure).
-            self.memos.pop(gpu, None)
+            self.driver.memos.pop(gpu, None)
             self._set_round(gpu, None)
             return False
         self.counters["rounds"] += 1
-        memo = self.memos.get(gpu, _EMPTY_MEMO)
-        decisions, memo = coordinator.round(self.now, self._view(gpu), self.ccfg, memo)
-        for d in decisions:
-            sj = self.jobs[d.job_id]
-            if isinstance(d, SetMemoryLimit):
-                sj.limits[d.gpu] = d.limit_bytes
-            elif isinstance(d, SetComputeShare):
-                sj.shares[d.gpu] = d.share
-        self.memos[gpu] = memo
+        decisions = self.driver.round(self.now, gpu, self._view(gpu))  # applied to sj.limits/shares
+        memo = self.driver.memo(gpu)
         if self.periodic:
             at = self._tick_after(gpu, self.now) if self.on_gpu[gpu] else None
         elif memo.next_round_at is not None:
@@ -521,11 +516,10 @@ class Simulator:
         while at is not None and (at < now - 1e-9 or (inclusive and at <= now + 1e-9)):
             self.now = at
             self.counters["rounds"] += 1
-            memo = self.memos.get(gpu, _EMPTY_MEMO)
-            decisions, memo = coordinator.round(at, self._view(gpu), self.ccfg, memo)
+            decisions = self.driver.round(at, gpu, self._view(gpu))
             if decisions:
                 raise InvariantError(f"GPU {gpu}: a lone guarantee job's round decided {decisions}")
-            self.memos[gpu] = memo
+            memo = self.driver.memo(gpu)
             at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
         self.now = now
         if at is not None and at > now + 1e-9:

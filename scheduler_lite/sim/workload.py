@@ -98,9 +98,16 @@ def paper_recipe(
     min_runtime_s: float = 60.0,
     max_runtime_s: float = 4 * 3600.0,
     prediction_error: float = 0.25,
+    auto_fraction: float = 0.0,
 ) -> Workload:
-    """`load`: offered GPU-seconds per second over the cluster size (Poisson arrivals)."""
+    """`load`: offered GPU-seconds per second over the cluster size (Poisson arrivals).
+
+    `auto_fraction`: share of tenant A's jobs submitted as `auto` instead of `guarantee` (the
+    paper's third job type: guarantee unless the wait is long, upgraded in place later). Drawn
+    from its own random stream, so 0 gives exactly the workload without it.
+    """
     check_int("num_jobs", num_jobs, 1, 10_000_000)
+    check_range("auto_fraction", auto_fraction, 0.0, 1.0)
     check_range("load", load, 0.0, 100.0, low_open=True)
     check_range("max_runtime_s", max_runtime_s, min_runtime_s, 1e9)
     check_range("prediction_error", prediction_error, 0.0, 10.0)
@@ -125,10 +132,14 @@ def paper_recipe(
     rate = load * len(gpus) / mean_work
     t = 0.0
     jobs = []
+    autos = random.Random(f"auto-{seed}")
     for i, model, m, runtime, num, tenant, surge, predicted in drafts:
+        kind = JobKind.GUARANTEE if tenant == "A" else JobKind.OPPORTUNISTIC
+        if kind is JobKind.GUARANTEE and auto_fraction > 0 and autos.random() < auto_fraction:
+            kind = JobKind.AUTO
         jobs.append(TraceJob(
             id=f"j{i:06d}", tenant=tenant,
-            kind=JobKind.GUARANTEE if tenant == "A" else JobKind.OPPORTUNISTIC,
+            kind=kind,
             submit_time=round(t, 3), num_gpus=num, runtime_s=runtime, model=model,
             memory_demand_bytes=m.memory_bytes, utilisation=m.utilisation,
             step_time_s=m.step_time_s, predicted_runtime_s=predicted,

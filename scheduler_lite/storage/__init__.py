@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scheduler_lite.storage.base import (
+    MAX_EVENTS,
     SCHEMA_VERSION,
     EventRecord,
     JobRecord,
@@ -24,6 +25,7 @@ def open_storage(path: Path | str | None) -> Storage:
 
 
 __all__ = [
+    "MAX_EVENTS",
     "SCHEMA_VERSION",
     "EventRecord",
     "JobRecord",

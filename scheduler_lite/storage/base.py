@@ -19,7 +19,8 @@ from typing import Any, Final, Protocol
 
 from scheduler_lite.model import JobKind, Role
 
-SCHEMA_VERSION: Final = 1  # PRAGMA user_version of a current SQLite database
+SCHEMA_VERSION: Final = 3  # PRAGMA user_version of a current SQLite database
+MAX_EVENTS: Final = 100_000  # events kept; older ones are pruned (prune_events) so the table stays bounded
 
 
 class JobStatus(enum.StrEnum):
@@ -53,6 +54,13 @@ class JobSpec:
     env: tuple[tuple[str, str], ...] = ()
     memory_bytes: int | None = None  # declared peak per GPU; None: the whole device
     name: str = ""
+    # What the job will do, when the user says (remaining-time estimate of auto jobs' delays).
+    expected_steps: int | None = None
+    expected_duration_s: float | None = None
+    # Who submitted it, as the daemon identified the caller (SO_PEERCRED): its jobs run as it.
+    # None: submitted through the library (Daemon.submit), i.e. by the daemon's own user.
+    uid: int | None = None
+    user: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +88,20 @@ class JobRecord:
     reason: str | None = None
     cancel_requested: bool = False
     control_seq: int = 0  # last control.json seq written for it
+    expected_steps: int | None = None
+    expected_duration_s: float | None = None
+    # Written before the process is started and put in its command line: a restart that finds no
+    # pid recorded looks for a process carrying it ("started, pid unknown") before concluding
+    # "never started".
+    launch_token: str | None = None
+    uid: int | None = None  # the submitter (JobSpec.uid)
+    user: str = ""
 
 
 # Columns update_job() may set; the others are fixed at submission.
 UPDATABLE: Final = frozenset({
     "state", "role", "placement", "pid", "pid_start", "job_dir", "started_at", "ended_at",
-    "exit_code", "reason", "cancel_requested", "control_seq",
+    "exit_code", "reason", "cancel_requested", "control_seq", "launch_token",
 })
 
 
@@ -134,6 +150,10 @@ class Storage(Protocol):
 
     def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
         """Events with id > after_id, oldest first, of one job or all."""
+        ...
+
+    def prune_events(self, keep: int = MAX_EVENTS) -> int:
+        """Delete all but the newest `keep` events; returns how many were deleted."""
         ...
 
     def set_placement(self, job_id: str, gpu: int, memory_limit_bytes: int, compute_share: float) -> None: ...

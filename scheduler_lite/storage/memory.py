@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from scheduler_lite.storage.base import (
+    MAX_EVENTS,
     EventRecord,
     JobRecord,
     JobSpec,
@@ -33,6 +34,7 @@ class MemoryStorage:
         self._placements: dict[tuple[str, int], PlacementRecord] = {}
         self._quotas: dict[str, int] = {}
         self._seq = 0
+        self._last_event = 0
         self._depth = 0
 
     @contextmanager
@@ -44,12 +46,13 @@ class MemoryStorage:
             finally:
                 self._depth -= 1
             return
-        saved = (dict(self._jobs), list(self._events), dict(self._placements), dict(self._quotas), self._seq)
+        saved = (dict(self._jobs), list(self._events), dict(self._placements), dict(self._quotas), self._seq,
+                 self._last_event)
         self._depth = 1
         try:
             yield
         except BaseException:
-            self._jobs, self._events, self._placements, self._quotas, self._seq = saved
+            self._jobs, self._events, self._placements, self._quotas, self._seq, self._last_event = saved
             raise
         finally:
             self._depth = 0
@@ -61,7 +64,8 @@ class MemoryStorage:
                 id=job_id_for(self._seq), seq=self._seq, tenant=spec.tenant, kind=spec.kind,
                 num_gpus=spec.num_gpus, command=tuple(spec.command), workdir=spec.workdir,
                 submit_time=spec.submit_time, env=tuple(spec.env), memory_bytes=spec.memory_bytes,
-                name=spec.name,
+                name=spec.name, expected_steps=spec.expected_steps,
+                expected_duration_s=spec.expected_duration_s, uid=spec.uid, user=spec.user,
             )
             self._jobs[record.id] = record
             return record
@@ -91,13 +95,20 @@ class MemoryStorage:
         # Round-trip through JSON: the same check (and the same copies) as the SQLite store.
         detail = json.loads(json.dumps(detail))
         with self.transaction():
-            event = EventRecord(len(self._events) + 1, time, job_id, kind, detail)
+            self._last_event += 1
+            event = EventRecord(self._last_event, time, job_id, kind, detail)
             self._events.append(event)
             return event.id
 
     def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
-        out = [copy.deepcopy(e) for e in self._events[after_id:] if job_id is None or e.job_id == job_id]
+        out = [copy.deepcopy(e) for e in self._events if e.id > after_id and (job_id is None or e.job_id == job_id)]
         return out if limit is None else out[:limit]
+
+    def prune_events(self, keep: int = MAX_EVENTS) -> int:
+        with self.transaction():
+            dropped = max(0, len(self._events) - keep)
+            self._events = self._events[dropped:]
+            return dropped
 
     def set_placement(self, job_id: str, gpu: int, memory_limit_bytes: int, compute_share: float) -> None:
         if job_id not in self._jobs:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage.base import (
+    MAX_EVENTS,
     SCHEMA_VERSION,
     EventRecord,
     JobRecord,
@@ -81,13 +83,24 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         gpu_quota INTEGER NOT NULL
     );
     """,
+    # 1 -> 2: what the job will do (auto jobs' remaining time), the launch token (crash safety)
+    """
+    ALTER TABLE jobs ADD COLUMN expected_steps INTEGER;
+    ALTER TABLE jobs ADD COLUMN expected_duration_s REAL;
+    ALTER TABLE jobs ADD COLUMN launch_token TEXT
+    """,
+    # 2 -> 3: the submitter, as the daemon identified it (its jobs run as that user)
+    """
+    ALTER TABLE jobs ADD COLUMN uid INTEGER;
+    ALTER TABLE jobs ADD COLUMN user TEXT NOT NULL DEFAULT ''
+    """,
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 _JOB_COLUMNS: Final = (
     "seq, id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state, "
     "role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, "
-    "cancel_requested, control_seq"
+    "cancel_requested, control_seq, expected_steps, expected_duration_s, launch_token, uid, user"
 )
 _JSON_COLUMNS: Final = frozenset({"placement"})
 
@@ -99,12 +112,14 @@ class SqliteStorage:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         # Autocommit mode: transactions are ours (BEGIN IMMEDIATE), not the sqlite3 module's.
         self._db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        self._depth = 0
         self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        self._db.execute("PRAGMA journal_mode = WAL")
+        # Switching to WAL needs the database to itself and SQLite does not always wait for that
+        # (many CLI processes opening a new store at once): retried within the busy timeout.
+        _retry_locked(lambda: self._db.execute("PRAGMA journal_mode = WAL"))
         self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across a process crash
         self._db.execute("PRAGMA foreign_keys = ON")
-        self._depth = 0
-        self._migrate()
+        _retry_locked(self._migrate)
 
     # -- schema -----------------------------------------------------------------------------------
 
@@ -158,10 +173,11 @@ class SqliteStorage:
         with self.transaction():
             cur = self._db.execute(
                 "INSERT INTO jobs (id, tenant, kind, num_gpus, command, workdir, submit_time, env, "
-                "memory_bytes, name, state) VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "memory_bytes, name, state, expected_steps, expected_duration_s, uid, user) "
+                "VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (spec.tenant, str(spec.kind), spec.num_gpus, json.dumps(list(spec.command)), spec.workdir,
                  spec.submit_time, json.dumps([list(kv) for kv in spec.env]), spec.memory_bytes, spec.name,
-                 str(JobStatus.QUEUED)),
+                 str(JobStatus.QUEUED), spec.expected_steps, spec.expected_duration_s, spec.uid, spec.user),
             )
             seq = cur.lastrowid
             assert seq is not None
@@ -231,6 +247,11 @@ class SqliteStorage:
             args.append(limit)
         return [EventRecord(i, t, j, k, json.loads(d)) for i, t, j, k, d in self._db.execute(sql, args)]
 
+    def prune_events(self, keep: int = MAX_EVENTS) -> int:
+        with self.transaction():
+            cur = self._db.execute("DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (keep,))
+            return cur.rowcount
+
     # -- placements and quotas --------------------------------------------------------------------
 
     def set_placement(self, job_id: str, gpu: int, memory_limit_bytes: int, compute_share: float) -> None:
@@ -275,9 +296,23 @@ class SqliteStorage:
         self._db.close()
 
 
+def _retry_locked(call: Callable[[], object]) -> None:
+    """Run `call`, again while SQLite reports the database locked, up to the busy timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            call()
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 def _job(row: tuple[Any, ...]) -> JobRecord:
     (seq, job_id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state,
-     role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, cancel, control_seq) = row
+     role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, cancel, control_seq,
+     expected_steps, expected_duration_s, launch_token, uid, user) = row
     return JobRecord(
         id=job_id, seq=seq, tenant=tenant, kind=JobKind(kind), num_gpus=num_gpus,
         command=tuple(json.loads(command)), workdir=workdir, submit_time=submit_time,
@@ -285,5 +320,6 @@ def _job(row: tuple[Any, ...]) -> JobRecord:
         state=JobStatus(state), role=None if role is None else Role(role),
         placement=tuple(json.loads(placement)), pid=pid, pid_start=pid_start, job_dir=job_dir,
         started_at=started_at, ended_at=ended_at, exit_code=exit_code, reason=reason,
-        cancel_requested=bool(cancel), control_seq=control_seq,
+        cancel_requested=bool(cancel), control_seq=control_seq, expected_steps=expected_steps,
+        expected_duration_s=expected_duration_s, launch_token=launch_token, uid=uid, user=user,
     )

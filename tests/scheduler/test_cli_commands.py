@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from scheduler_lite.cli import main
+from scheduler_lite.isolation import SESSION_VARIABLES
+from tests.scheduler.serving import serving
 from tests.scheduler.test_daemon_fakes import REPO, fake_command, wait_for
 
 CONFIG = """\
@@ -35,10 +40,17 @@ min_memory_bytes = "64MiB"
 
 
 @pytest.fixture
-def cfg(tmp_path: Path) -> str:
+def cfg_file(tmp_path: Path) -> str:
     path = tmp_path / "sl.toml"
     path.write_text(CONFIG)
     return str(path)
+
+
+@pytest.fixture
+def cfg(cfg_file: str) -> Iterator[str]:
+    """The config, with a daemon answering the CLI (it does not tick: jobs stay queued)."""
+    with serving(cfg_file):
+        yield cfg_file
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -57,13 +69,16 @@ def test_submit_list_show_cancel_tenants(cfg: str, capsys: pytest.CaptureFixture
 
     rc, out, _ = run(capsys, "--config", cfg, "list")
     lines = out.splitlines()
-    assert lines[0].split()[:6] == ["ID", "NAME", "TENANT", "TYPE", "ROLE", "STATE"]
-    assert lines[1].split()[:6] == ["job-1", "first", "A", "guarantee", "-", "queued"]
+    assert lines[0].split()[:7] == ["ID", "NAME", "TENANT", "USER", "TYPE", "ROLE", "STATE"]
+    assert lines[1].split()[:7] == ["job-1", "first", "A", pwd.getpwuid(os.getuid()).pw_name, "guarantee", "-",
+                                    "queued"]
     rc, out, _ = run(capsys, "--config", cfg, "list", "--json")
     jobs = json.loads(out)
     assert [(j["id"], j["tenant"], j["kind"], j["state"], j["memory_bytes"]) for j in jobs] == [
         ("job-1", "A", "guarantee", "queued", 256 << 20), ("job-2", "B", "opportunistic", "queued", None)]
-    assert jobs[0]["env"] == {"K": "V"}
+    # Its --env, and the variables of the submitting session that the job's command resolves against.
+    assert {k: v for k, v in jobs[0]["env"].items() if k not in SESSION_VARIABLES} == {"K": "V"}
+    assert jobs[0]["env"].get("PATH") == os.environ.get("PATH")
 
     rc, out, _ = run(capsys, "--config", cfg, "show", "job-1")
     assert rc == 0 and "tenant     A" in out and "256.0 MiB" in out and "submitted" in out.split("events:")[1]
@@ -113,6 +128,9 @@ def test_a_bad_config_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
     path.write_text(CONFIG.replace('memory = "1GiB"', 'memory = "1KiB"'))
     rc, _, err = run(capsys, "--config", str(path), "list")
     assert rc == 2 and "devices.emulated[0].memory='1KiB' is invalid: accepted" in err
+    path.write_text(CONFIG.replace('gpu_quota = 0', 'gpu_quota = 0\nusers = ["Not A Name"]'))
+    rc, _, err = run(capsys, "--config", str(path), "list")
+    assert rc == 2 and "tenants[1].users=['Not A Name'] is invalid: accepted a list of user or group names" in err
     rc, _, err = run(capsys, "--config", str(tmp_path / "missing.toml"), "list")
     assert rc == 1 and "missing.toml" in err and "Traceback" not in err
 
@@ -131,10 +149,20 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
     assert "examples:" in out and "submit --tenant" in out
 
 
-def test_serve_runs_jobs_until_sigterm(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_a_daemon_commands_say_so(cfg_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["list"], ["submit", "--tenant", "A", "--", "true"], ["status"], ["cancel", "job-1"]):
+        rc, out, err = run(capsys, "--config", cfg_file, *argv)
+        assert rc == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith("scheduler-lite: error: no scheduler-lite daemon is serving") and "serve" in err
+    assert not (Path(cfg_file).parent / "state" / "scheduler.db").exists()  # the client never opens the store
+
+
+def test_serve_runs_jobs_until_sigterm(cfg_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = cfg_file
     serve = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", cfg, "serve"], cwd=REPO,
                              stderr=subprocess.PIPE, text=True)
     try:
+        assert wait_for(lambda: (Path(cfg).parent / "state" / "scheduler.sock").exists(), timeout=60)
         rc, out, _ = run(capsys, "--config", cfg, "submit", "--tenant", "A", "--env", f"PYTHONPATH={REPO}", "--",
                          *fake_command(steps=3))
         job = out.strip()

@@ -34,6 +34,10 @@ from tf_antman.protocol import (DeviceStats, ProtocolError, Stats, atomic_write_
 job_dir = Path(os.environ["ANTMAN_JOB_DIR"])
 steps, step_s, demand, code = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 achieved = float(sys.argv[5]) if len(sys.argv) > 5 else None
+time.sleep(float(os.environ.get("FAKE_START_DELAY_S", "0")))  # a TF job takes seconds to start
+if os.environ.get("FAKE_RUNS_LOG"):  # one line per start: a job started twice shows twice
+    with open(os.environ["FAKE_RUNS_LOG"], "a") as log:
+        log.write(os.environ["SCHEDULER_LITE_JOB_ID"] + "\n")
 if os.environ.get("FAKE_IGNORE_SIGTERM"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 limit = int(os.environ["ANTMAN_MEMORY_LIMIT"])

@@ -69,6 +69,8 @@ def test_guarantee_arrival_shrinks_the_opportunistic_job(tmp_path: Path, daemons
         job = d.status().gpu(0).job(opp)
         return job is not None and job.in_use_bytes == min_memory
     assert d.run_until(shrunk, timeout=20, interval=0.02)
+    # Status shows what the job reports in force: nothing for the guarantee job until its stats.
+    assert d.run_until(lambda d: steps_of(d, g) >= 1, timeout=20, interval=0.02)
     view = d.status().gpu(0)
     o, gj = view.job(opp), view.job(g)
     assert o is not None and o.host_in_use_bytes == 600 * MIB - min_memory

@@ -142,3 +142,48 @@ def test_config_validation_names_the_field():
         CoordinatorConfig(detector_window=1).validate()
     with pytest.raises(ConfigError, match="floor_share"):
         CoordinatorConfig(floor_share=0.9, max_share=0.5).validate()
+
+
+# -- measured demand, anchored baseline, arrivals next to a guarantee job holding the whole GPU ------
+
+
+def _settled(demand: int, limit: int, base: float = 1.0) -> tuple[GpuView, CoordinatorMemo, list]:
+    g = LocalJob("g", Role.GUARANTEE, demand, limit, 0, 1.0)
+    view = GpuView(GPU, (g, o_job(limit=CFG.min_memory_bytes, share=CFG.floor_share)))
+    memo = CoordinatorMemo(guarantee_job="g", phase=Phase.SETTLING, since=0.0, level=CFG.floor_share,
+                           opportunistic=frozenset({"o"}))
+    view = GpuView(GPU, (LocalJob("g", Role.GUARANTEE, demand, limit, 0, 1.0, steps(0, 10, base)), view.jobs[1]))
+    d, memo = round(11.0, view, CFG, memo)
+    return view, memo, d
+
+
+def test_guarantee_limit_follows_measured_peak_plus_headroom_and_opportunistic_jobs_get_the_rest():
+    view, memo, d = _settled(demand=4 * GIB, limit=GPU.memory_bytes - CFG.min_memory_bytes)
+    lim = limits_after(view, d)
+    wanted = int(4 * GIB * (1 + CFG.demand_headroom)) + 1
+    assert abs(lim["g"] - wanted) <= 1
+    assert lim["o"] == min(10 * GIB, GPU.memory_bytes - lim["g"])  # its demand fits in the rest
+    assert memo.anchor_s == memo.baseline_s == 1.0
+
+
+def test_a_remeasured_baseline_never_exceeds_the_anchor_plus_tolerance():
+    _, memo, _ = _settled(demand=4 * GIB, limit=8 * GIB)
+    assert memo.level == CFG.floor_share  # neighbours at the floor: a slowdown is not theirs
+    t = 20.0
+    for slower in (1.5, 2.0, 3.0):  # the job keeps slowing down with neighbours at the floor
+        g = LocalJob("g", Role.GUARANTEE, 4 * GIB, 8 * GIB, 0, 1.0, steps(t, 10, slower))
+        view = GpuView(GPU, (g, o_job(limit=CFG.min_memory_bytes, share=CFG.floor_share)))
+        _, memo = round(t + 11, view, CFG, memo)
+        t += 11
+        assert memo.baseline_s == pytest.approx(1.0 * (1 + CFG.slowdown_tolerance))
+    assert memo.anchor_s == 1.0
+
+
+def test_an_arrival_next_to_a_guarantee_job_holding_the_whole_gpu_gets_the_minimum():
+    g = LocalJob("g", Role.GUARANTEE, GPU.memory_bytes, GPU.memory_bytes, 0, 1.0)
+    memo = CoordinatorMemo(guarantee_job="g", phase=Phase.STEADY, baseline_s=1.0, anchor_s=1.0, level=0.0)
+    view = GpuView(GPU, (g, o_job(limit=CFG.min_memory_bytes)))
+    d, _ = round(5.0, view, CFG, memo)
+    lim = limits_after(view, d)
+    assert lim == {"g": GPU.memory_bytes - CFG.min_memory_bytes, "o": CFG.min_memory_bytes}
+    assert [x for x in d if isinstance(x, SetMemoryLimit)][0].job_id == "g"  # the shrink first

@@ -135,3 +135,21 @@ def test_quotas(storage: Storage) -> None:
     storage.set_quota("A", 2)
     storage.set_quota("A", 4)
     assert storage.quotas() == {"A": 4, "B": 0}
+
+
+def test_prune_events_keeps_the_newest_and_ids_keep_increasing(storage: Storage) -> None:
+    ids = [storage.add_event(float(i), "tick", None, i=i) for i in range(10)]
+    assert storage.prune_events(keep=3) == 7
+    assert [e.detail["i"] for e in storage.events()] == [7, 8, 9]
+    assert storage.prune_events(keep=3) == 0
+    later = storage.add_event(10.0, "tick", None, i=10)
+    assert later > ids[-1]  # never reused: readers resuming after an id miss nothing new
+    assert [e.detail["i"] for e in storage.events(after_id=ids[-1])] == [10]
+
+
+def test_launch_fields_round_trip(storage: Storage) -> None:
+    spec = JobSpec(tenant="t", kind=JobKind.AUTO, num_gpus=1, command=("x",), workdir="/", submit_time=0.0,
+                   expected_steps=500, expected_duration_s=60.0)
+    job = storage.add_job(spec)
+    assert (job.expected_steps, job.expected_duration_s, job.launch_token) == (500, 60.0, None)
+    assert storage.update_job(job.id, launch_token="abc").launch_token == "abc"

@@ -91,3 +91,22 @@ def test_ids_are_not_reused_after_a_rolled_back_insert_is_followed_by_commits(tm
     ids = [store.add_job(spec()).id for _ in range(3)]
     assert len(set(ids)) == 3 and [j.id for j in store.list_jobs()] == ids
     store.close()
+
+
+def test_a_version_1_store_is_migrated_and_keeps_its_jobs(tmp_path: Path) -> None:
+    db = tmp_path / "v1.db"
+    raw = sqlite3.connect(db)
+    for statement in MIGRATIONS[0].split(";"):
+        if statement.strip():
+            raw.execute(statement)
+    raw.execute("INSERT INTO jobs (id, tenant, kind, num_gpus, command, workdir, submit_time, state) "
+                "VALUES ('job-1', 't', 'auto', 1, '[\"x\"]', '/', 0.0, 'running')")
+    raw.execute("PRAGMA user_version = 1")
+    raw.commit()
+    raw.close()
+    store = SqliteStorage(db)
+    assert store.schema_version() == SCHEMA_VERSION == 3
+    job = store.get_job("job-1")
+    assert job is not None and (job.launch_token, job.expected_steps, job.expected_duration_s) == (None, None, None)
+    assert (job.uid, job.user) == (None, "")  # 2 -> 3: submitted before users were known
+    store.close()

@@ -1,0 +1,106 @@
+"""What the CLI calls: one request to the daemon's socket (scheduler_lite.server), one answer.
+
+    result = call(config, "submit", command=[...], tenant="research", workdir="/home/me/run")
+
+The client never opens the store: without a daemon every command but `serve` and `sim` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from pathlib import Path
+from typing import Any, Final
+
+from scheduler_lite.config import Config
+from scheduler_lite.model import JobKind, Role
+from scheduler_lite.server import MAX_REQUEST_BYTES, PROTOCOL_VERSION
+from scheduler_lite.status import ClusterStatus, GpuStatus, JobOnGpu, TenantStatus
+from scheduler_lite.storage import JobRecord, JobStatus
+
+TIMEOUT_S: Final = 120.0
+MAX_ANSWER_BYTES: Final = 64 << 20
+
+
+class ClientError(Exception):
+    """The daemon refused the request, or cannot be reached; the message is one line."""
+
+
+def call(config: Config, op: str, **args: Any) -> Any:
+    return call_socket(config.socket_path, op, args, state_dir=config.state_dir)
+
+
+def call_socket(path: Path, op: str, args: dict[str, Any], state_dir: Path | None = None) -> Any:
+    request = json.dumps({"version": PROTOCOL_VERSION, "op": op, "args": args}).encode() + b"\n"
+    if len(request) > MAX_REQUEST_BYTES:
+        raise ClientError(f"the request is larger than {MAX_REQUEST_BYTES} bytes (a very long command or --env?)")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(TIMEOUT_S)
+    try:
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            where = state_dir if state_dir is not None else path.parent
+            raise ClientError(f"no scheduler-lite daemon is serving {where} (no socket at {path}); start it with "
+                              "'scheduler-lite serve' (docs/scheduler.md)") from None
+        except PermissionError:
+            raise ClientError(f"cannot connect to {path}: permission denied (that daemon serves only its own "
+                              "user)") from None
+        sock.sendall(request)
+        data = _read_answer(sock)
+    except TimeoutError:
+        raise ClientError(f"the daemon did not answer within {TIMEOUT_S:.0f} s") from None
+    finally:
+        sock.close()
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        raise ClientError("the daemon's answer is not JSON (is it the same scheduler-lite version?)") from None
+    if not isinstance(answer, dict) or not answer.get("ok"):
+        error = answer.get("error") if isinstance(answer, dict) else None
+        raise ClientError(str(error or "the daemon refused the request"))
+    return answer.get("result")
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    chunks, size = [], 0
+    while True:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if chunk.endswith(b"\n") or size > MAX_ANSWER_BYTES:
+            break
+    if not chunks:
+        raise ClientError("the daemon closed the connection without an answer (see its log)")
+    return b"".join(chunks)
+
+
+# ----------------------------------------------------------------------------------------------
+# Answers back into the objects the CLI prints.
+
+
+def job_record(doc: dict[str, Any]) -> JobRecord:
+    fields = {f.name for f in dataclasses.fields(JobRecord)}
+    values = {k: v for k, v in doc.items() if k in fields}
+    values["kind"] = JobKind(values["kind"])
+    values["state"] = JobStatus(values["state"])
+    values["role"] = None if values.get("role") is None else Role(values["role"])
+    values["command"] = tuple(values["command"])
+    values["placement"] = tuple(values.get("placement") or ())
+    values["env"] = tuple((doc.get("env") or {}).items())
+    return JobRecord(**values)
+
+
+def cluster_status(doc: dict[str, Any]) -> ClusterStatus:
+    gpus = []
+    for g in doc["gpus"]:
+        jobs = tuple(JobOnGpu(**{**j, "role": Role(j["role"])}) for j in g["jobs"])
+        gpus.append(GpuStatus(**{**g, "jobs": jobs}))
+    tenants = tuple(TenantStatus(**t) for t in doc["tenants"])
+    return ClusterStatus(doc["time"], tuple(gpus), tenants, tuple(doc["queued"]), tuple(doc["running"]))
+
+
+__all__ = ["ClientError", "call", "call_socket", "cluster_status", "job_record"]

@@ -1,0 +1,341 @@
+"""Everything between a policy decision and the world, shared by the daemon and the simulator.
+
+The policies (scheduler_lite.policy) are pure: they read a snapshot and return decisions. What
+happens next used to be written twice, once in the daemon and once in the simulator, and the two
+copies drifted apart (the daemon stacked jobs on a GPU the simulator knew to be busy). This module
+is the one copy. A `Driver` owns:
+
+  * the `ClusterBook` and the global policy: `schedule(now)` runs a pass and applies it;
+  * the settings in force per placed job (memory limit and compute share per GPU): the initial
+    ones at launch (`Launch`) and every coordinator decision after (`round`);
+  * the per-GPU `CoordinatorMemo`s and the coordinator's inputs (`local_job`): step samples,
+    measured peak memory, and the solo step time (measured while the job ran alone, unless the
+    world knows it, as the simulator does);
+  * busy marks: a GPU that received a job reads as fully used (utilisation 1.0) until a
+    utilisation reading covers the job's running time (`observe_utilisation`). The policy
+    places at most one opportunistic job per GPU per pass for the same reason; without the mark,
+    the next pass saw the stale, idle reading and stacked another job there.
+
+The world supplies time and readings and carries decisions out:
+
+  =================  ====================================  ===================================
+  step               daemon (scheduler_lite.daemon)        simulator (scheduler_lite.sim)
+  =================  ====================================  ===================================
+  jobs arrive        submissions from the store            trace arrivals
+  readings           stats.json of each job, the devices   the performance model
+  first step         first stats.json with a step          the start (the model steps at once)
+  utilisation        average over utilisation_window_s     the model's, at each 10 s refresh
+  carry out Launch   start the process with the settings   start integrating the job's progress
+  carry out round    write control.json                    recompute the speeds
+  =================  ====================================  ===================================
+
+A pass, in order: `schedule(now)` -> for each `Launch` the world starts the job (or calls
+`finish(job, failed=True)` if it cannot: the booking is released) -> `round(now, gpu, view)`
+for the GPUs whose jobs changed or whose round is due -> the world applies the decisions.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from scheduler_lite.model import (
+    ClusterState,
+    GlobalDecision,
+    Gpu,
+    GpuView,
+    Job,
+    LocalDecision,
+    LocalJob,
+    Place,
+    Preempt,
+    Reject,
+    Role,
+    SetComputeShare,
+    SetMemoryLimit,
+    StepSample,
+    Tenant,
+    Upgrade,
+)
+from scheduler_lite.policy import coordinator
+from scheduler_lite.policy.book import ClusterBook
+from scheduler_lite.policy.coordinator import CoordinatorConfig, CoordinatorMemo
+
+SchedulePolicy = Callable[[ClusterState, object], list[GlobalDecision]]
+BUSY: Final = 1.0  # what a GPU with a job not yet covered by a reading reads as
+_EMPTY_MEMO: Final = CoordinatorMemo()
+
+
+@dataclass(slots=True)
+class Settings:
+    """What a placed job runs with, per GPU: set at launch, then by the coordinator.
+
+    The dicts are handed to the world by reference (`Launch.settings`): the simulator keeps them
+    on its job and reads them without a lookup; the driver is the only writer.
+    """
+
+    limits: dict[int, int] = field(default_factory=dict)
+    shares: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """A Place the world must carry out, with the settings it starts with."""
+
+    job_id: str
+    gpus: tuple[int, ...]
+    role: Role
+    settings: Settings
+
+    def memory_limit_bytes(self) -> int:
+        return min(self.settings.limits.values())
+
+    def compute_share(self) -> float:
+        return min(self.settings.shares.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What the world measured of one job on one GPU, for the coordinator.
+
+    `demand_bytes`: the job's peak memory (device + host) as measured, None until it is; then
+    the book's (declared) demand stands in. `solo_step_s`: the world's own knowledge of the
+    job's step time alone (the simulator's model); None lets the driver's measurement stand.
+    """
+
+    steps: tuple[StepSample, ...] = ()
+    demand_bytes: int | None = None
+    spill_bytes: int = 0
+    solo_step_s: float | None = None
+
+
+NO_READING: Final = Reading()
+
+
+class Driver:
+    def __init__(
+        self,
+        gpus: Iterable[Gpu],
+        tenants: Iterable[Tenant],
+        *,
+        policy: SchedulePolicy,
+        scheduler_config: object,
+        coordinator_config: CoordinatorConfig,
+        universal_memory: bool = True,
+        marks_busy: bool = True,
+    ) -> None:
+        self.book = ClusterBook(gpus, tenants)
+        self.policy = policy
+        self.scheduler_config = scheduler_config
+        self.ccfg = coordinator_config
+        # Without universal memory (YARN-CS, Gandiva) a job's limit is its demand: nothing spills.
+        self.universal_memory = universal_memory
+        # A policy that never reads utilisation (YARN-CS) needs no marks.
+        self.marks_busy = marks_busy
+        self.settings: dict[str, Settings] = {}
+        self.memos: dict[int, CoordinatorMemo] = {}
+        self._held: dict[int, dict[str, None]] = {}  # GPU -> jobs no reading covers yet
+        self._first_step: dict[str, float] = {}
+        self._changed_at: dict[int, float] = {}  # last time a job arrived on or left the GPU
+        self._solo: dict[str, float] = {}  # measured step time alone, per job
+        self._peak: dict[str, dict[int, int]] = {}  # measured peak memory per job and GPU
+
+    # -- global passes -----------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        self.book.submit(job)
+
+    def schedule(self, now: float) -> tuple[list[GlobalDecision], list[Launch]]:
+        """One global pass, applied to the book; the launches the world must carry out."""
+        decisions = self.policy(self.book.snapshot(now), self.scheduler_config)
+        launches = []
+        for d in decisions:
+            self.book.apply(d)
+            match d:
+                case Place():
+                    launches.append(self._place(d, now))
+                case Upgrade():
+                    # Its compute share is no longer the opportunistic level: the whole GPU.
+                    for g in self.book.jobs[d.job_id].placement:
+                        self.settings[d.job_id].shares[g] = 1.0
+                case Preempt() | Reject():
+                    self._release(d.job_id, now)
+        return decisions, launches
+
+    def _place(self, d: Place, now: float) -> Launch:
+        """Initial settings: the same rule the coordinator applies at its next round.
+
+        A guarantee job keeps all but `min_memory_bytes` per job already on the GPU (the
+        coordinator's arrival step shrinks those to that); a job next to others gets what they
+        leave, but never less than `min_memory_bytes` nor more than its demand. The round that
+        follows in the same pass settles the rest before the world starts the job.
+        """
+        demand = self.book.jobs[d.job_id].memory_demand_bytes
+        floor = self.ccfg.min_memory_bytes
+        settings = Settings()
+        for g in d.gpus:
+            mem = self.book.gpus[g].memory_bytes
+            others = [j for j in self.book.jobs_on(g) if j != d.job_id]
+            if not self.universal_memory:
+                limit = demand
+            elif d.role is Role.GUARANTEE:
+                limit = min(demand, mem - len(others) * min(floor, mem // (len(others) + 1)))
+            else:
+                used = sum(self.settings[j].limits.get(g, 0) for j in others if j in self.settings)
+                limit = min(demand, max(mem - used, min(floor, mem // (len(others) + 1))))
+            settings.limits[g] = max(0, limit)
+            settings.shares[g] = 1.0
+            self._changed_at[g] = now
+            if self.marks_busy:
+                self._held.setdefault(g, {})[d.job_id] = None
+                self.book.set_utilisation(g, BUSY)
+        self.settings[d.job_id] = settings
+        return Launch(d.job_id, d.gpus, d.role, settings)
+
+    def set_demand(self, job_id: str, demand_bytes: int) -> None:
+        """The job's memory demand changed (a surge). Without universal memory its limit follows."""
+        self.book.set_memory_demand(job_id, demand_bytes)
+        if not self.universal_memory:
+            limits = self.settings[job_id].limits
+            for g in limits:
+                limits[g] = demand_bytes
+
+    def finish(self, job_id: str, now: float, failed: bool = False) -> None:
+        """The job left (ended, failed, could not start): release its GPUs and settings."""
+        self.book.finish(job_id, failed=failed)
+        self._release(job_id, now)
+
+    def _release(self, job_id: str, now: float) -> None:
+        settings = self.settings.pop(job_id, None)
+        for g in settings.limits if settings is not None else ():
+            self._changed_at[g] = now
+            held = self._held.get(g)
+            if held is not None:
+                held.pop(job_id, None)
+        self._first_step.pop(job_id, None)
+        self._solo.pop(job_id, None)
+        self._peak.pop(job_id, None)
+
+    # -- readings ----------------------------------------------------------------------------------
+
+    def first_step(self, job_id: str, now: float) -> None:
+        """The job made its first step at `now` (a utilisation reading can cover it from then)."""
+        self._first_step.setdefault(job_id, now)
+
+    def observe_utilisation(self, gpu: int, value: float, covers_since: float) -> bool:
+        """A utilisation reading of the GPU over (covers_since, now]; True if the book changed.
+
+        Jobs placed on the GPU whose first step was not strictly before `covers_since` keep it
+        marked busy: the reading may hold samples from before they stepped.
+        """
+        held = self._held.get(gpu)
+        if held:
+            for job_id in [j for j in held if self._first_step.get(j, math.inf) < covers_since]:
+                del held[job_id]
+            if held:
+                return False
+        if self.book.gpus[gpu].utilisation == value:
+            return False
+        self.book.set_utilisation(gpu, value)
+        return True
+
+    def held(self, gpu: int) -> tuple[str, ...]:
+        return tuple(self._held.get(gpu, ()))
+
+    def observe_memory(self, job_id: str, gpu: int, peak_bytes: int) -> None:
+        """A measured peak (device + host) of the job on one GPU; the largest one counts."""
+        peaks = self._peak.setdefault(job_id, {})
+        if peak_bytes > peaks.get(gpu, -1):
+            peaks[gpu] = peak_bytes
+
+    def observe_steps(self, job_id: str, steps: Sequence[StepSample]) -> None:
+        """Measure the solo step time from steps made while the job ran alone at full speed.
+
+        Alone: the only job on each of its GPUs since its last change, share 1, and no memory in
+        host (its limit covers its measured peak). The median of the last `detector_window`
+        such steps is kept; a later alone period replaces it.
+        """
+        job = self.book.jobs.get(job_id)
+        settings = self.settings.get(job_id)
+        if job is None or settings is None or not job.placement:
+            return
+        since = -math.inf
+        for g in job.placement:
+            if self.book.jobs_on(g) != (job_id,) or settings.shares.get(g, 1.0) < 1.0:
+                return
+            if self._peak.get(job_id, {}).get(g, 0) > settings.limits.get(g, 0):
+                return
+            since = max(since, self._changed_at.get(g, -math.inf))
+        recent = [s.seconds for s in steps if s.ended_at > since][-self.ccfg.detector_window :]
+        if len(recent) >= self.ccfg.detector_window:
+            self._solo[job_id] = statistics.median(recent)
+
+    def solo_step_s(self, job_id: str) -> float | None:
+        return self._solo.get(job_id)
+
+    def demand_bytes(self, job_id: str, gpu: int) -> int:
+        """Measured peak when there is one, else the demand the book holds (declared or modelled)."""
+        measured = self._peak.get(job_id, {}).get(gpu)
+        return self.book.jobs[job_id].memory_demand_bytes if measured is None else measured
+
+    # -- coordinator -------------------------------------------------------------------------------
+
+    def local_job(self, job_id: str, gpu: int, reading: Reading = NO_READING) -> LocalJob:
+        job = self.book.jobs[job_id]
+        settings = self.settings.get(job_id)
+        limit = 0 if settings is None else settings.limits.get(gpu, 0)
+        share = 1.0 if settings is None else settings.shares.get(gpu, 1.0)
+        demand = reading.demand_bytes if reading.demand_bytes is not None else self.demand_bytes(job_id, gpu)
+        solo = reading.solo_step_s if reading.solo_step_s is not None else self._solo.get(job_id)
+        return LocalJob(job_id, job.role or Role.OPPORTUNISTIC, demand, limit, reading.spill_bytes, share,
+                        reading.steps, solo)
+
+    def view(self, gpu: int, readings: Mapping[str, Reading]) -> GpuView:
+        return GpuView(self.book.gpus[gpu],
+                       tuple(self.local_job(j, gpu, readings.get(j, NO_READING)) for j in self.book.jobs_on(gpu)))
+
+    def round(self, now: float, gpu: int, view: GpuView) -> list[LocalDecision]:
+        """One coordinator round on the GPU; its decisions are applied to the settings."""
+        if not view.jobs:
+            # The coordinator's documented answer for a GPU without jobs: nothing, a fresh memo.
+            self.memos.pop(gpu, None)
+            return []
+        decisions, self.memos[gpu] = coordinator.round(now, view, self.ccfg, self.memos.get(gpu, _EMPTY_MEMO))
+        for d in decisions:
+            settings = self.settings[d.job_id]
+            if isinstance(d, SetMemoryLimit):
+                settings.limits[d.gpu] = d.limit_bytes
+            elif isinstance(d, SetComputeShare):
+                settings.shares[d.gpu] = d.share
+        return decisions
+
+    def memo(self, gpu: int) -> CoordinatorMemo:
+        return self.memos.get(gpu, _EMPTY_MEMO)
+
+    def restore(self, job: Job, place: Place, settings: Settings, now: float) -> None:
+        """A running job found again after a daemon restart, with the settings last recorded."""
+        self.book.submit(job)
+        self.book.apply(place)
+        self.settings[job.id] = settings
+        for g in place.gpus:
+            self._changed_at[g] = now
+
+
+def estimate_remaining_s(*, step: int | None, step_s: float | None, expected_steps: int | None,
+                         expected_duration_s: float | None, running_s: float) -> float | None:
+    """Remaining run time from what the job gave at submission and its measured step rate.
+
+    Steps asked for and a step time measured: (steps left) x (median step time). Otherwise a
+    duration asked for: what is left of it. Otherwise None (the policy assumes its default).
+    """
+    if expected_steps is not None and step is not None and step_s is not None:
+        return max(0.0, (expected_steps - step) * step_s)
+    if expected_duration_s is not None:
+        return max(0.0, expected_duration_s - running_s)
+    return None
+
+
+__all__ = ["BUSY", "Driver", "Launch", "NO_READING", "Reading", "Settings", "estimate_remaining_s"]

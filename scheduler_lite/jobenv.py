@@ -1,0 +1,53 @@
+"""The environment a job starts with (docs/scheduler.md, "Job environment")."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+from scheduler_lite.config import Config
+from scheduler_lite.model import Gpu
+from scheduler_lite.storage import JobRecord
+from scheduler_lite.submission import RESERVED_ENV
+
+MIB: Final = 1 << 20
+MIN_ENV_LIMIT: Final = MIB  # ANTMAN_MEMORY_LIMIT's lower bound
+
+
+def job_environment(
+    config: Config,
+    record: JobRecord,
+    gpus: Sequence[Gpu],
+    memory_limit_bytes: int,
+    compute_share: float,
+    job_dir: Path,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The complete environment of a job placed on `gpus` with the driver's launch settings."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith("ANTMAN_") and k not in RESERVED_ENV and not k.startswith("SCHEDULER_LITE_")}
+    env.update(dict(record.env))
+    first = gpus[0]
+    env.update({
+        "ANTMAN_JOB_DIR": str(job_dir),
+        "ANTMAN_COMPUTE_SHARE": repr(float(compute_share)),
+        "ANTMAN_DEVICE_MEMORY": str(first.memory_bytes),
+        "ANTMAN_MEMORY_LIMIT": str(max(MIN_ENV_LIMIT, min(memory_limit_bytes, first.memory_bytes))),
+        "SCHEDULER_LITE_JOB_ID": record.id,
+        "SCHEDULER_LITE_GPUS": ",".join(str(g.id) for g in gpus),
+    })
+    env.setdefault("ANTMAN_HOST_MEMORY", str(config.jobs.host_memory_bytes))
+    if config.devices.kind == "nvml":
+        # The job sees only its GPUs, renumbered from 0. (Not tested here: no GPU on this machine.)
+        env["ANTMAN_DEVICE"] = "cuda"
+        env["ANTMAN_DEVICE_ID"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.id) for g in gpus)
+    else:
+        env["ANTMAN_DEVICE"] = "emulated"
+        env["ANTMAN_DEVICE_ID"] = str(first.id)
+    return env
+
+
+__all__ = ["MIN_ENV_LIMIT", "job_environment"]

@@ -1,0 +1,519 @@
+"""The daemon's Unix socket: every client command goes through it; the daemon is the only writer.
+
+Wire format (version 1): the client sends one line of JSON, at most `MAX_REQUEST_BYTES`,
+`{"version": 1, "op": OP, "args": {...}}`, and reads one line back: `{"ok": true, "result": ...}`
+or `{"ok": false, "error": "<one line>"}`. Ops: ping, submit, cancel, list, show, status, logs,
+tenants (docs/scheduler.md, "Clients and the socket").
+
+The caller is whoever the kernel says is at the other end (SO_PEERCRED): its uid, never a name or
+tenant the request carries; scheduler_lite.auth decides what it may do. Every argument is checked
+here (types, sizes, the --env allow-list through submission.make_job_spec) before anything is
+written: a refused request changes nothing.
+
+Threads: one accepts connections, one per connection reads the request and writes the answer;
+the requests themselves run on the daemon's thread, between ticks (`Daemon.serve(between_ticks=
+server.serve_requests)`), so the store, the driver and the job directories are touched by one
+thread only.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import enum
+import json
+import logging
+import os
+import queue
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from scheduler_lite.auth import (
+    AccessDenied,
+    AccessPolicy,
+    Identity,
+    TenantMembers,
+    check_owner,
+    check_served,
+    check_submit,
+    identity_of_uid,
+    is_admin,
+    policy_from_config,
+    tenants_of,
+)
+from scheduler_lite.config import Config
+from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user, read_log
+from scheduler_lite.launcher import STDERR_FILE, STDOUT_FILE
+from scheduler_lite.model import JobKind
+from scheduler_lite.status import ClusterStatus
+from scheduler_lite.storage import JobRecord, JobStatus, StorageError
+from scheduler_lite.submission import SubmitError, make_job_spec, request_cancel, submit_job
+from tf_antman.protocol import ProtocolError
+
+log = logging.getLogger("scheduler_lite")
+
+PROTOCOL_VERSION: Final = 1
+MAX_REQUEST_BYTES: Final = 1 << 20
+MAX_LOG_CHUNK: Final = 1 << 20
+READ_TIMEOUT_S: Final = 10.0  # a client that does not send its request in time is dropped
+ANSWER_TIMEOUT_S: Final = 60.0
+MAX_CONNECTIONS: Final = 64
+MAX_COMMAND_WORDS: Final = 4096
+MAX_STRING: Final = 65536
+MAX_ENV_PAIRS: Final = 256
+MAX_NAME: Final = 256
+MAX_JOBS_PER_CANCEL: Final = 1024
+REDACTED: Final = "<hidden>"
+_PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class RequestError(ValueError):
+    """A malformed or out-of-range request; the message names the field and what is accepted."""
+
+
+@dataclass
+class _Pending:
+    who: Identity
+    op: str
+    args: Mapping[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: dict[str, Any] | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def access_policy(config: Config, daemon_uid: int | None = None) -> AccessPolicy:
+    """The config's access rules; a tenant the config gives no users or groups is open to all."""
+    named = {m.tenant: m for m in config.access.members}
+    members = [named.get(t.name, TenantMembers(t.name)) for t in config.tenants]
+    return policy_from_config(members, config.access.admins, config.access.admin_groups, daemon_uid)
+
+
+def secure_state_dir(config: Config, multi_user: bool) -> None:
+    """The store is the daemon's alone (0600); the directories are traversable so clients reach the socket."""
+    state = config.state_dir
+    state.mkdir(parents=True, exist_ok=True)
+    os.chmod(state, 0o755 if multi_user else 0o700)
+    config.jobs_dir.mkdir(exist_ok=True)
+    os.chmod(config.jobs_dir, 0o755 if multi_user else 0o700)
+    for suffix in ("", "-wal", "-shm"):
+        path = Path(f"{config.db_path}{suffix}")
+        if suffix == "":  # created 0600 before SQLite sees it: its -wal and -shm copy the mode
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(path, 0o600, follow_symlinks=False)
+
+
+class Server:
+    """Listens on `config.socket_path`; `serve_requests(seconds)` answers on the caller's thread."""
+
+    def __init__(self, daemon: Any, config: Config, policy: AccessPolicy | None = None) -> None:
+        self.daemon = daemon
+        self.config = config
+        self.policy = policy or access_policy(config)
+        self.path = config.socket_path
+        self.snapshot: ClusterStatus | None = None  # the latest status (the metrics endpoint reads it)
+        self._requests: queue.Queue[_Pending] = queue.Queue()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._closed = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._handlers: dict[str, Callable[[Identity, Mapping[str, Any]], Any]] = {
+            "ping": self._ping, "submit": self._submit, "cancel": self._cancel, "list": self._list,
+            "show": self._show, "status": self._status, "logs": self._logs, "tenants": self._tenants,
+        }
+
+    # -- socket -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a stale socket: the state directory lock says no daemon uses it
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.path))
+        # Anyone may connect when the daemon serves every user; the caller's uid decides the rest.
+        os.chmod(self.path, 0o666 if self.policy.multi_user else 0o600)
+        sock.listen(256)
+        sock.settimeout(0.2)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept, name="scheduler-lite-socket", daemon=True)
+        self._thread.start()
+        if self.policy.multi_user:
+            log.info("serving every local user on %s (jobs run as their submitters)", self.path)
+        else:
+            log.warning("not running as root: serving only user %r (uid %d) on %s; jobs run as that user and "
+                        "are not isolated from the scheduler's files (docs/security.md)",
+                        self.policy.daemon_user, self.policy.daemon_uid, self.path)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(2)
+        if self._sock is not None:
+            self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while not self._closed.is_set():
+            # A slot first: beyond MAX_CONNECTIONS, clients wait in the listen backlog (their
+            # connect() blocks) instead of being refused.
+            if not self._slots.acquire(timeout=0.2):
+                continue
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # the timeout included
+                self._slots.release()
+                continue
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        try:
+            pid, uid, gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            conn.settimeout(READ_TIMEOUT_S)
+            try:
+                op, args = _parse(_read_line(conn))
+            except RequestError as e:
+                _send(conn, {"ok": False, "error": str(e)})
+                return
+            pending = _Pending(identity_of_uid(uid, gid), op, args)
+            self._requests.put(pending)
+            if not pending.done.wait(ANSWER_TIMEOUT_S):
+                _send(conn, {"ok": False, "error": "the daemon did not answer in time"})
+                return
+            assert pending.answer is not None
+            conn.settimeout(ANSWER_TIMEOUT_S)
+            _send(conn, pending.answer)
+        except OSError:
+            pass  # the client went away
+        finally:
+            conn.close()
+            self._slots.release()
+
+    # -- the daemon's thread ----------------------------------------------------------------------
+
+    def serve_requests(self, seconds: float) -> None:
+        """Answer requests for `seconds` (the pause between two ticks); publishes a status snapshot first."""
+        deadline = time.monotonic() + seconds
+        self.refresh_snapshot()
+        while not self.daemon.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                pending = self._requests.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                continue
+            pending.answer = self.handle(pending.who, pending.op, pending.args)
+            pending.done.set()
+
+    def refresh_snapshot(self) -> ClusterStatus:
+        self.snapshot = self.daemon.status()
+        return self.snapshot
+
+    def handle(self, who: Identity, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        """One request, as `who`: the answer document (never raises)."""
+        handler = self._handlers.get(op)
+        if handler is None:
+            return {"ok": False, "error": f"op {op!r} is unknown: accepted " + ", ".join(sorted(self._handlers))}
+        try:
+            check_served(self.policy, who)
+            return {"ok": True, "result": handler(who, args)}
+        except (AccessDenied, RequestError, SubmitError, StorageError, ProtocolError, IsolationError) as e:
+            if isinstance(e, AccessDenied):
+                log.warning("refused %s from %s (uid %d): %s", op, who.user, who.uid, e)
+            return {"ok": False, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - a bad request must not take the daemon down
+            log.exception("%s from %s failed", op, who.user)
+            return {"ok": False, "error": f"internal error in {op}: {e!r} (see the daemon's log)"}
+
+    # -- ops --------------------------------------------------------------------------------------
+
+    def _ping(self, who: Identity, args: Mapping[str, Any]) -> Any:
+        _only(args, ())
+        return {"user": who.user, "uid": who.uid, "admin": is_admin(self.policy, who),
+                "tenants": list(tenants_of(self.policy, who)), "daemon_user": self.policy.daemon_user,
+                "multi_user": self.policy.multi_user, "version": PROTOCOL_VERSION}
+
+    def _submit(self, who: Identity, args: Mapping[str, Any]) -> Any:
+        _only(args, ("command", "tenant", "gpus", "kind", "workdir", "env", "session_env", "memory_bytes", "name",
+                     "steps", "duration_s"))
+        command = _strings(args, "command", MAX_COMMAND_WORDS, required=True)
+        tenant = _string(args, "tenant", MAX_NAME)
+        gpus = _int(args, "gpus", default=1)
+        kind = _string(args, "kind", 32) or str(JobKind.AUTO)
+        workdir = _string(args, "workdir", 4096, required=True)
+        assert workdir is not None
+        if not os.path.isabs(workdir):
+            raise RequestError(f"workdir {workdir!r} is invalid: accepted an absolute path")
+        env = _pairs(args, "env")
+        session = args.get("session_env", {})
+        if not isinstance(session, dict) or not all(k in SESSION_VARIABLES for k in session):
+            raise RequestError("session_env is invalid: accepted an object with keys among " + ", ".join(SESSION_VARIABLES))
+        memory = _int(args, "memory_bytes")
+        name = _string(args, "name", MAX_NAME) or ""
+        steps = _int(args, "steps")
+        duration = args.get("duration_s")
+        if duration is not None and (isinstance(duration, bool) or not isinstance(duration, int | float)):
+            raise RequestError(f"duration_s {duration!r} is invalid: accepted a number of seconds")
+        chosen = check_submit(self.policy, who, tenant)
+        # The --env allow-list and every range: the same checks as the library's submissions.
+        spec = make_job_spec(self.config, command, tenant=chosen, gpus=gpus, kind=kind, workdir=workdir, env=env,
+                             memory_bytes=memory, name=name, expected_steps=steps, expected_duration_s=duration,
+                             now=self.daemon.clock())
+        given = {k for k, _ in spec.env}
+        extra = tuple((k, _checked_value(k, v)) for k, v in session.items() if k not in given)
+        _check_workdir(who, spec.workdir)
+        spec = dataclasses.replace(spec, env=spec.env + extra, uid=who.uid, user=who.user)
+        record = submit_job(self.daemon.storage, spec)
+        log.info("%s submitted by %s (uid %d) to tenant %s", record.id, who.user, who.uid, record.tenant)
+        return {"id": record.id, "job": job_dict(record, who, self.policy)}
+
+    def _cancel(self, who: Identity, args: Mapping[str, Any]) -> Any:
+        _only(args, ("jobs",))
+        ids = _strings(args, "jobs", MAX_JOBS_PER_CANCEL, required=True)
+        records = [self._job(job_id) for job_id in ids]
+        for record in records:  # all are checked before any is touched: a refusal changes nothing
+            check_owner(self.policy, who, "cancel", record.id, record.uid, record.user)
+        out = []
+        for record in records:
+            after = request_cancel(self.daemon.storage, record.id, self.daemon.clock())
+            note = f"already {after.state}" if after.state.done else "cancel requested"
+            out.append({"id": record.id, "state": str(after.state), "result": note})
+        return out
+
+    def _list(self, who: Identity, args: Mapping[str, Any]) -> Any:
+        _only(args, ("states",))
+        states = _strings(args, "states", 8)
+        try:
+            wanted = None if states is None else [JobStatus(s) for s in states]
+        except ValueError:
+            raise RequestError("states is invalid: accepted " + ", ".join(s.value for s in JobStatus)) from None
+        return [job_dict(r, who, self.policy) for r in self.daemon.storage.list_jobs(wanted)]
+
+    def _show(self, who: Identity, args: Mapping[str, Any]) -> Any:
+        _only(args, ("job",))
+        record = self._job(_string(args, "job", MAX_NAME, required=True) or "")
+        storage = self.daemon.storage
+        return {"job": job_dict(record, who, self.policy),
+                "placements": [dataclasses.asdict(p) for p in storage.placements(record.id)],
+                "events": [dataclasses.asdict(e) for e in storage.events(record.id)]}
+
+    def _status(self, who: Identity, args: Mapping[str, Any]) -> Any:
+        _only(args, ())
+        return plain(self.refresh_snapshot())
+
+    def _tenants(self, who: Identity, args: Mapping[str, Any]) -> Any:
+        _only(args, ())
+        return [dataclasses.asdict(t) for t in self.refresh_snapshot().tenants]
+
+    def _logs(self, who: Identity, args: Mapping[str, Any]) -> Any:
+        _only(args, ("job", "stderr", "offset"))
+        record = self._job(_string(args, "job", MAX_NAME, required=True) or "")
+        check_owner(self.policy, who, "read the logs of", record.id, record.uid, record.user)
+        stderr = args.get("stderr", False)
+        if not isinstance(stderr, bool):
+            raise RequestError(f"stderr {stderr!r} is invalid: accepted true or false")
+        offset = _int(args, "offset", default=0)
+        if offset < 0:
+            raise RequestError(f"offset {offset} is invalid: accepted an integer >= 0")
+        if not record.job_dir:
+            return {"data": "", "offset": offset, "done": record.state.done, "started": False,
+                    "state": str(record.state)}
+        data, offset = read_log(Path(record.job_dir) / (STDERR_FILE if stderr else STDOUT_FILE), offset, MAX_LOG_CHUNK)
+        return {"data": base64.b64encode(data).decode(), "offset": offset, "done": record.state.done,
+                "started": True, "state": str(record.state)}
+
+    def _job(self, job_id: str) -> JobRecord:
+        record = self.daemon.storage.get_job(job_id)
+        if record is None:
+            raise RequestError(f"no job {job_id!r} (see 'scheduler-lite list')")
+        return record
+
+
+# ----------------------------------------------------------------------------------------------
+# Request checking.
+
+
+def _parse(line: bytes) -> tuple[str, Mapping[str, Any]]:
+    try:
+        doc = json.loads(line)
+    except (ValueError, RecursionError):
+        raise RequestError("the request is not JSON (one line: {\"version\": 1, \"op\": ..., \"args\": {...}})") from None
+    if not isinstance(doc, dict):
+        raise RequestError("the request must be a JSON object")
+    if doc.get("version") != PROTOCOL_VERSION:
+        raise RequestError(f"version {doc.get('version')!r} is not supported: accepted {PROTOCOL_VERSION} "
+                           "(the client and the daemon must come from the same scheduler-lite)")
+    op, args = doc.get("op"), doc.get("args", {})
+    if not isinstance(op, str) or not isinstance(args, dict):
+        raise RequestError("op must be a string and args an object")
+    return op, args
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    chunks, size = [], 0
+    while True:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if b"\n" in chunk:
+            break
+        if size > MAX_REQUEST_BYTES:
+            raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
+    data = b"".join(chunks)
+    line = data.split(b"\n", 1)[0]
+    if len(line) > MAX_REQUEST_BYTES:
+        raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
+    return line
+
+
+def _send(conn: socket.socket, doc: Mapping[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps(doc).encode() + b"\n")
+
+
+def _only(args: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
+    unknown = sorted(set(args) - set(accepted))
+    if unknown:
+        raise RequestError(f"argument {unknown[0]!r} is unknown: accepted " + (", ".join(accepted) or "none"))
+
+
+def _string(args: Mapping[str, Any], key: str, max_len: int, required: bool = False) -> str | None:
+    value = args.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value and required or len(value) > max_len or "\0" in value:
+        raise RequestError(f"{key} {_short(value)} is invalid: accepted a string of at most {max_len} characters "
+                           "without NUL" + (" (required)" if required else ""))
+    return value
+
+
+def _strings(args: Mapping[str, Any], key: str, max_items: int, required: bool = False) -> list[str] | None:
+    value = args.get(key)
+    if value is None and not required:
+        return None
+    ok = isinstance(value, list) and 0 < len(value) <= max_items and all(
+        isinstance(v, str) and v and len(v) <= MAX_STRING and "\0" not in v for v in value)
+    if not ok:
+        raise RequestError(f"{key} {_short(value)} is invalid: accepted a list of 1-{max_items} non-empty strings "
+                           "without NUL")
+    return list(value)  # type: ignore[arg-type]
+
+
+def _int(args: Mapping[str, Any], key: str, default: int | None = None) -> Any:
+    value = args.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**62:
+        raise RequestError(f"{key} {_short(value)} is invalid: accepted an integer")
+    return value
+
+
+def _pairs(args: Mapping[str, Any], key: str) -> list[tuple[str, str]]:
+    value = args.get(key, [])
+    ok = isinstance(value, list) and len(value) <= MAX_ENV_PAIRS and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value)
+    if not ok:
+        raise RequestError(f"{key} is invalid: accepted at most {MAX_ENV_PAIRS} [name, value] string pairs")
+    return [(k, _checked_value(k, v)) for k, v in value]
+
+
+def _checked_value(key: str, value: object) -> str:
+    if not isinstance(value, str) or len(value) > MAX_STRING or "\0" in value:
+        raise RequestError(f"--env {key}: the value must be a string of at most {MAX_STRING} characters without NUL")
+    return value
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_workdir(who: Identity, workdir: str) -> None:
+    """The working directory must be one the submitter can enter (checked as the submitter)."""
+    user = job_user(who.uid)
+    if user is None:
+        return  # the daemon's own user: make_job_spec checked it already
+    probe = subprocess.run(["/bin/sh", "-c", 'cd -- "$1"', "scheduler-lite-workdir-check", workdir],
+                           user=user.uid, group=user.gid, extra_groups=list(user.gids), cwd="/", env={},
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=10, check=False)
+    if probe.returncode != 0:
+        raise RequestError(f"--workdir {workdir!r}: user {who.user!r} cannot enter it")
+
+
+# ----------------------------------------------------------------------------------------------
+# Answers.
+
+
+def job_dict(record: JobRecord, who: Identity, policy: AccessPolicy) -> dict[str, Any]:
+    """A job as a client sees it: another user's --env values are hidden (they may hold secrets)."""
+    out = plain(record)
+    owner = policy.daemon_uid if record.uid is None else record.uid  # library submissions: the daemon's user
+    mine = is_admin(policy, who) or owner == who.uid
+    out["env"] = {k: (v if mine else REDACTED) for k, v in record.env}
+    return out
+
+
+def plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+__all__ = ["MAX_REQUEST_BYTES", "PROTOCOL_VERSION", "RequestError", "Server", "access_policy", "job_dict", "plain",
+           "secure_state_dir"]
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_address: str = "127.0.0.1") -> None:
+    """`scheduler-lite serve`: lock the state directory, open the store, serve the socket, tick."""
+    from scheduler_lite.daemon import Daemon, lock_state_dir
+    from scheduler_lite.metrics import start_metrics_server
+    from scheduler_lite.storage import SqliteStorage
+
+    multi_user = os.geteuid() == 0
+    lock = lock_state_dir(config.state_dir)
+    try:
+        secure_state_dir(config, multi_user)
+        storage = SqliteStorage(config.db_path)
+        secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
+        try:
+            daemon = Daemon(config, storage)
+            server = Server(daemon, config)
+            stop_metrics = None
+            if metrics_port is not None:
+                stop_metrics = start_metrics_server(metrics_port, metrics_address, lambda: server.snapshot)
+                log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
+            server.start()
+            try:
+                daemon.serve(between_ticks=server.serve_requests)
+            finally:
+                server.close()
+                if stop_metrics is not None:
+                    stop_metrics()
+        finally:
+            storage.close()
+    finally:
+        os.close(lock)

@@ -1,0 +1,149 @@
+"""The client side of the daemon: submit and cancel, written into the store (no daemon needed).
+
+The CLI calls these functions and nothing else of the daemon's; the daemon picks the rows up at
+its next tick. `make_job_spec` validates a submission against the config; every refusal is a
+`SubmitError` of one line naming the option and what it accepts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+from scheduler_lite.config import MAX_BYTES, Config
+from scheduler_lite.model import JobKind
+from scheduler_lite.storage import JobRecord, JobSpec, Storage
+from tf_antman.config import VARIABLES as ANTMAN_VARIABLES
+from tf_antman.units import format_bytes
+
+# ANTMAN_* variables a submission may set; the others are the scheduler's to set.
+USER_ANTMAN_VARIABLES: Final = frozenset({"ANTMAN_ENABLE", "ANTMAN_HOST_MEMORY", "ANTMAN_STATS_INTERVAL_MS"})
+RESERVED_ENV: Final = frozenset({"CUDA_VISIBLE_DEVICES"})
+MAX_EXPECTED_STEPS: Final = 2**53 - 1
+MAX_EXPECTED_DURATION_S: Final = 1e9
+_ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SubmitError(ValueError):
+    """A submission that is refused; the message is one line naming what to fix."""
+
+
+def largest_gpu_bytes(config: Config) -> int | None:
+    """Memory of the largest configured GPU; None when only the devices know (nvml)."""
+    if config.devices.kind != "emulated" or not config.devices.emulated:
+        return None
+    return max(d.memory_bytes for d in config.devices.emulated)
+
+
+def make_job_spec(
+    config: Config,
+    command: Sequence[str],
+    *,
+    tenant: str | None = None,
+    gpus: int = 1,
+    kind: JobKind | str = JobKind.AUTO,
+    workdir: str | Path | None = None,
+    env: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+    memory_bytes: int | None = None,
+    name: str = "",
+    expected_steps: int | None = None,
+    expected_duration_s: float | None = None,
+    now: float | None = None,
+) -> JobSpec:
+    """Validate a submission against the config; SubmitError (one line) when it cannot run here."""
+    if not command or not all(isinstance(c, str) and c for c in command):
+        raise SubmitError("the command is empty: give it after '--', e.g. submit -- python train.py")
+    if tenant is None:
+        if len(config.tenants) != 1:
+            raise SubmitError("--tenant is required; tenants: " + ", ".join(t.name for t in config.tenants))
+        tenant = config.tenants[0].name
+    found = config.tenant(tenant)
+    if found is None:
+        raise SubmitError(f"unknown tenant {tenant!r}; tenants: " + ", ".join(t.name for t in config.tenants))
+    try:
+        job_kind = JobKind(kind)
+    except ValueError:
+        raise SubmitError(f"--type {kind!r} is invalid: accepted " + ", ".join(k.value for k in JobKind)) from None
+    device_count = len(config.devices.emulated) if config.devices.kind == "emulated" else None
+    limit = device_count or 1024
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= limit:
+        raise SubmitError(f"--gpus {gpus!r} is invalid: accepted an integer in [1, {limit}]")
+    if job_kind is JobKind.GUARANTEE and gpus > found.gpu_quota:
+        raise SubmitError(f"a guarantee job of {gpus} GPU(s) can never run: tenant {tenant!r} has a quota "
+                          f"of {found.gpu_quota}; use --type opportunistic or auto")
+    path = Path(workdir) if workdir is not None else Path.cwd()
+    if not path.is_dir():
+        raise SubmitError(f"--workdir {str(path)!r} is not a directory")
+    pairs = list(env.items()) if isinstance(env, Mapping) else list(env or ())
+    for key, _ in pairs:
+        if not _ENV_NAME.match(key):
+            raise SubmitError(f"--env {key!r}: not a variable name (letters, digits, '_')")
+        owned = key in RESERVED_ENV or key.startswith("SCHEDULER_LITE_") or (
+            key.startswith("ANTMAN_") and key not in USER_ANTMAN_VARIABLES
+        )
+        if owned:
+            allowed = ", ".join(sorted(USER_ANTMAN_VARIABLES))
+            raise SubmitError(f"--env {key}: set by the scheduler for each placement; a job may set {allowed}")
+        if key.startswith("ANTMAN_") and key not in {v.name for v in ANTMAN_VARIABLES}:
+            raise SubmitError(f"--env {key}: not a tf-antman variable (docs/configuration.md)")
+    if memory_bytes is not None:
+        top = largest_gpu_bytes(config) or MAX_BYTES
+        if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or not 1 <= memory_bytes <= top:
+            where = "the largest GPU" if top != MAX_BYTES else "the largest size"
+            raise SubmitError(f"--memory {memory_bytes!r} is invalid: accepted a size in [1, {top}] bytes "
+                              f"({format_bytes(top)}, {where}); leave it out for the whole GPU")
+    if expected_steps is not None and (
+        isinstance(expected_steps, bool) or not isinstance(expected_steps, int)
+        or not 1 <= expected_steps <= MAX_EXPECTED_STEPS
+    ):
+        raise SubmitError(f"--steps {expected_steps!r} is invalid: accepted an integer in [1, {MAX_EXPECTED_STEPS}]")
+    if expected_duration_s is not None and (
+        isinstance(expected_duration_s, bool) or not isinstance(expected_duration_s, int | float)
+        or not math.isfinite(expected_duration_s) or not 0 < expected_duration_s <= MAX_EXPECTED_DURATION_S
+    ):
+        raise SubmitError(f"--duration {expected_duration_s!r} is invalid: accepted seconds in "
+                          f"(0, {MAX_EXPECTED_DURATION_S:g}]")
+    return JobSpec(
+        tenant=tenant, kind=job_kind, num_gpus=gpus, command=tuple(command), workdir=str(path.resolve()),
+        submit_time=time.time() if now is None else now, env=tuple(pairs), memory_bytes=memory_bytes, name=name,
+        expected_steps=expected_steps,
+        expected_duration_s=None if expected_duration_s is None else float(expected_duration_s),
+    )
+
+
+def submit_job(storage: Storage, spec: JobSpec) -> JobRecord:
+    with storage.transaction():
+        record = storage.add_job(spec)
+        storage.add_event(spec.submit_time, "submitted", record.id, tenant=spec.tenant, kind=str(spec.kind),
+                          gpus=spec.num_gpus, command=list(spec.command))
+    return record
+
+
+def request_cancel(storage: Storage, job_id: str, now: float) -> JobRecord:
+    """Mark a job for cancellation (the daemon acts on it); a finished job is returned unchanged."""
+    record = storage.get_job(job_id)
+    if record is None:
+        raise SubmitError(f"no job {job_id!r}")
+    if record.state.done or record.cancel_requested:
+        return record
+    with storage.transaction():
+        record = storage.update_job(job_id, cancel_requested=True)
+        storage.add_event(now, "cancel_requested", job_id)
+    return record
+
+
+def quota_warning(config: Config, gpu_count: int) -> str | None:
+    """One line when the tenants' quotas sum above the GPUs: then a quota is not a guarantee."""
+    total = sum(t.gpu_quota for t in config.tenants)
+    if total <= gpu_count:
+        return None
+    return (f"tenant quotas sum to {total} GPUs but {gpu_count} GPU(s) are configured: a tenant within its "
+            "quota may still wait for another tenant's guarantee jobs")
+
+
+__all__ = ["RESERVED_ENV", "USER_ANTMAN_VARIABLES", "SubmitError", "largest_gpu_bytes", "make_job_spec",
+           "quota_warning", "request_cancel", "submit_job"]

@@ -1,0 +1,252 @@
+"""The daemon as a separate process, SIGKILLed at random points of its loop and restarted.
+
+Jobs are plain Python processes speaking the file protocol (tests/scheduler/test_daemon_fakes.py),
+each about a second long; every start appends the job id to a shared log. The daemon dies 20
+times: at a fault point (SCHEDULER_LITE_FAULT: launch booked, process started with its pid not
+recorded, between control writes, between stats reads, an exit noticed but not recorded) or by a
+kill -9 from outside at a random moment. After each death the store must account exactly for
+what runs (each GPU at most one guarantee job, quotas respected, settings rows only for running
+jobs), the next daemon must re-adopt every job process still alive, and at the end every job has
+finished exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from scheduler_lite.daemon import FAULT_AFTER_ENV, FAULT_ENV, FAULT_POINTS
+from scheduler_lite.model import JobKind, Role
+from scheduler_lite.storage import JobSpec, JobStatus, SqliteStorage
+from scheduler_lite.submission import submit_job
+from tests.scheduler.test_daemon_fakes import JOB_ENV, REPO, fake_command, wait_for
+
+DEATHS = 20
+JOBS = 40
+CONFIG = """
+version = 1
+[paths]
+state_dir = "state"
+[devices]
+kind = "emulated"
+[[devices.emulated]]
+id = 0
+memory = "1GiB"
+[[devices.emulated]]
+id = 1
+memory = "1GiB"
+[[tenants]]
+name = "A"
+gpu_quota = 1
+[[tenants]]
+name = "B"
+gpu_quota = 0
+[jobs]
+cancel_grace_s = 2
+[daemon]
+tick_interval_s = 0.05
+schedule_interval_s = 0.2
+utilisation_window_s = 0.5
+[coordinator]
+round_interval_s = 0.2
+min_memory_bytes = "64MiB"
+"""
+
+
+def job_processes(state_dir: Path) -> dict[str, int]:
+    """Live job wrappers of this store, by job id: $0 is scheduler-lite:<id>:<token> and the job
+    directory is under `state_dir` (other daemons on the machine run jobs with the same ids)."""
+    found = {}
+    marker = f"SCHEDULER_LITE_JOB_DIR={state_dir}/".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if len(argv) <= 3 or not argv[3].startswith(b"scheduler-lite:job-"):
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(v.startswith(marker) for v in environ):
+            found[argv[3].decode().split(":")[1]] = int(entry.name)
+    return found
+
+
+def start_daemon(config: Path, log: Path, fault: str | None, after: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(FAULT_ENV, None)
+    if fault is not None:
+        env[FAULT_ENV] = fault
+        env[FAULT_AFTER_ENV] = str(after)
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(config), "serve",
+                                 "--log-level", "WARNING"], env=env, stdout=out, stderr=out,
+                                start_new_session=True)
+
+
+def check_store(db: Path) -> list[str]:
+    """The store's accounting while no daemon runs; returns the running job ids."""
+    store = SqliteStorage(db)
+    try:
+        running = store.list_jobs([JobStatus.RUNNING])
+        holders: dict[int, str] = {}
+        quota: dict[str, int] = {}
+        for r in running:
+            assert r.placement and r.role is not None, r
+            if r.role is Role.GUARANTEE:
+                for g in r.placement:
+                    assert g not in holders, f"GPU {g} held by {holders[g]} and {r.id}"
+                    holders[g] = r.id
+                quota[r.tenant] = quota.get(r.tenant, 0) + r.num_gpus
+        assert quota.get("A", 0) <= 1 and quota.get("B", 0) == 0, quota
+        ids = {r.id for r in running}
+        rows = {p.job_id for p in store.placements()}
+        assert rows <= ids, f"settings rows for jobs not running: {rows - ids}"
+        return sorted(ids)
+    finally:
+        store.close()
+
+
+def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
+    rng = random.Random(13)
+    config = tmp_path / "scheduler.toml"
+    config.write_text(CONFIG)
+    runs = tmp_path / "runs.log"
+    runs.touch()
+    db = tmp_path / "state" / "scheduler.db"
+    store = SqliteStorage(db)
+    env = tuple({**JOB_ENV, "FAKE_RUNS_LOG": str(runs)}.items())
+    submitted = []
+    for i in range(JOBS):
+        tenant, kind = ("A", JobKind.GUARANTEE) if i % 3 == 0 else ("B", JobKind.OPPORTUNISTIC)
+        spec = JobSpec(tenant=tenant, kind=kind, num_gpus=1, command=tuple(fake_command(steps=30, step_s=0.05)),
+                       workdir=str(tmp_path), submit_time=time.time(), env=env)
+        submitted.append(submit_job(store, spec).id)
+    store.close()
+    daemon_log = tmp_path / "daemon.log"
+    deaths = []
+    try:
+        for death in range(DEATHS):
+            fault = rng.choice([*FAULT_POINTS, None])
+            proc = start_daemon(config, daemon_log, fault, rng.randint(1, 3))
+            try:
+                proc.wait(timeout=rng.uniform(0.5, 2.5) if fault is None else 6.0)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # kill -9 from outside, wherever it is
+                proc.wait()
+            assert proc.returncode == -signal.SIGKILL, (death, fault, proc.returncode, daemon_log.read_text()[-2000:])
+            running = check_store(db)
+            alive = job_processes(tmp_path / "state")
+            if not set(alive) <= set(running):
+                store = SqliteStorage(db)
+                states = {j: (store.get_job(j), [(e.kind, e.detail) for e in store.events(j)]) for j in alive}
+                store.close()
+                raise AssertionError(f"death {death} ({fault}): job processes the store does not know run: "
+                                     f"{alive} {states}")
+            deaths.append((fault, sorted(alive)))
+            # The next daemon accounts for every job alive now: adopted, or recorded as ended.
+            store = SqliteStorage(db)
+            before = store.events()[-1].id
+            store.close()
+            verify = start_daemon(config, daemon_log, None, 0)
+            try:
+                store = SqliteStorage(db)
+                try:
+                    def accounted(store: SqliteStorage = store, before: int = before,
+                                  alive: dict[str, int] = alive) -> bool:
+                        seen = {e.job_id for e in store.events(after_id=before) if e.kind in ("adopted", "exited")}
+                        return set(alive) <= seen
+                    assert wait_for(accounted, timeout=20), (alive, daemon_log.read_text()[-2000:])
+                finally:
+                    store.close()
+            finally:
+                os.killpg(verify.pid, signal.SIGKILL)
+                verify.wait()
+        final = start_daemon(config, daemon_log, None, 0)
+        store = SqliteStorage(db)
+        try:
+            assert wait_for(lambda: all(j.state.done for j in store.list_jobs()), timeout=90), [
+                (j.id, str(j.state)) for j in store.list_jobs() if not j.state.done]
+            jobs = store.list_jobs()
+            events = store.events()
+        finally:
+            store.close()
+            final.send_signal(signal.SIGTERM)
+            final.wait(timeout=20)
+    finally:
+        for pid in job_processes(tmp_path / "state").values():  # this test's jobs only
+            os.killpg(pid, signal.SIGKILL)
+    assert [j.id for j in jobs] == submitted
+    assert all(j.state is JobStatus.FINISHED for j in jobs), [(j.id, j.state, j.reason) for j in jobs]
+    starts = runs.read_text().split()
+    assert sorted(starts) == sorted(submitted), "a job was lost or run twice: " + json.dumps(
+        {j: starts.count(j) for j in submitted if starts.count(j) != 1})
+    assert not any(e.kind == "exited" and "unknown" in str(e.detail.get("reason")) for e in events)
+    assert not SqliteStorage(db).placements()
+    fired = {line.rsplit(" ", 1)[1] for line in daemon_log.read_text().splitlines() if "fault injection" in line}
+    assert fired >= {"booked", "started", "control", "observe"}, (fired, deaths)
+
+
+# -- "never started" vs "started, pid unknown", and pid reuse, without waiting for a race ------------
+
+
+def _record_launch(store: SqliteStorage, tmp_path: Path, token: str | None) -> str:
+    spec = JobSpec(tenant="B", kind=JobKind.OPPORTUNISTIC, num_gpus=1, command=("true",), workdir=str(tmp_path),
+                   submit_time=time.time())
+    job = submit_job(store, spec).id
+    job_dir = tmp_path / "state" / "jobs" / job
+    job_dir.mkdir(parents=True)
+    store.update_job(job, state=JobStatus.RUNNING, role=Role.OPPORTUNISTIC, placement=(0,), job_dir=str(job_dir),
+                     started_at=time.time(), launch_token=token)
+    return job
+
+
+def _daemon(tmp_path: Path, store: SqliteStorage):
+    from scheduler_lite.config import load_config
+    from scheduler_lite.daemon import Daemon
+
+    config = tmp_path / "scheduler.toml"
+    config.write_text(CONFIG)
+    return Daemon(load_config(config), store)
+
+
+def test_a_started_job_without_pid_or_pid_file_is_found_by_its_launch_token(tmp_path: Path) -> None:
+    store = SqliteStorage(tmp_path / "state" / "scheduler.db")
+    started = _record_launch(store, tmp_path, "t0ken")
+    never = _record_launch(store, tmp_path, "n0ne")
+    # The daemon died right after Popen: the wrapper runs, it has not written its pid file yet.
+    proc = subprocess.Popen(["/bin/sh", "-c", "sleep 60", f"scheduler-lite:{started}:t0ken"], start_new_session=True)
+    try:
+        d = _daemon(tmp_path, store)
+        assert [e.detail["pid"] for e in store.events(started) if e.kind == "adopted"] == [proc.pid]
+        assert store.get_job(started).state is JobStatus.RUNNING  # type: ignore[union-attr]
+        assert store.get_job(never).state is JobStatus.QUEUED  # type: ignore[union-attr]
+        assert [e.kind for e in store.events(never)][-1] == "requeued"
+        d.stop_all_jobs(grace_s=1)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_pid_file_naming_another_process_is_not_adopted(tmp_path: Path) -> None:
+    store = SqliteStorage(tmp_path / "state" / "scheduler.db")
+    job = _record_launch(store, tmp_path, "t0ken")
+    # The pid in the file now belongs to an unrelated process (the job ended, the pid was reused).
+    other = subprocess.Popen(["/bin/sh", "-c", "sleep 60"], start_new_session=True)
+    try:
+        (tmp_path / "state" / "jobs" / job / "pid").write_text(f"{other.pid}\n")
+        _daemon(tmp_path, store)
+        record = store.get_job(job)
+        assert record is not None and record.state is JobStatus.FAILED and "daemon was down" in (record.reason or "")
+        assert other.poll() is None  # not signalled either
+    finally:
+        other.kill()
+        other.wait()

@@ -1,0 +1,161 @@
+"""The daemon's socket: the caller comes from SO_PEERCRED; every argument is checked before a write."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scheduler_lite.auth import AccessPolicy, Identity, TenantMembers, identity_of_uid
+from scheduler_lite.client import ClientError, call_socket
+from scheduler_lite.daemon import Daemon
+from scheduler_lite.server import MAX_REQUEST_BYTES, Server
+from scheduler_lite.storage import MemoryStorage
+from tests.scheduler.test_daemon_fakes import make_config
+
+ME = identity_of_uid(os.getuid())
+OTHER = Identity(ME.uid + 4242, 100, "someone-else", frozenset({"users"}))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Server:
+    config = make_config(tmp_path / "state")
+    policy = AccessPolicy(os.geteuid(), ME.user, (TenantMembers("A"), TenantMembers("B", users=frozenset({"x"}))))
+    return Server(Daemon(config, MemoryStorage()), config, policy)
+
+
+def submit_args(**changes: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {"command": ["/bin/true"], "tenant": "A", "workdir": "/", "env": []}
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (submit_args(command="true"), "command 'true' is invalid: accepted a list of 1-4096 non-empty strings"),
+    (submit_args(command=[]), "command [] is invalid"),
+    (submit_args(command=["a\0b"]), "without NUL"),
+    (submit_args(workdir="relative"), "workdir 'relative' is invalid: accepted an absolute path"),
+    (submit_args(gpus=True), "gpus True is invalid: accepted an integer"),
+    (submit_args(gpus=9), "--gpus 9 is invalid: accepted an integer in [1, 1]"),
+    (submit_args(env=[["ANTMAN_MEMORY_LIMIT", "1"]]), "--env ANTMAN_MEMORY_LIMIT: set by the scheduler"),
+    (submit_args(env=[["SCHEDULER_LITE_JOB_DIR", "/x"]]), "--env SCHEDULER_LITE_JOB_DIR: set by the scheduler"),
+    (submit_args(env=[["CUDA_VISIBLE_DEVICES", "3"]]), "--env CUDA_VISIBLE_DEVICES: set by the scheduler"),
+    (submit_args(env=[["ANTMAN_NOPE", "1"]]), "--env ANTMAN_NOPE: set by the scheduler"),
+    (submit_args(env=[["A B", "1"]]), "not a variable name"),
+    (submit_args(env=[["K"]]), "env is invalid: accepted at most 256 [name, value] string pairs"),
+    (submit_args(env=[["K", "v\0"]]), "--env K: the value must be a string"),
+    (submit_args(session_env={"LD_PRELOAD": "/tmp/x.so"}), "session_env is invalid: accepted an object with keys"),
+    (submit_args(uid=0), "argument 'uid' is unknown"),  # the caller is never taken from the request
+    (submit_args(user="root"), "argument 'user' is unknown"),
+    (submit_args(kind="urgent"), "--type 'urgent' is invalid"),
+    (submit_args(memory_bytes=0), "--memory 0 is invalid"),
+    (submit_args(name="n" * 300), "name 'nnnn"),
+])
+def test_a_refused_submission_names_the_field_and_writes_nothing(server: Server, args: dict[str, Any],
+                                                                 message: str) -> None:
+    answer = server.handle(ME, "submit", args)
+    assert answer["ok"] is False and message in answer["error"], answer
+    assert "\n" not in answer["error"]
+    assert server.daemon.storage.list_jobs() == []
+
+
+def test_a_tenant_of_others_is_refused_before_anything_else(server: Server) -> None:
+    server.policy = AccessPolicy(0, "root", server.policy.members)
+    answer = server.handle(OTHER, "submit", submit_args(tenant="B", workdir="/nonexistent"))
+    assert answer == {"ok": False, "error": "user 'someone-else' may not submit to tenant 'B'; your tenants: A"}
+    assert server.daemon.storage.list_jobs() == []
+
+
+def test_a_submission_records_the_caller_and_its_session(server: Server) -> None:
+    answer = server.handle(ME, "submit", submit_args(env=[["K", "V"]], session_env={"PATH": "/opt/bin:/usr/bin"}))
+    assert answer["ok"], answer
+    record = server.daemon.storage.get_job(answer["result"]["id"])
+    assert record is not None and (record.uid, record.user) == (ME.uid, ME.user)
+    assert dict(record.env) == {"K": "V", "PATH": "/opt/bin:/usr/bin"}
+    # --env wins over the session's value of the same variable.
+    answer = server.handle(ME, "submit", submit_args(env=[["PATH", "/mine"]], session_env={"PATH": "/session"}))
+    record = server.daemon.storage.get_job(answer["result"]["id"])
+    assert record is not None and dict(record.env) == {"PATH": "/mine"}
+
+
+def test_other_users_cannot_cancel_or_read_and_cannot_see_env(server: Server) -> None:
+    job = server.handle(ME, "submit", submit_args(env=[["TOKEN", "s3cret"]]))["result"]["id"]
+    policy = AccessPolicy(0, "root", server.policy.members)  # as a root daemon, serving both
+    server.policy = policy
+    assert server.handle(OTHER, "cancel", {"jobs": [job]})["error"].startswith("user 'someone-else' may not cancel")
+    assert "may not read the logs of" in server.handle(OTHER, "logs", {"job": job})["error"]
+    assert server.handle(OTHER, "show", {"job": job})["result"]["job"]["env"] == {"TOKEN": "<hidden>"}
+    assert server.handle(ME, "show", {"job": job})["result"]["job"]["env"] == {"TOKEN": "s3cret"}
+    record = server.daemon.storage.get_job(job)
+    assert record is not None and not record.cancel_requested
+
+
+@pytest.mark.parametrize(("op", "args", "message"), [
+    ("launch", {}, "op 'launch' is unknown"),
+    ("list", {"states": ["done"]}, "states is invalid: accepted queued, running"),
+    ("logs", {"job": "job-1", "offset": -1}, "no job 'job-1'"),
+    ("cancel", {"jobs": "job-1"}, "jobs 'job-1' is invalid"),
+    ("status", {"verbose": True}, "argument 'verbose' is unknown: accepted none"),
+])
+def test_other_ops_check_their_arguments(server: Server, op: str, args: dict[str, Any], message: str) -> None:
+    answer = server.handle(ME, op, args)
+    assert answer["ok"] is False and message in answer["error"], answer
+
+
+@pytest.fixture
+def listening(server: Server) -> Iterator[Server]:
+    server.config.state_dir.mkdir(parents=True, exist_ok=True)
+    server.start()
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            server.serve_requests(0.05)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        stop.set()
+        thread.join(10)
+        server.close()
+
+
+def raw(path: Path, data: bytes) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(path))
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        return json.loads(s.makefile("rb").readline())
+
+
+def test_the_caller_is_the_socket_s_peer(listening: Server) -> None:
+    result = call_socket(listening.path, "ping", {})
+    assert (result["uid"], result["user"]) == (os.getuid(), ME.user)
+    assert oct(listening.path.stat().st_mode & 0o777) == ("0o666" if os.geteuid() == 0 else "0o600")
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"not json\n", "the request is not JSON"),
+    (b"[1]\n", "must be a JSON object"),
+    (b'{"version": 2, "op": "ping"}\n', "version 2 is not supported: accepted 1"),
+    (b'{"version": 1, "op": 3}\n', "op must be a string"),
+    (b'{"version": 1, "op": "ping", "args": {}, "pad": "' + b"x" * (MAX_REQUEST_BYTES + 10) + b'"}\n',
+     f"larger than {MAX_REQUEST_BYTES} bytes"),
+])
+def test_malformed_requests_get_one_line(listening: Server, data: bytes, message: str) -> None:
+    answer = raw(listening.path, data)
+    assert answer["ok"] is False and message in answer["error"]
+    assert listening.daemon.storage.list_jobs() == []
+
+
+def test_a_client_without_a_daemon_gets_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ClientError, match="no scheduler-lite daemon is serving .* start it with 'scheduler-lite serve'"):
+        call_socket(tmp_path / "scheduler.sock", "ping", {}, state_dir=tmp_path)

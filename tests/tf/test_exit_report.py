@@ -1,0 +1,48 @@
+"""A job's own log says at exit what tf-antman did (tf_antman/exit_report.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tests.conftest import run_py
+from tests.tf.test_memory import KERAS_RUN
+from tf_antman import exit_report
+from tf_antman.units import format_bytes
+
+ONE_EPOCH = KERAS_RUN.replace("epochs=2", "epochs=1")
+
+
+def exit_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if " at exit: " in line]
+
+
+def test_a_job_over_its_limit_says_how_much_came_from_host_memory() -> None:
+    job = run_py(ONE_EPOCH, ANTMAN_DEVICE_MEMORY="1GiB", ANTMAN_MEMORY_LIMIT="4MiB")
+    result = job.result
+    assert result["fallbacks"] > 0
+    [line] = exit_lines(job.stderr)
+    assert line.startswith("tf-antman: WARNING at exit: peak device memory ")
+    assert "(limit 4.0 MiB)" in line
+    # The same allocator counters as tf_antman.memory_stats() at the end of training.
+    assert f"{format_bytes(result['host_served'])} served from host memory past the limit " \
+           f"({result['fallbacks']} allocations" in line
+    assert "paused 0.0 s" in line
+
+
+def test_a_job_within_its_limit_says_so_quietly() -> None:
+    job = run_py(ONE_EPOCH, ANTMAN_DEVICE_MEMORY="1GiB")
+    [line] = exit_lines(job.stderr)
+    assert line.startswith("tf-antman: INFO at exit: peak device memory ")
+    assert "limit: the whole device" in line and "nothing served from host memory" in line
+    assert format_bytes(job.result["peak"]) in line
+
+
+def test_paused_and_throttled_time_are_reported() -> None:
+    mem = SimpleNamespace(limit=1 << 30, device_capacity=1 << 30, peak_in_use=5 << 20, host_bytes_served=0,
+                          host_fallbacks=0, host_peak=0)
+    native = SimpleNamespace(mem_stats=lambda: mem, op_stats=lambda: SimpleNamespace(idle_inserted_ns=2_500_000_000))
+    f = exit_report.figures(native, SimpleNamespace(paused_seconds=3.25))
+    assert (f.paused_s, f.throttled_s, f.limit_bytes, f.slowed) == (3.25, 2.5, None, True)
+    assert exit_report.describe(f) == ("at exit: peak device memory 5.0 MiB (limit: the whole device); nothing "
+                                       "served from host memory; paused 3.2 s; throttled 2.5 s (waiting for a "
+                                       "compute share below 100%)")
