@@ -145,6 +145,7 @@ def test_unchanged_script_is_activated_at_import_torch(tmp_path: Path) -> None:
     assert job.rc == 0, job.stderr
     assert out["active"] and out["steps"] == 6  # 5 optimizer iterations + 1 marked step
     assert sorted(out["host"]) == [0, 0, 1, 1]  # over the limit: host fallback, no failure
+    assert "at exit: peak device memory" in job.stderr and "served from host memory" in job.stderr
     assert out["mem"]["limit"] == 16 * MiB
     stats = read_stats(job_dir)
     assert stats is not None

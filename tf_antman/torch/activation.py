@@ -91,6 +91,9 @@ def activate(environ: Mapping[str, str] | None = None, torch: ModuleType | None 
              "" if compute is not None else f" (no compute scaling: {why})")
     state.step_hook = steps_hook.install(steps)  # imports torch.optim.optimizer (not an attribute until imported)
     steps.start_agent()
+    from tf_antman import exit_report
+
+    exit_report.register(runtime, lambda: steps.agent)  # the job's log says what tf-antman did
     return state
 
 

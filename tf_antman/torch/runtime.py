@@ -17,6 +17,7 @@ class FixedShareStats:
 
     share: float = 1.0
     achieved_share_window: float = 1.0
+    idle_inserted_ns: int = 0  # nothing held back (tf_antman.exit_report reads it)
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return {"share": self.share, "achieved_share_window": self.achieved_share_window,
