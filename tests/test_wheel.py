@@ -25,6 +25,8 @@ def test_wheel_builds_installs_and_activates(tmp_path: Path) -> None:
     assert "tf_antman/_native/libtf_antman.so" in names
     assert "tf_antman/_native/_antman_ops.so" in names
     assert "tf_antman/_native/libantman_core.so" in names
+    assert "tf_antman/_native/libantman_torch.so" in names  # PyTorch's allocator functions
+    assert "tf_antman/torch/op_hook.cpp" in names  # built on the job's machine (docs/pytorch.md)
     assert "tf_antman-autoload.pth" in names
     assert "scheduler_lite/data/perf_model.json" in names
     assert "-linux_x86_64" in wheels[0].name or "-manylinux" in wheels[0].name  # a platform wheel

@@ -47,14 +47,22 @@ def enable(**options: Any) -> Settings:
 
 
 def _state() -> activation.Active:
-    state = activation.active()
+    state = activation.active() or _torch_state()
     if state is None:
         raise RuntimeError("tf-antman is not active: set ANTMAN_ENABLE=1 or call tf_antman.enable()")
     return state
 
 
+def _torch_state() -> Any:
+    """The PyTorch front-end's state (same shape: settings, native, steps), if it is active."""
+    import sys
+
+    torch_activation = sys.modules.get("tf_antman.torch.activation")
+    return torch_activation.active() if torch_activation is not None else None
+
+
 def is_active() -> bool:
-    return activation.active() is not None
+    return activation.active() is not None or _torch_state() is not None
 
 
 def settings() -> Settings:

@@ -52,6 +52,9 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
         return _active
     if not settings.enabled:
         return None
+    torch_activation = sys.modules.get("tf_antman.torch.activation")
+    if torch_activation is not None and torch_activation.active() is not None:
+        raise RuntimeError("tf-antman already serves PyTorch in this process: one framework per process")
     if _tf_devices_exist():
         raise RuntimeError("tf-antman must be enabled before TensorFlow creates its devices: "
                            "call tf_antman.enable() before the first TensorFlow op, or set ANTMAN_* "
@@ -82,6 +85,11 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
 
 
 def before_tensorflow() -> None:
+    torch_activation = sys.modules.get("tf_antman.torch.activation")
+    if torch_activation is not None and torch_activation.active() is not None:
+        log.warning("TensorFlow imported in a process where tf-antman serves PyTorch: "
+                    "TensorFlow is not managed")
+        return
     activate()
 
 
