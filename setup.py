@@ -22,7 +22,8 @@ from setuptools.dist import Distribution
 ROOT = Path(__file__).resolve().parent
 NATIVE_DIR = ROOT / "tf_antman" / "_native"
 TARGETS = {"//:libtf_antman.so": "libtf_antman.so", "//:_antman_ops.so": "_antman_ops.so",
-           "//:libantman_core.so": "libantman_core.so"}
+           "//:libantman_core.so": "libantman_core.so",
+           "//cc/torch:libantman_torch.so": "libantman_torch.so"}
 PTH_NAME = "tf_antman-autoload.pth"
 sys.path.insert(0, str(ROOT))
 from tf_antman.importhook import PTH_LINE as PTH_TEXT  # noqa: E402 - one definition of the line
@@ -35,8 +36,8 @@ def build_native() -> None:
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     NATIVE_DIR.mkdir(exist_ok=True)
-    for name in TARGETS.values():
-        src = ROOT / "bazel-bin" / name
+    for label, name in TARGETS.items():
+        src = ROOT / "bazel-bin" / label.lstrip("/").replace(":", "/").lstrip("/")  # //pkg:name -> pkg/name
         dst = NATIVE_DIR / name
         if dst.exists():
             dst.chmod(0o755)
@@ -86,7 +87,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["tf_antman", "tf_antman.*", "scheduler_lite", "scheduler_lite.*"]),
-    package_data={"tf_antman": ["_native/*.so"], "scheduler_lite": ["data/*"]},
+    package_data={"tf_antman": ["_native/*.so", "torch/op_hook.cpp"], "scheduler_lite": ["data/*"]},
     install_requires=["tensorflow==2.21.0", "numpy", "pynvml", "watchdog", "absl-py"],
     # `scheduler-lite serve --metrics-port`: Prometheus metrics (scheduler_lite/metrics.py)
     extras_require={"metrics": ["prometheus_client"]},

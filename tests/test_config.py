@@ -13,7 +13,7 @@ from tf_antman.units import GiB, MiB, format_bytes, parse_bytes
 
 def test_defaults_when_only_enable_is_set() -> None:
     s = config.load({"ANTMAN_ENABLE": "1"})
-    assert s.enabled and s.device == "emulated" and s.device_memory == 4 * GiB
+    assert s.enabled and s.device == "auto" and s.device_memory == 4 * GiB
     assert s.memory_limit == s.device_memory and s.compute_share == 1.0 and s.job_dir is None
     assert s.control_fallback_ms == 1000
     assert config.load({"ANTMAN_CONTROL_FALLBACK_MS": "250"}).control_fallback_ms == 250
@@ -28,7 +28,7 @@ def test_any_variable_implies_enable_unless_disabled() -> None:
 
 @pytest.mark.parametrize(("name", "value", "accepted"), [
     ("ANTMAN_ENABLE", "maybe", "0/1"),
-    ("ANTMAN_DEVICE", "tpu", "emulated or cuda"),
+    ("ANTMAN_DEVICE", "tpu", "auto, emulated or cuda"),
     ("ANTMAN_DEVICE_ID", "-1", "0..1023"),
     ("ANTMAN_DEVICE_ID", "1.5", "0..1023"),
     ("ANTMAN_DEVICE_MEMORY", "10MiB", "64MiB..1PiB"),

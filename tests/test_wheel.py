@@ -25,6 +25,8 @@ def test_wheel_builds_installs_and_activates(tmp_path: Path) -> None:
     assert "tf_antman/_native/libtf_antman.so" in names
     assert "tf_antman/_native/_antman_ops.so" in names
     assert "tf_antman/_native/libantman_core.so" in names
+    assert "tf_antman/_native/libantman_torch.so" in names  # PyTorch's allocator functions
+    assert "tf_antman/torch/op_hook.cpp" in names  # built on the job's machine (docs/pytorch.md)
     assert "tf_antman-autoload.pth" in names
     assert "scheduler_lite/data/perf_model.json" in names
     assert "-linux_x86_64" in wheels[0].name or "-manylinux" in wheels[0].name  # a platform wheel
@@ -48,6 +50,16 @@ def test_wheel_builds_installs_and_activates(tmp_path: Path) -> None:
     assert "tf-antman: active" in on.stderr and str(target) in subprocess.run(
         [str(py), "-c", "import tf_antman, sys; print(tf_antman.__file__)"], capture_output=True,
         text=True, env=clean, cwd=tmp_path).stdout
+    # The wheel's library carries the GPU device factories: with the default ANTMAN_DEVICE=auto on
+    # this GPU-less machine the job is emulated and TF's "GPU" factory is ours, hiding GPUs.
+    gpu = subprocess.run([str(py), "-c", "import tensorflow as tf\n"
+                          "from tf_antman import activation\n"
+                          "f = activation.active().native.gpu_factory()\n"
+                          "print('gpu', f['kind'], f['registered'], "
+                          "len(tf.config.list_physical_devices('GPU')))\n"],
+                         cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(clean, ANTMAN_DEVICE_MEMORY="256MiB"), timeout=300)
+    assert "gpu hidden 1 0" in gpu.stdout, gpu.stderr[-3000:]
     off = subprocess.run([str(py), str(script)], cwd=tmp_path, capture_output=True, text=True,
                          env=clean, timeout=300)
     assert off.returncode == 0 and "tf-antman" not in off.stderr

@@ -47,14 +47,22 @@ def enable(**options: Any) -> Settings:
 
 
 def _state() -> activation.Active:
-    state = activation.active()
+    state = activation.active() or _torch_state()
     if state is None:
         raise RuntimeError("tf-antman is not active: set ANTMAN_ENABLE=1 or call tf_antman.enable()")
     return state
 
 
+def _torch_state() -> Any:
+    """The PyTorch front-end's state (same shape: settings, native, steps), if it is active."""
+    import sys
+
+    torch_activation = sys.modules.get("tf_antman.torch.activation")
+    return torch_activation.active() if torch_activation is not None else None
+
+
 def is_active() -> bool:
-    return activation.active() is not None
+    return activation.active() is not None or _torch_state() is not None
 
 
 def settings() -> Settings:
@@ -111,12 +119,14 @@ def keras_callback() -> Any:
 
 
 def device_info() -> dict[str, str]:
-    """Runs an op on the CPU/emulated device and reports which allocator serves its tensors."""
+    """Runs an op on the job's device (the emulated CPU device, or GPU:0 under ANTMAN_DEVICE=cuda)
+    and reports which allocator serves its tensors."""
     import tensorflow as tf
 
     from tf_antman import native
 
     ops = tf.load_op_library(str(native.lib_path(native.OPS_LIB)))
-    with tf.device("/device:CPU:0"):
+    on_gpu = is_active() and settings().device == "cuda"
+    with tf.device("/device:GPU:0" if on_gpu else "/device:CPU:0"):
         allocator, device = ops.antman_device_info()
     return {"allocator": allocator.numpy().decode(), "device": device.numpy().decode()}

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 from types import ModuleType
 
-from tf_antman import config, importhook, native
+from tf_antman import config, device_select, importhook, native
 from tf_antman._log import log
 from tf_antman.steps import StepTracker
 
@@ -40,7 +40,11 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
     """Validates ANTMAN_* settings and starts the runtime. Returns None if not enabled.
     Raises config.ConfigError for a bad value and RuntimeError if it is too late."""
     global _active
-    settings = config.load(environ)
+    env = os.environ if environ is None else environ
+    settings = config.load(env)
+    if settings.enabled:
+        # auto -> cuda or emulated; cuda that cannot be served is refused here, in one line.
+        settings = device_select.resolve(settings, {**os.environ, **env})
     if _active is not None:
         if settings != _active.settings:
             raise RuntimeError("tf-antman is already active with other settings: "
@@ -48,13 +52,22 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
         return _active
     if not settings.enabled:
         return None
+    torch_activation = sys.modules.get("tf_antman.torch.activation")
+    if torch_activation is not None and torch_activation.active() is not None:
+        raise RuntimeError("tf-antman already serves PyTorch in this process: one framework per process")
     if _tf_devices_exist():
         raise RuntimeError("tf-antman must be enabled before TensorFlow creates its devices: "
                            "call tf_antman.enable() before the first TensorFlow op, or set ANTMAN_* "
                            "variables before starting Python")
+    if settings.device == "cuda":
+        # TF still builds its GPUBFCAllocator per GPU (unused: our device hands out ours). Should
+        # any TF component allocate from it anyway, growth keeps that to what it uses instead of
+        # the whole GPU (docs/gpu-path.md). A value the user set is kept.
+        os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     lib = native.load()
-    lib.configure(settings.device, settings.device_id, settings.device_memory,
-                  settings.memory_limit, settings.host_memory, settings.compute_share)
+    capacity, limit = device_select.native_memory(settings, env)
+    lib.configure(settings.device, settings.device_id, capacity, limit, settings.host_memory,
+                  settings.compute_share)
     _active = Active(settings=settings, native=lib, steps=StepTracker(lib, settings))
     log.info("active (pid %d): %s", os.getpid(), settings.describe())
     from tf_antman import hooks
@@ -72,6 +85,11 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
 
 
 def before_tensorflow() -> None:
+    torch_activation = sys.modules.get("tf_antman.torch.activation")
+    if torch_activation is not None and torch_activation.active() is not None:
+        log.warning("TensorFlow imported in a process where tf-antman serves PyTorch: "
+                    "TensorFlow is not managed")
+        return
     activate()
 
 

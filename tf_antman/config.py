@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Settings:
     enabled: bool
-    device: str  # "emulated" | "cuda"
+    device: str  # "auto" | "emulated" | "cuda"; activation resolves "auto" (device_select.py)
     device_id: int
     device_memory: int  # bytes: the emulated device's capacity
     memory_limit: int  # bytes: initial upper limit (<= device_memory)
@@ -117,14 +117,18 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ANTMAN_ENABLE", "bool", "0 (1 if any other ANTMAN_* is set)", "0/1, true/false, yes/no, on/off",
              "Turn tf-antman on for this process; set to 0 to keep it off despite other ANTMAN_* variables.",
              _bool),
-    Variable("ANTMAN_DEVICE", "string", "emulated", "emulated or cuda",
-             "Backend: TF's CPU device standing in for a GPU, or a real GPU through the CUDA driver.",
-             _choice("emulated", "cuda")),
+    Variable("ANTMAN_DEVICE", "string", "auto", "auto, emulated or cuda",
+             "Backend: a real GPU through the CUDA driver (cuda), TF's CPU device standing in for a "
+             "GPU with real GPUs hidden from TF (emulated), or cuda when a driver and a GPU are "
+             "present, else emulated (auto).",
+             _choice("auto", "emulated", "cuda")),
     Variable("ANTMAN_DEVICE_ID", "int", "0", "0..1023",
              "Which device this job runs on (the emulated device's id, reported in statistics).",
              _int_range(0, 1023)),
-    Variable("ANTMAN_DEVICE_MEMORY", "size", "4GiB", "64MiB..1PiB",
-             "Capacity of the emulated device's memory (a budget in host RAM).",
+    Variable("ANTMAN_DEVICE_MEMORY", "size", "4GiB (emulated); the GPU's free memory (cuda)",
+             "64MiB..1PiB",
+             "Emulated: capacity of the device's memory (a budget in host RAM). Cuda: the most of "
+             "each GPU's memory the job may use (device_select.native_memory).",
              _bytes_range(MIN_DEVICE_MEMORY, MAX_BYTES)),
     Variable("ANTMAN_MEMORY_LIMIT", "size", "= ANTMAN_DEVICE_MEMORY", "1MiB..ANTMAN_DEVICE_MEMORY",
              "Initial upper limit of device memory; above it tensors go to host memory.",
@@ -188,7 +192,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
                           f"1MiB..ANTMAN_DEVICE_MEMORY ({format_bytes(device_memory)})")
     return Settings(
         enabled=_get(env, "ANTMAN_ENABLE", requested(env)),
-        device=_get(env, "ANTMAN_DEVICE", "emulated"),
+        device=_get(env, "ANTMAN_DEVICE", "auto"),
         device_id=_get(env, "ANTMAN_DEVICE_ID", 0),
         device_memory=device_memory,
         memory_limit=limit,

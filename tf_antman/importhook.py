@@ -59,12 +59,29 @@ class _Finder(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.hooks:
             return None
-        before, after = self.hooks.pop(fullname)  # once: later imports are cached anyway
+        # Not popped here: importlib.util.find_spec("torch") (as transformers does to see what is
+        # installed) calls this without importing; the hooks must wait for the real import.
+        befores, afters = self.hooks[fullname]
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _WrappedLoader(spec.loader, before, after)
+        spec.loader = _WrappedLoader(spec.loader, [self._once(fullname, befores)],
+                                     [self._once(fullname, afters, last=True)])
         return spec
+
+    def _once(self, fullname: str, hooks: list[Any], last: bool = False) -> Callable[..., None]:
+        """Runs `hooks` only while `fullname`'s hooks are still registered: the first module
+        execution that gets here runs them, later probes' loaders do nothing."""
+
+        def run(*args: Any) -> None:
+            if fullname not in self.hooks:
+                return
+            if last:
+                self.hooks.pop(fullname, None)
+            for hook in list(hooks):
+                hook(*args)
+
+        return run
 
 
 _finder = _Finder()

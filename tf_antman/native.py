@@ -21,6 +21,7 @@ OPS_LIB = "_antman_ops.so"
 ABI_VERSION = 1  # ANTMAN_MEM_ABI_VERSION in cc/core/antman_memory.h
 
 BACKENDS = {"emulated": 0, "cuda": 1}
+GPU_FACTORY_KINDS = {0: "none", 1: "cuda", 2: "hidden"}
 
 
 class NativeError(RuntimeError):
@@ -60,6 +61,19 @@ class Native:
 
     def devices_created(self) -> int:
         return int(self.lib.antman_rt_devices_created())
+
+    def device_count(self) -> int:
+        """Devices with universal memory so far: 1 emulated, or each GPU TF created."""
+        return int(self.lib.antman_rt_device_count())
+
+    def gpu_factory(self) -> dict[str, int | str]:
+        """What tf-antman's "GPU" device factory did (cc/tf/gpu_device.h)."""
+        kind, registered, lists, creates, devices = (ctypes.c_int() for _ in range(5))
+        self.lib.antman_rt_gpu_factory_stats(*(ctypes.byref(v) for v in (
+            kind, registered, lists, creates, devices)))
+        return {"kind": GPU_FACTORY_KINDS.get(kind.value, str(kind.value)),
+                "registered": registered.value, "list_calls": lists.value,
+                "create_calls": creates.value, "devices": devices.value}
 
     def mem_stats(self) -> MemStats:
         s = MemStats()

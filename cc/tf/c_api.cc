@@ -1,11 +1,14 @@
 // C functions that tf_antman/_native.py binds with ctypes. Kept flat (plain
 // integers, doubles and the core's stats struct) so no Python extension module
 // and no TensorFlow type crosses this boundary.
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <string>
 
 #include "cc/core/antman_memory.h"
 #include "cc/tf/allocator.h"
+#include "cc/tf/gpu_device.h"
 #include "cc/tf/op_classes.h"
 #include "cc/tf/runtime.h"
 
@@ -17,7 +20,12 @@ void CopyError(const std::string& msg, char* err, size_t errlen) {
   std::strncpy(err, msg.c_str(), errlen - 1);
   err[errlen - 1] = '\0';
 }
+// Statistics are the first device's; control calls apply to every device of
+// the process (the emulated device, or each GPU TF created so far).
 antman_mem* Mem() { return antman::Runtime::Get().mem(); }
+void EachMem(const std::function<void(antman_mem*)>& f) {
+  antman::Runtime::Get().ForEachDevice([&](antman_mem* mem, antman::OpManager*) { f(mem); });
+}
 }  // namespace
 
 ANTMAN_EXPORT int antman_rt_abi_version() { return ANTMAN_MEM_ABI_VERSION; }
@@ -46,29 +54,60 @@ ANTMAN_EXPORT int antman_rt_get_mem_stats(antman_mem_stats* out) {
 }
 
 ANTMAN_EXPORT int antman_rt_request_limit(uint64_t limit) {
-  if (Mem() == nullptr) return 1;
-  antman_mem_request_limit(Mem(), limit);
+  if (!antman::Runtime::Get().configured()) return 1;
+  antman::Runtime::Get().SetLimitForNewDevices(limit);
+  EachMem([&](antman_mem* m) { antman_mem_request_limit(m, limit); });
   return 0;
 }
 
+// Bytes freed on all devices; *unfreed gets the largest excess left on one.
 ANTMAN_EXPORT uint64_t antman_rt_set_limit_now(uint64_t limit, uint64_t* unfreed) {
-  if (Mem() == nullptr) return 0;
-  return antman_mem_set_limit(Mem(), limit, unfreed);
+  uint64_t freed = 0;
+  uint64_t worst = 0;
+  if (antman::Runtime::Get().configured()) antman::Runtime::Get().SetLimitForNewDevices(limit);
+  EachMem([&](antman_mem* m) {
+    uint64_t left = 0;
+    freed += antman_mem_set_limit(m, limit, &left);
+    worst = std::max(worst, left);
+  });
+  if (unfreed != nullptr) *unfreed = worst;
+  return freed;
 }
 
 ANTMAN_EXPORT uint64_t antman_rt_release_cached() {
-  return Mem() == nullptr ? 0 : antman_mem_release_cached(Mem());
+  uint64_t freed = 0;
+  EachMem([&](antman_mem* m) { freed += antman_mem_release_cached(m); });
+  return freed;
 }
 
 ANTMAN_EXPORT int antman_rt_step_boundary() {
   if (Mem() == nullptr) return 1;
-  antman_mem_step_boundary(Mem());
+  EachMem([](antman_mem* m) { antman_mem_step_boundary(m); });
   return 0;
 }
 
 ANTMAN_EXPORT int antman_rt_check_invariants(char* err, size_t errlen) {
   if (Mem() == nullptr) return 1;
-  return antman_mem_check_invariants(Mem(), err, errlen);
+  int rc = 0;
+  EachMem([&](antman_mem* m) {
+    if (rc == 0) rc = antman_mem_check_invariants(m, err, errlen);
+  });
+  return rc;
+}
+
+// Devices with universal memory so far (emulated: 1; CUDA: GPUs TF created).
+ANTMAN_EXPORT int antman_rt_device_count() { return antman::Runtime::Get().device_count(); }
+
+// What tf-antman's "GPU" factory did (cc/tf/gpu_device.h): kind 0 none, 1 cuda,
+// 2 hidden; registered 1 when TF's factory for "GPU" is ours.
+ANTMAN_EXPORT void antman_rt_gpu_factory_stats(int* kind, int* registered, int* list_calls,
+                                               int* create_calls, int* devices) {
+  antman::GpuFactoryStats s = antman::GetGpuFactoryStats();
+  *kind = s.kind;
+  *registered = s.registered;
+  *list_calls = s.list_calls;
+  *create_calls = s.create_calls;
+  *devices = s.devices;
 }
 
 // Is `op_type` one of the kernels the manager lets through uncharged
@@ -87,9 +126,9 @@ ANTMAN_EXPORT const char* antman_rt_waiting_op(int i) {
 }
 
 ANTMAN_EXPORT int antman_rt_set_share(double share) {
-  antman::OpManager* m = antman::Runtime::Get().op_manager();
-  if (m == nullptr) return 1;
-  return m->SetShare(share) ? 0 : 2;  // 2: outside [0, 1] or NaN, nothing changed
+  antman::Runtime& rt = antman::Runtime::Get();
+  if (!rt.configured()) return 1;
+  return rt.SetShare(share) ? 0 : 2;  // 2: outside [0, 1] or NaN, nothing changed
 }
 
 // Flat copy of OpManager::Stats for ctypes.
@@ -109,8 +148,15 @@ struct antman_op_stats {
 };
 
 ANTMAN_EXPORT int antman_rt_get_op_stats(antman_op_stats* out) {
-  antman::OpManager* m = antman::Runtime::Get().op_manager();
-  if (m == nullptr) return 1;
+  antman::Runtime& rt = antman::Runtime::Get();
+  antman::OpManager* m = rt.op_manager();
+  if (m == nullptr) {
+    if (!rt.configured()) return 1;
+    *out = antman_op_stats{};  // CUDA before TF created a GPU: nothing ran yet
+    out->share = rt.share();
+    out->paused = rt.share() == 0.0 ? 1 : 0;
+    return 0;
+  }
   antman::OpManager::Stats s = m->stats();
   out->busy_ns = s.busy_ns;
   out->idle_inserted_ns = s.idle_inserted_ns;

@@ -36,6 +36,12 @@ class AntmanDeviceInfoOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("AntmanDeviceInfo").Device(tensorflow::DEVICE_CPU), AntmanDeviceInfoOp);
+// On a GPU device the kernel only reads host-side names: both outputs in host memory.
+REGISTER_KERNEL_BUILDER(Name("AntmanDeviceInfo")
+                            .Device(tensorflow::DEVICE_GPU)
+                            .HostMemory("allocator_name")
+                            .HostMemory("device_name"),
+                        AntmanDeviceInfoOp);
 
 }  // namespace
 }  // namespace antman

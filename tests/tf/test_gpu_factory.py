@@ -1,0 +1,79 @@
+"""The GPU device factory in stock TF on a machine without a GPU (issue 11, CI side): it is built
+into the wheel's library, registers for "GPU" above TF's own, creates no device, and CPU training
+is unchanged; ANTMAN_DEVICE=emulated hides GPUs from TF; auto falls back to emulated; cuda is
+refused in one line."""
+
+from __future__ import annotations
+
+import textwrap
+
+from tests.conftest import run_py
+
+TRAIN = """
+import numpy as np
+import tensorflow as tf
+tf.keras.utils.set_random_seed(0)
+x = np.random.rand(256, 8).astype("float32")
+y = x @ np.arange(8, dtype="float32")[:, None]
+model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(1)])
+model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+hist = model.fit(x, y, epochs=5, batch_size=32, verbose=0).history["loss"]
+gpus = [d.name for d in tf.config.list_physical_devices("GPU")]
+logical = [d.name for d in tf.config.list_logical_devices()]
+"""
+
+
+def test_cuda_factory_registers_in_stock_tf_without_gpu_and_cpu_training_runs() -> None:
+    # The cuda runtime is configured directly (activation would refuse cuda here: no driver),
+    # which is what a GPU machine runs, minus the GPUs.
+    job = run_py(textwrap.dedent("""
+        from tf_antman import native
+        lib = native.load()
+        lib.configure("cuda", 0, 0, 0, 1 << 30, 1.0)
+    """) + TRAIN + textwrap.dedent("""
+        emit({"factory": lib.gpu_factory(), "gpus": gpus, "logical": logical, "loss": hist,
+              "antman_devices": lib.device_count()})
+    """))
+    r = job.result
+    f = r["factory"]
+    assert f["kind"] == "cuda"
+    assert f["registered"] == 1, "TF's GPU factory is not ours: registered too late or below 210"
+    assert f["list_calls"] >= 1 and f["create_calls"] >= 1, "TF never consulted our GPU factory"
+    assert f["devices"] == 0 and r["antman_devices"] == 0
+    assert r["gpus"] == [] and all("GPU" not in d for d in r["logical"])
+    assert r["loss"][-1] < r["loss"][0] / 2
+
+
+def test_emulated_hides_gpus_from_tf() -> None:
+    job = run_py("import tf_antman\n" + TRAIN + textwrap.dedent("""
+        from tf_antman import activation
+        lib = activation.active().native
+        emit({"factory": lib.gpu_factory(), "gpus": gpus, "logical": logical, "loss": hist,
+              "device": tf_antman.settings().device})
+    """), ANTMAN_DEVICE="emulated")
+    r = job.result
+    assert r["device"] == "emulated"
+    assert r["factory"]["kind"] == "hidden" and r["factory"]["registered"] == 1
+    assert r["factory"]["list_calls"] >= 1, "list_physical_devices('GPU') did not reach our factory"
+    assert r["gpus"] == [] and all("GPU" not in d for d in r["logical"])
+    assert r["loss"][-1] < r["loss"][0] / 2
+
+
+def test_auto_without_driver_is_emulated() -> None:
+    job = run_py("""
+        import tensorflow as tf
+        import tf_antman
+        emit({"device": tf_antman.settings().device, "info": tf_antman.device_info()})
+    """, ANTMAN_ENABLE="1", ANTMAN_DEVICE="auto")
+    r = job.result
+    assert r["device"] == "emulated"
+    assert r["info"]["allocator"] == "antman_universal"
+
+
+def test_cuda_without_driver_is_refused_in_one_line() -> None:
+    job = run_py("import tensorflow as tf\nemit({'reached': True})", ANTMAN_DEVICE="cuda")
+    assert job.rc != 0 and '"reached"' not in job.stdout
+    # The exception's message is the traceback's last line, whole.
+    last = job.stderr.strip().splitlines()[-1]
+    assert last.startswith("tf_antman.device_select.DeviceUnavailable: ANTMAN_DEVICE=cuda refused:")
+    assert "libcuda.so.1" in last and last.endswith("use ANTMAN_DEVICE=emulated or auto")

@@ -1,0 +1,131 @@
+"""ctypes binding of libantman_torch.so (cc/torch/allocator_shim.h): the memory cores that serve
+PyTorch's CUDA tensors through CUDAPluggableAllocator. No torch import: tests drive the same C
+functions PyTorch calls, on the emulated backend."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+from pathlib import Path
+
+from tf_antman.native import MemStats, NativeError, lib_path
+
+LIB_NAME = "libantman_torch.so"
+ABI_VERSION = 1  # ANTMAN_TORCH_ABI_VERSION
+MALLOC_FN = "antman_torch_malloc"
+FREE_FN = "antman_torch_free"
+BACKENDS = {"emulated": 0, "cuda": 1}
+MAX_DEVICES = 64
+
+
+class MemConfig(ctypes.Structure):
+    """Mirror of antman_mem_config (cc/core/antman_memory.h); field order matters."""
+
+    _fields_ = [
+        ("backend", ctypes.c_int), ("device_ordinal", ctypes.c_int),
+        ("device_capacity", ctypes.c_uint64), ("limit", ctypes.c_uint64),
+        ("host_capacity", ctypes.c_uint64), ("min_region", ctypes.c_uint64),
+        ("host_idle_release_ms", ctypes.c_uint64),  # 0 = the core's default (10 s)
+    ]
+
+
+@dataclasses.dataclass
+class TorchMemory:
+    """The memory core of one device inside libantman_torch.so."""
+
+    lib: ctypes.CDLL
+    path: Path
+    device: int
+
+    @property
+    def handle(self) -> int:
+        return int(self.lib.antman_torch_mem(self.device) or 0)
+
+    def mem_stats(self) -> MemStats:
+        s = MemStats()
+        self.lib.antman_mem_get_stats(self.handle, ctypes.byref(s))
+        return s
+
+    def request_limit(self, limit: int) -> None:
+        self.lib.antman_mem_request_limit(self.handle, limit)
+
+    def set_limit_now(self, limit: int) -> tuple[int, int]:
+        unfreed = ctypes.c_uint64(0)
+        freed = self.lib.antman_mem_set_limit(self.handle, limit, ctypes.byref(unfreed))
+        return int(freed), int(unfreed.value)
+
+    def release_cached(self) -> int:
+        return int(self.lib.antman_mem_release_cached(self.handle))
+
+    def step_boundary(self) -> None:
+        self.lib.antman_mem_step_boundary(self.handle)
+
+    def is_host(self, ptr: int) -> int:
+        return int(self.lib.antman_mem_is_host(self.handle, ptr))
+
+    def check_invariants(self) -> str:
+        buf = ctypes.create_string_buffer(512)
+        rc = self.lib.antman_mem_check_invariants(self.handle, buf, len(buf))
+        return "" if rc == 0 else buf.value.decode(errors="replace") or f"code {rc}"
+
+    # The two functions PyTorch calls, for tests (PyTorch calls them by address, not through here).
+    def malloc(self, size: int, stream: int = 0) -> int:
+        return int(self.lib.antman_torch_malloc(size, self.device, stream) or 0)
+
+    def free(self, ptr: int, size: int, stream: int = 0) -> None:
+        self.lib.antman_torch_free(ptr, size, self.device, stream)
+
+    def failures(self) -> int:
+        return int(self.lib.antman_torch_failures())
+
+
+def shim_path() -> Path:
+    return lib_path(LIB_NAME)
+
+
+def load(path: Path | None = None) -> ctypes.CDLL:
+    """Loads the library RTLD_LOCAL (it exports C functions only) and checks its ABI version.
+    CUDAPluggableAllocator later opens the same path, which yields this same instance."""
+    path = shim_path() if path is None else path
+    if not path.exists():
+        raise NativeError(f"{path} is missing: build it with `python setup.py build_native` "
+                          "(or install the tf-antman wheel)")
+    lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    u64, i32, vp, sz = ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p, ctypes.c_ssize_t
+    lib.antman_torch_abi_version.restype = i32
+    version = lib.antman_torch_abi_version()
+    if version != ABI_VERSION:
+        raise NativeError(f"{path} has ABI version {version}, this package expects {ABI_VERSION}")
+    lib.antman_torch_mem_create.argtypes = [ctypes.POINTER(MemConfig), ctypes.c_char_p, ctypes.c_size_t]
+    lib.antman_torch_mem_create.restype = i32
+    lib.antman_torch_mem.argtypes = [i32]
+    lib.antman_torch_mem.restype = vp
+    lib.antman_torch_malloc.argtypes = [sz, i32, vp]
+    lib.antman_torch_malloc.restype = vp
+    lib.antman_torch_free.argtypes = [vp, sz, i32, vp]
+    lib.antman_torch_free.restype = None
+    lib.antman_torch_failures.restype = u64
+    lib.antman_torch_reset_for_tests.restype = None
+    lib.antman_mem_get_stats.argtypes = [vp, ctypes.POINTER(MemStats)]
+    lib.antman_mem_request_limit.argtypes = [vp, u64]
+    lib.antman_mem_set_limit.argtypes = [vp, u64, ctypes.POINTER(u64)]
+    lib.antman_mem_set_limit.restype = u64
+    lib.antman_mem_release_cached.argtypes = [vp]
+    lib.antman_mem_release_cached.restype = u64
+    lib.antman_mem_step_boundary.argtypes = [vp]
+    lib.antman_mem_is_host.argtypes = [vp, vp]
+    lib.antman_mem_is_host.restype = i32
+    lib.antman_mem_check_invariants.argtypes = [vp, ctypes.c_char_p, ctypes.c_size_t]
+    lib.antman_mem_check_invariants.restype = i32
+    return lib
+
+
+def create(lib: ctypes.CDLL, path: Path, backend: str, device: int, device_capacity: int,
+           limit: int, host_capacity: int) -> TorchMemory:
+    """The memory core of `device` (capacity / limit 0: the device's free memory)."""
+    cfg = MemConfig(BACKENDS[backend], device, device_capacity, limit, host_capacity, 0, 0)
+    err = ctypes.create_string_buffer(512)
+    if lib.antman_torch_mem_create(ctypes.byref(cfg), err, len(err)) != 0:
+        raise NativeError(err.value.decode(errors="replace"))
+    return TorchMemory(lib=lib, path=path, device=device)

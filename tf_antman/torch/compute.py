@@ -1,0 +1,69 @@
+"""Compute scaling for a PyTorch job: the op manager, the CUDA event gate and the op hook.
+
+The op hook (op_hook.cpp) is a C++ extension built at run time with torch.utils.cpp_extension
+against the job's own PyTorch (its C++ ABI must match; the build is cached by PyTorch in
+TORCH_EXTENSIONS_DIR, so only the first job on a machine compiles it, about a minute). It is
+installed at start and enabled only while the share is below 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tf_antman.torch import _core
+
+HOOK_SOURCE = Path(__file__).resolve().parent / "op_hook.cpp"
+HOOK_NAME = "tf_antman_torch_op_hook"
+
+
+def build_hook(with_cuda: bool, verbose: bool = False) -> Any:
+    """Compiles (or loads from PyTorch's extension cache) the op hook module."""
+    import hashlib
+
+    from torch.utils import cpp_extension
+
+    # NDEBUG as in libtorch's own build: at::RecordFunction's layout depends on it (op_hook.cpp).
+    flags = ["-O2", "-DNDEBUG", *(["-DANTMAN_WITH_CUDA"] if with_cuda else [])]
+    # The name carries a digest of the source and flags: PyTorch's cache reused a build made
+    # with other flags (seen on torch 2.13), and a stale hook must never be loaded.
+    digest = hashlib.sha256(HOOK_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"{HOOK_NAME}_{'cuda' if with_cuda else 'cpu'}_{digest}"
+    return cpp_extension.load(name=name, sources=[str(HOOK_SOURCE)], extra_cflags=flags,
+                              with_cuda=with_cuda, verbose=verbose)
+
+
+class Compute:
+    """Owns the op manager, the gate (on CUDA) and the installed hook of this process."""
+
+    def __init__(self, core: _core.Core, share: float, device: int, on_cuda: bool,
+                 hook_module: Any = None) -> None:
+        self.core = core
+        self.opm = _core.OpManager(core, share)
+        self.gate = _core.CudaGate(core, self.opm, device) if on_cuda else None
+        self.hook = hook_module if hook_module is not None else build_hook(with_cuda=on_cuda)
+        fns = core.function_addresses()
+        self.hook.install("device" if on_cuda else "host", self.opm.handle,
+                          self.gate.handle if self.gate else 0,
+                          fns["antman_opm_admit"], fns["antman_opm_finish"],
+                          fns["antman_gate_begin"], fns["antman_gate_end"])
+        self.hook.set_enabled(share < 1.0)
+
+    def set_share(self, share: float) -> None:
+        # Below 1: the manager first, then the hook, so no op is admitted under the old share by
+        # a hook that was just enabled. To 1: the hook off first, then ops waiting are released.
+        if share < 1.0:
+            self.opm.set_share(share)
+            self.hook.set_enabled(True)
+        else:
+            self.hook.set_enabled(False)
+            self.opm.set_share(share)
+
+    def stats(self) -> _core.OpmStats:
+        return self.opm.stats()
+
+    def hook_stats(self) -> dict[str, Any]:
+        out = dict(self.hook.stats())
+        if self.gate is not None:
+            out["gate"] = self.gate.stats().as_dict()
+        return out

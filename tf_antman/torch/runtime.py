@@ -1,0 +1,63 @@
+"""The PyTorch job's runtime: memory cores (libantman_torch.so) and compute scaling behind the
+same calls as tf_antman.native.Native, so StepTracker, the job agent (jobside) and the public
+tf_antman API serve PyTorch jobs unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tf_antman.native import MemStats, NativeError
+from tf_antman.torch._shim import TorchMemory
+from tf_antman.torch.compute import Compute
+
+
+@dataclasses.dataclass
+class FixedShareStats:
+    """op_stats() without compute scaling: the job runs at share 1, nothing is measured."""
+
+    share: float = 1.0
+    achieved_share_window: float = 1.0
+    idle_inserted_ns: int = 0  # nothing held back (tf_antman.exit_report reads it)
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return {"share": self.share, "achieved_share_window": self.achieved_share_window,
+                "paused": False, "compute_scaling": False}
+
+
+class TorchRuntime:
+    def __init__(self, memory: TorchMemory, compute: Compute | None,
+                 compute_unavailable: str = "") -> None:
+        self.memory = memory
+        self.compute = compute
+        self.compute_unavailable = compute_unavailable  # why there is no compute scaling
+
+    def mem_stats(self) -> MemStats:
+        return self.memory.mem_stats()
+
+    def op_stats(self) -> object:
+        return self.compute.stats() if self.compute is not None else FixedShareStats()
+
+    def request_limit(self, limit: int) -> None:
+        self.memory.request_limit(limit)
+
+    def set_limit_now(self, limit: int) -> tuple[int, int]:
+        return self.memory.set_limit_now(limit)
+
+    def release_cached(self) -> int:
+        return self.memory.release_cached()
+
+    def step_boundary(self) -> None:
+        self.memory.step_boundary()
+
+    def set_share(self, share: float) -> None:
+        if not 0.0 <= share <= 1.0:  # also NaN
+            raise NativeError(f"compute share {share!r} refused: accepted 0.0..1.0")
+        if self.compute is None:
+            if share < 1.0:
+                # Refused, not ignored: the coordinator must see that the job is not throttled.
+                raise NativeError(f"compute scaling is unavailable in this job: {self.compute_unavailable}")
+            return
+        self.compute.set_share(share)
+
+    def check_invariants(self) -> str:
+        return self.memory.check_invariants()

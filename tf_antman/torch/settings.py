@@ -1,0 +1,53 @@
+"""ANTMAN_* variables read by the PyTorch front-end: the same variables, names and validation as
+for TensorFlow (tf_antman.config), with defaults that fit a real GPU.
+
+Differences from a TensorFlow job (docs/pytorch.md):
+- ANTMAN_DEVICE defaults to `cuda`. `emulated` runs the memory core, op manager, step hooks and
+  job agent on host RAM without serving PyTorch's tensors (PyTorch has no device to put on it):
+  for tests of the wiring only.
+- On `cuda`, ANTMAN_DEVICE_MEMORY unset means the device's free memory at start, and
+  ANTMAN_MEMORY_LIMIT unset means no limit below that capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from tf_antman import config
+from tf_antman.units import format_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchSettings:
+    base: config.Settings  # what StepTracker and the job agent read (job_dir, device_id, ...)
+    device_capacity: int  # bytes for the memory core; 0 = free memory of the CUDA device
+    memory_limit: int  # bytes; 0 = the capacity
+
+    def describe(self) -> str:
+        b = self.base
+        cap = format_bytes(self.device_capacity) if self.device_capacity else "free memory"
+        lim = format_bytes(self.memory_limit) if self.memory_limit else "none"
+        return (f"framework=torch device={b.device}:{b.device_id} device_memory={cap} "
+                f"memory_limit={lim} host_memory={format_bytes(b.host_memory)} "
+                f"compute_share={b.compute_share:g} job_dir={b.job_dir or '-'}")
+
+
+def load(environ: Mapping[str, str]) -> TorchSettings:
+    """Validates like config.load (ConfigError names the variable and the accepted range)."""
+    env = {k: v for k, v in environ.items() if k.startswith(config.PREFIX)}
+    env.setdefault("ANTMAN_DEVICE", "cuda")
+    device = config.load({"ANTMAN_DEVICE": env["ANTMAN_DEVICE"]}).device
+    capacity_set = "ANTMAN_DEVICE_MEMORY" in env
+    limit_set = "ANTMAN_MEMORY_LIMIT" in env
+    if device == "cuda" and not capacity_set:
+        # Validate the limit against the largest size accepted; the real capacity is known only
+        # once the driver reports the free memory (the core then caps the limit to it).
+        env["ANTMAN_DEVICE_MEMORY"] = str(config.MAX_BYTES)
+    base = config.load(env)
+    if device == "cuda":
+        capacity = base.device_memory if capacity_set else 0
+        limit = base.memory_limit if limit_set else 0
+    else:
+        capacity, limit = base.device_memory, base.memory_limit
+    return TorchSettings(base=base, device_capacity=capacity, memory_limit=limit)
