@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The scheduler's real workflow from a shell: daemon in the background, two jobs submitted, status
-# while they run (limits, memory, shares, step times), their logs with tf-antman's exit report,
-# daemon stopped.
-#   bash examples/cli_demo.sh            (after scripts/setup.sh; any user the config admits)
+# The scheduler's real workflow from a shell, on one emulated GPU (examples/demo.toml): the daemon
+# in the background; an opportunistic job takes the idle GPU; a guarantee job arrives and the local
+# coordinator shrinks and throttles the opportunistic one to protect it, then gives room back;
+# status while they share the GPU (limits in force, memory, host fallback, shares, step times);
+# their logs with tf-antman's exit report; the daemon stopped.
+#   bash examples/cli_demo.sh            (after scripts/setup.sh; about 2 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SL=${SCHEDULER_LITE:-scheduler-lite}
 command -v "$SL" >/dev/null || SL=.venv/bin/scheduler-lite
-CFG=examples/scheduler.toml
+CFG=${DEMO_CONFIG:-examples/demo.toml}
 PY=$PWD/.venv/bin/python
 mkdir -p out
+rm -rf out/demo-state   # a fresh store each run: the demo shows only its own jobs
 sl() { "$SL" --config "$CFG" "$@"; }
 
 echo "== scheduler-lite serve (in the background, log in out/demo-daemon.log)"
@@ -18,10 +21,20 @@ DAEMON=$!
 trap 'kill "$DAEMON" 2>/dev/null || true; wait "$DAEMON" 2>/dev/null || true' EXIT
 for _ in $(seq 100); do sl list >/dev/null 2>&1 && break; sleep 0.2; done
 
-echo "== two jobs: a guarantee job and an opportunistic one"
-G=$(sl submit --tenant research --type guarantee -- "$PY" examples/colocate_job.py --steps 400 --width 512)
-O=$(sl submit --tenant batch --type opportunistic -- "$PY" examples/colocate_job.py --steps 400 --width 512 --seed 2)
-echo "submitted $G $O"
+echo "== an opportunistic job on the idle GPU"
+O=$(sl submit --tenant batch --type opportunistic -- "$PY" examples/colocate_job.py --steps 1200 --width 512 --seed 2)
+echo "submitted $O"
+for _ in $(seq 240); do
+  sl status --json | "$PY" -c 'import json, sys
+jobs = [j for g in json.load(sys.stdin)["gpus"] for j in g["jobs"]]
+sys.exit(0 if jobs and all(j["step"] for j in jobs) else 1)' && break
+  sleep 0.5
+done
+sl status
+
+echo "== a guarantee job arrives on the same GPU"
+G=$(sl submit --tenant research --type guarantee -- "$PY" examples/colocate_job.py --steps 600 --width 512)
+echo "submitted $G"
 
 echo "== status while both run"
 # Until both report statistics (TensorFlow takes a few seconds to start).
@@ -31,6 +44,9 @@ jobs = [j for g in json.load(sys.stdin)["gpus"] for j in g["jobs"]]
 sys.exit(0 if len(jobs) == 2 and all(j["step"] for j in jobs) else 1)' && break
   sleep 0.5
 done
+sl status
+sleep 8
+echo "== a few coordinator rounds later"
 sl status
 
 echo "== waiting for both to finish"
