@@ -164,6 +164,12 @@ class CoreLib:
         if found != ABI_VERSIONS:
             raise CoreError(f"{path} has ABI versions {found}, this package expects {ABI_VERSIONS}")
 
+    def function_addresses(self) -> dict[str, int]:
+        """What a C++ caller (the PyTorch op hook) calls on every gated op, by address, so that it
+        uses this very library instance and needs no link to it."""
+        names = ("antman_opm_admit", "antman_opm_finish", "antman_gate_begin", "antman_gate_end")
+        return {n: int(ctypes.cast(getattr(self.c, n), ctypes.c_void_p).value or 0) for n in names}
+
     def check(self, rc: int) -> None:
         """Raises CoreError with the library's message when rc is not ANTMAN_OK."""
         if rc != 0:
@@ -360,10 +366,14 @@ class OpManager(_Handle):
         finally:
             self.finish(t)
 
-    def stats(self) -> dict[str, Any]:
+    def raw_stats(self) -> OpmStats:
+        """The C struct itself (attribute access, as the PyTorch runtime reports it)."""
         s = OpmStats()
         self.lib.check(self.lib.c.antman_opm_get_stats(self.handle, ctypes.byref(s)))
-        d = s.as_dict()
+        return s
+
+    def stats(self) -> dict[str, Any]:
+        d = self.raw_stats().as_dict()
         d["paused"] = bool(d["paused"])
         return d
 

@@ -172,11 +172,11 @@ def test_a_share_below_one_without_compute_scaling_fails_loudly_at_start(tmp_pat
 # ---- compute scaling with the real op manager (libantman_core.so) and a recording hook -------
 
 def _core_or_skip() -> object:
-    from tf_antman.torch import _core
+    from tf_antman import core as antman_core
 
     try:
-        return _core.load()
-    except NativeError as err:
+        return antman_core.load()
+    except antman_core.CoreError as err:
         pytest.skip(str(err))
 
 
@@ -192,7 +192,7 @@ class RecordingHook:
         self.calls.append(("install", (mode, bool(opm), gate, bool(admit), bool(finish), bool(begin), bool(end))))
 
     def set_enabled(self, enabled: bool) -> None:
-        share = self.compute.opm.stats().share if self.compute is not None else None
+        share = self.compute.opm.stats()["share"] if self.compute is not None else None
         self.calls.append(("enabled", (enabled, share)))
 
     def stats(self) -> dict[str, int]:

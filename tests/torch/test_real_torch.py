@@ -11,16 +11,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tf_antman.native import NativeError  # noqa: E402
-from tf_antman.torch import _core  # noqa: E402
+from tf_antman import core as antman_core  # noqa: E402
 from tf_antman.torch.compute import Compute, build_hook  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def compute() -> Compute:
     try:
-        core = _core.load()
-    except NativeError as err:
+        core = antman_core.load()
+    except antman_core.CoreError as err:
         pytest.skip(str(err))
     return Compute(core, 1.0, 0, on_cuda=False, hook_module=build_hook(with_cuda=False))
 

@@ -11,10 +11,11 @@ from types import ModuleType
 from typing import Any
 
 from tf_antman import activation as tf_activation
+from tf_antman import core as antman_core
 from tf_antman._log import log
 from tf_antman.config import Settings
 from tf_antman.steps import StepTracker
-from tf_antman.torch import _core, _shim, steps_hook
+from tf_antman.torch import _shim, steps_hook
 from tf_antman.torch import settings as torch_settings
 from tf_antman.torch.compute import Compute
 from tf_antman.torch.runtime import TorchRuntime
@@ -102,7 +103,7 @@ def _make_compute(ts: torch_settings.TorchSettings, on_cuda: bool,
     try:
         if factory is not None:
             return factory(ts), ""
-        core = _core.load()
+        core = antman_core.load()
         return Compute(core, ts.base.compute_share, ts.base.device_id, on_cuda), ""
     except Exception as err:  # noqa: BLE001 - reported; the job runs at share 1 if it asked for 1
         return None, f"{type(err).__name__}: {err}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tf_antman.torch import _core
+from tf_antman import core as antman_core
 
 HOOK_SOURCE = Path(__file__).resolve().parent / "op_hook.cpp"
 HOOK_NAME = "tf_antman_torch_op_hook"
@@ -36,11 +36,11 @@ def build_hook(with_cuda: bool, verbose: bool = False) -> Any:
 class Compute:
     """Owns the op manager, the gate (on CUDA) and the installed hook of this process."""
 
-    def __init__(self, core: _core.Core, share: float, device: int, on_cuda: bool,
+    def __init__(self, core: antman_core.CoreLib, share: float, device: int, on_cuda: bool,
                  hook_module: Any = None) -> None:
         self.core = core
-        self.opm = _core.OpManager(core, share)
-        self.gate = _core.CudaGate(core, self.opm, device) if on_cuda else None
+        self.opm = antman_core.OpManager(core, share=share)
+        self.gate = antman_core.CudaGate(core, self.opm, device_ordinal=device) if on_cuda else None
         self.hook = hook_module if hook_module is not None else build_hook(with_cuda=on_cuda)
         fns = core.function_addresses()
         self.hook.install("device" if on_cuda else "host", self.opm.handle,
@@ -59,11 +59,11 @@ class Compute:
             self.hook.set_enabled(False)
             self.opm.set_share(share)
 
-    def stats(self) -> _core.OpmStats:
-        return self.opm.stats()
+    def stats(self) -> antman_core.OpmStats:
+        return self.opm.raw_stats()
 
     def hook_stats(self) -> dict[str, Any]:
         out = dict(self.hook.stats())
         if self.gate is not None:
-            out["gate"] = self.gate.stats().as_dict()
+            out["gate"] = self.gate.stats()
         return out
