@@ -164,12 +164,20 @@ class ClusterBook:
     def gpus_with_room(self, below: float, min_room: float, unstated: float) -> Iterator[tuple[int, float]]:
         """(GPU, 1 - committed share) in `gpus_by_utilisation(below)` order, for the GPUs whose
         room is at least `min_room` (the others are skipped here, where it is cheap)."""
-        stated, count = self._share_stated, self._share_unstated
+        stated, count, gpus = self._share_stated, self._share_unstated, self.gpus
         limit = 1.0 - min_room + 1e-9
-        for gpu in self.gpus_by_utilisation(below):
-            committed = stated[gpu] + unstated * count[gpu]
-            if committed <= limit:
-                yield gpu, 1.0 - committed
+        # gpus_by_utilisation's loop, inlined: a pass on a 6,504-GPU cluster pulls hundreds of
+        # GPUs through here, and a nested generator doubled the cost of each (same order).
+        for b, bucket in enumerate(self._buckets):
+            if b / UTILISATION_BUCKETS >= below:
+                return
+            boundary = (b + 1) / UTILISATION_BUCKETS > below
+            for gpu in bucket:
+                if boundary and gpus[gpu].utilisation >= below:
+                    continue
+                committed = stated[gpu] + unstated * count[gpu]
+                if committed <= limit:
+                    yield gpu, 1.0 - committed
 
     # -- snapshot -------------------------------------------------------------------------------
 
