@@ -175,7 +175,8 @@ class ClusterBook:
             for gpu in bucket:
                 if boundary and gpus[gpu].utilisation >= below:
                     continue
-                committed = stated[gpu] + unstated * count[gpu]
+                # unstated is 0 by default: x + 0.0 * n == x exactly, so the count is skipped.
+                committed = stated[gpu] + unstated * count[gpu] if unstated else stated[gpu]
                 if committed <= limit:
                     yield gpu, 1.0 - committed
 
