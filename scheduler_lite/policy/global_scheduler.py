@@ -270,8 +270,18 @@ class _Pass:
         # left on it; a GPU gets at most one new job per pass, so the room is read once. GPUs
         # without room for the smallest request of the pass are dropped as they are pulled
         # (on a 6,504-GPU cluster most of a pass's time went to rescanning them).
-        smallest = min(self._request(j) for j in jobs)
         unstated = self.cfg.unknown_requested_share
+        if len(jobs) == 1:  # the common pass: one scan, no buffer (same GPUs as the loop below)
+            job = jobs[0]
+            fits, tight = self.idx.first_with_room(self.cfg.utilisation_threshold, self._request(job),
+                                                   unstated, job.memory_demand_bytes, job.num_gpus,
+                                                   self.taken, self.opp_taken)
+            chosen = (fits + tight)[: job.num_gpus]
+            if len(chosen) == job.num_gpus:
+                self.out.append(Place(job.id, tuple(chosen), Role.OPPORTUNISTIC))
+                self.opp_taken.update(chosen)
+            return
+        smallest = min(self._request(j) for j in jobs)
         buffer: list[tuple[int, float]] = []
         gpus_iter = self.idx.gpus_with_room(self.cfg.utilisation_threshold, smallest, unstated)
         exhausted = False
