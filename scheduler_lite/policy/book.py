@@ -200,15 +200,14 @@ class ClusterBook:
                 break
             boundary = (b + 1) / UTILISATION_BUCKETS > below
             for gpu in bucket:
-                g = gpus[gpu]
-                if boundary and g.utilisation >= below:
-                    continue
                 committed = stated[gpu] + unstated * count[gpu] if unstated else stated[gpu]
                 if committed > limit or gpu in skip or gpu in skip_too:
+                    continue  # most GPUs read end here: the cheapest test comes first
+                if boundary and gpus[gpu].utilisation >= below:
                     continue
                 if share > 1.0 - committed + 1e-9:
                     continue
-                if g.memory_bytes - committed_mem[gpu] >= demand:
+                if gpus[gpu].memory_bytes - committed_mem[gpu] >= demand:
                     fits.append(gpu)
                     if len(fits) == n:
                         return fits, tight
