@@ -140,6 +140,12 @@ class ClusterQueries(Protocol):
         `min_room` share room, least loaded first."""
         ...
 
+    def first_with_room(self, below: float, share: float, unstated: float, demand: int, n: int,
+                        skip: set[int], skip_too: set[int]) -> tuple[list[int], list[int]]:
+        """In `gpus_with_room(below, share, unstated)` order, less `skip` and `skip_too`: the
+        first n GPUs with `demand` bytes free, and the first n without them."""
+        ...
+
     def empty_gpus(self, group: str) -> frozenset[int] | set[int]:
         """GPUs of a group with no job at all and no reservation."""
         ...

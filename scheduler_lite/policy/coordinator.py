@@ -182,7 +182,9 @@ def round(
     else:
         out, memo = _with_guarantee(now, view, guarantee, opps, config, memo)
     # Shrinks first, so that applying the list in order never over-commits the GPU's memory.
-    out.sort(key=lambda d: 0 if isinstance(d, SetMemoryLimit) and d.limit_bytes < d.previous_bytes else 1)
+    # (Most rounds decide nothing or one thing: nothing to order then.)
+    if len(out) > 1:
+        out.sort(key=lambda d: 0 if isinstance(d, SetMemoryLimit) and d.limit_bytes < d.previous_bytes else 1)
     return out, memo
 
 

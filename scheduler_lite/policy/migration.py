@@ -93,16 +93,21 @@ def _take(idle: dict[str, list[int]], n: int) -> tuple[int, ...] | None:
     if fitting:
         group = min(fitting, key=lambda g: (len(idle[g]), g))
         chosen = idle[group][:n]
+        touched = [group]
     else:
         if sum(len(f) for f in idle.values()) < n:
             return None
         chosen = []
+        touched = []
         for group in sorted(idle, key=lambda g: (-len(idle[g]), g)):
             chosen.extend(idle[group][: n - len(chosen)])
+            touched.append(group)
             if len(chosen) == n:
                 break
+    # Only the groups the GPUs came from change (a GPU is in one group): with hundreds of idle
+    # groups on a large cluster, refiltering all of them was most of a pass.
     taken = set(chosen)
-    for group in list(idle):
+    for group in touched:
         idle[group] = [g for g in idle[group] if g not in taken]
         if not idle[group]:
             del idle[group]

@@ -652,10 +652,11 @@ class Simulator:
         jobs = self.on_gpu[gpu]
         has_guarantee = self.book.guarantee_holder(gpu) is not None
         shared = len(jobs) > 1
+        guarantee = Role.GUARANTEE
         for jid, sj in jobs.items():
             steps: tuple[StepSample, ...] = ()
             # Only the step times the coordinator reads are drawn (they cost most of a round).
-            watched = sj.role is Role.GUARANTEE or (not has_guarantee and shared)
+            watched = sj.role is guarantee or (not has_guarantee and shared)
             limit = sj.limits.get(gpu, 0)
             share = sj.shares.get(gpu, 1.0)
             assert sj.role is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from scheduler_lite.model import GIB, JobKind, Place, Role
@@ -85,3 +87,35 @@ def test_bad_placement_choice_is_rejected_with_its_name():
         SchedulerConfig(opportunistic_placement="random").validate()
     with pytest.raises(ConfigError, match="gang_locality"):
         SchedulerConfig(gang_locality="never").validate()
+
+
+def _reference_first_with_room(b, below, share, unstated, demand, n, skip):
+    """The buffered loop of global_scheduler._place_by_share for one job, over gpus_with_room."""
+    fits, tight = [], []
+    for g, room in b.gpus_with_room(below, share, unstated):
+        if g in skip or share > room + 1e-9:
+            continue
+        if b.memory_free(g) >= demand:
+            fits.append(g)
+            if len(fits) == n:
+                break
+        elif len(tight) < n:
+            tight.append(g)
+    return fits, tight
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_single_job_fast_scan_picks_what_the_buffered_loop_picks(seed):
+    rng = random.Random(seed)
+    b = book(nodes=4, per_node=4)
+    for i in range(rng.randrange(4, 30)):
+        gpu = rng.randrange(16)
+        b.submit(_opp(f"r{i}", rng.choice((None, 0.1, 0.25, 0.5, 0.9)), memory_gib=rng.uniform(1, 20)))
+        b.apply(Place(f"r{i}", (gpu,), Role.OPPORTUNISTIC))
+    for gpu in range(16):
+        b.set_utilisation(gpu, rng.random())
+    for _ in range(20):
+        args = (rng.choice((0.5, 0.8, 1.0)), rng.choice((0.1, 0.3, 0.6)), rng.choice((0.0, 0.2)),
+                int(rng.uniform(1, 30) * GIB), rng.choice((1, 2, 4)))
+        skip = set(rng.sample(range(16), rng.randrange(4)))
+        assert b.first_with_room(*args, skip, set()) == _reference_first_with_room(b, *args, skip)

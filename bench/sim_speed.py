@@ -1,0 +1,84 @@
+"""Simulator speed: the 20k-job run of bench/sim.py, this tree against a baseline tree, alternated.
+
+Usage: python bench/sim_speed.py --baseline DIR [--repeats N] [--quick]
+DIR is a checkout of the code to compare with (e.g. `git archive e474886 | tar -x -C DIR`).
+Each run is a fresh process (PYTHONPATH = the tree) that times only `simulate` with
+`time.process_time` (CPU: on a shared machine wall time measures the neighbours) and prints a
+hash of its records, summary and time series: the two trees must produce the same hash, or the
+comparison is void. --quick: 2,000 jobs on 648 GPUs instead of 20,000 on 6,504.
+Last line: JSON with both trees' CPU seconds (min, median, max), the ratio of the medians and
+whether the results were identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = """
+import hashlib, sys, time
+from scheduler_lite.policy.registry import POLICIES
+from scheduler_lite.sim.engine import simulate
+from scheduler_lite.sim.perf import load_perf_model
+from scheduler_lite.sim.workload import paper_recipe
+jobs, nodes, quota = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+perf = load_perf_model()
+wl = paper_recipe(perf, num_jobs=jobs, seed=0, nodes=nodes, gpus_per_node=8, quota_a=quota, load=1.0)
+t = time.process_time()
+r = simulate(wl, POLICIES["tf-antman"], perf, seed=0)
+cpu = time.process_time() - t
+s = sorted((k, v) for k, v in r.summary.items() if k != "wall_s")
+print(cpu, hashlib.sha256(repr((r.records, s, r.timeseries)).encode()).hexdigest()[:16])
+"""
+
+
+def run_once(tree: Path, jobs: int, nodes: int, quota: int) -> tuple[float, str]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run([sys.executable, "-c", CHILD, str(jobs), str(nodes), str(quota)], env=env, cwd=tree,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0]), out[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", type=Path, required=True, help="a checkout of the old code")
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if not (args.baseline / "scheduler_lite" / "sim" / "engine.py").is_file():
+        print(f"error: --baseline {args.baseline}: no scheduler_lite/sim/engine.py there", file=sys.stderr)
+        return 2
+    if not 1 <= args.repeats <= 50:
+        print(f"error: --repeats {args.repeats}: accepted 1..50", file=sys.stderr)
+        return 2
+    # bench/sim.py's 20k run: 813 x 8 = 6,504 GPUs, tenant A's quota 3,250 (half).
+    jobs, nodes, quota = (2_000, 81, 324) if args.quick else (20_000, 813, 3_250)
+    cpu: dict[str, list[float]] = {"baseline": [], "this": []}
+    hashes: dict[str, set[str]] = {"baseline": set(), "this": set()}
+    for i in range(args.repeats):
+        for name, tree in (("baseline", args.baseline), ("this", REPO)):  # alternated
+            seconds, digest = run_once(tree, jobs, nodes, quota)
+            cpu[name].append(seconds)
+            hashes[name].add(digest)
+            print(f"repeat {i + 1} {name:8s} {seconds:6.2f} s CPU  results {digest}")
+    figures: dict[str, object] = {"jobs": jobs, "gpus": nodes * 8, "repeats": args.repeats}
+    for name, xs in cpu.items():
+        figures[f"{name}_cpu_s_min"] = round(min(xs), 2)
+        figures[f"{name}_cpu_s_median"] = round(statistics.median(xs), 2)
+        figures[f"{name}_cpu_s_max"] = round(max(xs), 2)
+    figures["baseline_over_this_median"] = round(
+        statistics.median(cpu["baseline"]) / statistics.median(cpu["this"]), 3)
+    figures["identical_results"] = len(hashes["baseline"] | hashes["this"]) == 1
+    print(json.dumps(figures))
+    return 0 if figures["identical_results"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
