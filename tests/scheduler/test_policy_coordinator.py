@@ -27,6 +27,7 @@ from scheduler_lite.policy.coordinator import (
 from scheduler_lite.policy.validation import ConfigError
 
 CFG = CoordinatorConfig()
+MIB = 1 << 20
 GPU = Gpu(0, "n0", 32 * GIB, "n0")
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "alibaba-minibatch"
 
@@ -164,6 +165,12 @@ def test_guarantee_limit_follows_measured_peak_plus_headroom_and_opportunistic_j
     assert abs(lim["g"] - wanted) <= 1
     assert lim["o"] == min(10 * GIB, GPU.memory_bytes - lim["g"])  # its demand fits in the rest
     assert memo.anchor_s == memo.baseline_s == 1.0
+
+
+def test_a_small_guarantee_job_keeps_at_least_min_memory_of_headroom():
+    # 10% of a 6.5 MiB peak is no room for the allocator's regions: the job would spill to host.
+    view, _, d = _settled(demand=6 * MIB + MIB // 2, limit=GPU.memory_bytes - CFG.min_memory_bytes)
+    assert limits_after(view, d)["g"] == 6 * MIB + MIB // 2 + CFG.min_memory_bytes
 
 
 def test_a_remeasured_baseline_never_exceeds_the_anchor_plus_tolerance():
