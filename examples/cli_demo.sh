@@ -4,7 +4,7 @@
 # coordinator shrinks and throttles the opportunistic one to protect it, then gives room back;
 # status while they share the GPU (limits in force, memory, host fallback, shares, step times);
 # their logs with tf-antman's exit report; the daemon stopped.
-#   bash examples/cli_demo.sh            (after scripts/setup.sh; about 2 minutes on 2 cores)
+#   bash examples/cli_demo.sh            (after scripts/setup.sh; about 1 minute on 2 idle cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SL=${SCHEDULER_LITE:-scheduler-lite}
@@ -22,7 +22,7 @@ trap 'kill "$DAEMON" 2>/dev/null || true; wait "$DAEMON" 2>/dev/null || true' EX
 for _ in $(seq 100); do sl list >/dev/null 2>&1 && break; sleep 0.2; done
 
 echo "== an opportunistic job on the idle GPU"
-O=$(sl submit --tenant batch --type opportunistic -- "$PY" examples/colocate_job.py --steps 1200 --width 512 --seed 2)
+O=$(sl submit --tenant batch --type opportunistic -- "$PY" examples/colocate_job.py --steps 3000 --width 512 --seed 2)
 echo "submitted $O"
 for _ in $(seq 240); do
   sl status --json | "$PY" -c 'import json, sys
@@ -33,7 +33,7 @@ done
 sl status
 
 echo "== a guarantee job arrives on the same GPU"
-G=$(sl submit --tenant research --type guarantee -- "$PY" examples/colocate_job.py --steps 600 --width 512)
+G=$(sl submit --tenant research --type guarantee -- "$PY" examples/colocate_job.py --steps 2000 --width 512)
 echo "submitted $G"
 
 echo "== status while both run"
