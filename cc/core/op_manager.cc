@@ -68,6 +68,10 @@ std::string OpManager::Validate(const Options& options) {
            std::to_string(options.max_pending_device_ops) +
            " is outside the accepted range [1, 2^63)";
   }
+  if (options.bridge_gap_ns < 0 || options.bridge_gap_ns > 1'000'000'000) {
+    return "bridge_gap_ns: " + std::to_string(options.bridge_gap_ns) +
+           " is outside the accepted range [0, 1e9]";
+  }
   return "";
 }
 
@@ -84,7 +88,9 @@ OpManager::OpManager(Options options)
       share_(options.initial_share),
       unthrottled_(options.initial_share >= 1.0),
       throttled_since_(created_ns_),
-      tokens_at_ns_(created_ns_) {}
+      tokens_at_ns_(created_ns_),
+      last_busy_end_ns_(created_ns_),
+      last_release_ns_(created_ns_) {}
 
 OpManager::~OpManager() {
   std::unique_lock<std::mutex> lock(mu_);
@@ -157,6 +163,7 @@ int64_t OpManager::Admit(Timing timing) {
     lock.lock();
   }
   int64_t now = clock_->NowNs();
+  if (delayed) last_release_ns_ = std::max(last_release_ns_, now);
   if (timing == Timing::kHost) running_starts_.insert(now);
   --waiting_;
   if (stopping_) cv_.notify_all();  // a destructor waits for the last waiter
@@ -171,7 +178,10 @@ void OpManager::Finish(int64_t admitted_ns) {
   auto it = running_starts_.find(admitted_ns);
   if (it == running_starts_.end()) return;  // unmatched Finish: a caller bug, ignored
   running_starts_.erase(it);
-  tokens_ -= static_cast<double>(ChargeIntervalLocked(admitted_ns, now));
+  int64_t from = admitted_ns;
+  int64_t gap_from = std::max(last_busy_end_ns_, last_release_ns_);
+  if (gap_from < from && from - gap_from <= options_.bridge_gap_ns) from = gap_from;
+  tokens_ -= static_cast<double>(ChargeIntervalLocked(from, now));
   ProfileLocked(now - admitted_ns);
   ++ops_total_;
   PruneLocked(now);
@@ -243,6 +253,7 @@ int64_t OpManager::ChargeIntervalLocked(int64_t start, int64_t end) {
     it = busy_intervals_.erase(it);
   }
   busy_intervals_.emplace(start, end);
+  last_busy_end_ns_ = std::max(last_busy_end_ns_, end);
   int64_t added = (end - start) - already;
   busy_ns_ += added;
   return added;

@@ -75,6 +75,14 @@ class OpManager {
     // Device-timed ops launched but not yet completed, at most: bounds how
     // far a job may run ahead of its share while its charges are provisional.
     int64_t max_pending_device_ops = 256;
+    // A host-timed op that starts at most this long after the job's busy time
+    // last ended (and after the manager last released a delayed admission) is
+    // charged from that end. Between back-to-back kernels the executor works
+    // on the same threads as the kernels (the emulated device runs them
+    // synchronously), and a gap this short could not serve another job: it is
+    // the job's, not idle. Longer gaps (input, Python, held ops) stay idle.
+    // 0 charges kernels only.
+    int64_t bridge_gap_ns = 50'000;
     Clock* clock = nullptr;  // nullptr: SystemClock()
     BlockingHooks* blocking_hooks = nullptr;  // not owned; must outlive the manager
   };
@@ -213,6 +221,10 @@ class OpManager {
   // Busy union of finished ops: disjoint intervals by start, recent ones only.
   int64_t busy_ns_ = 0;
   std::map<int64_t, int64_t> busy_intervals_;
+  // End of the latest busy interval, and the last admission that had waited:
+  // a gap is bridged from the later of the two (never across inserted idle).
+  int64_t last_busy_end_ns_;
+  int64_t last_release_ns_;
   int64_t idle_inserted_ns_ = 0;
   int64_t ops_total_ = 0;
   int64_t ops_delayed_ = 0;

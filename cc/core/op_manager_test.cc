@@ -178,6 +178,37 @@ void TestNaturalGapsCountAsIdle() {
   (void)t0;
 }
 
+// A gap shorter than bridge_gap_ns between the job's ops is the job's (the
+// executor's work between kernels); a longer one is idle; and time the
+// manager itself inserted is never bridged, however short.
+void TestShortGapsAreTheJobs() {
+  FakeClock clock;
+  OpManager::Options options = FakeOptions(&clock, 0.5, /*max_credit_ns=*/100 * kMs);
+  options.bridge_gap_ns = 50 * kUs;
+  {
+    OpManager manager(options);
+    clock.Advance(1'000 * kMs);  // bank the credit: nothing below waits
+    HostOp(manager, clock, 1 * kMs);
+    clock.Advance(20 * kUs);  // executor between kernels: bridged
+    HostOp(manager, clock, 1 * kMs);
+    CHECK_EQ(manager.stats().busy_ns, 2 * kMs + 20 * kUs);
+    clock.Advance(200 * kUs);  // input, Python: idle
+    HostOp(manager, clock, 1 * kMs);
+    CHECK_EQ(manager.stats().busy_ns, 3 * kMs + 20 * kUs);
+    CHECK_EQ(manager.stats().ops_delayed, 0);
+  }
+  {
+    options.max_credit_ns = 0;
+    OpManager manager(options);
+    HostOp(manager, clock, 20 * kUs);  // owes 20 us at share 0.5
+    HostOp(manager, clock, 20 * kUs);  // waits those 20 us first: not bridged
+    CHECK_EQ(manager.stats().ops_delayed, 1);
+    CHECK_EQ(manager.stats().busy_ns, 40 * kUs);
+  }
+  options.bridge_gap_ns = -1;
+  CHECK(!OpManager::Validate(options).empty());
+}
+
 // After a long idle time the job banks at most max_credit_ns.
 void TestCreditIsCapped() {
   FakeClock clock;
@@ -540,6 +571,7 @@ int main() {
   const Case cases[] = {
       {"ShareHeldForHostOps", antman::TestShareHeldForHostOps},
       {"NaturalGapsCountAsIdle", antman::TestNaturalGapsCountAsIdle},
+      {"ShortGapsAreTheJobs", antman::TestShortGapsAreTheJobs},
       {"CreditIsCapped", antman::TestCreditIsCapped},
       {"PauseHoldsAndResumeReleasesInOrder", antman::TestPauseHoldsAndResumeReleasesInOrder},
       {"ShareChangeMidStream", antman::TestShareChangeMidStream},
