@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 
@@ -130,6 +131,9 @@ def interference(op_share: float, phase_s: float, cycles: int) -> dict[str, obje
         if op_rate[i + 3]:
             progress.append(op_rate[i + 1] / op_rate[i + 3])
     paused = [m for m, w in zip(med, ph, strict=True) if w["share"] == 0.0]
+    # What the OP job took of the machine while held to its share (kernel CPU time of its process):
+    # a guarantee job that keeps every core busy cannot lose less than this fraction of them.
+    op_cpu = median([w["process_cpu"] / w["wall"] for w in ph if w["share"] == op_share])
     return {
         "rg_step_ms_alone": alone * 1e3,
         "rg_step_ms_op_paused": median(paused) * 1e3,
@@ -141,6 +145,8 @@ def interference(op_share: float, phase_s: float, cycles: int) -> dict[str, obje
         "rg_slowdown_throttled_quiet": quiet,
         "op_progress_ratio": median(progress) if progress else 0.0,
         "op_share": op_share,
+        "op_cpu_cores_throttled": op_cpu,
+        "rg_slowdown_floor": op_cpu / (os.cpu_count() or 1),
         "noisy_phases": sum(not _quiet(w) for w in ph),
         "phases": len(ph),
     }
@@ -172,16 +178,10 @@ def _r(v: float | None, nd: int = 3) -> float | None:
     return None if v is None else round(v, nd)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="shorter phases, fewer cycles (about 4 minutes)")
-    p.add_argument("--reps", type=int, default=0,
-                   help="cycles of the alternating phases, and repeats of the input checks (default 3 quick, 6 full)")
-    p.add_argument("--op-share", type=float, default=0.05, help="share of the throttled opportunistic job")
-    a = p.parse_args()
-    phase_s = 2.5 if a.quick else 4.0
-    reps = a.reps or (3 if a.quick else 6)
+SECTIONS = ("share", "interference", "input", "cost")
 
+
+def report_share(phase_s: float, reps: int) -> dict[str, object]:
     print(f"1. share accuracy ({reps} cycles of {phase_s} s phases 1 -> target -> 1, one process, one TF thread)")
     sa = share_accuracy(phase_s, reps)
     print(table(sa["rows"], ["target", "TF thread CPU / wall (median)", "min", "max", "runnable / wall",
@@ -190,31 +190,7 @@ def main() -> None:
           f"{sa['worst']:.2f}; relative to the 100% phases (which use {sa['full_median']:.3f}) "
           f"{sa['error_relative']:.2f}; the TF thread waited for a CPU {sa['wait_median']:.1%} of the time "
           f"(median phase; most {sa['wait_max']:.1%}); other processes used {sa['foreign_cores_median']:.2f} cores\n")
-
-    print(f"2. RG job next to an opportunistic job cycling paused -> {a.op_share} -> paused -> 1.0, {reps} cycles")
-    it = interference(a.op_share, phase_s, reps)
-    print(table([
-        ["RG alone (separate run)", it["rg_step_ms_alone"], "-"],
-        ["RG, OP paused (median of phases)", it["rg_step_ms_op_paused"], "-"],
-        ["RG, OP unthrottled", "-", str([round(v, 3) for v in it["rg_slowdown_unthrottled_all"]])],
-        [f"RG, OP at {a.op_share}", "-", str([round(v, 3) for v in it["rg_slowdown_throttled_all"]])],
-    ], ["case", "RG step ms", "RG slowdown per cycle"]))
-    print(f"OP steps/s at {a.op_share} over unthrottled: {it['op_progress_ratio']:.3f}; "
-          f"{it['noisy_phases']} of {it['phases']} phases noisy\n")
-
-    print("3. input pipelines under throttling")
-    ip = input_pipelines(min(reps, 3))
-    print(f"100 share changes during tf.data and py_function pipelines: {'ok' if ip['tfdata_100_changes_ok'] else 'FAILED'}")
-    print(f"input-bound job, steps/s at share 0.5 over share 1: {ip['input_bound_rate_ratio']:.3f} "
-          f"(min {ip['input_bound_rate_ratio_min']:.3f})\n")
-
-    print("4. step time at share 100% vs stock TF (Keras fit, medians of alternating runs)")
-    ratio, stock, ours = step_time_ratio_vs_stock(3 if a.quick else 7, 40 if a.quick else 150)
-    print(table([["stock TF", median(stock) * 1e3], ["tf-antman 100%", median(ours) * 1e3]], ["run", "step ms"]))
-    print(f"ratio: {ratio:.4f}\n")
-
-    quiet = it["rg_slowdown_throttled_quiet"]
-    print(json.dumps({
+    return {
         "share_error_points_cpu_time": _r(sa["error"]),
         "share_error_points_cpu_time_worst_phase": _r(sa["worst"]),
         "share_error_points_runnable": _r(sa["error_runnable"]),
@@ -223,21 +199,85 @@ def main() -> None:
         "share_cpu_wait_median": _r(sa["wait_median"], 4),
         "share_foreign_cores_median": _r(sa["foreign_cores_median"]),
         "share_phases": sa["phases"],
+    }
+
+
+def report_interference(op_share: float, phase_s: float, reps: int) -> dict[str, object]:
+    print(f"2. RG job next to an opportunistic job cycling paused -> {op_share} -> paused -> 1.0, {reps} cycles")
+    it = interference(op_share, phase_s, reps)
+    print(table([
+        ["RG alone (separate run)", it["rg_step_ms_alone"], "-"],
+        ["RG, OP paused (median of phases)", it["rg_step_ms_op_paused"], "-"],
+        ["RG, OP unthrottled", "-", str([round(v, 3) for v in it["rg_slowdown_unthrottled_all"]])],
+        [f"RG, OP at {op_share}", "-", str([round(v, 3) for v in it["rg_slowdown_throttled_all"]])],
+    ], ["case", "RG step ms", "RG slowdown per cycle"]))
+    print(f"OP steps/s at {op_share} over unthrottled: {it['op_progress_ratio']:.3f}; the OP job used "
+          f"{it['op_cpu_cores_throttled']:.3f} cores at its share, {it['rg_slowdown_floor']:.1%} of the machine "
+          f"(the least an RG job using every core can lose); {it['noisy_phases']} of {it['phases']} phases noisy\n")
+    quiet = it["rg_slowdown_throttled_quiet"]
+    return {
         "rg_slowdown_unthrottled": round(it["rg_slowdown_unthrottled"], 4),
         "rg_slowdown_throttled": round(it["rg_slowdown_throttled"], 4),
         "rg_slowdown_throttled_worst": round(it["rg_slowdown_throttled_worst"], 4),
         "rg_slowdown_throttled_worst_quiet": _r(max(quiet) if quiet else None, 4),
-        "rg_slowdown_throttled_stdev": round(statistics.pstdev(it["rg_slowdown_throttled_all"]), 4),
+        "rg_slowdown_throttled_all": [round(v, 4) for v in it["rg_slowdown_throttled_all"]],
         "rg_noisy_phases": it["noisy_phases"],
+        "rg_step_ms_alone": round(it["rg_step_ms_alone"], 2),
+        "rg_step_ms_op_paused": round(it["rg_step_ms_op_paused"], 2),
         "op_progress_ratio": round(it["op_progress_ratio"], 4),
-        "op_share": a.op_share,
-        "tfdata_100_changes_ok": ip["tfdata_100_changes_ok"],
-        "input_bound_rate_ratio": round(ip["input_bound_rate_ratio"], 4),
-        "step_time_ratio_at_100": round(ratio, 4),
-        "cycles": reps,
-        "phase_s": phase_s,
-        "quick": a.quick,
-    }))
+        "op_share": op_share,
+        "op_cpu_cores_throttled": round(it["op_cpu_cores_throttled"], 4),
+        "rg_slowdown_floor": round(it["rg_slowdown_floor"], 4),
+    }
+
+
+def report_input(reps: int) -> dict[str, object]:
+    print("3. input pipelines under throttling")
+    ip = input_pipelines(reps)
+    print(f"100 share changes during tf.data and py_function pipelines: {'ok' if ip['tfdata_100_changes_ok'] else 'FAILED'}")
+    print(f"input-bound job, steps/s at share 0.5 over share 1: {ip['input_bound_rate_ratio']:.3f} "
+          f"(min {ip['input_bound_rate_ratio_min']:.3f})\n")
+    return {"tfdata_100_changes_ok": ip["tfdata_100_changes_ok"],
+            "input_bound_rate_ratio": round(ip["input_bound_rate_ratio"], 4)}
+
+
+def report_cost(quick: bool) -> dict[str, object]:
+    print("4. step time at share 100% vs stock TF (Keras fit, medians of alternating runs)")
+    ratio, stock, ours = step_time_ratio_vs_stock(3 if quick else 7, 40 if quick else 150)
+    print(table([["stock TF", median(stock) * 1e3], ["tf-antman 100%", median(ours) * 1e3]], ["run", "step ms"]))
+    print(f"ratio: {ratio:.4f}\n")
+    return {"step_time_ratio_at_100": round(ratio, 4)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="shorter phases, fewer cycles (about 4 minutes)")
+    p.add_argument("--reps", type=int, default=0,
+                   help="cycles of the alternating phases, and repeats of the input checks (default 3 quick, 6 full)")
+    p.add_argument("--op-share", type=float, default=0.05, help="share of the throttled opportunistic job")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
+    a = p.parse_args()
+    sections = [v for v in a.sections.split(",") if v]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        p.error(f"--sections: unknown {', '.join(unknown)}; accepted: {', '.join(SECTIONS)}")
+    if not 0.0 < a.op_share < 1.0:
+        p.error(f"--op-share: {a.op_share} is outside the accepted range (0, 1)")
+    phase_s = 2.5 if a.quick else 4.0
+    reps = a.reps or (3 if a.quick else 6)
+
+    out: dict[str, object] = {}
+    if "share" in sections:
+        out.update(report_share(phase_s, reps))
+    if "interference" in sections:
+        out.update(report_interference(a.op_share, phase_s, reps))
+    if "input" in sections:
+        out.update(report_input(min(reps, 3)))
+    if "cost" in sections:
+        out.update(report_cost(a.quick))
+    out.update(cycles=reps, phase_s=phase_s, quick=a.quick, sections=sections)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
