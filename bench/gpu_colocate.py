@@ -178,16 +178,30 @@ def rate(rows: list[tuple[float, float]], lo: float, hi: float) -> float:
     return len(in_window(rows, lo, hi)) / (hi - lo) if hi > lo else 0.0
 
 
+CHAIN_SITECUSTOMIZE = """
+def _chain():
+    import importlib.machinery, importlib.util, os, sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+_chain()
+del _chain
+"""
+
+
 def autoload_like_the_wheel(tmp: Path) -> None:
     """Jobs activate tf-antman at `import torch` as with the installed wheel, whose .pth line
     runs at interpreter start. Here the package runs from the checkout (the wheel pins
     tensorflow, which GPU machines need not have), so the same line goes into a sitecustomize
-    module on PYTHONPATH, which every job (also those the daemon starts) inherits."""
+    module on PYTHONPATH, which every job (also those the daemon starts) inherits. It runs the
+    interpreter's own sitecustomize too, if there is one, since it shadows it."""
     from tf_antman.importhook import PTH_LINE
 
     site = tmp / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(PTH_LINE)
+    (site / "sitecustomize.py").write_text(PTH_LINE + CHAIN_SITECUSTOMIZE)
     old = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO), old) if p)
 
@@ -302,7 +316,7 @@ def colocate_once(rep: int, prof: Profile, capacity: int, tmp: Path, timeline: l
     run_for(op_alone_s)
     rg_log = tmp / f"rg{rep}.log"
     rg = d.submit([*JOB, *RG, "--seconds", "100000", "--log", str(rg_log), *prof.job_args], tenant="research",
-                  kind="guarantee", memory_bytes=min(16 * GiB, capacity // 4), name="rg-resnet50")
+                  kind="guarantee", memory_bytes=capacity // 2, name="rg-resnet50")
     names[rg] = "rg-resnet50"
     if not run_for(300, lambda dd: len(read_log(rg_log)) > 10):
         raise SystemExit("gpu_colocate: the guarantee job made no 10 steps in 300 s under the daemon")
@@ -498,6 +512,8 @@ def main() -> None:
     print(f"gpu_colocate: {device_name}{' (CPU dry run: nothing here is a GPU figure)' if prof.dry_run else ''}; "
           f"logs and job directories in {tmp}", flush=True)
     autoload_like_the_wheel(tmp)
+    # The op hook is built with the ninja of this Python's environment (an activated venv's PATH).
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     # Build the op hook once, before any timing (later jobs load it from PyTorch's cache).
     subprocess.run([sys.executable, "-c",
                     f"from tf_antman.torch.compute import build_hook; build_hook({not prof.dry_run})"],
