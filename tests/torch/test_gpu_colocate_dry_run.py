@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.torch.test_colocate_e2e import torch_python
+from tests.torch.python_with_torch import torch_python
 
 BENCH = REPO / "bench" / "gpu_colocate.py"
 
