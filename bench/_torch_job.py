@@ -2,6 +2,9 @@
 torchvision is missing) on synthetic data on the GPU, an unchanged loop (tf-antman, when
 ANTMAN_* is set, activates at `import torch` and sees steps at optimizer.step()).
 
+`--device cpu --tiny` is the CPU dry run of bench/gpu_colocate.py (`--device cpu`): the same
+loop on a small conv net, to check the pipeline, not to measure anything about a GPU.
+
 The job measures its own step times (wall clock around each step, synchronised by loss.item()
 as a logging loop does), independently of tf-antman's statistics, and appends one line per step
 to --log: "<time.time()> <step ms>". Last stdout line: one JSON object.
@@ -17,14 +20,17 @@ import time
 import torch
 
 
-def make_model(name: str) -> torch.nn.Module:
+def make_model(name: str, tiny: bool = False) -> torch.nn.Module:
     try:
+        if tiny:
+            raise ImportError("--tiny: the small stand-in")
         import torchvision
 
         return getattr(torchvision.models, name)(weights=None)
     except ImportError:
-        # Similar size without torchvision: a plain conv net (~25M parameters for "resnet50").
-        width = {"resnet50": 256, "resnet18": 128, "mobilenet_v2": 64}.get(name, 128)
+        # Similar size without torchvision: a plain conv net (~25M parameters for "resnet50");
+        # --tiny: 1/16 of the width, for CPU dry runs.
+        width = {"resnet50": 256, "resnet18": 128, "mobilenet_v2": 64}.get(name, 128) // (16 if tiny else 1)
         return torch.nn.Sequential(
             torch.nn.Conv2d(3, width, 7, stride=2, padding=3), torch.nn.ReLU(),
             torch.nn.Conv2d(width, width * 2, 3, stride=2, padding=1), torch.nn.ReLU(),
@@ -40,9 +46,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: --seconds)")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--log", default="")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a small conv net instead of the model (dry runs)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: PyTorch's default)")
     a = p.parse_args()
-    dev = torch.device("cuda")
-    model = make_model(a.model).to(dev)
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    model = make_model(a.model, a.tiny).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(a.batch, 3, a.image, a.image, device=dev)
     y = torch.randint(0, 1000, (a.batch,), device=dev)
@@ -63,7 +74,7 @@ def main() -> None:
             log.write(f"{time.time():.6f} {ms:.3f}\n")
         if (a.steps and len(times) >= a.steps) or (not a.steps and time.time() - t_start >= a.seconds):
             break
-    out = {"steps": len(times), "seconds": time.time() - t_start,
+    out = {"steps": len(times), "seconds": time.time() - t_start, "device": a.device,
            "median_ms": statistics.median(times[min(5, len(times) - 1):])}
     try:
         import tf_antman

@@ -2,19 +2,32 @@
 
     python bench/gpu_colocate.py --part 1 [--quick]    # guarantee job + two opportunistic jobs
     python bench/gpu_colocate.py --part 2 [--quick]    # the paper's Table 2 scenario
+    python bench/gpu_colocate.py --part 1|2 --device cpu   # CPU dry run of the whole pipeline
 
-Needs one NVIDIA GPU (NVML), PyTorch with CUDA, a C++ compiler for the op hook, and the native
-libraries (tf_antman/_native/libantman_torch.so, libantman_core.so). Without a GPU it prints one
-line and exits 77. Every figure is measured in the same run as its baseline, from the jobs' own
-step clocks (bench/_torch_job.py), not from tf-antman's statistics.
+Needs one NVIDIA GPU (NVML), PyTorch with CUDA, a C++ compiler and ninja for the op hook, and the
+native libraries (tf_antman/_native/libantman_torch.so, libantman_core.so). Without a GPU it
+prints one line and exits 77. Every figure is measured in the same run as its baseline, from the
+jobs' own step clocks (bench/_torch_job.py), not from tf-antman's statistics.
 
-1. The scheduler_lite daemon (devices.kind = "nvml") runs a resource-guarantee job (ResNet-50)
-   alone, then with two opportunistic jobs (ResNet-18, MobileNetV2) that its local coordinator
-   scales, then alone again. rg_slowdown = RG median step co-located / RG median step in the two
-   solo windows around it - 1 (paper <= 3.5%). op_progress_ratio = an opportunistic job's
-   steps/s co-located / its steps/s alone on the GPU under tf-antman at share 1, run just before
-   (paper 57% for ResNet-50). failed_jobs counts every job that did not finish or was not ended by
-   the bench. Saves docs/gpu_colocate_timeline.png.
+`--device cpu` is a dry run, not a measurement: the same daemon, jobs, baselines, parts and JSON
+on CPU PyTorch, with tiny conv nets on an emulated GPU (scheduler_lite `devices.kind =
+"emulated"`, jobs on ANTMAN_DEVICE=emulated: compute shares gate their CPU ops, memory limits
+bound nothing), short windows, and a nominal memory per sample in part 2. It checks that the GPU
+command runs end to end before a GPU session spends its time on it. Its JSON says
+`"device": "cpu", "dry_run": true`; none of its numbers is a GPU figure, and its plot goes to the
+temporary directory, never to docs/.
+
+1. Each repeat: the resource-guarantee job (ResNet-50) alone, each opportunistic job (ResNet-18,
+   MobileNetV2) alone (plain jobs under tf-antman at share 1); then the scheduler_lite daemon
+   (devices.kind = "nvml") runs the opportunistic jobs and the guarantee job arrives, which its
+   local coordinator protects by scaling them (the paper's order: Algorithm 1 gives a GPU that
+   reads busy at or above M no new opportunistic job, so they cannot join a running ResNet-50;
+   the second one may wait for the GPU to read below M and is then listed in ops_not_placed);
+   then the guarantee job alone again. rg_slowdown = RG median step in the co-located window /
+   RG median step of the two solo runs - 1 (paper <= 3.5%). op_progress_ratio = an opportunistic
+   job's steps/s in that window / its steps/s alone (paper 57% for ResNet-50). failed_jobs counts
+   every job that did not finish or was not ended by the bench. Saves
+   docs/gpu_colocate_timeline.png.
 2. Table 2: opportunistic job A (ResNet-50, batch sized to ~60% of the GPU's memory) runs; a
    guarantee job B (batch sized to ~50%) arrives. JCTs under FIFO (B waits for A: A's and B's
    solo runs), Pack (stock PyTorch, both at once, no tf-antman: B runs out of memory), UMem
@@ -27,6 +40,7 @@ Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,22 +55,65 @@ sys.path.insert(0, str(REPO))
 JOB = [sys.executable, str(REPO / "bench" / "_torch_job.py")]
 NO_GPU_EXIT = 77
 GiB = 1 << 30
+CPU_CAPACITY = 4 * GiB  # the emulated GPU of a CPU dry run (ANTMAN_DEVICE_MEMORY's default)
 
 
-def gpu_or_exit() -> int:
-    """Total memory of GPU 0 in bytes; exits 77 with one line when there is no GPU."""
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Where the jobs run and how long each phase lasts."""
+
+    device: str  # "cuda": a real GPU; "cpu": the dry run
+    # part 1 (s): each solo run, the opportunistic jobs alone under the daemon, the RG's settling
+    # time next to them, the co-located window measured
+    windows: tuple[float, float, float, float]
+    warmup_s: float  # steps dropped at the start of an opportunistic job's solo run
+    round_s: float  # coordinator round
+    table2: tuple[float, float, float, float]  # part 2: target JCT of A, of B, B's arrival, deadline (s)
+    job_args: tuple[str, ...] = ()  # extra arguments of every bench/_torch_job.py run
+
+    @property
+    def dry_run(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def antman_device(self) -> str:
+        return "cuda" if self.device == "cuda" else "emulated"
+
+    def antman_env(self) -> dict[str, str]:
+        return {"ANTMAN_ENABLE": "1", "ANTMAN_DEVICE": self.antman_device}
+
+
+def make_profile(device: str, quick: bool) -> Profile:
+    if device == "cpu":
+        # One thread per job: three jobs and the daemon share a small CPU. --quick: the test's.
+        return Profile("cpu", (4, 3, 5, 6) if quick else (6, 4, 8, 10), 1 if quick else 2, 2,
+                       (4.0, 3.0, 2.0, 60.0) if quick else (8.0, 6.0, 3.0, 60.0),
+                       ("--device", "cpu", "--tiny", "--image", "32", "--threads", "1"))
+    if quick:
+        return Profile("cuda", (20, 10, 30, 40), 10, 2, (30.0, 20.0, 10.0, 90.0))
+    return Profile("cuda", (40, 20, 60, 90), 10, 5, (120.0, 80.0, 40.0, 900.0))
+
+
+def gpu_or_exit(device: str) -> tuple[int, str]:
+    """Total memory of GPU 0 in bytes and its name; exits 77 with one line when there is no GPU
+    (or, for the CPU dry run, no PyTorch)."""
     import importlib.util
 
     why = ""
     if importlib.util.find_spec("torch") is None:
         why = "PyTorch is not installed"
+    elif device == "cpu":
+        return CPU_CAPACITY, "cpu"
     else:
         try:
             import pynvml
 
             pynvml.nvmlInit()
             if pynvml.nvmlDeviceGetCount() > 0:
-                return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+                handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+                name = pynvml.nvmlDeviceGetName(handle)
+                name = name.decode() if isinstance(name, bytes) else str(name)
+                return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), name
             why = "NVML reports no GPU"
         except Exception as err:  # noqa: BLE001 - no driver, no pynvml: no GPU to measure on
             why = f"no NVIDIA GPU ({type(err).__name__}: {err})"
@@ -64,7 +121,11 @@ def gpu_or_exit() -> int:
     sys.exit(NO_GPU_EXIT)
 
 
-def gpu_free() -> int:
+def gpu_free(prof: Profile) -> int:
+    if prof.dry_run:
+        # The emulated GPU does not hold the jobs' CPU tensors: half of it stands in for what A
+        # left free (the limit given to B bounds nothing in a dry run).
+        return CPU_CAPACITY // 2
     import pynvml
 
     return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free)
@@ -77,8 +138,8 @@ def env_for(antman: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-def start(args: list[str], antman: dict[str, str] | None) -> subprocess.Popen[str]:
-    return subprocess.Popen([*JOB, *args], env=env_for(antman), text=True,
+def start(prof: Profile, args: list[str], antman: dict[str, str] | None) -> subprocess.Popen[str]:
+    return subprocess.Popen([*JOB, *args, *prof.job_args], env=env_for(antman), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -117,34 +178,51 @@ def rate(rows: list[tuple[float, float]], lo: float, hi: float) -> float:
     return len(in_window(rows, lo, hi)) / (hi - lo) if hi > lo else 0.0
 
 
+CHAIN_SITECUSTOMIZE = """
+def _chain():
+    import importlib.machinery, importlib.util, os, sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+_chain()
+del _chain
+"""
+
+
 def autoload_like_the_wheel(tmp: Path) -> None:
     """Jobs activate tf-antman at `import torch` as with the installed wheel, whose .pth line
     runs at interpreter start. Here the package runs from the checkout (the wheel pins
     tensorflow, which GPU machines need not have), so the same line goes into a sitecustomize
-    module on PYTHONPATH, which every job (also those the daemon starts) inherits."""
+    module on PYTHONPATH, which every job (also those the daemon starts) inherits. It runs the
+    interpreter's own sitecustomize too, if there is one, since it shadows it."""
     from tf_antman.importhook import PTH_LINE
 
     site = tmp / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(PTH_LINE)
+    (site / "sitecustomize.py").write_text(PTH_LINE + CHAIN_SITECUSTOMIZE)
     old = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO), old) if p)
 
 
-def make_daemon(state_dir: Path, round_s: float):  # noqa: ANN201 - scheduler_lite.daemon.Daemon
+def make_daemon(state_dir: Path, prof: Profile):  # noqa: ANN201 - scheduler_lite.daemon.Daemon
     from scheduler_lite.config import parse_config
     from scheduler_lite.daemon import Daemon
     from scheduler_lite.storage import SqliteStorage
 
+    devices: dict = {"kind": "nvml"}
+    if prof.dry_run:
+        devices = {"kind": "emulated", "emulated": [{"id": 0, "memory": str(CPU_CAPACITY)}]}
     cfg = parse_config({
         "version": 1,
         "paths": {"state_dir": str(state_dir)},
-        "devices": {"kind": "nvml"},
+        "devices": devices,
         "tenants": [{"name": "research", "gpu_quota": 1}, {"name": "batch", "gpu_quota": 0}],
-        "jobs": {"host_memory": "64GiB", "cancel_grace_s": 10},
+        "jobs": {"host_memory": "4GiB" if prof.dry_run else "64GiB", "cancel_grace_s": 10},
         "daemon": {"tick_interval_s": 0.25, "schedule_interval_s": 1, "utilisation_window_s": 10},
         # GPU defaults of docs/policies.md except a shorter round, so a short bench sees rounds.
-        "coordinator": {"round_interval_s": round_s},
+        "coordinator": {"round_interval_s": prof.round_s},
     }, base_dir=state_dir)
     return Daemon(cfg, SqliteStorage(cfg.db_path))
 
@@ -158,7 +236,7 @@ def sample(d, names: dict[str, str], t0: float, rows: list[dict]) -> None:  # no
                          "host": j.host_in_use_bytes, "phase": g.coordinator_phase})
 
 
-def plot_timeline(rows: list[dict], path: Path) -> None:
+def plot_timeline(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,15 +246,16 @@ def plot_timeline(rows: list[dict], path: Path) -> None:
     for job in sorted({r["job"] for r in rows}):
         rs = [r for r in rows if r["job"] == job]
         t = [r["t"] for r in rs]
-        axes[0].plot(t, [(r["limit"] or 0) / GiB for r in rs], label=job)
-        axes[1].plot(t, [r["share"] for r in rs], label=job)
+        nan = float("nan")  # before the job's first stats.json: nothing in force to draw
+        axes[0].plot(t, [r["limit"] / GiB if r["limit"] is not None else nan for r in rs], label=job)
+        axes[1].plot(t, [r["share"] if r["share"] is not None else nan for r in rs], label=job)
         axes[2].plot(t, [r["median_ms"] if r["median_ms"] else float("nan") for r in rs], label=job)
     axes[0].set_ylabel("memory limit (GiB)")
     axes[1].set_ylabel("compute share")
     axes[2].set_ylabel("step time, median (ms)")
     axes[2].set_xlabel("time (s)")
     axes[0].legend(loc="upper right", fontsize=8)
-    axes[0].set_title("tf-antman, PyTorch jobs on one GPU (bench/gpu_colocate.py)")
+    axes[0].set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -186,151 +265,213 @@ OPS = {"op-resnet18": ["--model", "resnet18", "--batch", "128"],
        "op-mobilenet": ["--model", "mobilenet_v2", "--batch", "128"]}
 
 
-def colocate_once(rep: int, quick: bool, windows: tuple[int, int, int, int], op_solo: dict[str, float],
-                  tmp: Path, timeline: list[dict]) -> tuple[dict, int]:
-    """RG alone, with the two opportunistic jobs, alone again, under one daemon."""
-    solo_s, settle_s, co_s, solo2_s = windows
-    d = make_daemon(tmp / f"daemon{rep}", round_s=2 if quick else 5)
+def solo_run(prof: Profile, name: str, args: list[str], log: Path) -> tuple[list[float], float, str]:
+    """One job alone on the device under tf-antman at share 1 (no daemon): its step times and
+    steps/s after the warm-up, and its final state."""
+    _, state, _ = finish(start(prof, [*args, "--seconds", str(prof.windows[0] + prof.warmup_s), "--log", str(log)],
+                               prof.antman_env()), time.monotonic())
+    rows = read_log(log)
+    steady = in_window(rows, rows[0][0] + prof.warmup_s, rows[-1][0] + 1) if len(rows) > 2 else []
+    steps_per_s = rate(rows, rows[0][0] + prof.warmup_s, rows[-1][0]) if len(rows) > 2 else 0.0
+    print(f"   {name} alone: {steps_per_s:.2f} steps/s, median step "
+          f"{statistics.median([ms for _, ms in steady]) if steady else float('nan'):.1f} ms ({state})", flush=True)
+    return [ms for _, ms in steady], steps_per_s, state
+
+
+def colocate_once(rep: int, prof: Profile, capacity: int, tmp: Path, timeline: list[dict]) -> tuple[dict, int]:
+    """One repeat: RG alone, the opportunistic jobs alone, then under one daemon the opportunistic
+    jobs run and the RG job arrives (the paper's order, and the only one Algorithm 1 allows: a GPU
+    that a guarantee job keeps busy at or above the utilisation threshold M takes no new
+    opportunistic job), then RG alone again. Solo runs are plain jobs under tf-antman at share 1."""
+    solo_s, op_alone_s, settle_s, co_s = prof.windows
+    failed = 0
+    rg_solo, _, state = solo_run(prof, "rg-resnet50", RG, tmp / f"rg-solo-a{rep}.log")
+    failed += state != "finished"
+    op_solo: dict[str, float] = {}
+    for name, args in OPS.items():
+        _, op_solo[name], state = solo_run(prof, name, args, tmp / f"{name}-solo{rep}.log")
+        failed += state != "finished"
+
+    d = make_daemon(tmp / f"daemon{rep}", prof)
     t0 = time.monotonic()
     names: dict[str, str] = {}
 
-    def run_for(seconds: float, until: object = None) -> None:
+    def run_for(seconds: float, until: object = None) -> bool:
         def step(dd: object) -> bool:
             sample(dd, names, t0, timeline)
             return bool(until(dd)) if callable(until) else False
 
-        d.run_until(step, timeout=seconds)
+        return d.run_until(step, timeout=seconds)
 
-    rg_log = tmp / f"rg{rep}.log"
-    rg = d.submit([*JOB, *RG, "--seconds", "100000", "--log", str(rg_log)], tenant="research",
-                  kind="guarantee", memory_bytes=16 * GiB, name="rg-resnet50")
-    names[rg] = "rg-resnet50"
-    run_for(300, lambda dd: len(read_log(rg_log)) > 10)
-    run_for(solo_s)
-    t_ops = time.time()
     ops: dict[str, tuple[str, Path]] = {}
     for name, args in OPS.items():
         log = tmp / f"{name}{rep}.log"
-        job_id = d.submit([*JOB, *args, "--seconds", "100000", "--log", str(log)], tenant="batch",
+        job_id = d.submit([*JOB, *args, "--seconds", "100000", "--log", str(log), *prof.job_args], tenant="batch",
                           kind="opportunistic", name=name)
         ops[name] = (job_id, log)
         names[job_id] = name
+    first_log = next(iter(ops.values()))[1]
+    if not run_for(300, lambda dd: len(read_log(first_log)) > 10):
+        raise SystemExit("gpu_colocate: the first opportunistic job made no 10 steps in 300 s")
+    run_for(op_alone_s)
+    rg_log = tmp / f"rg{rep}.log"
+    rg = d.submit([*JOB, *RG, "--seconds", "100000", "--log", str(rg_log), *prof.job_args], tenant="research",
+                  kind="guarantee", memory_bytes=capacity // 2, name="rg-resnet50")
+    names[rg] = "rg-resnet50"
+    if not run_for(300, lambda dd: len(read_log(rg_log)) > 10):
+        raise SystemExit("gpu_colocate: the guarantee job made no 10 steps in 300 s under the daemon")
     run_for(settle_s + co_s)
     t_co_end = time.time()
     t_co_start = t_co_end - co_s
-    for job_id, _ in ops.values():
+    jobs = [rg, *(j for j, _ in ops.values())]
+    for job_id in jobs:
         d.cancel(job_id)
-    run_for(60, lambda dd: all(dd.job(j).state.done for j, _ in ops.values()))
-    t_solo2 = time.time() + 3
-    run_for(solo2_s + 3)
-    d.cancel(rg)
-    run_for(60, lambda dd: dd.job(rg).state.done)
-    failed = 0
-    for job_id in [rg, *(j for j, _ in ops.values())]:
+    run_for(60, lambda dd: all(dd.job(j).state.done for j in jobs))
+    for job_id in jobs:
         rec = d.job(job_id)
         failed += rec.state.value == "failed" and not rec.cancel_requested
     d.stop_all_jobs()
-    rows = read_log(rg_log)
-    solo = [ms for _, ms in in_window(rows, rows[10][0], t_ops)] + \
-        [ms for _, ms in in_window(rows, t_solo2, time.time())]
-    co = [ms for _, ms in in_window(rows, t_co_start, t_co_end)]
-    op_ratio = {n: rate(read_log(log), t_co_start, t_co_end) / op_solo[n] if op_solo[n] else 0.0
-                for n, (_, log) in ops.items()}
+    rg_solo2, _, state = solo_run(prof, "rg-resnet50 (again)", RG, tmp / f"rg-solo-b{rep}.log")
+    failed += state != "finished"
+
+    solo = rg_solo + rg_solo2
+    co = [ms for _, ms in in_window(read_log(rg_log), t_co_start, t_co_end)]
+    if not solo or not co:
+        raise SystemExit(f"gpu_colocate: no RG steps to compare (solo {len(solo)}, co-located {len(co)})")
+    # An opportunistic job that the scheduler had not placed by the window's end (the GPU read
+    # busy) made no steps in it: listed, not counted as progress 0.
+    op_ratio: dict[str, float] = {}
+    not_placed: list[str] = []
+    for n, (_, log) in ops.items():
+        rows = read_log(log)
+        if not rows or rows[0][0] >= t_co_end:
+            not_placed.append(n)
+        elif op_solo[n]:
+            op_ratio[n] = rate(rows, max(t_co_start, rows[0][0]), t_co_end) / op_solo[n]
     r = {"rg_solo_ms": statistics.median(solo), "rg_colocated_ms": statistics.median(co),
-         "rg_solo_steps": len(solo), "rg_co_steps": len(co), "op_progress_ratio": op_ratio}
+         "rg_solo_ms_runs": [statistics.median(rg_solo) if rg_solo else None,
+                             statistics.median(rg_solo2) if rg_solo2 else None],
+         "rg_solo_steps": len(solo), "rg_co_steps": len(co), "op_progress_ratio": op_ratio,
+         "op_solo_steps_per_s": op_solo, "ops_not_placed": not_placed}
     r["rg_slowdown"] = r["rg_colocated_ms"] / r["rg_solo_ms"] - 1
     return r, failed
 
 
-def part1(quick: bool, repeats: int, tmp: Path) -> dict:
-    solo_s, settle_s, co_s, solo2_s = (20, 30, 40, 15) if quick else (40, 60, 90, 30)
-    cuda = {"ANTMAN_ENABLE": "1", "ANTMAN_DEVICE": "cuda"}
+def part1(prof: Profile, capacity: int, repeats: int, tmp: Path) -> dict:
     failed = 0
-    # Opportunistic jobs alone on the GPU under tf-antman at share 1: their progress baseline.
-    op_solo: dict[str, float] = {}
-    for name, args in OPS.items():
-        log = tmp / f"{name}-solo.log"
-        _, state, _ = finish(start([*args, "--seconds", str(solo_s + 10), "--log", str(log)], cuda), time.monotonic())
-        failed += state != "finished"
-        rows = read_log(log)
-        op_solo[name] = rate(rows, rows[0][0] + 10, rows[-1][0]) if len(rows) > 2 else 0.0
-        print(f"   {name} alone: {op_solo[name]:.2f} steps/s ({state})", flush=True)
-
     results: list[dict] = []
     timeline: list[dict] = []
     for rep in range(repeats):
-        r, f = colocate_once(rep, quick, (solo_s, settle_s, co_s, solo2_s), op_solo, tmp, timeline)
+        r, f = colocate_once(rep, prof, capacity, tmp, timeline)
         failed += f
         print(f"   repeat {rep + 1}: RG {r['rg_solo_ms']:.1f} -> {r['rg_colocated_ms']:.1f} ms "
               f"({100 * r['rg_slowdown']:+.1f}%), op progress "
-              f"{ {k: round(v, 3) for k, v in r['op_progress_ratio'].items()} }", flush=True)
+              f"{ {k: round(v, 3) for k, v in r['op_progress_ratio'].items()} }"
+              f"{', not placed: ' + ', '.join(r['ops_not_placed']) if r['ops_not_placed'] else ''}", flush=True)
         results.append(r)
-    plot = REPO / "docs" / "gpu_colocate_timeline.png"
-    plot_timeline(timeline, plot)
-    print(f"   timeline plot: {plot}")
+    (tmp / "timeline.json").write_text(json.dumps(timeline))
+    if prof.dry_run:  # never where a GPU figure belongs
+        plot = tmp / "gpu_colocate_timeline_cpu_dry_run.png"
+        title = "CPU dry run of bench/gpu_colocate.py (not a GPU measurement)"
+    else:
+        plot = REPO / "docs" / "gpu_colocate_timeline.png"
+        title = "tf-antman, PyTorch jobs on one GPU (bench/gpu_colocate.py)"
+    plot_error = None
+    try:
+        plot_timeline(timeline, plot, title)
+        print(f"   timeline plot: {plot}")
+    except ImportError as err:
+        if not prof.dry_run:
+            raise
+        plot_error = f"no plot: {err} (the GPU image has matplotlib)"  # a dry run's venv may not
+        print(f"   {plot_error}")
     slow = [r["rg_slowdown"] for r in results]
     ratios = [v for r in results for v in r["op_progress_ratio"].values()]
-    return {"rg_slowdown": round(statistics.median(slow), 4), "rg_slowdown_worst": round(max(slow), 4),
-            "op_progress_ratio": round(statistics.median(ratios), 3), "op_progress_ratio_worst": round(min(ratios), 3),
-            "failed_jobs": failed, "repeats": repeats, "runs": results, "op_solo_steps_per_s": op_solo}
+    out = {"rg_slowdown": round(statistics.median(slow), 4), "rg_slowdown_worst": round(max(slow), 4),
+           "op_progress_ratio": round(statistics.median(ratios), 3) if ratios else None,
+           "op_progress_ratio_worst": round(min(ratios), 3) if ratios else None,
+           "ops_not_placed": sorted({n for r in results for n in r["ops_not_placed"]}),
+           "failed_jobs": failed, "repeats": repeats, "runs": results,
+           "timeline_plot": None if plot_error else str(plot), "timeline_json": str(tmp / "timeline.json")}
+    if plot_error:
+        out["timeline_plot_error"] = plot_error
+    return out
 
 
-def part2(quick: bool, capacity: int, tmp: Path) -> dict:
-    cuda = {"ANTMAN_ENABLE": "1", "ANTMAN_DEVICE": "cuda"}
-    # Calibration: ResNet-50 memory and time per sample on this GPU (peak in use / batch).
-    _, state, cal = finish(start(["--model", "resnet50", "--batch", "32", "--steps", "15"], cuda), time.monotonic(), 300)
-    if state != "finished" or "peak_in_use" not in cal:
-        raise SystemExit(f"gpu_colocate: calibration run {state}: {cal}")
-    per_sample = cal["peak_in_use"] / 32
-    ms_per_sample = cal["median_ms"] / 32
-    a_batch = int(0.60 * capacity / per_sample)
-    b_batch = int(0.50 * capacity / per_sample)
+def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
+    cuda = prof.antman_env()
+    # Calibration: ResNet-50's peak memory and step time at two batch sizes on this GPU, fitted
+    # as fixed + per-sample x batch (fixed: weights, gradients and optimizer state; launch
+    # overhead), so that batches far from the calibration's get the memory and run time meant.
+    cal: dict[int, dict] = {}
+    for batch in (16, 32):
+        _, state, cal[batch] = finish(start(prof, ["--model", "resnet50", "--batch", str(batch), "--steps", "15"], cuda),
+                                      time.monotonic(), 300)
+        if state != "finished" or "peak_in_use" not in cal[batch]:
+            raise SystemExit(f"gpu_colocate: calibration run at batch {batch} {state}: {cal[batch]}")
+    per_sample = (cal[32]["peak_in_use"] - cal[16]["peak_in_use"]) / 16
+    fixed = cal[32]["peak_in_use"] - 32 * per_sample
+    if prof.dry_run:
+        # A dry run's tensors are not in the memory core (peak 0): a nominal size gives A and B
+        # batches of 12 and 10.
+        per_sample, fixed = capacity / 20, 0.0
+    if per_sample <= 0 or fixed < 0:
+        raise SystemExit(f"gpu_colocate: calibration measured no memory growth with the batch: {cal}")
+    ms_per_sample = max((cal[32]["median_ms"] - cal[16]["median_ms"]) / 16, 1e-3)
+    ms_fixed = max(cal[32]["median_ms"] - 32 * ms_per_sample, 0.0)
+    a_batch = int((0.60 * capacity - fixed) / per_sample)
+    b_batch = int((0.50 * capacity - fixed) / per_sample)
     # Host-memory fallback can make a job many times slower: every run has a deadline so that a
     # part fits one device call (10 min); a job killed at it is reported as unfinished.
-    target_a, target_b, arrival, deadline = (30.0, 20.0, 10.0, 90.0) if quick else (120.0, 80.0, 40.0, 900.0)
-    a_args = ["--model", "resnet50", "--batch", str(a_batch),
-              "--steps", str(max(20, int(target_a * 1000 / (ms_per_sample * a_batch))))]
-    b_args = ["--model", "resnet50", "--batch", str(b_batch),
-              "--steps", str(max(20, int(target_b * 1000 / (ms_per_sample * b_batch))))]
-    b_need = int(1.1 * b_batch * per_sample)
-    print(f"   calibration: {per_sample / (1 << 20):.0f} MiB and {ms_per_sample:.2f} ms per sample; "
+    target_a, target_b, arrival, deadline = prof.table2
+
+    def steps_for(seconds: float, batch: int) -> str:
+        return str(max(20, int(seconds * 1000 / (ms_fixed + ms_per_sample * batch))))
+
+    a_args = ["--model", "resnet50", "--batch", str(a_batch), "--steps", steps_for(target_a, a_batch)]
+    b_args = ["--model", "resnet50", "--batch", str(b_batch), "--steps", steps_for(target_b, b_batch)]
+    b_need = int(1.1 * (fixed + b_batch * per_sample))
+    print(f"   calibration: {fixed / (1 << 20):.0f} MiB + {per_sample / (1 << 20):.0f} MiB per sample, "
+          f"{ms_fixed:.2f} ms + {ms_per_sample:.2f} ms per sample; "
           f"A batch {a_batch}, B batch {b_batch} (needs ~{b_need / GiB:.1f} GiB) on {capacity / GiB:.0f} GiB", flush=True)
     res: dict[str, dict] = {}
 
     t0 = time.monotonic()
-    a_solo, a_state, _ = finish(start(a_args, cuda), t0, deadline)
+    a_solo, a_state, _ = finish(start(prof, a_args, cuda), t0, deadline)
     t0 = time.monotonic()
-    b_solo, b_state, _ = finish(start(b_args, cuda), t0, deadline)
+    b_solo, b_state, _ = finish(start(prof, b_args, cuda), t0, deadline)
     res["FIFO"] = {"A": a_solo, "A_state": a_state, "B": max(0.0, a_solo - arrival) + b_solo,
                    "B_state": f"{b_state} (waited for A)"}
 
     # Pack: stock PyTorch for both (no ANTMAN_*): B gets what A's caching allocator left.
     t0 = time.monotonic()
-    a = start(a_args, None)
+    a = start(prof, a_args, None)
     time.sleep(arrival)
     tb = time.monotonic()
-    b_jct, b_state, _ = finish(start(b_args, None), tb, deadline)
+    b_jct, b_state, _ = finish(start(prof, b_args, None), tb, deadline)
     a_jct, a_state, _ = finish(a, t0, deadline)
     res["Pack"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state}
 
     # UMem: tf-antman memory for both, no coordinator: B's limit is what is free when it arrives.
     t0 = time.monotonic()
-    a = start(a_args, {**cuda, "ANTMAN_HOST_MEMORY": "64GiB"})
+    host = "4GiB" if prof.dry_run else "64GiB"
+    a = start(prof, a_args, {**cuda, "ANTMAN_HOST_MEMORY": host})
     time.sleep(arrival)
-    free = gpu_free()
+    free = gpu_free(prof)
     tb = time.monotonic()
-    b_jct, b_state, b_out = finish(start(b_args, {**cuda, "ANTMAN_MEMORY_LIMIT": str(max(free - GiB, 1 << 20)),
-                                                  "ANTMAN_HOST_MEMORY": "64GiB"}), tb, deadline)
+    b_jct, b_state, b_out = finish(start(prof, b_args, {**cuda, "ANTMAN_MEMORY_LIMIT": str(max(free - GiB, 1 << 20)),
+                                                        "ANTMAN_HOST_MEMORY": host}), tb, deadline)
     a_jct, a_state, _ = finish(a, t0, deadline)
     res["UMem"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state,
                    "B_host_fallbacks": b_out.get("host_fallbacks")}
 
     # tf-antman: the daemon places both and its coordinator shrinks A for B.
-    d = make_daemon(tmp / "table2", round_s=2 if quick else 5)
-    a_id = d.submit([*JOB, *a_args], tenant="batch", kind="opportunistic", name="A")
+    d = make_daemon(tmp / "table2", prof)
+    a_id = d.submit([*JOB, *a_args, *prof.job_args], tenant="batch", kind="opportunistic", name="A")
     d.run_until(lambda dd: dd.job(a_id).started_at is not None, timeout=120)
-    time.sleep(arrival)
-    b_id = d.submit([*JOB, *b_args], tenant="research", kind="guarantee", memory_bytes=b_need, name="B")
+    d.run_until(lambda dd: False, timeout=arrival)  # the daemon keeps ticking while B has not arrived
+    b_id = d.submit([*JOB, *b_args, *prof.job_args], tenant="research", kind="guarantee", memory_bytes=b_need,
+                    name="B")
     d.run_until(lambda dd: dd.job(a_id).state.done and dd.job(b_id).state.done, timeout=deadline)
     d.stop_all_jobs()
     ra, rb = d.job(a_id), d.job(b_id)
@@ -346,6 +487,8 @@ def part2(quick: bool, capacity: int, tmp: Path) -> dict:
     return {"table2": {k: {kk: (round(vv, 1) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                        for k, v in res.items()},
             "a_batch": a_batch, "b_batch": b_batch, "capacity_bytes": capacity,
+            "calibration": {"fixed_bytes": int(fixed), "bytes_per_sample": int(per_sample),
+                            "fixed_ms": round(ms_fixed, 3), "ms_per_sample": round(ms_per_sample, 4)},
             "failed_jobs": int(res["tf-antman"]["A_state"] != "finished") + int(res["tf-antman"]["B_state"] != "finished")}
 
 
@@ -353,28 +496,42 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("1", "2"), required=True, help="1: co-location, 2: Table 2")
     p.add_argument("--quick", action="store_true", help="shorter windows and jobs (each part < 8 min)")
-    p.add_argument("--repeats", type=int, default=0, help="part 1 repeats (default 1 quick, 2 full)")
+    p.add_argument("--repeats", type=int, default=0, help="part 1 repeats (default 1 quick or cpu, 2 full)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda: the measurement on GPU 0; cpu: a dry run of the pipeline (no GPU figure)")
     a = p.parse_args()
-    capacity = gpu_or_exit()
+    if not 0 <= a.repeats <= 20:
+        p.error(f"--repeats: {a.repeats} is outside the accepted range [0, 20] (0: the default)")
+    prof = make_profile(a.device, a.quick)
+    capacity, device_name = gpu_or_exit(a.device)
     for lib in ("libantman_torch.so", "libantman_core.so"):
         if not (REPO / "tf_antman" / "_native" / lib).exists():
             raise SystemExit(f"gpu_colocate: tf_antman/_native/{lib} is missing: build it with "
-                             "`python setup.py build_native` and carry tf_antman/_native")
+                             "`python setup.py build_native` (or bench/gpu/build_torch.sh) and carry tf_antman/_native")
     tmp = Path(tempfile.mkdtemp(prefix="tf-antman-gpu-colocate-"))
+    print(f"gpu_colocate: {device_name}{' (CPU dry run: nothing here is a GPU figure)' if prof.dry_run else ''}; "
+          f"logs and job directories in {tmp}", flush=True)
     autoload_like_the_wheel(tmp)
+    # The op hook is built with the ninja of this Python's environment (an activated venv's PATH).
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     # Build the op hook once, before any timing (later jobs load it from PyTorch's cache).
-    subprocess.run([sys.executable, "-c", "from tf_antman.torch.compute import build_hook; build_hook(True)"],
+    subprocess.run([sys.executable, "-c",
+                    f"from tf_antman.torch.compute import build_hook; build_hook({not prof.dry_run})"],
                    env=env_for(None), check=True)
+    where = "an emulated GPU (CPU dry run)" if prof.dry_run else "one GPU (scheduler_lite, nvml)"
     if a.part == "1":
-        print("1. guarantee ResNet-50 + two opportunistic jobs on one GPU (scheduler_lite, nvml)", flush=True)
-        out = part1(a.quick, a.repeats or (1 if a.quick else 2), tmp)
+        print(f"1. guarantee ResNet-50 + two opportunistic jobs on {where}", flush=True)
+        out = part1(prof, capacity, a.repeats or (2 if a.device == "cuda" and not a.quick else 1), tmp)
     else:
-        print("2. Table 2: A (opportunistic) running, B (guarantee) arrives", flush=True)
-        out = part2(a.quick, capacity, tmp)
+        print(f"2. Table 2 on {where}: A (opportunistic) running, B (guarantee) arrives", flush=True)
+        out = part2(prof, capacity, tmp)
         for k, v in out["table2"].items():
             print(f"   {k:<10} JCT A {v['A']:>8} s  {v['A_state']:<14} JCT B {v['B']:>8} s  {v['B_state']}")
-    out.update(part=int(a.part), quick=a.quick)
-    print(json.dumps(out))
+    head = {"bench": "gpu_colocate", "version": 1, "part": int(a.part), "device": device_name,
+            "dry_run": prof.dry_run, "quick": a.quick}
+    if prof.dry_run:
+        head["note"] = "CPU dry run of the pipeline on tiny models: no figure here is a GPU measurement"
+    print(json.dumps({**head, **out}))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from tf_antman.core import MemStats  # one mirror of antman_mem_stats, shared with the core binding
+# One mirror of antman_mem_stats and of antman_opm_stats, shared with the core binding.
+from tf_antman.core import MemStats, OpmStats
 
 LIB_DIR = Path(__file__).resolve().parent / "_native"
 MAIN_LIB = "libtf_antman.so"
@@ -28,20 +29,12 @@ class NativeError(RuntimeError):
     pass
 
 
-class OpStats(ctypes.Structure):
-    """Mirror of antman_op_stats (cc/tf/c_api.cc)."""
-
-    _fields_ = [
-        ("busy_ns", ctypes.c_int64), ("idle_inserted_ns", ctypes.c_int64),
-        ("ops_total", ctypes.c_int64), ("ops_delayed", ctypes.c_int64),
-        ("ops_waiting_now", ctypes.c_int64), ("ops_in_flight", ctypes.c_int64),
-        ("share", ctypes.c_double), ("achieved_share_window", ctypes.c_double),
-        ("window_ns", ctypes.c_int64), ("paused", ctypes.c_int32),
-        ("op_ns_ewma", ctypes.c_int64), ("credit_ns", ctypes.c_int64),
-    ]
+class OpStats(OpmStats):
+    """antman_opm_stats (cc/core/antman_ops.h) as antman_rt_get_op_stats (cc/tf/c_api.cc) fills
+    it: the core binding's one mirror of the struct; `paused` is a bool in as_dict()."""
 
     def as_dict(self) -> dict[str, float | int | bool]:
-        d: dict[str, float | int | bool] = {n: getattr(self, n) for n, _ in self._fields_}
+        d: dict[str, float | int | bool] = super().as_dict()
         d["paused"] = bool(self.paused)
         return d
 

@@ -13,6 +13,7 @@
 #include "cc/core/c_api_internal.h"
 #include "cc/core/cuda_gate.h"
 #include "cc/core/op_manager.h"
+#include "cc/core/opm_stats.h"
 
 namespace antman {
 namespace {
@@ -37,6 +38,22 @@ int SetLastError(int code, const std::string& message) {
 void CopyError(char* err, size_t errlen, const std::string& message) {
   if (err == nullptr || errlen == 0) return;
   std::snprintf(err, errlen, "%s", message.c_str());
+}
+
+void FillOpmStats(const OpManager::Stats& s, antman_opm_stats* out) {
+  *out = antman_opm_stats{};
+  out->busy_ns = s.busy_ns;
+  out->idle_inserted_ns = s.idle_inserted_ns;
+  out->ops_total = s.ops_total;
+  out->ops_delayed = s.ops_delayed;
+  out->ops_waiting_now = s.ops_waiting_now;
+  out->ops_in_flight = s.ops_in_flight;
+  out->share = s.share;
+  out->achieved_share_window = s.achieved_share_window;
+  out->window_ns = s.window_ns;
+  out->paused = s.paused ? 1 : 0;
+  out->op_ns_ewma = s.op_ns_ewma;
+  out->credit_ns = s.credit_ns;
 }
 
 }  // namespace antman
@@ -158,20 +175,7 @@ int64_t antman_opm_now_ns(const antman_opm* opm) {
 int antman_opm_get_stats(const antman_opm* opm, antman_opm_stats* out) {
   if (opm == nullptr) return antman::NullHandle();
   if (out == nullptr) return antman::NullOut("out");
-  const OpManager::Stats s = opm->manager->stats();
-  out->busy_ns = s.busy_ns;
-  out->idle_inserted_ns = s.idle_inserted_ns;
-  out->ops_total = s.ops_total;
-  out->ops_delayed = s.ops_delayed;
-  out->ops_waiting_now = s.ops_waiting_now;
-  out->ops_in_flight = s.ops_in_flight;
-  out->share = s.share;
-  out->achieved_share_window = s.achieved_share_window;
-  out->window_ns = s.window_ns;
-  out->paused = s.paused ? 1 : 0;
-  out->reserved0 = 0;
-  out->op_ns_ewma = s.op_ns_ewma;
-  out->credit_ns = s.credit_ns;
+  antman::FillOpmStats(opm->manager->stats(), out);
   return ANTMAN_OK;
 }
 

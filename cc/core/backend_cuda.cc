@@ -4,15 +4,12 @@
 //
 // Every call runs in the device's primary context, the one TensorFlow's stream executor uses,
 // so pointers from here are valid in TensorFlow's kernels.
-#include <dlfcn.h>
-
 #include <cstdio>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "cc/core/backend.h"
+#include "cc/core/cuda_driver_loader.h"
 
 namespace antman {
 namespace {
@@ -44,62 +41,30 @@ struct Driver {
   CUresult (*cuGetErrorString)(CUresult, const char**);  // optional
 };
 
-template <typename F>
-bool Resolve(void* lib, const char* name, F* out, std::string* missing) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
-  if (*out == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
-  return *out != nullptr;
+void ResolveDriver(void* lib, Driver* driver, std::string* missing) {
+  std::string absent;  // optional entry points, and newer names an older one stands in for
+  ResolveDriverSymbol(lib, "cuInit", &driver->cuInit, missing);
+  ResolveDriverSymbol(lib, "cuDeviceGetCount", &driver->cuDeviceGetCount, missing);
+  ResolveDriverSymbol(lib, "cuDeviceGet", &driver->cuDeviceGet, missing);
+  ResolveDriverSymbol(lib, "cuDeviceGetAttribute", &driver->cuDeviceGetAttribute, missing);
+  ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRetain", &driver->cuDevicePrimaryCtxRetain, missing);
+  if (!ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease_v2", &driver->cuDevicePrimaryCtxRelease,
+                           &absent)) {
+    ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease", &driver->cuDevicePrimaryCtxRelease, missing);
+  }
+  ResolveDriverSymbol(lib, "cuCtxPushCurrent_v2", &driver->cuCtxPushCurrent, missing);
+  ResolveDriverSymbol(lib, "cuCtxPopCurrent_v2", &driver->cuCtxPopCurrent, missing);
+  ResolveDriverSymbol(lib, "cuMemAlloc_v2", &driver->cuMemAlloc, missing);
+  ResolveDriverSymbol(lib, "cuMemFree_v2", &driver->cuMemFree, missing);
+  ResolveDriverSymbol(lib, "cuMemGetInfo_v2", &driver->cuMemGetInfo, missing);
+  ResolveDriverSymbol(lib, "cuMemHostAlloc", &driver->cuMemHostAlloc, missing);
+  ResolveDriverSymbol(lib, "cuMemFreeHost", &driver->cuMemFreeHost, missing);
+  ResolveDriverSymbol(lib, "cuGetErrorString", &driver->cuGetErrorString, &absent);
 }
 
-struct LoadedDriver {
-  Driver driver{};
-  std::string load_error;
-};
-
-// Loaded once per library path and process and never unloaded: the driver keeps global state.
+// Loaded once per library path and process (cuda_driver_loader.h).
 const Driver* LoadDriver(const char* library, std::string* err) {
-  static std::mutex mu;
-  static auto* loaded = new std::map<std::string, std::unique_ptr<LoadedDriver>>();
-  std::lock_guard<std::mutex> lock(mu);
-  std::unique_ptr<LoadedDriver>& slot = (*loaded)[library];
-  if (slot == nullptr) {
-    slot = std::make_unique<LoadedDriver>();
-    Driver& driver = slot->driver;
-    std::string& load_error = slot->load_error;
-    void* lib = dlopen(library, RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr) {
-      const char* why = dlerror();
-      load_error = std::string("CUDA driver not available: dlopen(") + library + ") failed: " +
-                   (why != nullptr ? why : "unknown error");
-      *err = load_error;
-      return nullptr;
-    }
-    std::string missing;
-    Resolve(lib, "cuInit", &driver.cuInit, &missing);
-    Resolve(lib, "cuDeviceGetCount", &driver.cuDeviceGetCount, &missing);
-    Resolve(lib, "cuDeviceGet", &driver.cuDeviceGet, &missing);
-    Resolve(lib, "cuDeviceGetAttribute", &driver.cuDeviceGetAttribute, &missing);
-    Resolve(lib, "cuDevicePrimaryCtxRetain", &driver.cuDevicePrimaryCtxRetain, &missing);
-    std::string no_v2;
-    if (!Resolve(lib, "cuDevicePrimaryCtxRelease_v2", &driver.cuDevicePrimaryCtxRelease, &no_v2)) {
-      Resolve(lib, "cuDevicePrimaryCtxRelease", &driver.cuDevicePrimaryCtxRelease, &missing);
-    }
-    Resolve(lib, "cuCtxPushCurrent_v2", &driver.cuCtxPushCurrent, &missing);
-    Resolve(lib, "cuCtxPopCurrent_v2", &driver.cuCtxPopCurrent, &missing);
-    Resolve(lib, "cuMemAlloc_v2", &driver.cuMemAlloc, &missing);
-    Resolve(lib, "cuMemFree_v2", &driver.cuMemFree, &missing);
-    Resolve(lib, "cuMemGetInfo_v2", &driver.cuMemGetInfo, &missing);
-    Resolve(lib, "cuMemHostAlloc", &driver.cuMemHostAlloc, &missing);
-    Resolve(lib, "cuMemFreeHost", &driver.cuMemFreeHost, &missing);
-    std::string optional;
-    Resolve(lib, "cuGetErrorString", &driver.cuGetErrorString, &optional);
-    if (!missing.empty()) load_error = std::string(library) + " lacks driver entry points: " + missing;
-  }
-  if (!slot->load_error.empty()) {
-    *err = slot->load_error;
-    return nullptr;
-  }
-  return &slot->driver;
+  return LoadDriverTable<Driver>(library, ResolveDriver, err);
 }
 
 std::string ErrorText(const Driver& d, CUresult rc) {

@@ -1,10 +1,9 @@
 // CUDA event gate: behaviour in cc/core/cuda_gate.h, design in
 // docs/op-manager.md ("GPUs: device-timed ops and the CUDA event gate").
-// libcuda is opened with dlopen like backend_cuda.cc, so this builds with g++
-// and loads on machines without a GPU.
+// libcuda is opened with dlopen by the loader backend_cuda.cc uses
+// (cuda_driver_loader.h), so this builds with g++ and loads on machines without
+// a GPU.
 #include "cc/core/cuda_gate.h"
-
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -14,6 +13,7 @@
 #include <utility>
 
 #include "cc/core/c_api_internal.h"
+#include "cc/core/cuda_driver_loader.h"
 #include "cc/core/cuda_gate_internal.h"
 
 namespace antman {
@@ -40,13 +40,6 @@ constexpr int64_t kMaxAnchorNs = 60'000'000'000;
 constexpr int64_t kGoodAnchorNs = 10'000;
 constexpr int kAnchorTries = 3;
 
-template <typename F>
-bool Resolve(void* lib, const char* name, F* out, std::string* missing) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
-  if (*out == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
-  return *out != nullptr;
-}
-
 std::string RangeError(const char* field, int64_t value, int64_t lo, int64_t hi) {
   return std::string(field) + ": " + std::to_string(value) +
          " is outside the accepted range [" + std::to_string(lo) + ", " + std::to_string(hi) +
@@ -55,50 +48,39 @@ std::string RangeError(const char* field, int64_t value, int64_t lo, int64_t hi)
 
 }  // namespace
 
-const GateDriver* LoadGateDriver(std::string* err) {
-  static GateDriver driver;
-  static std::string load_error;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr) {
-      const char* why = dlerror();
-      load_error = std::string("CUDA driver not available: dlopen(libcuda.so.1) failed: ") +
-                   (why != nullptr ? why : "unknown error");
-      return;
-    }
-    std::string missing;
-    std::string absent;  // of a newer name, when an older one will do
-    Resolve(lib, "cuInit", &driver.cuInit, &missing);
-    Resolve(lib, "cuDeviceGetCount", &driver.cuDeviceGetCount, &missing);
-    Resolve(lib, "cuDeviceGet", &driver.cuDeviceGet, &missing);
-    Resolve(lib, "cuDevicePrimaryCtxRetain", &driver.cuDevicePrimaryCtxRetain, &missing);
-    if (!Resolve(lib, "cuDevicePrimaryCtxRelease_v2", &driver.cuDevicePrimaryCtxRelease,
-                 &absent)) {
-      Resolve(lib, "cuDevicePrimaryCtxRelease", &driver.cuDevicePrimaryCtxRelease, &missing);
-    }
-    Resolve(lib, "cuCtxGetCurrent", &driver.cuCtxGetCurrent, &missing);
-    Resolve(lib, "cuCtxPushCurrent_v2", &driver.cuCtxPushCurrent, &missing);
-    Resolve(lib, "cuCtxPopCurrent_v2", &driver.cuCtxPopCurrent, &missing);
-    Resolve(lib, "cuEventCreate", &driver.cuEventCreate, &missing);
-    Resolve(lib, "cuEventDestroy_v2", &driver.cuEventDestroy, &missing);
-    Resolve(lib, "cuEventRecord", &driver.cuEventRecord, &missing);
-    Resolve(lib, "cuEventQuery", &driver.cuEventQuery, &missing);
-    Resolve(lib, "cuEventSynchronize", &driver.cuEventSynchronize, &missing);
-    // CUDA 12.8+ headers map cuEventElapsedTime to _v2; same signature.
-    if (!Resolve(lib, "cuEventElapsedTime_v2", &driver.cuEventElapsedTime, &absent)) {
-      Resolve(lib, "cuEventElapsedTime", &driver.cuEventElapsedTime, &missing);
-    }
-    Resolve(lib, "cuStreamCreate", &driver.cuStreamCreate, &missing);
-    Resolve(lib, "cuStreamDestroy_v2", &driver.cuStreamDestroy, &missing);
-    Resolve(lib, "cuGetErrorString", &driver.cuGetErrorString, &absent);
-    if (!missing.empty()) load_error = "libcuda.so.1 lacks driver entry points: " + missing;
-  });
-  if (!load_error.empty()) {
-    *err = load_error;
-    return nullptr;
+namespace {
+
+void ResolveGateDriver(void* lib, GateDriver* d, std::string* missing) {
+  std::string absent;  // optional entry points, and newer names an older one stands in for
+  ResolveDriverSymbol(lib, "cuInit", &d->cuInit, missing);
+  ResolveDriverSymbol(lib, "cuDeviceGetCount", &d->cuDeviceGetCount, missing);
+  ResolveDriverSymbol(lib, "cuDeviceGet", &d->cuDeviceGet, missing);
+  ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRetain", &d->cuDevicePrimaryCtxRetain, missing);
+  if (!ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease_v2", &d->cuDevicePrimaryCtxRelease, &absent)) {
+    ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease", &d->cuDevicePrimaryCtxRelease, missing);
   }
-  return &driver;
+  ResolveDriverSymbol(lib, "cuCtxGetCurrent", &d->cuCtxGetCurrent, missing);
+  ResolveDriverSymbol(lib, "cuCtxPushCurrent_v2", &d->cuCtxPushCurrent, missing);
+  ResolveDriverSymbol(lib, "cuCtxPopCurrent_v2", &d->cuCtxPopCurrent, missing);
+  ResolveDriverSymbol(lib, "cuEventCreate", &d->cuEventCreate, missing);
+  ResolveDriverSymbol(lib, "cuEventDestroy_v2", &d->cuEventDestroy, missing);
+  ResolveDriverSymbol(lib, "cuEventRecord", &d->cuEventRecord, missing);
+  ResolveDriverSymbol(lib, "cuEventQuery", &d->cuEventQuery, missing);
+  ResolveDriverSymbol(lib, "cuEventSynchronize", &d->cuEventSynchronize, missing);
+  // CUDA 12.8+ headers map cuEventElapsedTime to _v2; same signature.
+  if (!ResolveDriverSymbol(lib, "cuEventElapsedTime_v2", &d->cuEventElapsedTime, &absent)) {
+    ResolveDriverSymbol(lib, "cuEventElapsedTime", &d->cuEventElapsedTime, missing);
+  }
+  ResolveDriverSymbol(lib, "cuStreamCreate", &d->cuStreamCreate, missing);
+  ResolveDriverSymbol(lib, "cuStreamDestroy_v2", &d->cuStreamDestroy, missing);
+  ResolveDriverSymbol(lib, "cuGetErrorString", &d->cuGetErrorString, &absent);
+}
+
+}  // namespace
+
+// Loaded once per process, like the memory backend's table (cuda_driver_loader.h).
+const GateDriver* LoadGateDriver(std::string* err) {
+  return LoadDriverTable<GateDriver>("libcuda.so.1", ResolveGateDriver, err);
 }
 
 std::string ValidateGateConfig(const antman_gate_config& c) {

@@ -7,6 +7,8 @@
 #include <string>
 
 #include "cc/core/antman_memory.h"
+#include "cc/core/antman_ops.h"
+#include "cc/core/opm_stats.h"
 #include "cc/tf/allocator.h"
 #include "cc/tf/gpu_device.h"
 #include "cc/tf/op_classes.h"
@@ -131,44 +133,18 @@ ANTMAN_EXPORT int antman_rt_set_share(double share) {
   return rt.SetShare(share) ? 0 : 2;  // 2: outside [0, 1] or NaN, nothing changed
 }
 
-// Flat copy of OpManager::Stats for ctypes.
-struct antman_op_stats {
-  int64_t busy_ns;
-  int64_t idle_inserted_ns;
-  int64_t ops_total;
-  int64_t ops_delayed;
-  int64_t ops_waiting_now;
-  int64_t ops_in_flight;
-  double share;
-  double achieved_share_window;
-  int64_t window_ns;
-  int32_t paused;
-  int64_t op_ns_ewma;
-  int64_t credit_ns;
-};
-
-ANTMAN_EXPORT int antman_rt_get_op_stats(antman_op_stats* out) {
+// The first device's operator manager, in the core's C struct (cc/core/antman_ops.h), filled
+// as libantman_core.so's antman_opm_get_stats fills it (cc/core/opm_stats.h).
+ANTMAN_EXPORT int antman_rt_get_op_stats(antman_opm_stats* out) {
   antman::Runtime& rt = antman::Runtime::Get();
   antman::OpManager* m = rt.op_manager();
   if (m == nullptr) {
     if (!rt.configured()) return 1;
-    *out = antman_op_stats{};  // CUDA before TF created a GPU: nothing ran yet
+    *out = antman_opm_stats{};  // CUDA before TF created a GPU: nothing ran yet
     out->share = rt.share();
     out->paused = rt.share() == 0.0 ? 1 : 0;
     return 0;
   }
-  antman::OpManager::Stats s = m->stats();
-  out->busy_ns = s.busy_ns;
-  out->idle_inserted_ns = s.idle_inserted_ns;
-  out->ops_total = s.ops_total;
-  out->ops_delayed = s.ops_delayed;
-  out->ops_waiting_now = s.ops_waiting_now;
-  out->ops_in_flight = s.ops_in_flight;
-  out->share = s.share;
-  out->achieved_share_window = s.achieved_share_window;
-  out->window_ns = s.window_ns;
-  out->paused = s.paused ? 1 : 0;
-  out->op_ns_ewma = s.op_ns_ewma;
-  out->credit_ns = s.credit_ns;
+  antman::FillOpmStats(m->stats(), out);
   return 0;
 }

@@ -1,0 +1,66 @@
+// Opening the CUDA driver with dlopen and resolving its entry points into a table of function
+// pointers: shared by the memory core's CUDA backend (backend_cuda.cc) and the CUDA event gate
+// (cuda_gate.cc), so that both build with plain g++ and load on machines without a GPU
+// (creation then fails with one line instead of the process failing to start).
+#ifndef TF_ANTMAN_CC_CORE_CUDA_DRIVER_LOADER_H_
+#define TF_ANTMAN_CC_CORE_CUDA_DRIVER_LOADER_H_
+
+#include <dlfcn.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace antman {
+
+// Resolves `name` into *out; when it is absent, appends it to *missing (", "-separated) and
+// returns false. Pass a scratch string as `missing` for an optional entry point or a newer name
+// tried before an older one.
+template <typename F>
+bool ResolveDriverSymbol(void* lib, const char* name, F* out, std::string* missing) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  if (*out == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+  return *out != nullptr;
+}
+
+// The table of type `Table` for `library`, filled by `resolve(lib, &table, &missing)` the first
+// time a process asks for that path, then kept with its outcome: the library is never closed (the
+// driver keeps global state) and a failure is reported the same way on every later call. Returns
+// nullptr and sets *err to "CUDA driver not available: dlopen(<library>) failed: <why>" or
+// "<library> lacks driver entry points: <names>". Thread-safe.
+template <typename Table>
+const Table* LoadDriverTable(const std::string& library,
+                             void (*resolve)(void* lib, Table* table, std::string* missing),
+                             std::string* err) {
+  struct Loaded {
+    Table table{};
+    std::string error;
+  };
+  static std::mutex mu;
+  static auto* loaded = new std::map<std::string, std::unique_ptr<Loaded>>();  // never freed
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<Loaded>& slot = (*loaded)[library];
+  if (slot == nullptr) {
+    slot = std::make_unique<Loaded>();
+    void* lib = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* why = dlerror();
+      slot->error = "CUDA driver not available: dlopen(" + library + ") failed: " +
+                    (why != nullptr ? why : "unknown error");
+    } else {
+      std::string missing;
+      resolve(lib, &slot->table, &missing);
+      if (!missing.empty()) slot->error = library + " lacks driver entry points: " + missing;
+    }
+  }
+  if (!slot->error.empty()) {
+    *err = slot->error;
+    return nullptr;
+  }
+  return &slot->table;
+}
+
+}  // namespace antman
+
+#endif  // TF_ANTMAN_CC_CORE_CUDA_DRIVER_LOADER_H_
