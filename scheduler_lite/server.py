@@ -500,7 +500,11 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
         storage = SqliteStorage(config.db_path)
         secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
         try:
-            daemon = Daemon(config, storage)
+            if config.cluster is not None:  # cluster mode: the global scheduler (imports Ray)
+                from scheduler_lite.cluster.scheduler import ClusterDaemon
+                daemon: Daemon = ClusterDaemon(config, storage)
+            else:
+                daemon = Daemon(config, storage)
             server = Server(daemon, config)
             stop_metrics = None
             if metrics_port is not None:
