@@ -482,7 +482,7 @@ class ClusterDaemon(Daemon):
         handle = ClusterHandle(0, None, job_dir, None, launch.job_id, nodes)
         for rank, node in enumerate(nodes):
             mine = [g for g in launch.gpus if self.cc.node_of(g) == node]
-            local = [replace(self.gpus[g], id=self.cc.local_gpu(g)) for g in mine]
+            local = [replace(self.gpus[g], id=self._device_id(g, i)) for i, g in enumerate(mine)]
             limit = min(launch.settings.limits[g] for g in mine)
             share = min(launch.settings.shares[g] for g in mine)
             env = {**common, "SCHEDULER_LITE_NODE_RANK": str(rank)}
@@ -497,6 +497,15 @@ class ClusterDaemon(Daemon):
                 handle.pid, handle.start_ticks = pid, start
         self.ray_launcher.jobs[launch.job_id] = record
         return handle
+
+    def _device_id(self, gpu: int, index: int) -> int:
+        """The id a part's job sees for its `index`-th GPU on the node.
+
+        NVML: the node's GPU index (CUDA_VISIBLE_DEVICES, renumbered from 0 by CUDA). Emulated:
+        the index itself, as CUDA would renumber: tf-antman reports and accepts memory limits for
+        device ANTMAN_DEVICE_ID, and the protocol numbers devices within the job from 0.
+        """
+        return self.cc.local_gpu(gpu) if self.config.devices.kind == "nvml" else index
 
     def _load_stats(self, job_id: str, live: _Live) -> Stats | None:
         assert isinstance(live.handle, ClusterHandle)

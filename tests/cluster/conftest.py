@@ -47,7 +47,7 @@ def cluster_config(state_dir: Path, namespace: str, **sections: dict) -> Config:
         "paths": {"state_dir": str(state_dir)},
         "devices": {"kind": "emulated",
                     "emulated": [{"id": i, "memory": "1GiB", "nvlink_group": "nv"} for i in range(2)]},
-        "tenants": [{"name": "A", "gpu_quota": 6}, {"name": "B", "gpu_quota": 2}, {"name": "C", "gpu_quota": 0}],
+        "tenants": [{"name": "A", "gpu_quota": 4}, {"name": "B", "gpu_quota": 2}, {"name": "C", "gpu_quota": 0}],
         "jobs": {"cancel_grace_s": 2, "host_memory": "1GiB"},
         "daemon": {"tick_interval_s": 0.1, "schedule_interval_s": 0.3, "utilisation_window_s": 1.0},
         "coordinator": {"min_memory_bytes": "64MiB", "round_interval_s": 0.5},

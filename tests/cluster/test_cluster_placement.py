@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from scheduler_lite.cluster.scheduler import ClusterDaemon
-from scheduler_lite.model import Place, Reserve, Role
+from scheduler_lite.model import Place, Reserve, Role, SetComputeShare
 from scheduler_lite.storage import JobStatus, SqliteStorage
-from tests.cluster.conftest import RayCluster, cluster_config
+from tests.cluster.conftest import REPO, RayCluster, cluster_config
 from tests.scheduler.test_daemon_fakes import JOB_ENV, fake_command
 
 
@@ -59,3 +60,42 @@ def test_algorithm_1_over_nodes_and_gangs(ray_cluster: RayCluster, namespace: st
     assert d.run_until(lambda d: d.book.jobs[b].placement == (0, 1), timeout=60, interval=0.1)
     assert d.run_until(lambda d: step_of(d, b, 1) >= 1, timeout=60, interval=0.1)
     assert d.book.quota_used("A") == 3 and d.book.quota_used("B") == 2
+
+
+def tf_job(steps: int = 100000) -> list[str]:
+    """A tiny Keras training job (examples/colocate_job.py): real TensorFlow under tf-antman."""
+    return [sys.executable, str(REPO / "examples" / "colocate_job.py"), "--width", "64", "--batch", "16",
+            "--steps", str(steps), "--print-every", "50"]
+
+
+def test_guarantee_job_protected_on_its_node(ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
+    d = new_daemon(ray_cluster, tmp_path, namespace)
+    floor, min_memory = d.config.coordinator.floor_share, d.config.coordinator.min_memory_bytes
+    # Light fake processes hold every GPU but 201 on node n2: a 4-GPU gang (whole groups of n0
+    # and n1), then a 1-GPU job (best fit: n2).
+    gang = d.submit(fake_command(), tenant="A", kind="guarantee", gpus=4, env=JOB_ENV)
+    assert Place(gang, (0, 1, 100, 101), Role.GUARANTEE) in d.tick().decisions
+    one = d.submit(fake_command(), tenant="B", kind="guarantee", env=JOB_ENV)
+    assert Place(one, (200,), Role.GUARANTEE) in d.tick().decisions
+    opp = d.submit(tf_job(), tenant="C", kind="opportunistic", env=JOB_ENV)
+    assert Place(opp, (201,), Role.OPPORTUNISTIC) in d.tick().decisions
+    assert d.run_until(lambda d: step_of(d, opp, 201) >= 20, timeout=120, interval=0.2)
+    alone = d.status().gpu(201).job(opp)
+    assert alone is not None and alone.compute_share == 1.0
+    # A guarantee job arrives on the same GPU of n2: the coordinator (run by the global scheduler,
+    # applied by n2's agent) cuts the opportunistic job to the floor, and TF applies it.
+    g = d.submit(tf_job(), tenant="B", kind="guarantee", env=JOB_ENV)
+    arrival = d.tick()
+    assert Place(g, (201,), Role.GUARANTEE) in arrival.decisions
+    assert SetComputeShare(opp, 201, floor, 1.0) in arrival.decisions
+
+    def protected(d: ClusterDaemon) -> bool:
+        o = d.status().gpu(201).job(opp)
+        return o is not None and o.compute_share == floor and o.memory_limit_bytes == min_memory
+
+    assert d.run_until(protected, timeout=120, interval=0.2), [
+        (j.job_id, j.compute_share, j.memory_limit_bytes, j.target_compute_share, j.controls_pending)
+        for j in d.status().gpu(201).jobs] + [(e.kind, e.detail) for e in d.storage.events(opp)]
+    assert d.run_until(lambda d: step_of(d, g, 201) >= 5, timeout=120, interval=0.2)
+    view = d.status().gpu(201)
+    assert view.node == "n2" and view.job(g).compute_share == 1.0  # type: ignore[union-attr]
