@@ -99,3 +99,42 @@ def test_guarantee_job_protected_on_its_node(ray_cluster: RayCluster, namespace:
     assert d.run_until(lambda d: step_of(d, g, 201) >= 5, timeout=120, interval=0.2)
     view = d.status().gpu(201)
     assert view.node == "n2" and view.job(g).compute_share == 1.0  # type: ignore[union-attr]
+
+
+def test_ray_options_enforce_a_fraction_in_a_ray_actor(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """A Ray actor asking for half an (emulated) GPU and 256 MiB trains under tf-antman with that
+    limit and share in force: read back from the stats.json its worker writes."""
+    import ray
+
+    from scheduler_lite.cluster import ray_options
+
+    @ray.remote
+    class Trainer:
+        def train(self, steps: int) -> dict:
+            import numpy as np
+            import tensorflow as tf
+
+            import tf_antman
+
+            model = tf.keras.Sequential([tf.keras.Input(shape=(16,)), tf.keras.layers.Dense(32),
+                                         tf.keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+            x = np.zeros((64, 16), dtype="float32")
+            model.fit(x, x[:, :1], batch_size=8, epochs=1, steps_per_epoch=steps, verbose=0)
+            s = tf_antman.settings()
+            return {"active": tf_antman.is_active(), "limit": s.memory_limit, "share": s.compute_share}
+
+    job_dir = tmp_path / "trainer"
+    job_dir.mkdir()
+    options = ray_options(0.5, memory="256MiB", device="emulated", device_memory="1GiB", job_dir=job_dir)
+    assert "num_gpus" not in options  # an emulated GPU is nothing Ray has to reserve
+    trainer = Trainer.options(**options).remote()  # type: ignore[attr-defined]
+    try:
+        inside = ray.get(trainer.train.remote(8), timeout=240)
+    finally:
+        ray.kill(trainer)
+    assert inside == {"active": True, "limit": 256 << 20, "share": 0.5}
+    # Written at a step boundary (at most every ANTMAN_STATS_INTERVAL_MS): the settings in force.
+    stats = json.loads((job_dir / "stats.json").read_text())
+    assert stats["step"] >= 1 and stats["compute_share"] == 0.5
+    assert stats["devices"][0]["limit_bytes"] == 256 << 20
