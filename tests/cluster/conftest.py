@@ -1,5 +1,5 @@
 """One Ray cluster per test module: 3 raylets on this machine (ray.cluster_utils.Cluster), each
-node marked with its `antman_node_<name>` resource; skipped when Ray is not installed.
+node marked with its `antman_node_<name>` resource; the tests that use it are skipped when Ray is not installed.
 
 Every test gets its own Ray namespace and state directory, so its node agents (detached, named
 actors) are its own; they are killed when the test ends, and its jobs stopped.
@@ -17,12 +17,8 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
-
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from scheduler_lite.cluster.scheduler import agent_name  # noqa: E402
-from scheduler_lite.config import Config, parse_config  # noqa: E402
+from scheduler_lite.cluster.scheduler import agent_name
+from scheduler_lite.config import Config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("n0", "n1", "n2")
@@ -61,6 +57,9 @@ def cluster_config(state_dir: Path, namespace: str, **sections: dict) -> Config:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
+    ray = pytest.importorskip("ray")  # the optional extra: tf-antman[ray]
+    from ray.cluster_utils import Cluster
+
     # Workers (node agents, Ray tasks) import this checkout, and jobs inherit it.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -82,6 +81,8 @@ def ray_cluster() -> Iterator[RayCluster]:
 @pytest.fixture
 def namespace(ray_cluster: RayCluster) -> Iterator[str]:
     """A fresh namespace; at the end the test's daemons stop their jobs and its agents are killed."""
+    import ray
+
     ns = f"test{os.getpid()}-{next(_namespaces)}"
     yield ns
     for d in ray_cluster.made:
