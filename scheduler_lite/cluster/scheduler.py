@@ -111,6 +111,7 @@ class Nodes:
         self.agent_pids: dict[str, int] = {}
         self.reports: dict[str, NodeReport] = {}  # this tick's, from the nodes that answered
         self._answered: dict[str, float] = {}
+        self._pending: dict[str, tuple[Any, Any]] = {}  # node -> (agent, its info() not answered yet)
         self._actor = actor_class()
 
     def alive_with_resource(self) -> set[str]:
@@ -124,19 +125,29 @@ class Nodes:
                     out.add(node)
         return out
 
-    def connect(self, node: str, now: float) -> bool:
-        """The node's agent (found by name, else created on the node); False if it cannot be had."""
+    def connect(self, node: str, now: float, wait_s: float = 0.0) -> bool:
+        """The node's agent (found by name, else created on the node); False if it has not
+        answered within `wait_s`. Never blocks the loop longer: an agent still being created (its
+        node not up yet) is asked again at the next call, so the other nodes keep their reports
+        coming (a stalled loop would make their agents fence their jobs)."""
         ray = self.ray
+        if node not in self._pending:
+            try:
+                agent = ray.get_actor(agent_name(node), namespace=self.cc.namespace)
+            except ValueError:
+                agent = self._actor.options(  # type: ignore[attr-defined]
+                    name=agent_name(node), namespace=self.cc.namespace, lifetime="detached", get_if_exists=True,
+                    resources={self.cc.resource(node): 0.001},
+                ).remote(node, self.config)
+            self._pending[node] = (agent, agent.info.remote())
+        agent, ref = self._pending[node]
+        ready, _ = ray.wait([ref], timeout=wait_s)
+        if not ready:
+            return False
+        del self._pending[node]
         try:
-            agent = ray.get_actor(agent_name(node), namespace=self.cc.namespace)
-        except ValueError:
-            agent = self._actor.options(  # type: ignore[attr-defined]
-                name=agent_name(node), namespace=self.cc.namespace, lifetime="detached", get_if_exists=True,
-                resources={self.cc.resource(node): 0.001},
-            ).remote(node, self.config)
-        try:
-            info = ray.get(agent.info.remote(), timeout=CALL_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - dead, pending or broken: not connected this time
+            info = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - dead or broken: not connected this time
             log.warning("node %s: agent not available (%s)", node, type(e).__name__)
             return False
         self.agents[node] = agent
@@ -320,7 +331,7 @@ class ClusterDaemon(Daemon):
         now = clock()
         running = storage.list_jobs([JobStatus.RUNNING])
         for node in sorted(self.nodes.alive_with_resource()):
-            self._join(node, running, now)
+            self._join(node, running, now, wait_s=CALL_TIMEOUT_S)
         self._last_join = now
         self.cluster_devices = ClusterDevices(config.devices.kind, self.nodes)
         self.cluster_devices.set_inventory(self._all_gpus())
@@ -333,9 +344,9 @@ class ClusterDaemon(Daemon):
     def _all_gpus(self) -> list[Gpu]:
         return [g for node in self.cc.nodes for g in self.nodes.gpus.get(node, ())]
 
-    def _join(self, node: str, running: Sequence[JobRecord], now: float) -> bool:
+    def _join(self, node: str, running: Sequence[JobRecord], now: float, wait_s: float = 0.0) -> bool:
         """Connect the node's agent and sweep it: it keeps only the parts the store says run there."""
-        if not self.nodes.connect(node, now):
+        if not self.nodes.connect(node, now, wait_s):
             return False
         keep = []
         for r in running:
