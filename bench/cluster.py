@@ -116,6 +116,85 @@ def one_run(mode: str, work: Path, address: str, n: int) -> dict[str, float]:
             ray.kill(ray.get_actor(agent_name("n1"), namespace=cfg.cluster.namespace))  # type: ignore[union-attr]
 
 
+def restart_run(work: Path, address: str, n: int) -> float:
+    """Seconds from `scheduler-lite serve` (cluster mode) being started to its socket answering,
+    with the node agent and one running job already there (the re-adoption included): what
+    must stay below half of cluster.node_timeout_s (agents fence after that)."""
+    import subprocess
+
+    from scheduler_lite.client import call_socket
+
+    state = work / f"restart-{n}"
+    namespace = f"benchr{os.getpid()}-{n}"
+    state.mkdir(parents=True)
+    cfg_path = state / "cluster.toml"
+    cfg_path.write_text(f"""version = 1
+[paths]
+state_dir = "state"
+[devices]
+kind = "emulated"
+[[devices.emulated]]
+id = 0
+memory = "1GiB"
+[[tenants]]
+name = "C"
+gpu_quota = 0
+[daemon]
+tick_interval_s = {TICK_S}
+[cluster]
+kind = "ray"
+address = "{address}"
+namespace = "{namespace}"
+nodes = ["n1"]
+node_timeout_s = 30
+""")
+    from scheduler_lite.config import load_config
+
+    cfg = load_config(cfg_path)
+    serve = [sys.executable, "-m", "scheduler_lite", "--config", str(cfg_path), "serve"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    sock = cfg.socket_path
+
+    def up(p: subprocess.Popen[bytes]) -> float:
+        started = time.monotonic()
+        while True:
+            try:
+                call_socket(sock, "ping", {}, cfg.state_dir)
+                return time.monotonic() - started
+            except Exception:  # noqa: BLE001 - not up yet
+                if p.poll() is not None or time.monotonic() - started > 120:
+                    raise RuntimeError("serve did not come up") from None
+                time.sleep(0.02)
+
+    first = subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+    try:
+        up(first)
+        call_socket(sock, "submit", {"command": [sys.executable, "-c", JOB, str(state / "opp")], "tenant": "C",
+                                     "kind": "opportunistic", "workdir": str(REPO), "env": [["PYTHONPATH", str(REPO)]]},
+                    cfg.state_dir)
+        deadline = time.monotonic() + 60
+        while not (state / "opp.start").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the job did not start")
+            time.sleep(0.05)
+    finally:
+        first.kill()
+        first.wait()
+    second = subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+    try:
+        return up(second)
+    finally:
+        second.terminate()
+        second.wait()
+        d = __import__("scheduler_lite.cluster.scheduler", fromlist=["ClusterDaemon"]).ClusterDaemon(
+            cfg, SqliteStorage(cfg.db_path))
+        d.stop_all_jobs(grace_s=1)
+        import ray
+
+        from scheduler_lite.cluster.scheduler import agent_name
+        ray.kill(ray.get_actor(agent_name("n1"), namespace=namespace))
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
 
@@ -136,6 +215,7 @@ def main() -> None:
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
     results: dict[str, list[dict[str, float]]] = {"local": [], "cluster": []}
+    restarts: list[float] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for n in range(repeats):
@@ -143,10 +223,13 @@ def main() -> None:
                 for mode in order:
                     results[mode].append(one_run(mode, Path(tmp), c.address, n))
                     print(mode, n, results[mode][-1], file=sys.stderr, flush=True)
+            restarts = [restart_run(Path(tmp), c.address, n) for n in range(min(repeats, 3))]
+            print("restart", restarts, file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
         c.shutdown()
-    out = {"repeats": repeats, "tick_interval_s": TICK_S}
+    out: dict[str, Any] = {"repeats": repeats, "tick_interval_s": TICK_S,
+                           "cluster_restart_s": summary(restarts)}
     for mode, runs in results.items():
         out[mode] = {k: summary([r[k] for r in runs]) for k in ("start_s", "control_s", "tick_s")}
     print(json.dumps(out))
