@@ -47,6 +47,7 @@ from scheduler_lite.isolation import (
     job_user,
     prepare_job_dir,
     process_uid,
+    read_log,
     read_small_int,
 )
 from scheduler_lite.isolation import read_job_stats as read_job_stats_file
@@ -54,6 +55,8 @@ from scheduler_lite.jobenv import MIN_ENV_LIMIT, job_environment
 from scheduler_lite.launcher import (
     EXIT_STATUS_FILE,
     PID_FILE,
+    STDERR_FILE,
+    STDOUT_FILE,
     ExitInfo,
     Launcher,
     LaunchError,
@@ -280,6 +283,12 @@ class Daemon:
 
     def job_dir(self, job_id: str) -> Path:
         return self.config.jobs_dir / job_id
+
+    def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
+        """Up to `limit` bytes of a started job's stdout/stderr from `offset` (`logs`); a hook: in
+        a cluster the job's node reads it."""
+        assert record.job_dir is not None
+        return read_log(Path(record.job_dir) / (STDERR_FILE if stderr else STDOUT_FILE), offset, limit)
 
     def tick(self, now: float | None = None) -> TickReport:
         now = self.clock() if now is None else now

@@ -38,12 +38,15 @@ from scheduler_lite.isolation import (
     prepare_job_dir,
     process_uid,
     read_job_stats,
+    read_log,
     read_small_int,
 )
 from scheduler_lite.jobenv import job_environment
 from scheduler_lite.launcher import (
     EXIT_STATUS_FILE,
     PID_FILE,
+    STDERR_FILE,
+    STDOUT_FILE,
     ExitInfo,
     Launcher,
     LaunchSpec,
@@ -225,6 +228,10 @@ class NodeAgent:
         with self._lock:
             self.parts[job_id] = _Part(job_id, rank, part_token(token, rank), uid, job_dir, found)
         return found.pid, found.start_ticks
+
+    def read_log(self, job_id: str, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
+        """Up to `limit` bytes of the part's stdout/stderr from `offset` (`scheduler-lite logs`)."""
+        return read_log(self.jobs_dir / job_id / (STDERR_FILE if stderr else STDOUT_FILE), offset, limit)
 
     def recorded_exit(self, job_id: str) -> ExitInfo | None:
         job_dir = self.jobs_dir / job_id

@@ -546,6 +546,17 @@ class ClusterDaemon(Daemon):
                 raise OSError(f"node {node}: {_cause(e)}") from None
             offset += count
 
+    def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
+        """Rank 0's log, read by the agent of its node (where its job directory is)."""
+        nodes = job_nodes(self.cc, record.placement)
+        if not nodes or nodes[0] not in self.nodes.agents:
+            raise OSError(f"the log of {record.id} is on node {nodes[0] if nodes else '?'}, which is not connected")
+        try:
+            data, end = self.nodes.call(nodes[0], "read_log", record.id, stderr, offset, limit)
+        except Exception as e:  # noqa: BLE001 - one line for the client
+            raise OSError(f"node {nodes[0]}: {_cause(e)}") from None
+        return bytes(data), int(end)
+
     def _find_pid(self, record: JobRecord) -> int | None:
         if not record.launch_token or not record.placement:
             return None

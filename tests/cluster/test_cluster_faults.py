@@ -113,6 +113,8 @@ def test_global_scheduler_killed_mid_launch_restarts_without_starting_twice(
         # Nothing started twice: one process per job part, ever, and each still there.
         assert sorted(runs(log)) == sorted([one, gang, gang])
         assert wrappers(state, "n0") == [one] and wrappers(state, "n1") == [gang] and wrappers(state, "n2") == [gang]
+        rc, out = cli(capsys, "--config", cfg, "logs", gang)  # rank 0's log, read by n1's agent
+        assert rc == 0 and out.startswith("env emulated 0 100,101,200")
         rc, out = cli(capsys, "--config", cfg, "status")
         lines = out.splitlines()
         assert rc == 0 and lines[0].split()[:2] == ["NODE", "GPU"]
