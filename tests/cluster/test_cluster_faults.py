@@ -18,7 +18,7 @@ from scheduler_lite.cluster.agent import _wrappers_under
 from scheduler_lite.cluster.scheduler import ClusterDaemon
 from scheduler_lite.model import Place, Role
 from scheduler_lite.storage import JobStatus, SqliteStorage
-from tests.cluster.conftest import NODES, REPO, RayCluster, cluster_config
+from tests.cluster.conftest import NODES, REPO, STORE, RayCluster, cluster_config
 from tests.scheduler.test_daemon_fakes import JOB_ENV, fake_command, wait_for
 
 
@@ -34,6 +34,18 @@ def runs(log: Path) -> list[str]:
 def wrappers(state: Path, node: str) -> list[str]:
     """Job processes alive on the node (by their wrapper's name scheduler-lite:<job>:<token>)."""
     return [name.split(":")[1] for _, name in _wrappers_under(state / "nodes" / node / "jobs")]
+
+
+def tf_job() -> list[str]:
+    """A tiny Keras training job (examples/colocate_job.py): real TensorFlow under tf-antman."""
+    return [sys.executable, str(REPO / "examples" / "colocate_job.py"), "--width", "64", "--batch", "16",
+            "--steps", "100000", "--print-every", "50"]
+
+
+def step_of(d: ClusterDaemon, job_id: str) -> int:
+    placement = d.book.jobs[job_id].placement
+    job = d.status().gpu(placement[0]).job(job_id) if placement else None
+    return 0 if job is None or job.step is None else job.step
 
 
 def write_config(path: Path, rc: RayCluster, namespace: str) -> Path:
@@ -144,9 +156,10 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     assert Place(b1, (0,), Role.GUARANTEE) in first.decisions and Place(b2, (1,), Role.GUARANTEE) in first.decisions
     gang = d.submit(fake_command(), tenant="A", kind="guarantee", gpus=3, env=env)
     assert Place(gang, (100, 101, 200), Role.GUARANTEE) in d.tick().decisions
-    opp = d.submit(fake_command(), tenant="C", kind="opportunistic", env=env)
+    opp = d.submit(tf_job(), tenant="C", kind="opportunistic", env=env)  # real TF under tf-antman
     assert Place(opp, (201,), Role.OPPORTUNISTIC) in d.tick().decisions
-    assert d.run_until(lambda d: sorted(runs(log)) == sorted([b1, b2, gang, gang, opp]), timeout=60, interval=0.1)
+    assert d.run_until(lambda d: sorted(runs(log)) == sorted([b1, b2, gang, gang]), timeout=60, interval=0.1)
+    assert d.run_until(lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
     assert d.book.quota_used("A") == 3 and d.book.quota_used("B") == 2
 
     # Node n2 goes away: its raylet is removed, and its processes with it (on this one machine
@@ -167,11 +180,22 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     assert d.book.quota_used("A") == 0 and d.book.quota_used("B") == 2
     tenants = {t.name: t for t in d.status().tenants}
     assert tenants["A"].quota_used == 0 and tenants["B"].quota_used == 2
-    # The opportunistic job starts again on a surviving node; the gang waits. Nothing runs twice.
+    # The opportunistic TF job starts again on a surviving node and trains there; the gang waits.
     assert d.run_until(lambda d: len(d.book.jobs[opp].placement) == 1, timeout=60, interval=0.1)
     assert d.book.jobs[opp].placement[0] in (0, 1, 100, 101)
-    assert d.run_until(lambda d: runs(log).count(opp) == 2, timeout=60, interval=0.1)
+    assert d.run_until(lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
+    assert [e.kind for e in d.storage.events(opp)].count("launched") == 2
     assert d.storage.get_job(gang).state is JobStatus.QUEUED  # type: ignore[union-attr]
+    # Nothing ran twice: one process per job (part) alive, the B jobs untouched.
     assert runs(log).count(gang) == 2 and runs(log).count(b1) == 1 and runs(log).count(b2) == 1
     alive = wrappers(tmp_path, "n0") + wrappers(tmp_path, "n1")
     assert sorted(alive) == sorted([b1, b2, opp])
+
+    # n2 comes back (a new raylet with its resource): swept, its GPUs join, the gang runs again.
+    ray_cluster.nodes["n2"] = ray_cluster.cluster.add_node(num_cpus=1, object_store_memory=STORE,
+                                                           resources={"antman_node_n2": 1})
+    assert d.run_until(lambda d: 200 in d.gpus and 201 in d.gpus, timeout=90, interval=0.2)
+    assert d.run_until(lambda d: d.storage.get_job(gang).state is JobStatus.RUNNING, timeout=60,  # type: ignore[union-attr]
+                       interval=0.1)
+    assert len(d.book.jobs[gang].placement) == 3 and d.book.quota_used("A") == 3
+    assert d.run_until(lambda d: runs(log).count(gang) == 4, timeout=60, interval=0.1)
