@@ -330,8 +330,10 @@ class ClusterDaemon(Daemon):
         self.nodes = nodes if nodes is not None else Nodes(config)
         now = clock()
         running = storage.list_jobs([JobStatus.RUNNING])
-        for node in sorted(self.nodes.alive_with_resource()):
-            self._join(node, running, now, wait_s=CALL_TIMEOUT_S)
+        for node in sorted(self.nodes.alive_with_resource()):  # all connected first, then swept
+            self.nodes.connect(node, now, wait_s=CALL_TIMEOUT_S)
+        for node in list(self.nodes.agents):
+            self._sweep(node, running)
         self._last_join = now
         self.cluster_devices = ClusterDevices(config.devices.kind, self.nodes)
         self.cluster_devices.set_inventory(self._all_gpus())
@@ -345,13 +347,17 @@ class ClusterDaemon(Daemon):
         return [g for node in self.cc.nodes for g in self.nodes.gpus.get(node, ())]
 
     def _join(self, node: str, running: Sequence[JobRecord], now: float, wait_s: float = 0.0) -> bool:
-        """Connect the node's agent and sweep it: it keeps only the parts the store says run there."""
-        if not self.nodes.connect(node, now, wait_s):
-            return False
+        """Connect the node's agent and sweep it (`_sweep`)."""
+        return self.nodes.connect(node, now, wait_s) and self._sweep(node, running)
+
+    def _sweep(self, node: str, running: Sequence[JobRecord]) -> bool:
+        """The node's agent keeps only the parts of jobs the store says run, with every node of
+        the job connected (a gang whose other node is gone is lost: its part here must not run on);
+        it kills the rest. False (and the node dropped) if it cannot."""
         keep = []
         for r in running:
             nodes = job_nodes(self.cc, r.placement)
-            if node in nodes and r.launch_token:
+            if node in nodes and r.launch_token and all(n in self.nodes.agents for n in nodes):
                 keep.append((r.id, f"{r.launch_token}.{nodes.index(node)}"))
         try:
             stopped = self.nodes.call(node, "sweep", keep)
@@ -453,11 +459,7 @@ class ClusterDaemon(Daemon):
         for record in self.storage.list_jobs([JobStatus.RUNNING]):
             nodes = job_nodes(self.cc, record.placement)
             gone = [n for n in nodes if n not in self.nodes.agents]
-            if gone:
-                for n in nodes:
-                    if n not in gone:
-                        with contextlib.suppress(Exception):
-                            self.nodes.call(n, "stop", record.id, 0.0)
+            if gone:  # its parts on connected nodes were killed by their sweep
                 self._record_loss(record.id, gone[0], now)  # requeued ones are enqueued below
             else:
                 self.ray_launcher.jobs[record.id] = record
