@@ -52,7 +52,7 @@ from scheduler_lite.launcher import ExitInfo, Launcher, LaunchError, ProcessHand
 from scheduler_lite.model import ClusterState, GlobalDecision, Gpu, JobState, Place, Reserve, Role
 from scheduler_lite.policy.global_scheduler import schedule
 from scheduler_lite.storage import JobRecord, JobStatus, Storage
-from tf_antman.protocol import Control, DeviceStats, MemoryLimit, Stats
+from tf_antman.protocol import Control, MemoryLimit, Stats
 
 log = logging.getLogger("scheduler_lite.cluster")
 
@@ -522,7 +522,7 @@ class ClusterDaemon(Daemon):
 
     def _load_stats(self, job_id: str, live: _Live) -> Stats | None:
         assert isinstance(live.handle, ClusterHandle)
-        parts = []
+        parts: dict[str, Stats] = {}
         for node in live.handle.nodes:
             report = self.nodes.reports.get(node)
             part = None if report is None else report.parts.get(job_id)
@@ -530,23 +530,17 @@ class ClusterDaemon(Daemon):
                 return live.stats  # no fresh word from every node: keep the last
             if part.stats_error is not None:
                 raise OSError(f"node {node}: {part.stats_error}")
-            parts.append(part.stats)
-        if any(p is None for p in parts):
-            return None
-        return _merge_stats([p for p in parts if p is not None])
+            if part.stats is None:
+                return None
+            parts[node] = part.stats
+        return merge_stats(parts, live.record.placement, self.cc.node_of)
 
     def _send_control(self, job_id: str, live: _Live, control: Control) -> None:
-        assert isinstance(live.handle, ClusterHandle)
-        offset = 0
-        for node in live.handle.nodes:
-            count = sum(1 for g in live.record.placement if self.cc.node_of(g) == node)
-            limits = tuple(MemoryLimit(m.device - offset, m.limit_bytes) for m in control.memory_limits
-                           if offset <= m.device < offset + count)
+        for node, part in split_control(control, live.record.placement, self.cc.node_of).items():
             try:
-                self.nodes.call(node, "write_control", job_id, replace(control, memory_limits=limits))
+                self.nodes.call(node, "write_control", job_id, part)
             except Exception as e:  # noqa: BLE001 - the daemon logs and retries at the next change
                 raise OSError(f"node {node}: {_cause(e)}") from None
-            offset += count
 
     def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
         """Rank 0's log, read by the agent of its node (where its job directory is)."""
@@ -587,17 +581,35 @@ class ClusterDaemon(Daemon):
         return 0
 
 
-def _merge_stats(parts: Sequence[Stats]) -> Stats:
-    """One Stats for a job from its parts' (rank order): devices renumbered in placement order,
-    steps and shares from rank 0."""
+def part_indices(placement: Sequence[int], node_of: Callable[[int], str]) -> dict[str, list[int]]:
+    """Per node (rank order), the job's device indices of its GPUs there: local device `j` of the
+    node's part is the job's device `indices[j]` (placements may interleave nodes)."""
+    out: dict[str, list[int]] = {}
+    for i, g in enumerate(placement):
+        out.setdefault(node_of(g), []).append(i)
+    return out
+
+
+def split_control(control: Control, placement: Sequence[int], node_of: Callable[[int], str]) -> dict[str, Control]:
+    """A job's control.json as each of its nodes' parts sees it: the memory limits of that node's
+    GPUs, renumbered from 0 within the part."""
+    by_index = {m.device: m.limit_bytes for m in control.memory_limits}
+    return {node: replace(control, memory_limits=tuple(MemoryLimit(j, by_index[i]) for j, i in enumerate(indices)
+                                                       if i in by_index))
+            for node, indices in part_indices(placement, node_of).items()}
+
+
+def merge_stats(parts: Mapping[str, Stats], placement: Sequence[int], node_of: Callable[[int], str]) -> Stats:
+    """One Stats for a job from its parts' (node -> its part's stats): devices renumbered to the
+    job's indices, steps and shares from rank 0 (the node of the first GPU), controls applied by all."""
+    indices = part_indices(placement, node_of)
+    first = parts[next(iter(indices))]
     if len(parts) == 1:
-        return parts[0]
-    devices: list[DeviceStats] = []
-    for p in parts:
-        base = len(devices)
-        devices.extend(replace(d, device=base + d.device) for d in sorted(p.devices, key=lambda d: d.device))
-    applied = min(p.control_seq_applied for p in parts)
-    return replace(parts[0], devices=tuple(devices), control_seq_applied=applied)
+        return first
+    devices = sorted((replace(d, device=indices[node][d.device]) for node, p in parts.items() for d in p.devices
+                      if 0 <= d.device < len(indices[node])), key=lambda d: d.device)
+    applied = min(p.control_seq_applied for p in parts.values())
+    return replace(first, devices=tuple(devices), control_seq_applied=applied)
 
 
 def _cause(e: BaseException) -> str:
@@ -606,4 +618,5 @@ def _cause(e: BaseException) -> str:
     return text.splitlines()[-1] if text else type(e).__name__
 
 
-__all__ = ["ClusterDaemon", "ClusterDevices", "ClusterHandle", "Nodes", "RayLauncher", "node_aware"]
+__all__ = ["ClusterDaemon", "ClusterDevices", "ClusterHandle", "Nodes", "RayLauncher", "merge_stats", "node_aware",
+           "part_indices", "split_control"]

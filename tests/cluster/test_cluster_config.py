@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from scheduler_lite.cluster import ray_options
-from scheduler_lite.cluster.scheduler import node_aware
+from scheduler_lite.cluster.scheduler import merge_stats, node_aware, split_control
 from scheduler_lite.config import parse_config
 from scheduler_lite.model import Gpu, Job, JobKind, Place, Reserve, Role, Tenant
 from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.validation import ConfigError
 from tests.cluster.conftest import REPO, cluster_config
+from tf_antman.protocol import Control, DeviceStats, MemoryLimit, Stats
 
 
 def test_cluster_table_parsed(tmp_path: Path) -> None:
@@ -92,3 +93,29 @@ def test_single_machine_path_does_not_import_ray() -> None:
     code = ("import sys, scheduler_lite.cli, scheduler_lite.server, scheduler_lite.daemon, scheduler_lite.cluster; "
             "import scheduler_lite.cluster.scheduler; assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def _node_of(g: int) -> str:
+    return f"n{g // 100}"
+
+
+def test_a_gang_control_is_split_per_node_in_job_device_order() -> None:
+    # Placement interleaves nodes (groups n0/a, n1/a, n0/b): job devices 0, 2 on n0; 1 on n1.
+    placement = (0, 100, 1)
+    control = Control(seq=7, memory_limits=(MemoryLimit(0, 10), MemoryLimit(1, 11), MemoryLimit(2, 12)),
+                      compute_share=0.5)
+    parts = split_control(control, placement, _node_of)
+    assert parts == {"n0": Control(seq=7, memory_limits=(MemoryLimit(0, 10), MemoryLimit(1, 12)), compute_share=0.5),
+                     "n1": Control(seq=7, memory_limits=(MemoryLimit(0, 11),), compute_share=0.5)}
+
+
+def test_a_gang_stats_are_merged_in_job_device_order() -> None:
+    def dev(i: int, limit: int) -> DeviceStats:
+        return DeviceStats(i, limit, 1, 1, 1, 1, 0, 0, 0)
+
+    placement = (0, 100, 1)
+    n0 = Stats(seq=3, pid=1, state="running", step=9, devices=(dev(0, 10), dev(1, 12)), control_seq_applied=7)
+    n1 = Stats(seq=5, pid=2, state="running", step=8, devices=(dev(0, 11),), control_seq_applied=6)
+    merged = merge_stats({"n0": n0, "n1": n1}, placement, _node_of)
+    assert [(d.device, d.limit_bytes) for d in merged.devices] == [(0, 10), (1, 11), (2, 12)]
+    assert merged.step == 9 and merged.seq == 3 and merged.control_seq_applied == 6  # rank 0; all applied
