@@ -240,12 +240,6 @@ class Driver:
         self.book.finish(job_id, failed=failed)
         self._release(job_id, now)
 
-    def requeue(self, job_id: str, now: float) -> None:
-        """The world lost the running job (its node died): back to its queue, its GPUs and
-        settings released, as a preemption does (scheduler_lite.cluster)."""
-        self.book.apply(Preempt(job_id))
-        self._release(job_id, now)
-
     def _release(self, job_id: str, now: float) -> None:
         settings = self.settings.pop(job_id, None)
         for g in settings.limits if settings is not None else ():

@@ -421,11 +421,10 @@ class ClusterDaemon(Daemon):
             self.storage.clear_placements(job_id)
 
     def _driver_loss(self, job_id: str, now: float) -> None:
-        """In the book: its GPUs, quota and settings released; requeued or failed."""
-        if self.cc.on_node_loss == "requeue":
-            self.driver.requeue(job_id, now)
-        else:
-            self.driver.finish(job_id, now, failed=True)
+        """In the book: its GPUs, quota and settings released. The rebuild that follows
+        (`_set_gpus`) keeps only running and queued jobs, so a requeued job (queued in the store)
+        is picked up again by the next ingest, as the daemon does after a restart."""
+        self.driver.finish(job_id, now, failed=True)
         self._dirty = True
 
     def _set_gpus(self, now: float) -> None:
