@@ -15,6 +15,11 @@ Each tick, in this order (the simulator runs the same steps on its model, sim/en
 Submission, the job environment and status live in scheduler_lite.submission, .jobenv and .status;
 the CLI calls those, never the loop.
 
+Everything that touches a job's process or files goes through a few small methods (`_launch`,
+`_load_stats`, `_send_control`, `_prepare_job_dir`, `_find_pid`, `_recorded_exit`,
+`_control_seq_on_disk`, `read_log`): cluster mode (scheduler_lite.cluster) runs the same loop with
+them carried out by node agents.
+
 The store (scheduler_lite.storage) is the truth: a new Daemon on the same store re-adopts running
 jobs (pid + start time + launch token), requeues booked jobs that never started, keeps queued jobs
 queued and finished ones as they were. The clock is injected: tests drive `tick(now)` themselves.
