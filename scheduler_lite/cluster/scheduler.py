@@ -188,6 +188,9 @@ class Nodes:
             except ray.exceptions.RayActorError:
                 lost.append(node)
                 continue
+            except Exception as e:  # noqa: BLE001 - a broken report counts as silence, not as a crash
+                log.warning("node %s: report failed: %s", node, _cause(e))
+                continue
             if report.agent_pid != self.agent_pids.get(node):  # a new agent: the old one's jobs are gone
                 lost.append(node)
                 continue
