@@ -89,8 +89,9 @@ setup(
     packages=find_packages(include=["tf_antman", "tf_antman.*", "scheduler_lite", "scheduler_lite.*"]),
     package_data={"tf_antman": ["_native/*.so", "torch/op_hook.cpp"], "scheduler_lite": ["data/*"]},
     install_requires=["tensorflow==2.21.0", "numpy", "pynvml", "watchdog", "absl-py"],
-    # `scheduler-lite serve --metrics-port`: Prometheus metrics (scheduler_lite/metrics.py)
-    extras_require={"metrics": ["prometheus_client"]},
+    # `scheduler-lite serve --metrics-port`: Prometheus metrics (scheduler_lite/metrics.py);
+    # `ray`: cluster mode and ray_options (scheduler_lite/cluster, docs/cluster.md)
+    extras_require={"metrics": ["prometheus_client"], "ray": ["ray==2.60.0"]},
     entry_points={"console_scripts": ["scheduler-lite=scheduler_lite.cli:main"]},
     cmdclass={"build_native": BuildNative, "build_py": BuildPyWithNative},
     distclass=BinaryDistribution,

@@ -410,9 +410,14 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
 
 def _print_status(status: ClusterStatus) -> None:
     rows = []
-    for g in status.gpus:
+    by_node = len({g.node for g in status.gpus}) > 1  # cluster mode: GPUs grouped by node
+    last_node = None
+    for g in sorted(status.gpus, key=lambda g: (g.node or "", g.id)) if by_node else status.gpus:
         util = "-" if g.utilisation is None else f"{g.utilisation:.0%}"
         head = [f"{g.id}", format_bytes(g.memory_bytes), g.nvlink_group, util]
+        if by_node:
+            head.insert(0, g.node if g.node != last_node else "")
+            last_node = g.node
         if not g.jobs:
             rows.append([*head, "(idle)" if g.reserved_for is None else f"(reserved for {g.reserved_for})",
                          "", "", "", "", "", "", ""])
@@ -423,12 +428,12 @@ def _print_status(status: ClusterStatus) -> None:
                 limit += f" -> {format_bytes(j.target_memory_limit_bytes)}"
             if j.target_compute_share is not None and j.target_compute_share != j.compute_share:
                 share += f" -> {j.target_compute_share:.2f}"
-            rows.append([*(head if i == 0 else ["", "", "", ""]), j.job_id, str(j.role), limit,
+            rows.append([*(head if i == 0 else [""] * len(head)), j.job_id, str(j.role), limit,
                          "-" if j.in_use_bytes is None else format_bytes(j.in_use_bytes),
                          "-" if j.host_in_use_bytes is None else format_bytes(j.host_in_use_bytes),
                          share, str(j.controls_pending),
                          "-" if j.step_ms_median is None else f"{j.step_ms_median:.1f} ms (step {j.step})"])
-    _table(["GPU", "MEMORY", "GROUP", "UTIL", "JOB", "ROLE", "LIMIT", "IN USE", "HOST", "SHARE", "PENDING",
+    _table(["NODE"] * by_node + ["GPU", "MEMORY", "GROUP", "UTIL", "JOB", "ROLE", "LIMIT", "IN USE", "HOST", "SHARE", "PENDING",
             "STEP TIME"], rows)
     print("LIMIT and SHARE: in force, as the job reports them; '-> X': decided, not applied yet "
           "(PENDING: control files the job has not applied)")

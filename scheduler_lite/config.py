@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from scheduler_lite.auth import TenantMembers
+from scheduler_lite.cluster.config import ClusterConfig, parse_cluster
 from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
@@ -97,6 +98,7 @@ class Config:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     source: str = "<memory>"
     access: AccessConfig = field(default_factory=AccessConfig)
+    cluster: ClusterConfig | None = None  # [cluster]: cluster mode (scheduler_lite.cluster); None: one machine
 
     @property
     def db_path(self) -> Path:
@@ -164,8 +166,15 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
     coordinator = _pass_through(
         root.table("coordinator", required=False), CoordinatorConfig, sizes=("min_memory_bytes",)
     )
+    cluster_value = root.take("cluster")
+    cluster = None
+    if cluster_value is not None:
+        ids = ([(f"devices.emulated[{i}].id", d.id) for i, d in enumerate(devices.emulated)]
+               + [(f"devices.ids[{i}]", d) for i, d in enumerate(devices.nvml_ids or ())])
+        cluster = parse_cluster(cluster_value, base_dir, [t.name for t in tenants], ids)
     root.finish()
-    return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source, access)
+    return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source, access,
+                  cluster)
 
 
 # ----------------------------------------------------------------------------------------------

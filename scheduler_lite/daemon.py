@@ -15,6 +15,11 @@ Each tick, in this order (the simulator runs the same steps on its model, sim/en
 Submission, the job environment and status live in scheduler_lite.submission, .jobenv and .status;
 the CLI calls those, never the loop.
 
+Everything that touches a job's process or files goes through a few small methods (`_launch`,
+`_load_stats`, `_send_control`, `_prepare_job_dir`, `_find_pid`, `_recorded_exit`,
+`_control_seq_on_disk`, `read_log`): cluster mode (scheduler_lite.cluster) runs the same loop with
+them carried out by node agents.
+
 The store (scheduler_lite.storage) is the truth: a new Daemon on the same store re-adopts running
 jobs (pid + start time + launch token), requeues booked jobs that never started, keeps queued jobs
 queued and finished ones as they were. The clock is injected: tests drive `tick(now)` themselves.
@@ -47,6 +52,7 @@ from scheduler_lite.isolation import (
     job_user,
     prepare_job_dir,
     process_uid,
+    read_log,
     read_small_int,
 )
 from scheduler_lite.isolation import read_job_stats as read_job_stats_file
@@ -54,6 +60,8 @@ from scheduler_lite.jobenv import MIN_ENV_LIMIT, job_environment
 from scheduler_lite.launcher import (
     EXIT_STATUS_FILE,
     PID_FILE,
+    STDERR_FILE,
+    STDOUT_FILE,
     ExitInfo,
     Launcher,
     LaunchError,
@@ -281,6 +289,12 @@ class Daemon:
     def job_dir(self, job_id: str) -> Path:
         return self.config.jobs_dir / job_id
 
+    def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
+        """Up to `limit` bytes of a started job's stdout/stderr from `offset` (`logs`); a hook: in
+        a cluster the job's node reads it."""
+        assert record.job_dir is not None
+        return read_log(Path(record.job_dir) / (STDERR_FILE if stderr else STDOUT_FILE), offset, limit)
+
     def tick(self, now: float | None = None) -> TickReport:
         now = self.clock() if now is None else now
         out = _TickLog(now)
@@ -386,16 +400,34 @@ class Daemon:
             for r in records:
                 if r.id in found:
                     continue
-                job_dir = Path(r.job_dir) if r.job_dir else self.job_dir(r.id)
-                pid = read_small_int(job_dir / PID_FILE)  # no link followed, no FIFO blocking
-                if pid is None and r.launch_token:
-                    pid = self.launcher.find(r.id, r.launch_token)
-                # The job's user writes the pid file: never adopt (and later signal) another's process.
-                if pid is not None and process_uid(pid) in (None, os.geteuid(), r.uid):
+                pid = self._find_pid(r)
+                if pid is not None:
                     found[r.id] = pid
             if len(found) == len(records) or time.monotonic() >= deadline:
                 return found
             time.sleep(0.1)
+
+    def _find_pid(self, record: JobRecord) -> int | None:
+        """The pid of a booked job's process, from its pid file or its launch token; None if none.
+
+        A hook: the cluster scheduler (scheduler_lite.cluster) asks the job's node instead.
+        """
+        job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(record.id)
+        pid = read_small_int(job_dir / PID_FILE)  # no link followed, no FIFO blocking
+        if pid is None and record.launch_token:
+            pid = self.launcher.find(record.id, record.launch_token)
+        # The job's user writes the pid file: never adopt (and later signal) another's process.
+        if pid is not None and process_uid(pid) in (None, os.geteuid(), record.uid):
+            return pid
+        return None
+
+    def _recorded_exit(self, job_dir: Path) -> ExitInfo | None:
+        """How the job ended if its wrapper recorded it (hook: on the job's node in a cluster)."""
+        return ExitInfo(read_exit_status(job_dir)) if (job_dir / EXIT_STATUS_FILE).exists() else None
+
+    def _control_seq_on_disk(self, job_id: str, job_dir: Path) -> int:
+        """The seq of the job's control.json, 0 if none (hook: on the job's node in a cluster)."""
+        return _control_file_seq(job_dir)
 
     def _readopt(self, record: JobRecord, now: float, launched_pid: int | None = None) -> None:
         """A job the store says runs: its process, how it ended, or 'never started' (requeued)."""
@@ -405,9 +437,9 @@ class Daemon:
         if pid is None:  # crashed between booking the launch and recording the pid
             pid, start = launched_pid, None
         if pid is None:
-            if (job_dir / EXIT_STATUS_FILE).exists():  # ran and ended, pid file lost: not again
-                self._record_end(record, ExitInfo(read_exit_status(job_dir)), now,
-                                 "ended while the daemon was down")
+            ended = self._recorded_exit(job_dir)
+            if ended is not None:  # ran and ended, pid file lost: not again
+                self._record_end(record, ended, now, "ended while the daemon was down")
                 return
             # No process carries its token and it never wrote a pid: the command never ran.
             with self.storage.transaction():
@@ -432,7 +464,7 @@ class Daemon:
             {g: placements[g].compute_share if g in placements else 1.0 for g in record.placement},
         )
         self.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
-        seq = max(record.control_seq, _control_file_seq(job_dir))
+        seq = max(record.control_seq, self._control_seq_on_disk(record.id, job_dir))
         with self.storage.transaction():
             record = self.storage.update_job(record.id, pid=pid, pid_start=found.start_ticks)
             self.storage.add_event(now, "adopted", record.id, pid=pid, gpus=list(record.placement))
@@ -556,7 +588,7 @@ class Daemon:
 
     def _read_stats(self, job_id: str, live: _Live, now: float) -> None:
         try:
-            stats = read_job_stats_file(live.job_dir, live.record.uid)
+            stats = self._load_stats(job_id, live)
         except (ProtocolError, OSError) as e:
             message = str(e)
             if message != live.stats_error:  # once per distinct problem, not every tick
@@ -589,6 +621,10 @@ class Daemon:
                                          expected_duration_s=live.record.expected_duration_s,
                                          running_s=now - started)
         self.book.update_hints(job_id, mean_step_time_s=step_s, estimated_remaining_s=remaining)
+
+    def _load_stats(self, job_id: str, live: _Live) -> Stats | None:
+        """The job's stats.json (hook: the cluster scheduler takes what the job's node reported)."""
+        return read_job_stats_file(live.job_dir, live.record.uid)
 
     # -- 4. schedule ------------------------------------------------------------------------------
 
@@ -624,10 +660,8 @@ class Daemon:
 
     def _book_launch(self, launch: Launch, now: float) -> None:
         """Record the launch (with its token) before any process exists: a crash now requeues it."""
-        job_dir = self.job_dir(launch.job_id)
         booked = self.storage.get_job(launch.job_id)
-        # Owned by the daemon, open to the job's user for its stats only (scheduler_lite.isolation).
-        prepare_job_dir(job_dir, job_user(None if booked is None else booked.uid))
+        job_dir = self._prepare_job_dir(launch, None if booked is None else booked.uid)
         with self.storage.transaction():
             self.storage.update_job(launch.job_id, state=JobStatus.RUNNING, role=launch.role, placement=launch.gpus,
                                     job_dir=str(job_dir), started_at=now, pid=None, pid_start=None,
@@ -636,6 +670,14 @@ class Daemon:
                 self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
         self._booked.append(launch)
         self._faults.at("booked")
+
+    def _prepare_job_dir(self, launch: Launch, uid: int | None) -> Path:
+        """The job's directory, made ready before the booking is recorded (hook: in a cluster the
+        directory is on the job's node, made ready there when the job starts)."""
+        job_dir = self.job_dir(launch.job_id)
+        # Owned by the daemon, open to the job's user for its stats only (scheduler_lite.isolation).
+        prepare_job_dir(job_dir, job_user(uid))
+        return job_dir
 
     def _launch_failed(self, launch: Launch, now: float, out: _TickLog, reason: str) -> None:
         """Release the booking (driver and store): the job failed, its GPUs are free again."""
@@ -667,12 +709,8 @@ class Daemon:
         record = self.storage.get_job(launch.job_id)
         assert record is not None and record.launch_token is not None and record.job_dir is not None
         job_dir = Path(record.job_dir)
-        gpus = [self.gpus[g] for g in launch.gpus]
         limit, share = launch.memory_limit_bytes(), launch.compute_share()
-        user = job_user(record.uid)
-        env = job_environment(self.config, record, gpus, limit, share, job_dir, base=base_environment(user))
-        handle = self.launcher.start(LaunchSpec(launch.job_id, record.command, Path(record.workdir), env, job_dir,
-                                                record.launch_token, user))
+        handle = self._launch(launch, record, job_dir)
         self._faults.at("started")
         with self.storage.transaction():
             record = self.storage.update_job(launch.job_id, pid=handle.pid, pid_start=handle.start_ticks)
@@ -683,6 +721,16 @@ class Daemon:
                                    compute_share=share)
         self._live[launch.job_id] = _Live(record, handle, job_dir, control_seq=record.control_seq)
         out.launched.append(launch.job_id)
+
+    def _launch(self, launch: Launch, record: JobRecord, job_dir: Path) -> ProcessHandle:
+        """Start the job's process with the launch settings (hook: on its node in a cluster)."""
+        gpus = [self.gpus[g] for g in launch.gpus]
+        user = job_user(record.uid)
+        env = job_environment(self.config, record, gpus, launch.memory_limit_bytes(), launch.compute_share(),
+                              job_dir, base=base_environment(user))
+        assert record.launch_token is not None
+        return self.launcher.start(LaunchSpec(launch.job_id, record.command, Path(record.workdir), env, job_dir,
+                                              record.launch_token, user))
 
     # -- 5. coordinate ----------------------------------------------------------------------------
 
@@ -737,7 +785,7 @@ class Daemon:
             compute_share=min(settings.shares[g] for g in placement),
         )
         try:
-            write_control(live.job_dir, control)
+            self._send_control(job_id, live, control)
         except OSError as e:
             log.warning("%s: cannot write control.json: %s", job_id, e)
             self.storage.add_event(now, "control_error", job_id, error=str(e))
@@ -748,6 +796,10 @@ class Daemon:
             for g in placement:
                 self.storage.set_placement(job_id, g, settings.limits[g], settings.shares[g])
         out.controls.append(ControlWrite(job_id, control))
+
+    def _send_control(self, job_id: str, live: _Live, control: Control) -> None:
+        """Write the job's control.json (hook: the job's node writes it in a cluster); OSError if not."""
+        write_control(live.job_dir, control)
 
 
 # ----------------------------------------------------------------------------------------------

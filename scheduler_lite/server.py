@@ -50,8 +50,7 @@ from scheduler_lite.auth import (
     tenants_of,
 )
 from scheduler_lite.config import Config
-from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user, read_log
-from scheduler_lite.launcher import STDERR_FILE, STDOUT_FILE
+from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user
 from scheduler_lite.model import JobKind
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
@@ -330,7 +329,12 @@ class Server:
         if not record.job_dir:
             return {"data": "", "offset": offset, "done": record.state.done, "started": False,
                     "state": str(record.state)}
-        data, offset = read_log(Path(record.job_dir) / (STDERR_FILE if stderr else STDOUT_FILE), offset, MAX_LOG_CHUNK)
+        try:
+            data, offset = self.daemon.read_log(record, stderr, offset, MAX_LOG_CHUNK)
+        except IsolationError:
+            raise
+        except OSError as e:  # in cluster mode: the job's node is not connected
+            raise RequestError(f"cannot read the log of {record.id}: {e}") from None
         return {"data": base64.b64encode(data).decode(), "offset": offset, "done": record.state.done,
                 "started": True, "state": str(record.state)}
 
@@ -500,7 +504,11 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
         storage = SqliteStorage(config.db_path)
         secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
         try:
-            daemon = Daemon(config, storage)
+            if config.cluster is not None:  # cluster mode: the global scheduler (imports Ray)
+                from scheduler_lite.cluster.scheduler import ClusterDaemon
+                daemon: Daemon = ClusterDaemon(config, storage)
+            else:
+                daemon = Daemon(config, storage)
             server = Server(daemon, config)
             stop_metrics = None
             if metrics_port is not None:

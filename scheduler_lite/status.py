@@ -50,6 +50,7 @@ class GpuStatus:
     jobs: tuple[JobOnGpu, ...]
     reserved_for: str | None = None
     coordinator_phase: str | None = None
+    node: str | None = None  # the machine it is on (cluster mode groups GPUs by node)
 
     def job(self, job_id: str) -> JobOnGpu | None:
         return next((j for j in self.jobs if j.job_id == job_id), None)
@@ -127,7 +128,8 @@ def build_status(
             ))
     gpu_status = tuple(
         GpuStatus(g.id, g.memory_bytes, g.nvlink_group, None if utilisation is None else utilisation.get(g.id),
-                  tuple(per_gpu[g.id]), reserved_for.get(g.id), None if phases is None else phases.get(g.id))
+                  tuple(per_gpu[g.id]), reserved_for.get(g.id), None if phases is None else phases.get(g.id),
+                  g.node)
         for g in gpus
     )
     tenants = []

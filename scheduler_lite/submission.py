@@ -69,6 +69,8 @@ def make_job_spec(
     except ValueError:
         raise SubmitError(f"--type {kind!r} is invalid: accepted " + ", ".join(k.value for k in JobKind)) from None
     device_count = len(config.devices.emulated) if config.devices.kind == "emulated" else None
+    if device_count is not None and config.cluster is not None:  # every node has these devices
+        device_count *= len(config.cluster.nodes)
     limit = device_count or 1024
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= limit:
         raise SubmitError(f"--gpus {gpus!r} is invalid: accepted an integer in [1, {limit}]")

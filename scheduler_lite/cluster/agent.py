@@ -1,0 +1,311 @@
+"""The node agent: one per node, a Ray actor pinned there; it starts and watches that node's jobs.
+
+It holds no policy. The global scheduler (scheduler_lite.cluster.scheduler) tells it what to start
+and which control.json to write; it answers with what its jobs report (`report`: exits, stats.json).
+Everything that touches a job's process or files goes through the daemon's own code, run here on
+the job's node: `Launcher` (wrapper, pid file, exit status, launch token), `job_environment`,
+`prepare_job_dir` and `read_job_stats` (scheduler_lite.isolation), `write_control`.
+
+A job on several nodes (a gang its tenant lets span nodes) has one *part* per node: a process
+with that node's GPUs, rank `r`, and the launch token `<token>.<r>`, so every part is found again
+by its own token after a restart even when several "nodes" share one machine (tests).
+
+Fencing: an agent that hears nothing from the global scheduler for `fence_s` (half of
+`cluster.node_timeout_s`) stops its jobs: by then the global scheduler, which declares a silent
+node lost after `node_timeout_s`, may requeue them elsewhere, and a job must never run twice.
+`sweep` stops processes of this node's jobs that the global scheduler no longer counts as
+running (left behind by an agent that died while its node lived).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from scheduler_lite.config import Config
+from scheduler_lite.devices import open_devices
+from scheduler_lite.isolation import (
+    base_environment,
+    job_user,
+    prepare_job_dir,
+    process_uid,
+    read_job_stats,
+    read_log,
+    read_small_int,
+)
+from scheduler_lite.jobenv import job_environment
+from scheduler_lite.launcher import (
+    EXIT_STATUS_FILE,
+    PID_FILE,
+    STDERR_FILE,
+    STDOUT_FILE,
+    ExitInfo,
+    Launcher,
+    LaunchSpec,
+    ProcessHandle,
+    process_name,
+    read_exit_status,
+)
+from scheduler_lite.model import Gpu
+from scheduler_lite.storage import JobRecord
+from tf_antman.protocol import Control, ProtocolError, Stats, control_path, parse_control, read_text, write_control
+
+log = logging.getLogger("scheduler_lite.cluster")
+
+FENCE_FRACTION: Final = 0.5  # of node_timeout_s: the agent stops its jobs before the global requeues them
+PROGRAM_PREFIX: Final = "scheduler-lite:"
+
+
+def part_token(token: str, rank: int) -> str:
+    return f"{token}.{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class PartReport:
+    """What one job part on this node looks like now."""
+
+    exit: ExitInfo | None  # None while it runs
+    stats: Stats | None
+    stats_error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReport:
+    node: str
+    agent_pid: int
+    parts: dict[str, PartReport] = field(default_factory=dict)  # job id -> its part here
+    utilisation: dict[int, float] | None = None  # local GPU id -> reading (NVML); None: emulated
+
+
+@dataclass
+class _Part:
+    job_id: str
+    rank: int
+    token: str
+    uid: int | None
+    job_dir: Path
+    handle: ProcessHandle | None = None
+    ended: ExitInfo | None = None
+
+
+class NodeAgent:
+    """The agent's logic, usable without Ray (unit tests); `actor_class()` makes the Ray actor."""
+
+    def __init__(self, node: str, config: Config, fence: bool = True) -> None:
+        assert config.cluster is not None
+        self.node = node
+        self.config = config
+        self.jobs_dir = config.cluster.node_jobs_dir(config.state_dir, node)
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.launcher = Launcher()
+        self.devices = open_devices(config.devices)
+        self.parts: dict[str, _Part] = {}
+        self.fence_s = config.cluster.node_timeout_s * FENCE_FRACTION
+        self._contact = time.monotonic()
+        self._lock = threading.Lock()
+        self._fenced = False
+        if fence:
+            threading.Thread(target=self._fence_loop, name="fence", daemon=True).start()
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, object]:
+        """Who answers, and the node's GPUs with their local ids."""
+        with self._lock:
+            self._contact = time.monotonic()
+            self._fenced = False
+            return {"node": self.node, "hostname": socket.gethostname(), "pid": os.getpid(),
+                    "jobs_dir": str(self.jobs_dir), "gpus": list(self.devices.inventory()),
+                    "parts": sorted(self.parts)}
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def start(self, record: JobRecord, rank: int, gpus: list[Gpu], limit: int, share: float,
+              extra_env: dict[str, str]) -> tuple[int, int | None, str]:
+        """Start the job's part on this node's `gpus` (local ids): (pid, start ticks, job dir)."""
+        with self._lock:
+            self._contact = time.monotonic()
+            assert record.launch_token is not None
+            job_dir = self.jobs_dir / record.id
+            user = job_user(record.uid)
+            prepare_job_dir(job_dir, user)
+            env = job_environment(self.config, record, gpus, limit, share, job_dir, base=base_environment(user))
+            env.update(extra_env)
+            token = part_token(record.launch_token, rank)
+            part = _Part(record.id, rank, token, record.uid, job_dir)
+            handle = self.launcher.start(LaunchSpec(record.id, record.command, Path(record.workdir), env, job_dir,
+                                                    token, user))
+            part.handle = handle
+            self.parts[record.id] = part
+            return handle.pid, handle.start_ticks, str(job_dir)
+
+    def report(self) -> NodeReport:
+        """Exits and the latest stats.json of every part here (one call per node per tick)."""
+        with self._lock:
+            self._contact = time.monotonic()
+            self._fenced = False
+            out: dict[str, PartReport] = {}
+            for job_id, part in self.parts.items():
+                if part.ended is None and part.handle is not None:
+                    part.ended = self.launcher.poll(part.handle)
+                stats, error = None, None
+                try:
+                    stats = read_job_stats(part.job_dir, part.uid)
+                except (ProtocolError, OSError) as e:
+                    error = str(e)
+                out[job_id] = PartReport(part.ended, stats, error)
+            util = None
+            if self.devices.kind != "emulated":
+                util = self.devices.utilisation({})
+            return NodeReport(self.node, os.getpid(), out, util)
+
+    def signal(self, job_id: str, sig: int) -> bool:
+        with self._lock:
+            part = self.parts.get(job_id)
+            if part is None or part.handle is None:
+                return False
+            return self.launcher.signal(part.handle, sig)
+
+    def stop(self, job_id: str, grace_s: float) -> ExitInfo | None:
+        """SIGTERM, SIGKILL after grace_s, wait; the part is forgotten. None: no such part here."""
+        with self._lock:
+            part = self.parts.pop(job_id, None)
+        if part is None or part.handle is None:
+            return None
+        return self.launcher.stop(part.handle, grace_s)
+
+    def cleanup(self, job_id: str) -> None:
+        """The global scheduler recorded the part's end: kill what it left behind, forget it."""
+        with self._lock:
+            part = self.parts.pop(job_id, None)
+            if part is not None and part.handle is not None:
+                self.launcher.cleanup(part.handle)
+
+    def write_control(self, job_id: str, control: Control) -> None:
+        with self._lock:
+            self._contact = time.monotonic()
+            part = self.parts.get(job_id)
+            job_dir = part.job_dir if part is not None else self.jobs_dir / job_id
+            write_control(job_dir, control)
+
+    # -- after a restart of the global scheduler -----------------------------------------------
+
+    def find(self, job_id: str, token: str, rank: int, uid: int | None) -> int | None:
+        """The pid of the part started with this launch token: pid file, else the token (/proc)."""
+        job_dir = self.jobs_dir / job_id
+        pid = read_small_int(job_dir / PID_FILE)
+        if pid is None:
+            pid = self.launcher.find(job_id, part_token(token, rank))
+        if pid is not None and process_uid(pid) in (None, os.geteuid(), uid):
+            return pid
+        return None
+
+    def adopt(self, job_id: str, token: str, rank: int, uid: int | None, pid: int | None,
+              start_ticks: int | None) -> tuple[int, int | None] | ExitInfo:
+        """Take the part back: (pid, start ticks) while it runs, else how it ended."""
+        with self._lock:
+            self._contact = time.monotonic()
+            part = self.parts.get(job_id)
+            if part is not None and part.handle is not None and part.token == part_token(token, rank):
+                ended = part.ended or self.launcher.poll(part.handle)
+                return ended if ended is not None else (part.handle.pid, part.handle.start_ticks)
+        job_dir = self.jobs_dir / job_id
+        if pid is None:
+            pid = self.find(job_id, token, rank, uid)
+        if pid is None:
+            return ExitInfo(read_exit_status(job_dir))
+        found = self.launcher.adopt(pid, start_ticks, job_dir, part_token(token, rank), job_id)
+        if isinstance(found, ExitInfo):
+            return found
+        with self._lock:
+            self.parts[job_id] = _Part(job_id, rank, part_token(token, rank), uid, job_dir, found)
+        return found.pid, found.start_ticks
+
+    def read_log(self, job_id: str, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
+        """Up to `limit` bytes of the part's stdout/stderr from `offset` (`scheduler-lite logs`)."""
+        return read_log(self.jobs_dir / job_id / (STDERR_FILE if stderr else STDOUT_FILE), offset, limit)
+
+    def recorded_exit(self, job_id: str) -> ExitInfo | None:
+        job_dir = self.jobs_dir / job_id
+        return ExitInfo(read_exit_status(job_dir)) if (job_dir / EXIT_STATUS_FILE).exists() else None
+
+    def control_seq(self, job_id: str) -> int:
+        try:
+            text = read_text(control_path(self.jobs_dir / job_id))
+            return 0 if text is None else parse_control(text).seq
+        except (ProtocolError, OSError):
+            return 0
+
+    def sweep(self, keep: list[tuple[str, str]]) -> list[str]:
+        """SIGKILL the processes of this node's jobs whose (job id, part token) is not in `keep`;
+        the jobs stopped. Found by the wrapper's name and its job directory under this node's."""
+        wanted = {process_name(j, t) for j, t in keep}
+        stopped = []
+        with self._lock:
+            for job_id, part in list(self.parts.items()):
+                if process_name(job_id, part.token) not in wanted and part.handle is not None:
+                    self.launcher.signal(part.handle, signal.SIGKILL)
+                    self.launcher.cleanup(part.handle)
+                    del self.parts[job_id]
+                    stopped.append(job_id)
+        for pid, name in _wrappers_under(self.jobs_dir):
+            if name not in wanted:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                stopped.append(name.split(":")[1])
+        return sorted(set(stopped))
+
+    # -- fencing ----------------------------------------------------------------------------------
+
+    def _fence_loop(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.fence_s / 4))
+            with self._lock:
+                silent = time.monotonic() - self._contact
+                if self._fenced or silent < self.fence_s or not self.parts:
+                    continue
+                self._fenced = True
+                log.error("%s: no word from the global scheduler for %.1f s: stopping %d job(s)",
+                          self.node, silent, len(self.parts))
+                for part in self.parts.values():
+                    if part.handle is not None:
+                        self.launcher.signal(part.handle, signal.SIGKILL)
+                        self.launcher.cleanup(part.handle)
+                self.parts.clear()
+
+
+def _wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:
+    """(pid, wrapper name) of the job wrappers whose job directory lies under `jobs_dir`."""
+    out = []
+    prefix = f"SCHEDULER_LITE_JOB_DIR={jobs_dir}/".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if len(argv) < 4 or not argv[3].startswith(PROGRAM_PREFIX.encode()):
+                continue  # /bin/sh -c <wrapper> <name> ...
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(prefix) for v in environ):
+            out.append((int(entry.name), argv[3].decode(errors="replace")))
+    return out
+
+
+def actor_class() -> type:
+    """NodeAgent as a Ray actor class (imports Ray). No CPU reserved: it mostly waits."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(NodeAgent)  # type: ignore[no-any-return]
+
+
+__all__ = ["NodeAgent", "NodeReport", "PartReport", "actor_class", "part_token"]

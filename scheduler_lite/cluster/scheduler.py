@@ -1,0 +1,624 @@
+"""The global scheduler of cluster mode: the daemon's loop over every node's GPUs, on Ray.
+
+`ClusterDaemon` is the single-machine `Daemon` (same store, same Driver, same Algorithm 1 and
+coordinator rounds, same recovery) with its job-facing hooks pointed at node agents
+(scheduler_lite.cluster.agent) instead of the local file system:
+
+  =======================  ===================================  ===============================
+  the daemon's step        one machine (Daemon)                 cluster (ClusterDaemon)
+  =======================  ===================================  ===============================
+  GPUs                     devices.inventory()                  every connected node's, global
+                                                                ids node_index * 100 + local id,
+                                                                NVLink group "<node>/<group>"
+  stats.json, exits        read in the job dir                  one `report` per node per tick
+  start a job              Launcher.start                       agent.start on each node of it
+  control.json             write_control                        agent.write_control
+  restart: pid, exit, seq  pid file, token, exit_status         the same, asked of the node
+  =======================  ===================================  ===============================
+
+Topology: a node is the level above the NVLink group. Algorithm 1 places a gang inside one group
+when it fits, else over whole groups; `node_aware` then refuses a gang that would span nodes unless
+its tenant is in `cluster.span_tenants`: a guarantee gang holds (Reserve) the GPUs it found on its
+best node and waits there, an opportunistic one waits in its queue.
+
+Faults. A node whose agent is dead (ActorDiedError, its Ray node gone) or silent for
+`cluster.node_timeout_s` is lost: its jobs (a gang's parts on other nodes are stopped first) are
+requeued (`on_node_loss = "requeue"`) or failed, quotas and settings are released by the driver,
+and its GPUs leave the book (the driver is rebuilt over the remaining GPUs). A node that comes
+(back) is swept first (scheduler_lite.cluster.agent: processes of jobs the store does not count
+as running there are killed), then its GPUs join. A restart of the global scheduler recovers from
+the store exactly as the daemon does: its node agents are detached named actors that outlive it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final
+
+from scheduler_lite.cluster.agent import NodeReport, actor_class
+from scheduler_lite.cluster.config import ClusterConfig
+from scheduler_lite.config import Config
+from scheduler_lite.daemon import Daemon, TickReport, _Live, _TickLog
+from scheduler_lite.devices import EmulatedDevices, JobLoad
+from scheduler_lite.driver import Driver, Launch, SchedulePolicy
+from scheduler_lite.launcher import ExitInfo, Launcher, LaunchError, ProcessHandle
+from scheduler_lite.model import ClusterState, GlobalDecision, Gpu, JobState, Place, Reserve, Role
+from scheduler_lite.policy.global_scheduler import schedule
+from scheduler_lite.storage import JobRecord, JobStatus, Storage
+from tf_antman.protocol import Control, MemoryLimit, Stats
+
+log = logging.getLogger("scheduler_lite.cluster")
+
+CALL_TIMEOUT_S: Final = 10.0  # one agent call (start, stop, adopt...) must answer within this
+REPORT_WAIT_S: Final = 2.0  # a tick waits this long at most for the nodes' reports
+JOIN_EVERY_S: Final = 5.0  # how often nodes not connected are looked for
+
+
+def agent_name(node: str) -> str:
+    return f"scheduler-lite-agent-{node}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Placement across nodes.
+
+
+def node_aware(policy: SchedulePolicy, span_tenants: Iterable[str], node_of: Callable[[int], str]) -> SchedulePolicy:
+    """Algorithm 1 with the node level: a multi-node Place only for tenants allowed to span nodes."""
+    span = frozenset(span_tenants)
+
+    def run(state: ClusterState, config: object) -> list[GlobalDecision]:
+        out: list[GlobalDecision] = []
+        for d in policy(state, config):
+            if isinstance(d, Place) and state.jobs[d.job_id].tenant not in span:
+                per_node = Counter(node_of(g) for g in d.gpus)
+                if len(per_node) > 1:
+                    if d.role is Role.GUARANTEE:  # hold what its best node has; wait for the rest there
+                        best = min(per_node, key=lambda n: (-per_node[n], n))
+                        out.append(Reserve(d.job_id, tuple(g for g in d.gpus if node_of(g) == best)))
+                    continue
+            out.append(d)
+        return out
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# The node agents, seen from the global scheduler.
+
+
+class Nodes:
+    """Connects to the node agents (creating them where missing) and collects their reports."""
+
+    def __init__(self, config: Config) -> None:
+        import ray
+
+        assert config.cluster is not None
+        self.ray = ray
+        self.config = config
+        self.cc: ClusterConfig = config.cluster
+        if not ray.is_initialized():
+            ray.init(address=self.cc.address, namespace=self.cc.namespace, log_to_driver=False)
+        self.agents: dict[str, Any] = {}
+        self.gpus: dict[str, tuple[Gpu, ...]] = {}  # node -> its GPUs, global ids
+        self.hostnames: dict[str, str] = {}
+        self.agent_pids: dict[str, int] = {}
+        self.reports: dict[str, NodeReport] = {}  # this tick's, from the nodes that answered
+        self._answered: dict[str, float] = {}
+        self._pending: dict[str, tuple[Any, Any]] = {}  # node -> (agent, its info() not answered yet)
+        self._actor = actor_class()
+
+    def alive_with_resource(self) -> set[str]:
+        """Configured nodes whose Ray node is alive and offers its `antman_node_<name>` resource."""
+        out = set()
+        for n in self.ray.nodes():
+            if not n.get("Alive"):
+                continue
+            for node in self.cc.nodes:
+                if self.cc.resource(node) in (n.get("Resources") or {}):
+                    out.add(node)
+        return out
+
+    def connect(self, node: str, now: float, wait_s: float = 0.0) -> bool:
+        """The node's agent (found by name, else created on the node); False if it has not
+        answered within `wait_s`. Never blocks the loop longer: an agent still being created (its
+        node not up yet) is asked again at the next call, so the other nodes keep their reports
+        coming (a stalled loop would make their agents fence their jobs)."""
+        ray = self.ray
+        if node not in self._pending:
+            try:
+                agent = ray.get_actor(agent_name(node), namespace=self.cc.namespace)
+            except ValueError:
+                agent = self._actor.options(  # type: ignore[attr-defined]
+                    name=agent_name(node), namespace=self.cc.namespace, lifetime="detached", get_if_exists=True,
+                    resources={self.cc.resource(node): 0.001},
+                ).remote(node, self.config)
+            self._pending[node] = (agent, agent.info.remote())
+        agent, ref = self._pending[node]
+        ready, _ = ray.wait([ref], timeout=wait_s)
+        if not ready:
+            return False
+        del self._pending[node]
+        try:
+            info = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - dead or broken: not connected this time
+            log.warning("node %s: agent not available (%s)", node, type(e).__name__)
+            return False
+        self.agents[node] = agent
+        self.hostnames[node] = str(info["hostname"])
+        self.agent_pids[node] = int(info["pid"])
+        self.gpus[node] = tuple(
+            Gpu(self.cc.global_gpu(node, g.id), node, g.memory_bytes, f"{node}/{g.nvlink_group}")
+            for g in info["gpus"]  # type: ignore[attr-defined]
+        )
+        self._answered[node] = now
+        log.info("node %s (%s): agent pid %s, %d GPU(s)", node, info["hostname"], info["pid"], len(self.gpus[node]))
+        return True
+
+    def drop(self, node: str) -> None:
+        agent = self.agents.pop(node, None)
+        self.gpus.pop(node, None)
+        self.reports.pop(node, None)
+        self._answered.pop(node, None)
+        if agent is not None:
+            with contextlib.suppress(Exception):
+                self.ray.kill(agent)  # a silent agent must not come back with its jobs (it fences too)
+
+    def poll(self, now: float) -> list[str]:
+        """Collect every connected node's report; the nodes found lost."""
+        ray = self.ray
+        refs = {node: agent.report.remote() for node, agent in self.agents.items()}
+        if not refs:
+            self.reports = {}
+            return []
+        by_ref = {ref: node for node, ref in refs.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=REPORT_WAIT_S)
+        self.reports = {}
+        lost = []
+        for ref in ready:
+            node = by_ref[ref]
+            try:
+                report = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                lost.append(node)
+                continue
+            except Exception as e:  # noqa: BLE001 - a broken report counts as silence, not as a crash
+                log.warning("node %s: report failed: %s", node, _cause(e))
+                continue
+            if report.agent_pid != self.agent_pids.get(node):  # a new agent: the old one's jobs are gone
+                lost.append(node)
+                continue
+            self.reports[node] = report
+            self._answered[node] = now
+        for node in refs:
+            if node not in self.reports and node not in lost and now - self._answered[node] > self.cc.node_timeout_s:
+                lost.append(node)
+        return lost
+
+    def call(self, node: str, method: str, *args: object, timeout: float = CALL_TIMEOUT_S) -> Any:
+        return self.ray.get(getattr(self.agents[node], method).remote(*args), timeout=timeout)
+
+
+@dataclass(slots=True)
+class ClusterHandle(ProcessHandle):
+    """A job's processes: one part per node, rank order (pid/job_dir are rank 0's)."""
+
+    job_id: str = ""
+    nodes: tuple[str, ...] = ()
+    stop_sent: bool = False
+
+
+class RayLauncher(Launcher):
+    """The daemon's Launcher, carried out by the node agents (reports come from `Nodes.poll`)."""
+
+    def __init__(self, nodes: Nodes) -> None:
+        self.nodes = nodes
+        self.jobs: dict[str, JobRecord] = {}  # running jobs' records, for adopt after a restart
+
+    def poll(self, handle: ProcessHandle) -> ExitInfo | None:
+        assert isinstance(handle, ClusterHandle)
+        exits: list[ExitInfo | None] = []
+        for node in handle.nodes:
+            report = self.nodes.reports.get(node)
+            if report is None:
+                return None  # no word from that node this tick (lost nodes are handled before)
+            part = report.parts.get(handle.job_id)
+            exits.append(ExitInfo(None) if part is None else part.exit)  # unknown to its agent: gone
+        ended = [e for e in exits if e is not None]
+        if len(ended) == len(exits):
+            return _combined_exit(ended)
+        if any(e.exit_code != 0 for e in ended) and not handle.stop_sent:
+            handle.stop_sent = True  # one part failed: the whole job fails
+            self.signal(handle, signal.SIGTERM)
+        return None
+
+    def signal(self, handle: ProcessHandle, sig: int) -> bool:
+        assert isinstance(handle, ClusterHandle)
+        sent = False
+        for node in handle.nodes:
+            with contextlib.suppress(Exception):
+                sent = bool(self.nodes.call(node, "signal", handle.job_id, sig)) or sent
+        return sent
+
+    def stop(self, handle: ProcessHandle, grace_s: float, poll_s: float = 0.02) -> ExitInfo:
+        assert isinstance(handle, ClusterHandle)
+        exits = []
+        for node in handle.nodes:
+            with contextlib.suppress(Exception):
+                exits.append(self.nodes.call(node, "stop", handle.job_id, grace_s, timeout=grace_s + CALL_TIMEOUT_S))
+        return _combined_exit([e if e is not None else ExitInfo(None) for e in exits])
+
+    def cleanup(self, handle: ProcessHandle) -> None:  # type: ignore[override]
+        assert isinstance(handle, ClusterHandle)
+        for node in handle.nodes:
+            if node in self.nodes.agents:
+                with contextlib.suppress(Exception):
+                    self.nodes.call(node, "cleanup", handle.job_id)
+
+    def adopt(self, pid: int, start_ticks: int | None, job_dir: Path, token: str | None = None,
+              job_id: str = "") -> ProcessHandle | ExitInfo:
+        record = self.jobs[job_id]
+        assert token is not None
+        nodes = job_nodes(self.nodes.cc, record.placement)
+        found: list[tuple[int, int | None] | ExitInfo] = []
+        for rank, node in enumerate(nodes):
+            first = rank == 0
+            found.append(self.nodes.call(node, "adopt", job_id, token, rank, record.uid,
+                                         pid if first else None, start_ticks if first else None))
+        handle = ClusterHandle(pid, start_ticks, job_dir, None, job_id, nodes)
+        ended = [f for f in found if isinstance(f, ExitInfo)]
+        if ended:
+            if len(ended) < len(found):  # part of a gang gone: the job cannot go on
+                self.stop(handle, 0.0)
+            return _combined_exit(ended)
+        first_part = found[0]
+        assert not isinstance(first_part, ExitInfo)
+        handle.pid, handle.start_ticks = first_part
+        return handle
+
+
+def _combined_exit(exits: Sequence[ExitInfo]) -> ExitInfo:
+    """A job's exit from its parts': the first failure in rank order, else success."""
+    for e in exits:
+        if e.exit_code != 0:
+            return e
+    return ExitInfo(0)
+
+
+def job_nodes(cc: ClusterConfig, gpus: Sequence[int]) -> tuple[str, ...]:
+    """The nodes of a placement, in order of first GPU (rank 0 holds the first GPU)."""
+    return tuple(dict.fromkeys(cc.node_of(g) for g in gpus))
+
+
+class ClusterDevices(EmulatedDevices):
+    """The global inventory; utilisation derived from the jobs' stats (emulated) or as read by
+    each node's NVML (reported by its agent)."""
+
+    def __init__(self, kind: str, nodes: Nodes) -> None:
+        self.kind = kind
+        self.nodes = nodes
+        self._gpus = ()
+
+    def set_inventory(self, gpus: Iterable[Gpu]) -> None:
+        self._gpus = tuple(gpus)
+
+    def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
+        if self.kind == "emulated":
+            return super().utilisation(loads)
+        out = {}
+        cc = self.nodes.cc
+        for node, report in self.nodes.reports.items():
+            for local, value in (report.utilisation or {}).items():
+                out[cc.global_gpu(node, local)] = value
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class ClusterDaemon(Daemon):
+    """The global scheduler: `tick(now)` polls the nodes, then runs the daemon's tick."""
+
+    def __init__(self, config: Config, storage: Storage, clock: Callable[[], float] = time.time,
+                 nodes: Nodes | None = None) -> None:
+        if config.cluster is None:
+            raise ValueError("ClusterDaemon needs a [cluster] table in the config")
+        self.cc: ClusterConfig = config.cluster
+        self.nodes = nodes if nodes is not None else Nodes(config)
+        now = clock()
+        running = storage.list_jobs([JobStatus.RUNNING])
+        for node in sorted(self.nodes.alive_with_resource()):  # all connected first, then swept
+            self.nodes.connect(node, now, wait_s=CALL_TIMEOUT_S)
+        for node in list(self.nodes.agents):
+            self._sweep(node, running)
+        self._last_join = now
+        self.cluster_devices = ClusterDevices(config.devices.kind, self.nodes)
+        self.cluster_devices.set_inventory(self._all_gpus())
+        self.ray_launcher = RayLauncher(self.nodes)
+        super().__init__(config, storage, clock, devices=self.cluster_devices, launcher=self.ray_launcher)
+        self.driver.policy = node_aware(schedule, self.cc.span_tenants, self.cc.node_of)
+
+    # -- nodes ------------------------------------------------------------------------------------
+
+    def _all_gpus(self) -> list[Gpu]:
+        return [g for node in self.cc.nodes for g in self.nodes.gpus.get(node, ())]
+
+    def _join(self, node: str, running: Sequence[JobRecord], now: float, wait_s: float = 0.0) -> bool:
+        """Connect the node's agent and sweep it (`_sweep`)."""
+        return self.nodes.connect(node, now, wait_s) and self._sweep(node, running)
+
+    def _sweep(self, node: str, running: Sequence[JobRecord]) -> bool:
+        """The node's agent keeps only the parts of jobs the store says run, with every node of
+        the job connected (a gang whose other node is gone is lost: its part here must not run on);
+        it kills the rest. False (and the node dropped) if it cannot."""
+        keep = []
+        for r in running:
+            nodes = job_nodes(self.cc, r.placement)
+            if node in nodes and r.launch_token and all(n in self.nodes.agents for n in nodes):
+                keep.append((r.id, f"{r.launch_token}.{nodes.index(node)}"))
+        try:
+            stopped = self.nodes.call(node, "sweep", keep)
+        except Exception as e:  # noqa: BLE001 - an agent that cannot sweep is not trusted with jobs
+            log.error("node %s: sweep failed (%s): not joining", node, e)
+            self.nodes.drop(node)
+            return False
+        if stopped:
+            log.warning("node %s: stopped leftover processes of %s", node, ", ".join(stopped))
+        return True
+
+    def tick(self, now: float | None = None) -> TickReport:
+        now = self.clock() if now is None else now
+        for node in self.nodes.poll(now):
+            self._node_lost(node, now)
+        if now - self._last_join >= JOIN_EVERY_S:
+            self._last_join = now
+            missing = sorted(self.nodes.alive_with_resource() - set(self.nodes.agents))
+            if missing:
+                running = self.storage.list_jobs([JobStatus.RUNNING])
+                if any([self._join(node, running, now) for node in missing]):
+                    self._set_gpus(now)
+        return super().tick(now)
+
+    def _node_lost(self, node: str, now: float) -> None:
+        """Its jobs requeued or failed (gang parts elsewhere stopped first), its GPUs out of the book."""
+        log.error("node %s lost: its jobs are %s", node, "requeued" if self.cc.on_node_loss == "requeue" else "failed")
+        self.nodes.drop(node)
+        self.storage.add_event(now, "node_lost", None, node=node)
+        for job_id, live in list(self._live.items()):
+            assert isinstance(live.handle, ClusterHandle)
+            if node not in live.handle.nodes:
+                continue
+            others = [n for n in live.handle.nodes if n != node and n in self.nodes.agents]
+            for other in others:  # a gang's surviving parts: stopped before the job runs anywhere else
+                with contextlib.suppress(Exception):
+                    self.nodes.call(other, "stop", job_id, 0.0)
+            del self._live[job_id]
+            self._record_loss(job_id, node, now)
+            self._driver_loss(job_id, now)
+        for launch in list(self._booked):  # booked this tick, not started: never ran
+            if node in job_nodes(self.cc, launch.gpus):
+                self._booked.remove(launch)
+                self._record_loss(launch.job_id, node, now)
+                self._driver_loss(launch.job_id, now)
+        self._set_gpus(now)
+
+    def _record_loss(self, job_id: str, node: str, now: float) -> None:
+        """In the store: the job back in its queue (no placement, no token: it never ran) or failed."""
+        reason = f"node {node} lost"
+        with self.storage.transaction():
+            if self.cc.on_node_loss == "requeue":
+                self.storage.update_job(job_id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
+                                        started_at=None, launch_token=None, pid=None, pid_start=None,
+                                        control_seq=0)
+                self.storage.add_event(now, "requeued", job_id, reason=reason)
+            else:
+                self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
+                self.storage.add_event(now, "exited", job_id, state=str(JobStatus.FAILED), exit_code=None,
+                                       reason=reason)
+            self.storage.clear_placements(job_id)
+
+    def _driver_loss(self, job_id: str, now: float) -> None:
+        """In the book: its GPUs, quota and settings released. The rebuild that follows
+        (`_set_gpus`) keeps only running and queued jobs, so a requeued job (queued in the store)
+        is picked up again by the next ingest, as the daemon does after a restart."""
+        self.driver.finish(job_id, now, failed=True)
+        self._dirty = True
+
+    def _set_gpus(self, now: float) -> None:
+        """Rebuild the driver over the GPUs of the connected nodes, keeping jobs and settings.
+
+        The book has no GPU removal: a new one is filled with the running jobs (their settings
+        kept) and the queued ones. Measured solo step times and coordinator memos start afresh;
+        reservations are recomputed by the next pass.
+        """
+        gpus = self._all_gpus()
+        old = self.driver
+        new = Driver(gpus, old.book.tenants.values(), policy=old.policy, scheduler_config=old.scheduler_config,
+                     coordinator_config=old.ccfg)
+        ids = {g.id for g in gpus}
+        for job in old.book.jobs.values():
+            if job.state is JobState.RUNNING and job.role is not None and set(job.placement) <= ids:
+                new.restore(job, Place(job.id, job.placement, job.role), old.settings[job.id], now)
+            elif job.state is JobState.PENDING:
+                new.submit(job)
+        self.driver, self.book = new, new.book
+        self.cluster_devices.set_inventory(gpus)
+        self.gpus = {g.id: g for g in gpus}
+        self._util_samples = {g: self._util_samples.get(g, deque()) for g in self.gpus}
+        self._round_sig = {}
+        self._dirty = True
+
+    # -- hooks of the daemon ----------------------------------------------------------------------
+
+    def _recover(self, now: float) -> None:
+        """Jobs of nodes not connected are lost (requeued or failed); the others as the daemon does."""
+        for record in self.storage.list_jobs([JobStatus.RUNNING]):
+            nodes = job_nodes(self.cc, record.placement)
+            gone = [n for n in nodes if n not in self.nodes.agents]
+            if gone:  # its parts on connected nodes were killed by their sweep
+                self._record_loss(record.id, gone[0], now)  # requeued ones are enqueued below
+            else:
+                self.ray_launcher.jobs[record.id] = record
+        super()._recover(now)
+
+    def _enqueue(self, record: JobRecord, now: float, out: _TickLog | None) -> bool:
+        largest = max((len(gs) for gs in self.nodes.gpus.values()), default=0)
+        if record.tenant not in self.cc.span_tenants and record.num_gpus > largest:
+            problem = (f"needs {record.num_gpus} GPUs; the largest node has {largest} and tenant "
+                       f"{record.tenant!r} may not span nodes (cluster.span_tenants)")
+            with self.storage.transaction():
+                self.storage.update_job(record.id, state=JobStatus.FAILED, ended_at=now, reason=problem)
+                self.storage.add_event(now, "rejected", record.id, reason=problem)
+            if out is not None:
+                out.ended.append((record.id, JobStatus.FAILED, None))
+            return False
+        return super()._enqueue(record, now, out)
+
+    def _prepare_job_dir(self, launch: Launch, uid: int | None) -> Path:
+        # On the job's first node; its agent makes it ready when it starts the job.
+        first = job_nodes(self.cc, launch.gpus)[0]
+        return self.cc.node_jobs_dir(self.config.state_dir, first) / launch.job_id
+
+    def _launch(self, launch: Launch, record: JobRecord, job_dir: Path) -> ProcessHandle:
+        assert record.launch_token is not None
+        nodes = job_nodes(self.cc, launch.gpus)
+        common = {
+            "SCHEDULER_LITE_GPUS": ",".join(str(g) for g in launch.gpus),
+            "SCHEDULER_LITE_NUM_NODES": str(len(nodes)),
+            "SCHEDULER_LITE_NODES": ",".join(self.nodes.hostnames.get(n, n) for n in nodes),
+        }
+        started: list[str] = []
+        handle = ClusterHandle(0, None, job_dir, None, launch.job_id, nodes)
+        for rank, node in enumerate(nodes):
+            mine = [g for g in launch.gpus if self.cc.node_of(g) == node]
+            local = [replace(self.gpus[g], id=self._device_id(g, i)) for i, g in enumerate(mine)]
+            limit = min(launch.settings.limits[g] for g in mine)
+            share = min(launch.settings.shares[g] for g in mine)
+            env = {**common, "SCHEDULER_LITE_NODE_RANK": str(rank)}
+            try:
+                pid, start, _ = self.nodes.call(node, "start", record, rank, local, limit, share, env)
+            except Exception as e:  # noqa: BLE001 - node gone, bad workdir...: the job did not start
+                if started:
+                    self.ray_launcher.stop(replace(handle, nodes=tuple(started)), 0.0)
+                raise LaunchError(f"cannot start {launch.job_id} on node {node}: {_cause(e)}") from None
+            started.append(node)
+            if rank == 0:
+                handle.pid, handle.start_ticks = pid, start
+        self.ray_launcher.jobs[launch.job_id] = record
+        return handle
+
+    def _device_id(self, gpu: int, index: int) -> int:
+        """The id a part's job sees for its `index`-th GPU on the node.
+
+        NVML: the node's GPU index (CUDA_VISIBLE_DEVICES, renumbered from 0 by CUDA). Emulated:
+        the index itself, as CUDA would renumber: tf-antman reports and accepts memory limits for
+        device ANTMAN_DEVICE_ID, and the protocol numbers devices within the job from 0.
+        """
+        return self.cc.local_gpu(gpu) if self.config.devices.kind == "nvml" else index
+
+    def _load_stats(self, job_id: str, live: _Live) -> Stats | None:
+        assert isinstance(live.handle, ClusterHandle)
+        parts: dict[str, Stats] = {}
+        for node in live.handle.nodes:
+            report = self.nodes.reports.get(node)
+            part = None if report is None else report.parts.get(job_id)
+            if part is None:
+                return live.stats  # no fresh word from every node: keep the last
+            if part.stats_error is not None:
+                raise OSError(f"node {node}: {part.stats_error}")
+            if part.stats is None:
+                return None
+            parts[node] = part.stats
+        return merge_stats(parts, live.record.placement, self.cc.node_of)
+
+    def _send_control(self, job_id: str, live: _Live, control: Control) -> None:
+        for node, part in split_control(control, live.record.placement, self.cc.node_of).items():
+            try:
+                self.nodes.call(node, "write_control", job_id, part)
+            except Exception as e:  # noqa: BLE001 - the daemon logs and retries at the next change
+                raise OSError(f"node {node}: {_cause(e)}") from None
+
+    def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
+        """Rank 0's log, read by the agent of its node (where its job directory is)."""
+        nodes = job_nodes(self.cc, record.placement)
+        if not nodes or nodes[0] not in self.nodes.agents:
+            raise OSError(f"the log of {record.id} is on node {nodes[0] if nodes else '?'}, which is not connected")
+        try:
+            data, end = self.nodes.call(nodes[0], "read_log", record.id, stderr, offset, limit)
+        except Exception as e:  # noqa: BLE001 - one line for the client
+            raise OSError(f"node {nodes[0]}: {_cause(e)}") from None
+        return bytes(data), int(end)
+
+    def _find_pid(self, record: JobRecord) -> int | None:
+        if not record.launch_token or not record.placement:
+            return None
+        node = job_nodes(self.cc, record.placement)[0]
+        try:
+            pid = self.nodes.call(node, "find", record.id, record.launch_token, 0, record.uid)
+        except Exception:  # noqa: BLE001 - cannot tell: look again until the grace period ends
+            return None
+        return None if pid is None else int(pid)
+
+    def _recorded_exit(self, job_dir: Path) -> ExitInfo | None:
+        job_id = job_dir.name
+        for node in self.nodes.agents:
+            if job_dir.parent == self.cc.node_jobs_dir(self.config.state_dir, node):
+                with contextlib.suppress(Exception):
+                    found = self.nodes.call(node, "recorded_exit", job_id)
+                    return found if isinstance(found, ExitInfo) else None
+        return None
+
+    def _control_seq_on_disk(self, job_id: str, job_dir: Path) -> int:
+        record = self.ray_launcher.jobs.get(job_id)
+        if record is None or not record.placement:
+            return 0
+        with contextlib.suppress(Exception):
+            return int(self.nodes.call(job_nodes(self.cc, record.placement)[0], "control_seq", job_id))
+        return 0
+
+
+def part_indices(placement: Sequence[int], node_of: Callable[[int], str]) -> dict[str, list[int]]:
+    """Per node (rank order), the job's device indices of its GPUs there: local device `j` of the
+    node's part is the job's device `indices[j]` (placements may interleave nodes)."""
+    out: dict[str, list[int]] = {}
+    for i, g in enumerate(placement):
+        out.setdefault(node_of(g), []).append(i)
+    return out
+
+
+def split_control(control: Control, placement: Sequence[int], node_of: Callable[[int], str]) -> dict[str, Control]:
+    """A job's control.json as each of its nodes' parts sees it: the memory limits of that node's
+    GPUs, renumbered from 0 within the part."""
+    by_index = {m.device: m.limit_bytes for m in control.memory_limits}
+    return {node: replace(control, memory_limits=tuple(MemoryLimit(j, by_index[i]) for j, i in enumerate(indices)
+                                                       if i in by_index))
+            for node, indices in part_indices(placement, node_of).items()}
+
+
+def merge_stats(parts: Mapping[str, Stats], placement: Sequence[int], node_of: Callable[[int], str]) -> Stats:
+    """One Stats for a job from its parts' (node -> its part's stats): devices renumbered to the
+    job's indices, steps and shares from rank 0 (the node of the first GPU), controls applied by all."""
+    indices = part_indices(placement, node_of)
+    first = parts[next(iter(indices))]
+    if len(parts) == 1:
+        return first
+    devices = sorted((replace(d, device=indices[node][d.device]) for node, p in parts.items() for d in p.devices
+                      if 0 <= d.device < len(indices[node])), key=lambda d: d.device)
+    applied = min(p.control_seq_applied for p in parts.values())
+    return replace(first, devices=tuple(devices), control_seq_applied=applied)
+
+
+def _cause(e: BaseException) -> str:
+    """The last line of an error (a RayTaskError's text ends with the remote exception)."""
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else type(e).__name__
+
+
+__all__ = ["ClusterDaemon", "ClusterDevices", "ClusterHandle", "Nodes", "RayLauncher", "merge_stats", "node_aware",
+           "part_indices", "split_control"]

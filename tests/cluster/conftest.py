@@ -1,0 +1,94 @@
+"""One Ray cluster per test module: 3 raylets on this machine (ray.cluster_utils.Cluster), each
+node marked with its `antman_node_<name>` resource; the tests that use it are skipped when Ray is not installed.
+
+Every test gets its own Ray namespace and state directory, so its node agents (detached, named
+actors) are its own; they are killed when the test ends, and its jobs stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scheduler_lite.cluster.scheduler import agent_name
+from scheduler_lite.config import Config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+NODES = ("n0", "n1", "n2")
+STORE = 80 << 20  # Ray's smallest object store: nothing big travels through it
+_namespaces = itertools.count()
+
+
+@dataclass
+class RayCluster:
+    cluster: Any
+    nodes: dict[str, Any]  # name -> ray.cluster_utils node (n0 is the head)
+    made: list[Any] = field(default_factory=list)  # daemons to stop after a test
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+
+def cluster_config(state_dir: Path, namespace: str, **sections: dict) -> Config:
+    data: dict = {
+        "version": 1,
+        "paths": {"state_dir": str(state_dir)},
+        "devices": {"kind": "emulated",
+                    "emulated": [{"id": i, "memory": "1GiB", "nvlink_group": "nv"} for i in range(2)]},
+        "tenants": [{"name": "A", "gpu_quota": 4}, {"name": "B", "gpu_quota": 2}, {"name": "C", "gpu_quota": 0}],
+        "jobs": {"cancel_grace_s": 2, "host_memory": "1GiB"},
+        "daemon": {"tick_interval_s": 0.1, "schedule_interval_s": 0.3, "utilisation_window_s": 1.0},
+        "coordinator": {"min_memory_bytes": "64MiB", "round_interval_s": 0.5},
+        "cluster": {"kind": "ray", "address": "auto", "namespace": namespace, "nodes": list(NODES),
+                    "span_tenants": ["A"], "node_timeout_s": 10},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return parse_config(data, base_dir=state_dir)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    ray = pytest.importorskip("ray")  # the optional extra: tf-antman[ray]
+    from ray.cluster_utils import Cluster
+
+    # Workers (node agents, Ray tasks) import this checkout, and jobs inherit it.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    common = {"num_cpus": 1, "object_store_memory": STORE}
+    c = Cluster(initialize_head=True, head_node_args={**common, "include_dashboard": False,
+                                                      "resources": {"antman_node_n0": 1}})
+    nodes = {"n0": c.head_node}
+    for name in NODES[1:]:
+        nodes[name] = c.add_node(**common, resources={f"antman_node_{name}": 1})
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    try:
+        yield RayCluster(c, nodes)
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture
+def namespace(ray_cluster: RayCluster) -> Iterator[str]:
+    """A fresh namespace; at the end the test's daemons stop their jobs and its agents are killed."""
+    import ray
+
+    ns = f"test{os.getpid()}-{next(_namespaces)}"
+    yield ns
+    for d in ray_cluster.made:
+        with contextlib.suppress(Exception):
+            d.stop_all_jobs(grace_s=1)
+    ray_cluster.made.clear()
+    for node in NODES:
+        with contextlib.suppress(Exception):
+            ray.kill(ray.get_actor(agent_name(node), namespace=ns))

@@ -1,0 +1,201 @@
+"""Cluster mode faults on 3 Ray nodes: the global scheduler killed mid-launch and restarted from its
+store (through `scheduler-lite serve`), then a node removed mid-run. Order matters: the last test
+removes node n2 from this module's cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scheduler_lite.cli import main
+from scheduler_lite.cluster.agent import _wrappers_under
+from scheduler_lite.cluster.scheduler import ClusterDaemon
+from scheduler_lite.model import Place, Role
+from scheduler_lite.storage import JobStatus, SqliteStorage
+from tests.cluster.conftest import NODES, REPO, STORE, RayCluster, cluster_config
+from tests.scheduler.test_daemon_fakes import JOB_ENV, fake_command, wait_for
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    return rc, capsys.readouterr().out
+
+
+def runs(log: Path) -> list[str]:
+    return log.read_text().split() if log.exists() else []
+
+
+def wrappers(state: Path, node: str) -> list[str]:
+    """Job processes alive on the node (by their wrapper's name scheduler-lite:<job>:<token>)."""
+    return [name.split(":")[1] for _, name in _wrappers_under(state / "nodes" / node / "jobs")]
+
+
+def tf_job() -> list[str]:
+    """A tiny Keras training job (examples/colocate_job.py): real TensorFlow under tf-antman."""
+    return [sys.executable, str(REPO / "examples" / "colocate_job.py"), "--width", "64", "--batch", "16",
+            "--steps", "100000", "--print-every", "50"]
+
+
+def step_of(d: ClusterDaemon, job_id: str) -> int:
+    placement = d.book.jobs[job_id].placement
+    job = d.status().gpu(placement[0]).job(job_id) if placement else None
+    return 0 if job is None or job.step is None else job.step
+
+
+def write_config(path: Path, rc: RayCluster, namespace: str) -> Path:
+    nodes = ", ".join(f'"{n}"' for n in NODES)
+    path.write_text(f"""
+version = 1
+[paths]
+state_dir = "state"
+[devices]
+kind = "emulated"
+[[devices.emulated]]
+id = 0
+memory = "1GiB"
+[[devices.emulated]]
+id = 1
+memory = "1GiB"
+[[tenants]]
+name = "A"
+gpu_quota = 4
+[jobs]
+cancel_grace_s = 2
+[daemon]
+tick_interval_s = 0.1
+schedule_interval_s = 0.3
+[cluster]
+kind = "ray"
+address = "{rc.address}"
+namespace = "{namespace}"
+nodes = [{nodes}]
+span_tenants = ["A"]
+node_timeout_s = 20
+""")
+    return path
+
+
+def test_global_scheduler_killed_mid_launch_restarts_without_starting_twice(
+        ray_cluster: RayCluster, namespace: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = str(write_config(tmp_path / "cluster.toml", ray_cluster, namespace))
+    state = tmp_path / "state"
+    log = tmp_path / "runs.log"
+    # The second launch kills the global scheduler after its processes started, before their pid
+    # is recorded (the daemon's fault hook): the restart must find them on their nodes, not rerun.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SCHEDULER_LITE_FAULT": "started", "SCHEDULER_LITE_FAULT_AFTER": "2"}
+    serve = [sys.executable, "-m", "scheduler_lite", "--config", cfg, "serve"]
+    first = subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+    second = None
+    try:
+        assert wait_for(lambda: (state / "scheduler.sock").exists(), timeout=60)
+        jobs = []
+        for gpus in (1, 3):  # the 3-GPU gang spans nodes n1 and n2
+            rc, out = cli(capsys, "--config", cfg, "submit", "--tenant", "A", "--type", "guarantee", "--gpus",
+                          str(gpus), "--env", f"PYTHONPATH={REPO}", "--env", f"FAKE_RUNS_LOG={log}", "--",
+                          *fake_command())
+            assert rc == 0
+            jobs.append(out.strip())
+            assert wait_for(lambda: len(runs(log)) >= 1, timeout=60)
+        assert first.wait(timeout=60) == -signal.SIGKILL
+        one, gang = jobs
+        assert wait_for(lambda: sorted(runs(log)) == sorted([one, gang, gang]), timeout=30)
+        store = SqliteStorage(state / "scheduler.db")
+        record = store.get_job(gang)
+        assert record is not None and record.state is JobStatus.RUNNING and record.pid is None
+        store.close()
+
+        env.pop("SCHEDULER_LITE_FAULT")
+        second = subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+        assert wait_for(lambda: (state / "scheduler.sock").exists(), timeout=60)
+
+        def adopted() -> bool:
+            rc, out = cli(capsys, "--config", cfg, "show", gang, "--json")
+            return rc == 0 and any(e["kind"] == "adopted" for e in json.loads(out)["events"])
+
+        assert wait_for(adopted, timeout=60, interval=0.5)
+        rc, out = cli(capsys, "--config", cfg, "show", gang, "--json")
+        shown = json.loads(out)["job"]
+        assert shown["state"] == "running" and shown["placement"] == [100, 101, 200] and shown["pid"] is not None
+        # Nothing started twice: one process per job part, ever, and each still there.
+        assert sorted(runs(log)) == sorted([one, gang, gang])
+        assert wrappers(state, "n0") == [one] and wrappers(state, "n1") == [gang] and wrappers(state, "n2") == [gang]
+        rc, out = cli(capsys, "--config", cfg, "logs", gang)  # rank 0's log, read by n1's agent
+        assert rc == 0 and out.startswith("env emulated 0 100,101,200")
+        rc, out = cli(capsys, "--config", cfg, "status")
+        lines = out.splitlines()
+        assert rc == 0 and lines[0].split()[:2] == ["NODE", "GPU"]
+        assert [ln.split()[0] for ln in lines[1:] if ln.split() and ln.split()[0] in NODES] == list(NODES)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        # The jobs outlive the scheduler by design: stop them through a scheduler of this store.
+        config = cluster_config(state, namespace)
+        d = ClusterDaemon(config, SqliteStorage(config.db_path))
+        ray_cluster.made.append(d)
+
+
+def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
+    log = tmp_path / "runs.log"
+    env = {**JOB_ENV, "FAKE_RUNS_LOG": str(log)}
+    config = cluster_config(tmp_path, namespace)
+    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    ray_cluster.made.append(d)
+    b1 = d.submit(fake_command(), tenant="B", kind="guarantee", env=env)
+    b2 = d.submit(fake_command(), tenant="B", kind="guarantee", env=env)
+    first = d.tick()
+    assert Place(b1, (0,), Role.GUARANTEE) in first.decisions and Place(b2, (1,), Role.GUARANTEE) in first.decisions
+    gang = d.submit(fake_command(), tenant="A", kind="guarantee", gpus=3, env=env)
+    assert Place(gang, (100, 101, 200), Role.GUARANTEE) in d.tick().decisions
+    opp = d.submit(tf_job(), tenant="C", kind="opportunistic", env=env)  # real TF under tf-antman
+    assert Place(opp, (201,), Role.OPPORTUNISTIC) in d.tick().decisions
+    assert d.run_until(lambda d: sorted(runs(log)) == sorted([b1, b2, gang, gang]), timeout=60, interval=0.1)
+    assert d.run_until(lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
+    assert d.book.quota_used("A") == 3 and d.book.quota_used("B") == 2
+
+    # Node n2 goes away: its raylet is removed, and its processes with it (on this one machine
+    # they would outlive the raylet, so the test kills them: what a dead machine does).
+    ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
+    for pid, _ in _wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
+        os.killpg(pid, signal.SIGKILL)
+    assert d.run_until(lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
+    assert sorted(d.gpus) == [0, 1, 100, 101]
+    assert {g.node for g in d.status().gpus} == {"n0", "n1"}
+    # The gang's part on n1 was stopped before anything else: it must not run next to a rerun.
+    # (run_until keeps ticking: an agent that hears nothing for node_timeout_s / 2 fences its jobs)
+    assert d.run_until(lambda d: wrappers(tmp_path, "n1") == [], timeout=4, interval=0.1)
+    for job in (gang, opp):
+        events = [e for e in d.storage.events(job) if e.kind == "requeued"]
+        assert events and events[0].detail["reason"] == "node n2 lost"
+    # Quotas released exactly: A's gang is queued again (3 GPUs, only 2 free: it waits), B keeps 2.
+    assert d.book.quota_used("A") == 0 and d.book.quota_used("B") == 2
+    tenants = {t.name: t for t in d.status().tenants}
+    assert tenants["A"].quota_used == 0 and tenants["B"].quota_used == 2
+    # The opportunistic TF job starts again on a surviving node and trains there; the gang waits.
+    assert d.run_until(lambda d: len(d.book.jobs[opp].placement) == 1, timeout=60, interval=0.1)
+    assert d.book.jobs[opp].placement[0] in (0, 1, 100, 101)
+    assert d.run_until(lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
+    assert [e.kind for e in d.storage.events(opp)].count("launched") == 2
+    assert d.storage.get_job(gang).state is JobStatus.QUEUED  # type: ignore[union-attr]
+    # Nothing ran twice: one process per job (part) alive, the B jobs untouched.
+    assert runs(log).count(gang) == 2 and runs(log).count(b1) == 1 and runs(log).count(b2) == 1
+    alive = wrappers(tmp_path, "n0") + wrappers(tmp_path, "n1")
+    assert sorted(alive) == sorted([b1, b2, opp])
+
+    # n2 comes back (a new raylet with its resource): swept, its GPUs join, the gang runs again.
+    ray_cluster.nodes["n2"] = ray_cluster.cluster.add_node(num_cpus=1, object_store_memory=STORE,
+                                                           resources={"antman_node_n2": 1})
+    assert d.run_until(lambda d: 200 in d.gpus and 201 in d.gpus, timeout=90, interval=0.2)
+    assert d.run_until(lambda d: d.storage.get_job(gang).state is JobStatus.RUNNING, timeout=60,  # type: ignore[union-attr]
+                       interval=0.1)
+    assert len(d.book.jobs[gang].placement) == 3 and d.book.quota_used("A") == 3
+    assert d.run_until(lambda d: runs(log).count(gang) == 4, timeout=60, interval=0.1)

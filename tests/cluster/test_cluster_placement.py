@@ -1,0 +1,140 @@
+"""Cluster mode on 3 Ray nodes x 2 emulated GPUs: Algorithm 1 across nodes, gangs, the coordinator."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from scheduler_lite.cluster.scheduler import ClusterDaemon
+from scheduler_lite.model import Place, Reserve, Role, SetComputeShare
+from scheduler_lite.storage import JobStatus, SqliteStorage
+from tests.cluster.conftest import REPO, RayCluster, cluster_config
+from tests.scheduler.test_daemon_fakes import JOB_ENV, fake_command
+
+
+def new_daemon(rc: RayCluster, state: Path, namespace: str, **sections: dict) -> ClusterDaemon:
+    config = cluster_config(state, namespace, **sections)
+    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    rc.made.append(d)
+    return d
+
+
+def step_of(d: ClusterDaemon, job_id: str, gpu: int) -> int:
+    job = d.status().gpu(gpu).job(job_id)
+    return 0 if job is None or job.step is None else job.step
+
+
+def test_algorithm_1_over_nodes_and_gangs(ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
+    d = new_daemon(ray_cluster, tmp_path, namespace)
+    assert sorted(d.gpus) == [0, 1, 100, 101, 200, 201]
+    assert {g.node for g in d.gpus.values()} == {"n0", "n1", "n2"}
+    assert d.gpus[101].nvlink_group == "n1/nv"  # an NVLink group never spans nodes
+
+    # Best fit: a 1-GPU guarantee job takes the first group that fits (node n0).
+    one = d.submit(fake_command(), tenant="A", kind="guarantee", env=JOB_ENV)
+    first = d.tick()
+    assert Place(one, (0,), Role.GUARANTEE) in first.decisions and first.launched == (one,)
+
+    # A 3-GPU gang of a tenant allowed to span nodes: whole groups first (n1), then n2.
+    gang = d.submit(fake_command(), tenant="A", kind="guarantee", gpus=3, env=JOB_ENV)
+    second = d.tick()
+    assert Place(gang, (100, 101, 200), Role.GUARANTEE) in second.decisions
+    # One process per node, each with its own job directory on its node, both stepping.
+    assert d.run_until(lambda d: all(step_of(d, gang, g) >= 2 for g in (100, 101, 200)), timeout=60, interval=0.1)
+    for node in ("n1", "n2"):
+        stats = json.loads((tmp_path / "nodes" / node / "jobs" / gang / "stats.json").read_text())
+        assert stats["step"] >= 1
+    record = d.storage.get_job(gang)
+    assert record is not None and record.job_dir == str(tmp_path / "nodes" / "n1" / "jobs" / gang)
+
+    # A 2-GPU gang of a tenant that may not span nodes: free GPUs are 1 (n0) and 201 (n2), so
+    # Algorithm 1 would spread it; the node level makes it hold GPU 1 on n0 and wait there.
+    b = d.submit(fake_command(), tenant="B", kind="guarantee", gpus=2, env=JOB_ENV)
+    third = d.tick()
+    assert Reserve(b, (1,)) in third.decisions and not any(isinstance(x, Place) and x.job_id == b
+                                                          for x in third.decisions)
+    assert d.storage.get_job(b).state is JobStatus.QUEUED  # type: ignore[union-attr]
+    # Its node frees up: it starts there, both GPUs on n0.
+    d.cancel(one)
+    assert d.run_until(lambda d: d.book.jobs[b].placement == (0, 1), timeout=60, interval=0.1)
+    assert d.run_until(lambda d: step_of(d, b, 1) >= 1, timeout=60, interval=0.1)
+    assert d.book.quota_used("A") == 3 and d.book.quota_used("B") == 2
+
+
+def tf_job(steps: int = 100000) -> list[str]:
+    """A tiny Keras training job (examples/colocate_job.py): real TensorFlow under tf-antman."""
+    return [sys.executable, str(REPO / "examples" / "colocate_job.py"), "--width", "64", "--batch", "16",
+            "--steps", str(steps), "--print-every", "50"]
+
+
+def test_guarantee_job_protected_on_its_node(ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
+    d = new_daemon(ray_cluster, tmp_path, namespace)
+    floor, min_memory = d.config.coordinator.floor_share, d.config.coordinator.min_memory_bytes
+    # Light fake processes hold every GPU but 201 on node n2: a 4-GPU gang (whole groups of n0
+    # and n1), then a 1-GPU job (best fit: n2).
+    gang = d.submit(fake_command(), tenant="A", kind="guarantee", gpus=4, env=JOB_ENV)
+    assert Place(gang, (0, 1, 100, 101), Role.GUARANTEE) in d.tick().decisions
+    one = d.submit(fake_command(), tenant="B", kind="guarantee", env=JOB_ENV)
+    assert Place(one, (200,), Role.GUARANTEE) in d.tick().decisions
+    opp = d.submit(tf_job(), tenant="C", kind="opportunistic", env=JOB_ENV)
+    assert Place(opp, (201,), Role.OPPORTUNISTIC) in d.tick().decisions
+    assert d.run_until(lambda d: step_of(d, opp, 201) >= 20, timeout=120, interval=0.2)
+    alone = d.status().gpu(201).job(opp)
+    assert alone is not None and alone.compute_share == 1.0
+    # A guarantee job arrives on the same GPU of n2: the coordinator (run by the global scheduler,
+    # applied by n2's agent) cuts the opportunistic job to the floor, and TF applies it.
+    g = d.submit(tf_job(), tenant="B", kind="guarantee", env=JOB_ENV)
+    arrival = d.tick()
+    assert Place(g, (201,), Role.GUARANTEE) in arrival.decisions
+    assert SetComputeShare(opp, 201, floor, 1.0) in arrival.decisions
+
+    def protected(d: ClusterDaemon) -> bool:
+        o = d.status().gpu(201).job(opp)
+        return o is not None and o.compute_share == floor and o.memory_limit_bytes == min_memory
+
+    assert d.run_until(protected, timeout=120, interval=0.2), [
+        (j.job_id, j.compute_share, j.memory_limit_bytes, j.target_compute_share, j.controls_pending)
+        for j in d.status().gpu(201).jobs] + [(e.kind, e.detail) for e in d.storage.events(opp)]
+    assert d.run_until(lambda d: step_of(d, g, 201) >= 5, timeout=120, interval=0.2)
+    view = d.status().gpu(201)
+    assert view.node == "n2" and view.job(g).compute_share == 1.0  # type: ignore[union-attr]
+
+
+def test_ray_options_enforce_a_fraction_in_a_ray_actor(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """A Ray actor asking for half an (emulated) GPU and 256 MiB trains under tf-antman with that
+    limit and share in force: read back from the stats.json its worker writes."""
+    import ray
+
+    from scheduler_lite.cluster import ray_options
+
+    @ray.remote
+    class Trainer:
+        def train(self, steps: int) -> dict:
+            import numpy as np
+            import tensorflow as tf
+
+            import tf_antman
+
+            model = tf.keras.Sequential([tf.keras.Input(shape=(16,)), tf.keras.layers.Dense(32),
+                                         tf.keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+            x = np.zeros((64, 16), dtype="float32")
+            model.fit(x, x[:, :1], batch_size=8, epochs=1, steps_per_epoch=steps, verbose=0)
+            s = tf_antman.settings()
+            return {"active": tf_antman.is_active(), "limit": s.memory_limit, "share": s.compute_share}
+
+    job_dir = tmp_path / "trainer"
+    job_dir.mkdir()
+    options = ray_options(0.5, memory="256MiB", device="emulated", device_memory="1GiB", job_dir=job_dir)
+    assert "num_gpus" not in options  # an emulated GPU is nothing Ray has to reserve
+    trainer = Trainer.options(**options).remote()  # type: ignore[attr-defined]
+    try:
+        inside = ray.get(trainer.train.remote(8), timeout=240)
+    finally:
+        ray.kill(trainer)
+    assert inside == {"active": True, "limit": 256 << 20, "share": 0.5}
+    # Written at a step boundary (at most every ANTMAN_STATS_INTERVAL_MS): the settings in force.
+    stats = json.loads((job_dir / "stats.json").read_text())
+    assert stats["step"] >= 1 and stats["compute_share"] == 0.5
+    assert stats["devices"][0]["limit_bytes"] == 256 << 20
