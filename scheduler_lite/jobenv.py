@@ -39,14 +39,16 @@ def job_environment(
         "SCHEDULER_LITE_GPUS": ",".join(str(g.id) for g in gpus),
     })
     env.setdefault("ANTMAN_HOST_MEMORY", str(config.jobs.host_memory_bytes))
+    # The job's devices are numbered within the job, from 0, as the protocol numbers them in
+    # control.json and stats.json: tf-antman reports and accepts limits for ANTMAN_DEVICE_ID, so
+    # a job on emulated GPU 1 told it was device 1 refused every control the daemon sent it.
+    env["ANTMAN_DEVICE_ID"] = "0"
     if config.devices.kind == "nvml":
         # The job sees only its GPUs, renumbered from 0. (Not tested here: no GPU on this machine.)
         env["ANTMAN_DEVICE"] = "cuda"
-        env["ANTMAN_DEVICE_ID"] = "0"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.id) for g in gpus)
     else:
         env["ANTMAN_DEVICE"] = "emulated"
-        env["ANTMAN_DEVICE_ID"] = str(first.id)
     return env
 
 

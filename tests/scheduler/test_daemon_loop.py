@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,11 +18,12 @@ from scheduler_lite.storage import JobStatus, SqliteStorage
 from tests.scheduler.test_daemon_fakes import (
     JOB_ENV,
     MIB,
+    REPO,
     fake_command,
     make_config,
     wait_for,
 )
-from tf_antman.protocol import control_path, parse_control
+from tf_antman.protocol import Control, MemoryLimit, control_path, parse_control, read_stats, write_control
 
 
 @pytest.fixture
@@ -201,7 +204,7 @@ def test_job_environment(tmp_path: Path) -> None:
         "PATH": "/bin", "K": "v", "ANTMAN_HOST_MEMORY": "1GiB", "ANTMAN_JOB_DIR": str(tmp_path / "jd"),
         "ANTMAN_COMPUTE_SHARE": "0.5", "ANTMAN_DEVICE_MEMORY": str(1 << 30),
         "ANTMAN_MEMORY_LIMIT": str(300 * MIB), "SCHEDULER_LITE_JOB_ID": job.id, "SCHEDULER_LITE_GPUS": "1,0",
-        "ANTMAN_DEVICE": "emulated", "ANTMAN_DEVICE_ID": "1",
+        "ANTMAN_DEVICE": "emulated", "ANTMAN_DEVICE_ID": "0",  # within the job, as the protocol numbers it
     }
     nvml = config.__class__(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
                                "devices": config.devices.__class__("nvml")})
@@ -216,3 +219,39 @@ def _ended(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return text[text.rindex(")") + 2] == "Z"  # a zombie: exited, not yet reaped
+
+
+def test_a_real_job_on_the_second_gpu_takes_the_daemons_controls(tmp_path: Path) -> None:
+    """The daemon addresses a job's devices from 0 (the protocol); a real tf-antman job started
+    with the environment of emulated GPU 1 must accept that control (it refused it when the
+    environment told it that it was device 1)."""
+    config = make_config(tmp_path, gpus=2)
+    d = Daemon(config, SqliteStorage(config.db_path))
+    job = d.storage.get_job(d.submit(["x"], tenant="B", kind="opportunistic"))
+    assert job is not None
+    job_dir = tmp_path / "jd"
+    job_dir.mkdir()
+    env = job_environment(config, job, [d.gpus[1]], 300 * MIB, 1.0, job_dir)
+    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", ANTMAN_STATS_INTERVAL_MS="20")
+    code = ("import time, tensorflow as tf\n"
+            "v = tf.Variable(tf.ones((64, 64)))\n"
+            "for _ in range(4000):\n"
+            "    v.assign(tf.matmul(v, v) * 1e-3); time.sleep(0.002)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (s := read_stats(job_dir)) is None or not s.devices:
+            assert time.monotonic() < deadline and p.poll() is None, "the job never reported"
+            time.sleep(0.05)
+        assert s.devices[0].device == 0
+        write_control(job_dir, Control(seq=1, memory_limits=(MemoryLimit(device=0, limit_bytes=64 * MIB),),
+                                       compute_share=0.5))
+        while (s := read_stats(job_dir)) is None or s.control_seq_applied != 1:
+            assert s is None or s.last_rejected is None, s.last_rejected
+            assert time.monotonic() < deadline, "the control was never applied"
+            time.sleep(0.05)
+        assert s.devices[0].limit_bytes == 64 * MIB and s.compute_share == 0.5
+    finally:
+        p.kill()
+        p.wait()
