@@ -289,7 +289,7 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
         ("placement", ",".join(map(str, job.placement)) or "-"), ("command", _command(job.command, 10_000)),
         ("workdir", job.workdir), ("memory", format_bytes(job.memory_bytes) if job.memory_bytes else "whole GPU"),
         ("share", "-" if job.requested_share is None else f"{job.requested_share:g}"),
-        ("restartable", "yes" if job.restartable else "no"),
+        ("restart", "allowed (--restartable)" if job.restartable else "no"),
         ("env", " ".join(f"{k}={v}" for k, v in job.env) or "-"), ("submitted", _clock(job.submit_time)),
         ("started", _clock(job.started_at)), ("ended", _clock(job.ended_at)), ("runtime", _duration(job)),
         ("pid", str(job.pid) if job.pid else "-"), ("exit", describe_exit(job.exit_code) if job.state.done else "-"),
