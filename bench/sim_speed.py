@@ -1,13 +1,18 @@
 """Simulator speed: the 20k-job run of bench/sim.py, this tree against a baseline tree, alternated.
 
-Usage: python bench/sim_speed.py --baseline DIR [--repeats N] [--quick]
+Usage: python bench/sim_speed.py --baseline DIR [--repeats N] [--quick] [--instructions]
 DIR is a checkout of the code to compare with (e.g. `git archive e474886 | tar -x -C DIR`).
 Each run is a fresh process (PYTHONPATH = the tree) that times only `simulate` with
 `time.process_time` (CPU: on a shared machine wall time measures the neighbours) and prints a
 hash of its records, summary and time series: the two trees must produce the same hash, or the
-comparison is void. --quick: 2,000 jobs on 648 GPUs instead of 20,000 on 6,504.
-Last line: JSON with both trees' CPU seconds (min, median, max), the ratio of the medians and
-whether the results were identical.
+comparison is void (a deliberate change of results is reported as such, the times still stand).
+--quick: 2,000 jobs on 648 GPUs instead of 20,000 on 6,504.
+--instructions: also count the instructions each tree executes for the 2,000-job run under
+valgrind's callgrind (PYTHONHASHSEED=0, so the count repeats exactly), less those of a 5-job run
+(interpreter start, imports, workload generation): a figure the neighbours on a shared machine
+cannot move, where CPU times spread by +-30%. About 2 minutes per tree.
+Last line: JSON with both trees' CPU seconds (min, median, max), the ratio of the medians,
+whether the results were identical and, with --instructions, both trees' instruction counts.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,12 +53,28 @@ def run_once(tree: Path, jobs: int, nodes: int, quota: int) -> tuple[float, str]
     return float(out[0]), out[1]
 
 
+def instructions(tree: Path, jobs: int, nodes: int, quota: int) -> int:
+    """Instructions executed (callgrind Ir) by the CHILD run of `tree`, all of the process."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
+    out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c",
+                          CHILD, str(jobs), str(nodes), str(quota)], env=env, cwd=tree, capture_output=True,
+                         text=True, check=True)
+    found = re.search(r"Collected\s*:\s*(\d+)", out.stderr)
+    if found is None:
+        raise RuntimeError(f"callgrind printed no instruction count for {tree}: {out.stderr[-500:]}")
+    return int(found.group(1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout of the old code")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--instructions", action="store_true", help="also count instructions under callgrind")
     args = ap.parse_args()
+    if args.instructions and shutil.which("valgrind") is None:
+        print("error: --instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
+        return 2
     if not (args.baseline / "scheduler_lite" / "sim" / "engine.py").is_file():
         print(f"error: --baseline {args.baseline}: no scheduler_lite/sim/engine.py there", file=sys.stderr)
         return 2
@@ -76,6 +99,13 @@ def main() -> int:
     figures["baseline_over_this_median"] = round(
         statistics.median(cpu["baseline"]) / statistics.median(cpu["this"]), 3)
     figures["identical_results"] = len(hashes["baseline"] | hashes["this"]) == 1
+    if args.instructions:
+        for name, tree in (("baseline", args.baseline), ("this", REPO)):
+            ir = instructions(tree, 2_000, 81, 324) - instructions(tree, 5, 81, 324)
+            figures[f"{name}_instructions_2k"] = ir
+            print(f"{name:8s} {ir / 1e6:8.1f} M instructions, 2,000-job simulate()")
+        figures["instructions_this_over_baseline"] = round(
+            figures["this_instructions_2k"] / figures["baseline_instructions_2k"], 4)  # type: ignore[operator]
     print(json.dumps(figures))
     return 0 if figures["identical_results"] else 1
 

@@ -100,7 +100,7 @@ def _sim_argv(argv: list[str]) -> list[str] | None:
 
 # submit's options that take a value: the token after them is not the job's command.
 SUBMIT_VALUE_OPTIONS: Final = frozenset({"--tenant", "--gpus", "--type", "--workdir", "--env", "--memory", "--name",
-                                         "--steps", "--duration", "--config"})
+                                         "--steps", "--duration", "--share", "--config"})
 
 
 def _global_options(argv: list[str]) -> tuple[str | None, bool, list[str]]:
@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
                                               "remaining time (auto jobs' queueing estimate)")
     sp.add_argument("--duration", type=float, metavar="SECONDS",
                     help="expected run time, when --steps is not known")
+    sp.add_argument("--share", type=float, metavar="FRACTION",
+                    help="share of one GPU the job needs, in (0, 1], e.g. 0.5 (its utilisation alone): an "
+                         "opportunistic job goes only where the stated shares fit (default: none stated)")
+    sp.add_argument("--restartable", action="store_true",
+                    help="the command resumes from its own checkpoints: the scheduler may stop it (SIGTERM, "
+                         "jobs.cancel_grace_s) and start it again on an idle GPU when it is held at a low share")
     sp.add_argument("--name", default="", help="a label shown by list")
     sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="[--] COMMAND ...",
                     help="the job's command; everything from its first word on is the job's, options included")
@@ -248,7 +254,7 @@ def cmd_submit(config: Config, args: argparse.Namespace) -> int:
     session = {k: os.environ[k] for k in SESSION_VARIABLES if k in os.environ}
     result = call(config, "submit", command=command, tenant=args.tenant, gpus=args.gpus, kind=args.kind,
                   workdir=str(workdir), env=env, session_env=session, memory_bytes=memory, name=args.name,
-                  steps=args.steps, duration_s=args.duration)
+                  steps=args.steps, duration_s=args.duration, share=args.share, restartable=args.restartable)
     if args.json:
         _print_json(result)
     else:
@@ -282,6 +288,8 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
         ("role", str(job.role) if job.role else "-"), ("state", _state(job)), ("gpus", str(job.num_gpus)),
         ("placement", ",".join(map(str, job.placement)) or "-"), ("command", _command(job.command, 10_000)),
         ("workdir", job.workdir), ("memory", format_bytes(job.memory_bytes) if job.memory_bytes else "whole GPU"),
+        ("share", "-" if job.requested_share is None else f"{job.requested_share:g}"),
+        ("restart", "allowed (--restartable)" if job.restartable else "no"),
         ("env", " ".join(f"{k}={v}" for k, v in job.env) or "-"), ("submitted", _clock(job.submit_time)),
         ("started", _clock(job.started_at)), ("ended", _clock(job.ended_at)), ("runtime", _duration(job)),
         ("pid", str(job.pid) if job.pid else "-"), ("exit", describe_exit(job.exit_code) if job.state.done else "-"),

@@ -4,7 +4,7 @@
 
 Every rejection is a `ConfigError` whose field is the key path in the file
 (`devices.emulated[1].memory`, `coordinator.floor_share`) and whose message gives the accepted
-range. `[scheduler]` and `[coordinator]` are passed through to the policies' own config classes
+range. `[scheduler]`, `[coordinator]` and `[migration]` are passed through to the policies' own config classes
 and validated by them, so the ranges live in one place (scheduler_lite/policy/).
 """
 
@@ -25,6 +25,7 @@ from scheduler_lite.cluster.config import ClusterConfig, parse_cluster
 from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
+from scheduler_lite.policy.migration import MigrationConfig
 from scheduler_lite.policy.validation import ConfigError, check_int, check_range
 from tf_antman.units import parse_bytes
 
@@ -99,6 +100,8 @@ class Config:
     source: str = "<memory>"
     access: AccessConfig = field(default_factory=AccessConfig)
     cluster: ClusterConfig | None = None  # [cluster]: cluster mode (scheduler_lite.cluster); None: one machine
+    # Re-placing restartable opportunistic jobs held below a share (policy/migration.py).
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
 
     @property
     def db_path(self) -> Path:
@@ -172,9 +175,10 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
         ids = ([(f"devices.emulated[{i}].id", d.id) for i, d in enumerate(devices.emulated)]
                + [(f"devices.ids[{i}]", d) for i, d in enumerate(devices.nvml_ids or ())])
         cluster = parse_cluster(cluster_value, base_dir, [t.name for t in tenants], ids)
+    migration = _pass_through(root.table("migration", required=False), MigrationConfig, sizes=())
     root.finish()
     return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source, access,
-                  cluster)
+                  cluster, migration)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,7 +7,11 @@ Each tick, in this order (the simulator runs the same steps on its model, sim/en
                 samples, peak memory, solo step time, remaining time; average the GPUs'
                 utilisation over the last window and hand it to the driver;
   4. schedule   on any event (and periodically while jobs wait): `Driver.schedule`, then book
-                each launch in the store (state running, launch token, no pid yet);
+                each launch in the store (state running, launch token, no pid yet); then
+                migrate: restartable opportunistic jobs held below `migration.stranded_share`
+                next to a guarantee job are moved to idle GPUs (`Driver.plan_migrations`): the
+                old process gets SIGTERM (SIGKILL after jobs.cancel_grace_s) and the job is started
+                on its new GPUs once it has ended (step 2 of a later tick): never two copies;
   5. coordinate per GPU, when its jobs changed and every `round_interval_s`: `Driver.round`,
                 then write the changed settings into the running jobs' control.json files;
   6. launch     start the booked jobs with the settings in force after step 5, record the pid.
@@ -22,7 +26,9 @@ them carried out by node agents.
 
 The store (scheduler_lite.storage) is the truth: a new Daemon on the same store re-adopts running
 jobs (pid + start time + launch token), requeues booked jobs that never started, keeps queued jobs
-queued and finished ones as they were. The clock is injected: tests drive `tick(now)` themselves.
+queued and finished ones as they were; a job caught in a migration (`migrating` in the store:
+the new GPUs recorded, the old process perhaps still running) is stopped if it still runs and
+then started on its new GPUs. The clock is injected: tests drive `tick(now)` themselves.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ from scheduler_lite.model import (
     Upgrade,
 )
 from scheduler_lite.policy.global_scheduler import schedule
+from scheduler_lite.policy.migration import Migrate
 from scheduler_lite.status import (
     ClusterStatus,
     GpuStatus,
@@ -130,7 +137,8 @@ LAUNCH_GRACE_S: Final = 5.0
 # SCHEDULER_LITE_FAULT_AFTER=N make the daemon SIGKILL itself the Nth time it passes one of the
 # points. Points: booked (launch recorded, process not started), started (process started, pid
 # not recorded), control (between two control.json writes), observe (between two stats reads),
-# ended (an exit noticed, not yet recorded). Unset: no effect.
+# ended (an exit noticed, not yet recorded). Unset: no effect. (A crash in the middle of a
+# migration is tested in-process: tests/scheduler/test_daemon_migration.py.)
 FAULT_ENV: Final = "SCHEDULER_LITE_FAULT"
 FAULT_AFTER_ENV: Final = "SCHEDULER_LITE_FAULT_AFTER"
 FAULT_POINTS: Final = ("booked", "started", "control", "observe", "ended")
@@ -154,6 +162,7 @@ class TickReport:
     ended: tuple[tuple[str, JobStatus, int | None], ...] = ()
     decisions: tuple[Decision, ...] = ()
     controls: tuple[ControlWrite, ...] = ()
+    migrating: tuple[Migrate, ...] = ()  # moves decided this tick (the processes were sent SIGTERM)
 
 
 @dataclass
@@ -164,10 +173,11 @@ class _TickLog:
     ended: list[tuple[str, JobStatus, int | None]] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     controls: list[ControlWrite] = field(default_factory=list)
+    migrating: list[Migrate] = field(default_factory=list)
 
     def freeze(self) -> TickReport:
         return TickReport(self.now, tuple(self.picked_up), tuple(self.launched), tuple(self.ended),
-                          tuple(self.decisions), tuple(self.controls))
+                          tuple(self.decisions), tuple(self.controls), tuple(self.migrating))
 
 
 @dataclass
@@ -230,6 +240,9 @@ class Daemon:
         self.launcher = launcher if launcher is not None else Launcher()
         self.gpus: dict[int, Gpu] = {g.id: g for g in self.devices.inventory()}
         self._live: dict[str, _Live] = {}
+        # Migrations under way: the old process (stopping) and the launch that follows its end.
+        self._stopping: dict[str, _Live] = {}
+        self._moves: dict[str, Launch] = {}
         self._booked: list[Launch] = []  # booked this tick, started after the rounds
         self._round_sig: dict[int, tuple[tuple[str, Role], ...]] = {}
         self._last_round: dict[int, float] = {}
@@ -272,11 +285,14 @@ class Daemon:
         name: str = "",
         expected_steps: int | None = None,
         expected_duration_s: float | None = None,
+        requested_share: float | None = None,
+        restartable: bool = False,
     ) -> str:
         """Queue a job (picked up at the next tick); returns its id. SubmitError if it cannot run."""
         spec = make_job_spec(self.config, command, tenant=tenant, gpus=gpus, kind=kind, workdir=workdir,
                              env=env, memory_bytes=memory_bytes, name=name, expected_steps=expected_steps,
-                             expected_duration_s=expected_duration_s, now=self.clock())
+                             expected_duration_s=expected_duration_s, requested_share=requested_share,
+                             restartable=restartable, now=self.clock())
         return submit_job(self.storage, spec).id
 
     def cancel(self, job_id: str) -> None:
@@ -304,6 +320,7 @@ class Daemon:
         waiting = self.book.pending_count() > 0
         if self._dirty or (waiting and now - self._last_schedule >= self.config.daemon.schedule_interval_s):
             self._schedule(now, out)
+        self._migrate(now, out)
         self._coordinate(now, out)
         self._start_booked(now, out)
         self._ticks += 1
@@ -368,6 +385,14 @@ class Daemon:
     def stop_all_jobs(self, grace_s: float | None = None) -> None:
         """Stop every running job now (blocking) and record it: for tests and demos, not shutdown."""
         grace = self.config.jobs.cancel_grace_s if grace_s is None else grace_s
+        for job_id in list(self._stopping):  # mid-migration: stopped, not started again
+            with contextlib.suppress(Exception):
+                self.storage.update_job(job_id, cancel_requested=True)
+            live = self._stopping.pop(job_id)
+            self._moves.pop(job_id, None)
+            ended = self.launcher.stop(live.handle, grace)
+            self._live[job_id] = live
+            self._finish(job_id, ended, self.clock(), None)
         for job_id in list(self._live):
             with contextlib.suppress(Exception):
                 self.storage.update_job(job_id, cancel_requested=True)
@@ -449,6 +474,9 @@ class Daemon:
                 self.storage.add_event(now, "requeued", record.id, reason="never started")
             return
         found = self.launcher.adopt(pid, start, job_dir, record.launch_token, record.id)
+        if record.migrating and not missing and record.role is not None:
+            self._resume_migration(record, found, now)
+            return
         if isinstance(found, ExitInfo):
             self._record_end(record, found, now, "ended while the daemon was down")
             return
@@ -457,12 +485,7 @@ class Daemon:
             self.launcher.signal(found, signal.SIGTERM)
             self._record_end(record, ExitInfo(None), now, f"GPU(s) {missing} no longer configured")
             return
-        placements = {p.gpu: p for p in self.storage.placements(record.id)}
-        settings = Settings(
-            {g: placements[g].memory_limit_bytes if g in placements else self.gpus[g].memory_bytes
-             for g in record.placement},
-            {g: placements[g].compute_share if g in placements else 1.0 for g in record.placement},
-        )
+        settings = self._stored_settings(record)
         self.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
         seq = max(record.control_seq, self._control_seq_on_disk(record.id, job_dir))
         with self.storage.transaction():
@@ -473,12 +496,41 @@ class Daemon:
         self._live[record.id] = live
         log.info("re-adopted %s (pid %d) on GPU(s) %s", record.id, pid, list(record.placement))
 
+    def _stored_settings(self, record: JobRecord) -> Settings:
+        placements = {p.gpu: p for p in self.storage.placements(record.id)}
+        return Settings(
+            {g: placements[g].memory_limit_bytes if g in placements else self.gpus[g].memory_bytes
+             for g in record.placement},
+            {g: placements[g].compute_share if g in placements else 1.0 for g in record.placement},
+        )
+
+    def _resume_migration(self, record: JobRecord, found: ProcessHandle | ExitInfo, now: float) -> None:
+        """A restart found a job in the middle of a migration: the store holds its new GPUs and
+        settings. The book gets it there; the old process, if it still runs, is stopped (again),
+        and the job starts on its new GPUs once it has ended."""
+        assert record.role is not None
+        settings = self._stored_settings(record)
+        self.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
+        launch = Launch(record.id, record.placement, record.role, settings)
+        job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(record.id)
+        self.storage.add_event(now, "migration_resumed", record.id, running=not isinstance(found, ExitInfo))
+        if isinstance(found, ExitInfo):
+            self._restart_moved(record.id, launch, found, now, None)
+            return
+        live = _Live(record, found, job_dir, control_seq=record.control_seq)
+        live.stop_sent_at = now
+        self.launcher.signal(found, signal.SIGTERM)
+        self._stopping[record.id] = live
+        self._moves[record.id] = launch
+        log.info("re-adopted %s (pid %d) in the middle of a migration: stopping it", record.id, found.pid)
+
     def _book_job(self, record: JobRecord) -> Job:
         demand = record.memory_bytes
         if demand is None:
             demand = max((g.memory_bytes for g in self.gpus.values()), default=0)
         return Job(id=record.id, tenant=record.tenant, num_gpus=record.num_gpus, kind=record.kind,
-                   submit_time=record.submit_time, memory_demand_bytes=demand)
+                   submit_time=record.submit_time, memory_demand_bytes=demand,
+                   requested_share=record.requested_share)
 
     # -- 1. ingest --------------------------------------------------------------------------------
 
@@ -530,6 +582,17 @@ class Daemon:
     # -- 2. reap ----------------------------------------------------------------------------------
 
     def _reap(self, now: float, out: _TickLog) -> None:
+        grace = self.config.jobs.cancel_grace_s
+        for job_id, live in list(self._stopping.items()):
+            ended = self.launcher.poll(live.handle)
+            if ended is not None:
+                del self._stopping[job_id]
+                self.launcher.cleanup(live.handle)  # the rest of its group: nothing of it may outlive it
+                self._restart_moved(job_id, self._moves.pop(job_id), ended, now, out)
+            elif not live.killed and now - (live.stop_sent_at or now) >= grace:
+                live.killed = True
+                self.launcher.signal(live.handle, signal.SIGKILL)
+                self.storage.add_event(now, "stopping", job_id, signal="SIGKILL", why="migration")
         for job_id, live in list(self._live.items()):
             ended = self.launcher.poll(live.handle)
             if ended is not None:
@@ -658,14 +721,76 @@ class Daemon:
             except Exception as e:  # noqa: BLE001 - whatever it was, the GPUs must not stay held
                 self._launch_failed(launch, now, out, f"could not book the launch: {e}")
 
-    def _book_launch(self, launch: Launch, now: float) -> None:
-        """Record the launch (with its token) before any process exists: a crash now requeues it."""
+    # -- 4b. migrate ------------------------------------------------------------------------------
+
+    def _migrate(self, now: float, out: _TickLog) -> None:
+        """Move stranded restartable jobs (policy/migration.py, as in the simulator): book the
+        move, record it (`migrating`, new GPUs and settings), then SIGTERM the old process."""
+        cfg = self.config.migration
+        restartable = [j for j, live in self._live.items() if live.record.restartable and live.stop_sent_at is None]
+        low = self.driver.stranded(restartable, cfg.stranded_share) if restartable else {}
+        if not low:
+            return
+        for move in self.driver.plan_migrations(now, low, cfg):
+            live = self._live.pop(move.job_id)
+            old = live.record.placement
+            launch = self.driver.migrate(move, now)
+            with self.storage.transaction():
+                live.record = self.storage.update_job(move.job_id, placement=launch.gpus, migrating=True)
+                self.storage.clear_placements(move.job_id)
+                for g in launch.gpus:
+                    self.storage.set_placement(move.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
+                self.storage.add_event(now, "migrating", move.job_id, from_gpus=list(old), to_gpus=list(launch.gpus),
+                                       share=low[move.job_id])
+            log.info("%s: held at share %.2f on GPU(s) %s; moving it to %s", move.job_id, low[move.job_id],
+                     list(old), list(launch.gpus))
+            live.stop_sent_at = now
+            self._stopping[move.job_id] = live
+            self._moves[move.job_id] = launch
+            self.launcher.signal(live.handle, signal.SIGTERM)
+            self.storage.add_event(now, "stopping", move.job_id, signal="SIGTERM", why="migration")
+            out.migrating.append(move)
+            self._dirty = True
+
+    def _restart_moved(self, job_id: str, launch: Launch, ended: ExitInfo, now: float, out: _TickLog | None) -> None:
+        """The old process of a migrated job has ended: book its launch on the new GPUs (started
+        at step 6 like any other), unless it was cancelled meanwhile. Its exit status is not an
+        end: a restartable job stopped by SIGTERM resumes from its checkpoints."""
+        record = self.storage.get_job(job_id)
+        assert record is not None
+        if record.cancel_requested or job_id not in self.driver.settings:
+            state = self._record_end(record, ended, now, "stopped while migrating")
+            if job_id in self.driver.settings:
+                self.driver.finish(job_id, now, failed=state is not JobStatus.FINISHED)
+            self._dirty = True
+            if out is not None:
+                out.ended.append((job_id, state, ended.exit_code))
+            return
+        job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(job_id)
+        # The old launch's pid and exit files would make a restart adopt (or end) the new one.
+        for stale in (PID_FILE, EXIT_STATUS_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                (job_dir / stale).unlink()
+        self.storage.add_event(now, "migrated", job_id, exit=describe_exit(ended.exit_code), gpus=list(launch.gpus))
+        try:
+            self._book_launch(launch, now, started_at=record.started_at)
+        except Exception as e:  # noqa: BLE001 - as for any launch: the GPUs must not stay held
+            if out is not None:
+                self._launch_failed(launch, now, out, f"could not book the migrated launch: {e}")
+            else:
+                self._launch_failed(launch, now, _TickLog(now), f"could not book the migrated launch: {e}")
+
+    def _book_launch(self, launch: Launch, now: float, started_at: float | None = None) -> None:
+        """Record the launch (with its token) before any process exists: a crash now requeues it.
+
+        `started_at`: kept from the first launch when a migrated job starts again."""
         booked = self.storage.get_job(launch.job_id)
         job_dir = self._prepare_job_dir(launch, None if booked is None else booked.uid)
         with self.storage.transaction():
             self.storage.update_job(launch.job_id, state=JobStatus.RUNNING, role=launch.role, placement=launch.gpus,
-                                    job_dir=str(job_dir), started_at=now, pid=None, pid_start=None,
-                                    launch_token=uuid.uuid4().hex, control_seq=INITIAL_CONTROL_SEQ)
+                                    job_dir=str(job_dir), started_at=now if started_at is None else started_at,
+                                    pid=None, pid_start=None, launch_token=uuid.uuid4().hex,
+                                    control_seq=INITIAL_CONTROL_SEQ, migrating=False)
             for g in launch.gpus:
                 self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
         self._booked.append(launch)

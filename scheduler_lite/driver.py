@@ -27,7 +27,8 @@ The world supplies time and readings and carries decisions out:
   utilisation        average over utilisation_window_s     the model's, at each 10 s refresh
   carry out Launch   start the process with the settings   start integrating the job's progress
   carry out round    write control.json                    recompute the speeds
-  carry out migrate  not wired: the daemon never migrates  restart it there (+ checkpoint cost)
+  plan migrations    restartable jobs (submit --restartable)  every job (the policy's choice)
+  carry out migrate  SIGTERM, grace, start on the new GPUs  restart it there (+ checkpoint cost)
   memory held        universal memory: the limit in force  caching allocator model (`hold`)
   =================  ====================================  ===================================
 
@@ -65,7 +66,7 @@ from scheduler_lite.model import (
 from scheduler_lite.policy import coordinator
 from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.coordinator import CoordinatorConfig, CoordinatorMemo
-from scheduler_lite.policy.migration import Migrate
+from scheduler_lite.policy.migration import Migrate, MigrationConfig, plan_migrations
 
 SchedulePolicy = Callable[[ClusterState, object], list[GlobalDecision]]
 BUSY: Final = 1.0  # what a GPU with a job not yet covered by a reading reads as
@@ -222,6 +223,24 @@ class Driver:
             if g not in limits:
                 raise ValueError(f"hold {job_id!r}: GPU {g} is not one of its GPUs {sorted(limits)}")
             limits[g] = b
+
+    def stranded(self, job_ids: Iterable[str], below: float) -> dict[str, float]:
+        """Of these jobs, the running opportunistic ones whose compute share (the smallest over
+        their GPUs, as the coordinator set it) is below `below`: the migration policy's input."""
+        out = {}
+        for job_id in job_ids:
+            job = self.book.jobs.get(job_id)
+            settings = self.settings.get(job_id)
+            if job is None or settings is None or job.role is not Role.OPPORTUNISTIC or not settings.shares:
+                continue
+            share = min(settings.shares.values())
+            if share < below:
+                out[job_id] = share
+        return out
+
+    def plan_migrations(self, now: float, low_shares: Mapping[str, float], config: MigrationConfig) -> list[Migrate]:
+        """The migration policy on the book (policy/migration.py); carry each move out with `migrate`."""
+        return plan_migrations(self.book.snapshot(now), low_shares, config)
 
     def migrate(self, move: Migrate, now: float) -> Launch:
         """Re-place a running job (policy/migration.py) on `move.gpus`: its settings on the old

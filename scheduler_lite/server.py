@@ -246,7 +246,7 @@ class Server:
 
     def _submit(self, who: Identity, args: Mapping[str, Any]) -> Any:
         _only(args, ("command", "tenant", "gpus", "kind", "workdir", "env", "session_env", "memory_bytes", "name",
-                     "steps", "duration_s"))
+                     "steps", "duration_s", "share", "restartable"))
         command = _strings(args, "command", MAX_COMMAND_WORDS, required=True)
         tenant = _string(args, "tenant", MAX_NAME)
         gpus = _int(args, "gpus", default=1)
@@ -265,11 +265,17 @@ class Server:
         duration = args.get("duration_s")
         if duration is not None and (isinstance(duration, bool) or not isinstance(duration, int | float)):
             raise RequestError(f"duration_s {duration!r} is invalid: accepted a number of seconds")
+        share = args.get("share")
+        if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)):
+            raise RequestError(f"share {share!r} is invalid: accepted a fraction of one GPU in (0, 1]")
+        restartable = args.get("restartable", False)
+        if not isinstance(restartable, bool):
+            raise RequestError(f"restartable {restartable!r} is invalid: accepted true or false")
         chosen = check_submit(self.policy, who, tenant)
         # The --env allow-list and every range: the same checks as the library's submissions.
         spec = make_job_spec(self.config, command, tenant=chosen, gpus=gpus, kind=kind, workdir=workdir, env=env,
                              memory_bytes=memory, name=name, expected_steps=steps, expected_duration_s=duration,
-                             now=self.daemon.clock())
+                             requested_share=share, restartable=restartable, now=self.daemon.clock())
         given = {k for k, _ in spec.env}
         extra = tuple((k, _checked_value(k, v)) for k, v in session.items() if k not in given)
         _check_workdir(who, spec.workdir)

@@ -52,6 +52,8 @@ def make_job_spec(
     name: str = "",
     expected_steps: int | None = None,
     expected_duration_s: float | None = None,
+    requested_share: float | None = None,
+    restartable: bool = False,
     now: float | None = None,
 ) -> JobSpec:
     """Validate a submission against the config; SubmitError (one line) when it cannot run here."""
@@ -109,11 +111,20 @@ def make_job_spec(
     ):
         raise SubmitError(f"--duration {expected_duration_s!r} is invalid: accepted seconds in "
                           f"(0, {MAX_EXPECTED_DURATION_S:g}]")
+    if requested_share is not None and (
+        isinstance(requested_share, bool) or not isinstance(requested_share, int | float)
+        or not math.isfinite(requested_share) or not 0 < requested_share <= 1
+    ):
+        raise SubmitError(f"--share {requested_share!r} is invalid: accepted a fraction of one GPU in (0, 1], "
+                          "e.g. 0.5; leave it out to state none")
+    if not isinstance(restartable, bool):
+        raise SubmitError(f"--restartable {restartable!r} is invalid: accepted true or false")
     return JobSpec(
         tenant=tenant, kind=job_kind, num_gpus=gpus, command=tuple(command), workdir=str(path.resolve()),
         submit_time=time.time() if now is None else now, env=tuple(pairs), memory_bytes=memory_bytes, name=name,
         expected_steps=expected_steps,
         expected_duration_s=None if expected_duration_s is None else float(expected_duration_s),
+        requested_share=None if requested_share is None else float(requested_share), restartable=restartable,
     )
 
 

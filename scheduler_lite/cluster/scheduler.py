@@ -522,6 +522,11 @@ class ClusterDaemon(Daemon):
         """
         return self.cc.local_gpu(gpu) if self.config.devices.kind == "nvml" else index
 
+    def _migrate(self, now: float, out: _TickLog) -> None:
+        """Not in cluster mode (yet): the daemon's migration clears the old launch's files in the
+        job directory on this machine, and a move to another node would need the job's
+        checkpoints on storage both nodes share. Restartable jobs stay where they were placed."""
+
     def _load_stats(self, job_id: str, live: _Live) -> Stats | None:
         assert isinstance(live.handle, ClusterHandle)
         parts: dict[str, Stats] = {}

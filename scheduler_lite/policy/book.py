@@ -10,7 +10,7 @@ must not keep them across calls.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import MappingProxyType
 
 from scheduler_lite.model import (
@@ -421,11 +421,22 @@ class ClusterBook:
 
 
 _JOB_FIELDS = tuple(f.name for f in dataclasses.fields(Job))
+_KEEP = object()  # "this field as in the job" in _evolve
 
 
-def _evolve(job: Job, **changes: object) -> Job:
-    """`Job.with_` for the book's own known fields, without `dataclasses.replace`'s checks."""
-    return Job(*[changes[n] if n in changes else getattr(job, n) for n in _JOB_FIELDS])
+def _make_evolve() -> Callable[..., Job]:
+    """`Job.with_` for the book's own known fields, without `dataclasses.replace`'s checks: a
+    function with one keyword per field, written out once (a generic loop over the fields cost
+    most of each of the ~80k book updates of a 20k-job simulation)."""
+    params = ", ".join(f"{n}=_KEEP" for n in _JOB_FIELDS)
+    args = ", ".join(f"job.{n} if {n} is _KEEP else {n}" for n in _JOB_FIELDS)
+    source = f"def _evolve(job, *, {params}):\n    return Job({args})\n"
+    namespace: dict[str, object] = {"_KEEP": _KEEP, "Job": Job}
+    exec(source, namespace)  # noqa: S102 - the source is built from the dataclass's own field names
+    return namespace["_evolve"]  # type: ignore[return-value]
+
+
+_evolve = _make_evolve()
 
 
 def _bucket(utilisation: float) -> int:

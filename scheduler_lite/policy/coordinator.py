@@ -36,13 +36,14 @@ import dataclasses
 import enum
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler_lite.model import (
     GpuView,
     LocalDecision,
     LocalJob,
+    Role,
     SetComputeShare,
     SetMemoryLimit,
 )
@@ -141,11 +142,23 @@ class CoordinatorMemo:
 
 
 _MEMO_FIELDS = tuple(f.name for f in dataclasses.fields(CoordinatorMemo))
+_KEEP = object()  # "this field as in the memo" in _evolve
 
 
-def _evolve(memo: CoordinatorMemo, **changes: object) -> CoordinatorMemo:
-    """`dataclasses.replace` without its per-call field introspection (a round's main cost)."""
-    return CoordinatorMemo(*[changes[n] if n in changes else getattr(memo, n) for n in _MEMO_FIELDS])
+def _make_evolve() -> Callable[..., CoordinatorMemo]:
+    """`dataclasses.replace` for CoordinatorMemo without its per-call field introspection: a
+    function with one keyword per field, written out once (a round's main cost was the generic
+    loop over the fields)."""
+    params = ", ".join(f"{n}=_KEEP" for n in _MEMO_FIELDS)
+    args = ", ".join(f"memo.{n} if {n} is _KEEP else {n}" for n in _MEMO_FIELDS)
+    source = f"def _evolve(memo, *, {params}):\n    return CoordinatorMemo({args})\n"
+    namespace: dict[str, object] = {"_KEEP": _KEEP, "CoordinatorMemo": CoordinatorMemo}
+    exec(source, namespace)  # noqa: S102 - the source is built from the dataclass's own field names
+    return namespace["_evolve"]  # type: ignore[return-value]
+
+
+_evolve = _make_evolve()
+_NO_IDS: frozenset[str] = frozenset()
 
 
 def is_stable(samples: Sequence[float], config: CoordinatorConfig) -> bool:
@@ -175,8 +188,17 @@ def is_degraded(samples: Sequence[float], baseline_s: float, config: Coordinator
 def round(
     now: float, view: GpuView, config: CoordinatorConfig, memo: CoordinatorMemo
 ) -> tuple[list[LocalDecision], CoordinatorMemo]:
-    guarantee = view.guarantee_job()
-    opps = sorted(view.opportunistic_jobs(), key=lambda j: j.job_id)
+    # view.guarantee_job() and view.opportunistic_jobs() in one loop (this runs every round).
+    guarantee = None
+    opps: list[LocalJob] = []
+    for job in view.jobs:
+        if job.role is Role.GUARANTEE:
+            if guarantee is None:
+                guarantee = job
+        elif job.role is Role.OPPORTUNISTIC:
+            opps.append(job)
+    if len(opps) > 1:
+        opps.sort(key=_job_id)
     if guarantee is None:
         out, memo = _opportunistic_only(now, view, opps, config, memo)
     else:
@@ -186,6 +208,10 @@ def round(
     if len(out) > 1:
         out.sort(key=lambda d: 0 if isinstance(d, SetMemoryLimit) and d.limit_bytes < d.previous_bytes else 1)
     return out, memo
+
+
+def _job_id(job: LocalJob) -> str:
+    return job.job_id
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +228,7 @@ def _with_guarantee(
     mem = view.gpu.memory_bytes
     gid = view.gpu.id
     out: list[LocalDecision] = []
-    ids = frozenset(j.job_id for j in opps)
+    ids = frozenset([j.job_id for j in opps]) if opps else _NO_IDS
     if memo.guarantee_job != g.job_id:
         # Arrival: opportunistic jobs down to the minimum first, the guarantee job gets the rest.
         g_limit = max(0, min(max(g.memory_demand_bytes, g.memory_limit_bytes), mem - len(opps) * cfg.min_memory_bytes))

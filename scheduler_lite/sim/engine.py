@@ -40,7 +40,6 @@ from scheduler_lite.model import (
 from scheduler_lite.policy import global_scheduler
 from scheduler_lite.policy.baselines import yarn_cs_schedule
 from scheduler_lite.policy.coordinator import CoordinatorConfig
-from scheduler_lite.policy.migration import plan_migrations
 from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import check_choice
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
@@ -494,7 +493,7 @@ class Simulator:
     def _migrate(self, dirty: set[int]) -> None:
         """Re-place stranded opportunistic jobs (policy/migration.py); each pays a checkpoint-restart."""
         assert self.migration is not None
-        moves = plan_migrations(self.book.snapshot(self.now), self.low_shares, self.migration)
+        moves = self.driver.plan_migrations(self.now, self.low_shares, self.migration)
         for m in moves:
             sj = self.jobs[m.job_id]
             self._settle(sj)

@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol
 
 from scheduler_lite.model import JobKind, Role
 
-SCHEMA_VERSION: Final = 3  # PRAGMA user_version of a current SQLite database
+SCHEMA_VERSION: Final = 4  # PRAGMA user_version of a current SQLite database
 MAX_EVENTS: Final = 100_000  # events kept; older ones are pruned (prune_events) so the table stays bounded
 
 
@@ -61,6 +61,13 @@ class JobSpec:
     # None: submitted through the library (Daemon.submit), i.e. by the daemon's own user.
     uid: int | None = None
     user: str = ""
+    # The share of one GPU the job asks for (0, 1], as PAI's GPU request: opportunistic placement
+    # puts it only where the requested shares fit (SchedulerConfig.opportunistic_placement).
+    # None: unstated (counts as scheduler.unknown_requested_share).
+    requested_share: float | None = None
+    # The user declares that the command resumes from its own checkpoints when started again:
+    # the daemon may stop it (SIGTERM, jobs.cancel_grace_s) and start it on other GPUs (migration).
+    restartable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +103,17 @@ class JobRecord:
     launch_token: str | None = None
     uid: int | None = None  # the submitter (JobSpec.uid)
     user: str = ""
+    requested_share: float | None = None  # JobSpec.requested_share
+    restartable: bool = False  # JobSpec.restartable
+    # Being stopped to be started again on `placement` (migration): set with the new placement
+    # while the old process still runs; cleared when the new launch is booked.
+    migrating: bool = False
 
 
 # Columns update_job() may set; the others are fixed at submission.
 UPDATABLE: Final = frozenset({
     "state", "role", "placement", "pid", "pid_start", "job_dir", "started_at", "ended_at",
-    "exit_code", "reason", "cancel_requested", "control_seq", "launch_token",
+    "exit_code", "reason", "cancel_requested", "control_seq", "launch_token", "migrating",
 })
 
 

@@ -66,6 +66,7 @@ class MemoryStorage:
                 submit_time=spec.submit_time, env=tuple(spec.env), memory_bytes=spec.memory_bytes,
                 name=spec.name, expected_steps=spec.expected_steps,
                 expected_duration_s=spec.expected_duration_s, uid=spec.uid, user=spec.user,
+                requested_share=spec.requested_share, restartable=spec.restartable,
             )
             self._jobs[record.id] = record
             return record

@@ -94,13 +94,20 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ALTER TABLE jobs ADD COLUMN uid INTEGER;
     ALTER TABLE jobs ADD COLUMN user TEXT NOT NULL DEFAULT ''
     """,
+    # 3 -> 4: requested GPU share and restartable (placement by share, migration), migrating
+    """
+    ALTER TABLE jobs ADD COLUMN requested_share REAL;
+    ALTER TABLE jobs ADD COLUMN restartable INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN migrating INTEGER NOT NULL DEFAULT 0
+    """,
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 _JOB_COLUMNS: Final = (
     "seq, id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state, "
     "role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, "
-    "cancel_requested, control_seq, expected_steps, expected_duration_s, launch_token, uid, user"
+    "cancel_requested, control_seq, expected_steps, expected_duration_s, launch_token, uid, user, "
+    "requested_share, restartable, migrating"
 )
 _JSON_COLUMNS: Final = frozenset({"placement"})
 
@@ -173,11 +180,12 @@ class SqliteStorage:
         with self.transaction():
             cur = self._db.execute(
                 "INSERT INTO jobs (id, tenant, kind, num_gpus, command, workdir, submit_time, env, "
-                "memory_bytes, name, state, expected_steps, expected_duration_s, uid, user) "
-                "VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "memory_bytes, name, state, expected_steps, expected_duration_s, uid, user, requested_share, "
+                "restartable) VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (spec.tenant, str(spec.kind), spec.num_gpus, json.dumps(list(spec.command)), spec.workdir,
                  spec.submit_time, json.dumps([list(kv) for kv in spec.env]), spec.memory_bytes, spec.name,
-                 str(JobStatus.QUEUED), spec.expected_steps, spec.expected_duration_s, spec.uid, spec.user),
+                 str(JobStatus.QUEUED), spec.expected_steps, spec.expected_duration_s, spec.uid, spec.user,
+                 spec.requested_share, int(spec.restartable)),
             )
             seq = cur.lastrowid
             assert seq is not None
@@ -212,7 +220,7 @@ class SqliteStorage:
                 value = json.dumps(list(value))
             elif key == "role" and value is not None:
                 value = str(Role(value))
-            elif key == "cancel_requested":
+            elif key in ("cancel_requested", "migrating"):
                 value = int(bool(value))
             values.append(value)
         with self.transaction():
@@ -312,7 +320,7 @@ def _retry_locked(call: Callable[[], object]) -> None:
 def _job(row: tuple[Any, ...]) -> JobRecord:
     (seq, job_id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state,
      role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, cancel, control_seq,
-     expected_steps, expected_duration_s, launch_token, uid, user) = row
+     expected_steps, expected_duration_s, launch_token, uid, user, requested_share, restartable, migrating) = row
     return JobRecord(
         id=job_id, seq=seq, tenant=tenant, kind=JobKind(kind), num_gpus=num_gpus,
         command=tuple(json.loads(command)), workdir=workdir, submit_time=submit_time,
@@ -322,4 +330,5 @@ def _job(row: tuple[Any, ...]) -> JobRecord:
         started_at=started_at, ended_at=ended_at, exit_code=exit_code, reason=reason,
         cancel_requested=bool(cancel), control_seq=control_seq, expected_steps=expected_steps,
         expected_duration_s=expected_duration_s, launch_token=launch_token, uid=uid, user=user,
+        requested_share=requested_share, restartable=bool(restartable), migrating=bool(migrating),
     )

@@ -76,6 +76,23 @@ def test_steps_and_duration_are_validated_and_stored(cfg: str, capsys: pytest.Ca
     assert rc == 0 and json.loads(out)["job"]["expected_steps"] == 500
 
 
+def test_share_and_restartable_are_validated_and_stored(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("0", "1.5", "nan"):
+        rc, _, err = run(capsys, "--config", cfg, "submit", "--tenant", "B", "--share", bad, "--", "true")
+        assert rc == 2 and f"--share {float(bad)!r} is invalid: accepted a fraction of one GPU in (0, 1]" in err
+    rc, out, _ = run(capsys, "--config", cfg, "submit", "--json", "--tenant", "B", "--type", "opportunistic",
+                     "--share", "0.4", "--restartable", "--", "true", "--share", "9")
+    job = json.loads(out)["job"]
+    assert rc == 0 and (job["requested_share"], job["restartable"]) == (0.4, True)
+    assert stored_command(cfg, job["id"]) == ("true", "--share", "9")  # the job's own option
+    rc, out, _ = run(capsys, "--config", cfg, "submit", "--json", "--tenant", "B", "--", "true")
+    job = json.loads(out)["job"]
+    assert rc == 0 and (job["requested_share"], job["restartable"]) == (None, False)
+    rc, out, _ = run(capsys, "--config", cfg, "show", job["id"])
+    fields = dict(line.split(None, 1) for line in out.split("events:")[0].splitlines() if " " in line.strip())
+    assert rc == 0 and fields["share"].strip() == "-" and fields["restart"].strip() == "no"
+
+
 def test_quotas_above_the_gpu_count_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "over.toml"
     path.write_text(CONFIG.replace('name = "B"\ngpu_quota = 0', 'name = "B"\ngpu_quota = 2'))

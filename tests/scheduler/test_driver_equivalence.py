@@ -1,4 +1,4 @@
-"""Daemon and simulator: one scripted scenario through both settings of the driver, same decisions.
+"""Daemon and simulator: scripted scenarios through both settings of the driver, same decisions.
 
 The simulator runs the scenario on its performance model. The daemon runs it with a scripted
 world in place of processes: each job writes stats.json as a job under the file protocol would
@@ -12,6 +12,11 @@ coordinator decision taken when a GPU's jobs changed (arrivals, departures, upgr
 the model's), the `previous` fields those rounds move, and times (the daemon sees a step one tick
 late and averages utilisation over its window, so a mark may lift up to ~3 s later than at the
 simulator's 10 s refresh; the scenario leaves no decision within that distance of another).
+
+SCENARIO exercises busy marks, a guarantee arrival and an upgrade with jobs that state no share;
+MOVE exercises placement by requested share (a job waits for share room, not for utilisation)
+and migration: a restartable job cut to the floor by a guarantee arrival is moved to a GPU that
+becomes idle (in the daemon: SIGTERM, the world's process ends, the job starts again there).
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ class Spec:
     demand_gib: float
     utilisation: float
     runtime_s: float
+    share: float | None = None  # requested share (submit --share), None: unstated
+    restartable: bool = False  # submit --restartable (the simulator may move any job)
 
 
 SCENARIO = (
@@ -78,6 +85,15 @@ SCENARIO = (
     Spec("g1", "A", JobKind.GUARANTEE, 20.0, 1, 0.9, 30),  # next to o1 and o3: they shrink
     Spec("a1", "A", JobKind.AUTO, 25.0, 1, 0.4, 200),  # quota taken: opportunistic, upgraded later
 )
+MOVE = (
+    Spec("m1", "B", JobKind.OPPORTUNISTIC, 0.0, 1, 0.6, 200, 0.6, True),
+    Spec("f1", "B", JobKind.OPPORTUNISTIC, 2.0, 1, 0.6, 17, 0.6),  # no share room on GPU 0
+    # No share room anywhere until f1 ends at 19, although both GPUs read 0.6 (below M = 0.8)
+    # from ~12 on: placed by utilisation alone it would start there.
+    Spec("s1", "B", JobKind.OPPORTUNISTIC, 4.0, 1, 0.5, 15, 0.5),
+    Spec("g1", "A", JobKind.GUARANTEE, 20.0, 1, 0.9, 100, 0.9),  # next to m1: cut to the floor
+)  # s1 ends at ~34: GPU 1 idles and m1, still at the floor (settled at 30, grows at 40), moves there
+SCENARIOS = {"busy-marks-upgrade": SCENARIO, "share-migration": MOVE}
 STEP_S = 0.5
 
 
@@ -89,7 +105,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list]]:
     """Per setting: global decisions, and coordinator decisions of rounds where a GPU's jobs changed."""
     logs: dict[str, list] = {}
     last_jobs: dict[tuple[int, int], tuple] = {}
-    schedule, round_ = Driver.schedule, Driver.round
+    schedule, round_, migrate = Driver.schedule, Driver.round, Driver.migrate
 
     def names(driver: Driver) -> dict[str, str]:
         return getattr(driver, "_names", {})
@@ -115,8 +131,13 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list]]:
             logs.setdefault(self._setting, []).append(("round", gpu, jobs, _values(decisions, n)))  # type: ignore[attr-defined]
         return decisions
 
+    def record_migrate(self: Driver, move, now: float):  # type: ignore[no-untyped-def]
+        logs.setdefault(self._setting, []).append(("migrate", names(self).get(move.job_id, move.job_id), move.gpus))  # type: ignore[attr-defined]
+        return migrate(self, move, now)
+
     monkeypatch.setattr(Driver, "schedule", record_schedule)
     monkeypatch.setattr(Driver, "round", record_round)
+    monkeypatch.setattr(Driver, "migrate", record_migrate)
     yield logs
 
 
@@ -133,12 +154,13 @@ def _values(decisions: list[LocalDecision], names: dict[str, str]) -> tuple:
 # -- the simulator -------------------------------------------------------------------------------
 
 
-def run_simulator() -> tuple[Simulator, dict[str, float]]:
+def run_simulator(scenario: tuple[Spec, ...] = SCENARIO) -> tuple[Simulator, dict[str, float]]:
     perf = load_perf_model()
     gpus = (Gpu(0, "n0", 4 * GIB, "g"), Gpu(1, "n0", 4 * GIB, "g"))
     jobs = tuple(
-        TraceJob(s.name, s.tenant, s.kind, s.at, 1, s.runtime_s, MODEL, int(s.demand_gib * GIB), s.utilisation, STEP_S)
-        for s in SCENARIO
+        TraceJob(s.name, s.tenant, s.kind, s.at, 1, s.runtime_s, MODEL, int(s.demand_gib * GIB), s.utilisation, STEP_S,
+                 requested_share=s.share)
+        for s in scenario
     )
     workload = Workload("scripted", gpus, (Tenant("A", 1), Tenant("B", 0)), jobs)
     sim = Simulator(workload, get_policy("tf-antman"), perf, coordinator_config=CoordinatorConfig(),
@@ -161,28 +183,40 @@ class ScriptedWorld:
         self.specs = specs  # by job id
         self.ran = ran  # by scenario name
         self.started: dict[str, tuple[float, LaunchSpec]] = {}
+        self.first_start: dict[str, float] = {}  # a job started again ends when it would have
+        self.stopped: set[str] = set()  # job dirs whose process got SIGTERM: it ends at once
         self.pids = iter(range(10_000_000, 20_000_000))
 
     # the Launcher interface the daemon uses
     def start(self, spec: LaunchSpec) -> ProcessHandle:
         spec.job_dir.mkdir(parents=True, exist_ok=True)
-        self.started[str(spec.job_dir)] = (self.clock[0], spec)
+        key = str(spec.job_dir)
+        assert key not in self.started or key in self.stopped, f"{spec.job_id} started twice"
+        self.stopped.discard(key)
+        self.started[key] = (self.clock[0], spec)
+        self.first_start.setdefault(key, self.clock[0])
         return ProcessHandle(next(self.pids), None, spec.job_dir)
 
     def poll(self, handle: ProcessHandle) -> ExitInfo | None:
-        start, spec = self.started[str(handle.job_dir)]
+        key = str(handle.job_dir)
+        if key in self.stopped:
+            return ExitInfo(-15)
+        _, spec = self.started[key]
         runtime = self.ran[self.specs[spec.job_id].name]
-        return ExitInfo(0) if self.clock[0] >= start + runtime - 1e-9 else None
+        return ExitInfo(0) if self.clock[0] >= self.first_start[key] + runtime - 1e-9 else None
 
     def signal(self, handle: ProcessHandle, sig: int) -> bool:
-        return False
+        if self.poll(handle) is not None:
+            return False
+        self.stopped.add(str(handle.job_dir))
+        return True
 
     def cleanup(self, handle: ProcessHandle) -> None:
         pass
 
     def write_stats(self, running: list[str]) -> None:
         for key, (start, spec) in self.started.items():
-            if spec.job_id not in running:
+            if spec.job_id not in running or key in self.stopped:
                 continue
             s = self.specs[spec.job_id]
             limit = int(spec.env["ANTMAN_MEMORY_LIMIT"])
@@ -204,7 +238,7 @@ class ScriptedWorld:
             atomic_write_text(stats_path(Path(key)), stats.to_json(), fsync=False, tmp_dir=temp_dir(Path(key)))
 
 
-def run_daemon(tmp_path: Path, ran: dict[str, float]) -> Daemon:
+def run_daemon(tmp_path: Path, ran: dict[str, float], scenario: tuple[Spec, ...] = SCENARIO) -> Daemon:
     config = parse_config({
         "version": 1, "paths": {"state_dir": str(tmp_path)},
         "devices": {"kind": "emulated", "emulated": [{"id": i, "memory": "4GiB", "nvlink_group": "g"} for i in (0, 1)]},
@@ -217,12 +251,12 @@ def run_daemon(tmp_path: Path, ran: dict[str, float]) -> Daemon:
     d = Daemon(config, MemoryStorage(), clock=lambda: clock[0], launcher=world)  # type: ignore[arg-type]
     d.driver._setting = "daemon"  # type: ignore[attr-defined]
     d.driver._names = {}  # type: ignore[attr-defined]
-    pending = list(SCENARIO)
+    pending = list(scenario)
     while pending or d.storage.list_jobs() and not all(j.state.done for j in d.storage.list_jobs()):
         while pending and pending[0].at <= clock[0] + 1e-9:
             s = pending.pop(0)
             job = d.submit(["true"], tenant=s.tenant, kind=s.kind, workdir=tmp_path,
-                           memory_bytes=int(s.demand_gib * GIB))
+                           memory_bytes=int(s.demand_gib * GIB), requested_share=s.share, restartable=s.restartable)
             specs[job] = s
             d.driver._names[job] = s.name  # type: ignore[attr-defined]
         world.write_stats([j.id for j in d.storage.list_jobs() if not j.state.done])
@@ -232,14 +266,26 @@ def run_daemon(tmp_path: Path, ran: dict[str, float]) -> Daemon:
     return d
 
 
-def test_daemon_and_simulator_take_the_same_decisions(tmp_path: Path, recorded: dict[str, list]) -> None:
-    _, ran = run_simulator()
-    d = run_daemon(tmp_path, {k: round(v / TICK + 0.5) * TICK for k, v in ran.items()})
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_daemon_and_simulator_take_the_same_decisions(tmp_path: Path, recorded: dict[str, list], name: str) -> None:
+    scenario = SCENARIOS[name]
+    _, ran = run_simulator(scenario)
+    d = run_daemon(tmp_path, {k: round(v / TICK + 0.5) * TICK for k, v in ran.items()}, scenario)
     sim_log, daemon_log = recorded["simulator"], recorded["daemon"]
     # The scenario does what it is meant to exercise, in both settings:
-    assert ("place", "o3", (0,), "opportunistic") in sim_log  # waited for a mark to lift
-    assert ("upgrade", "a1") in sim_log
-    assert any(e[0] == "round" and ("limit", "o1", 256 << 20) in e[3] for e in sim_log)  # guarantee arrival
+    if scenario is SCENARIO:
+        assert ("place", "o3", (0,), "opportunistic") in sim_log  # waited for a mark to lift
+        assert ("upgrade", "a1") in sim_log
+        assert any(e[0] == "round" and ("limit", "o1", 256 << 20) in e[3] for e in sim_log)  # guarantee arrival
+    else:
+        places = [e for e in sim_log if e[0] == "place"]
+        assert places[:3] == [("place", "m1", (0,), "opportunistic"), ("place", "f1", (1,), "opportunistic"),
+                              ("place", "s1", (1,), "opportunistic")]  # s1 after f1 left: share, not utilisation
+        assert ("migrate", "m1", (1,)) in sim_log
+        moved = d.storage.list_jobs()[0]
+        assert moved.placement == (1,) and not moved.migrating
+        assert [e.kind for e in d.storage.events(moved.id) if e.kind in ("migrating", "migrated")] == \
+            ["migrating", "migrated"]
     assert all(j.state.value == "finished" for j in d.storage.list_jobs())
     assert daemon_log == sim_log
     assert os.environ.get("SCHEDULER_LITE_FAULT") is None

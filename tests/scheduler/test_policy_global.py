@@ -97,3 +97,23 @@ def test_config_validation_names_the_field():
         SchedulerConfig(utilisation_threshold=1.5).validate()
     with pytest.raises(ConfigError, match="opportunistic_order"):
         SchedulerConfig(opportunistic_order="random").validate()
+
+
+def test_a_guarantee_job_takes_an_idle_gpu_of_another_group_before_throttling_an_opportunistic_job():
+    b = book()  # groups n0 (GPUs 0-3) and n1 (4-7)
+    for i, gpu in enumerate((0, 1, 2)):  # n0: three guarantee jobs, GPU 3 runs an opportunistic job
+        b.submit(job(f"x{i}"))
+        b.apply(Place(f"x{i}", (gpu,), Role.GUARANTEE))
+    b.submit(job("o", tenant="B", kind=JobKind.OPPORTUNISTIC))
+    b.apply(Place("o", (3,), Role.OPPORTUNISTIC))
+    b.submit(job("y"))
+    b.apply(Place("y", (4,), Role.GUARANTEE))
+    b.submit(job("g"))
+    # Best fit by guarantee-free GPUs alone picks n0 (one left: GPU 3, under "o"); n1 has idle GPUs.
+    assert run(b) == [Place("g", (5,), Role.GUARANTEE)]
+    # With no idle GPU left anywhere, best fit stands and the opportunistic job is next to it.
+    for i, gpu in enumerate((6, 7)):
+        b.submit(job(f"z{i}"))
+        b.apply(Place(f"z{i}", (gpu,), Role.GUARANTEE))
+    b.submit(job("h"))
+    assert run(b) == [Place("h", (3,), Role.GUARANTEE)]

@@ -153,3 +153,13 @@ def test_launch_fields_round_trip(storage: Storage) -> None:
     job = storage.add_job(spec)
     assert (job.expected_steps, job.expected_duration_s, job.launch_token) == (500, 60.0, None)
     assert storage.update_job(job.id, launch_token="abc").launch_token == "abc"
+
+
+def test_share_restartable_and_migrating_round_trip(storage: Storage) -> None:
+    plain = storage.add_job(spec())
+    assert (plain.requested_share, plain.restartable, plain.migrating) == (None, False, False)
+    job = storage.add_job(spec(requested_share=0.25, restartable=True))
+    assert (job.requested_share, job.restartable, job.migrating) == (0.25, True, False)
+    assert storage.update_job(job.id, migrating=True).migrating is True
+    assert storage.get_job(job.id).migrating is True  # type: ignore[union-attr]
+    assert storage.update_job(job.id, migrating=False).migrating is False

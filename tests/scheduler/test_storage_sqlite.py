@@ -105,8 +105,10 @@ def test_a_version_1_store_is_migrated_and_keeps_its_jobs(tmp_path: Path) -> Non
     raw.commit()
     raw.close()
     store = SqliteStorage(db)
-    assert store.schema_version() == SCHEMA_VERSION == 3
+    assert store.schema_version() == SCHEMA_VERSION == 4
     job = store.get_job("job-1")
     assert job is not None and (job.launch_token, job.expected_steps, job.expected_duration_s) == (None, None, None)
     assert (job.uid, job.user) == (None, "")  # 2 -> 3: submitted before users were known
+    # 3 -> 4: no share stated, not restartable, not being migrated
+    assert (job.requested_share, job.restartable, job.migrating) == (None, False, False)
     store.close()
