@@ -101,10 +101,11 @@ def test_a_stranded_restartable_job_moves_to_the_gpu_that_idles(tmp_path: Path, 
     assert record.state is JobStatus.RUNNING and record.placement == (1,) and not record.migrating
     assert d.book.jobs_on(1) == (m,) and m not in d.book.jobs_on(0)
     assert kinds(d, m).count("launched") == 2 and "migrated" in kinds(d, m)
-    # Started twice, the second time on GPU 1 (the fake job prints its device id first thing).
+    # Started twice, the second time on GPU 1 (the fake job prints its SCHEDULER_LITE_GPUS first
+    # thing; its ANTMAN_DEVICE_ID is 0 both times: devices are numbered within the job).
     assert wait_for(lambda: (tmp_path / "runs.log").read_text().split() == [m, m])
     stdout = (Path(record.job_dir) / "stdout.log")
-    assert wait_for(lambda: [ln.split()[2] for ln in stdout.read_text().splitlines() if ln.startswith("env")]
+    assert wait_for(lambda: [ln.split()[3] for ln in stdout.read_text().splitlines() if ln.startswith("env")]
                     == ["0", "1"])
     # On GPU 1 alone, the coordinator gives it the whole GPU again.
     assert ticking(d, lambda d: d.driver.settings[m].shares[1] == 1.0, m)
