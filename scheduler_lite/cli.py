@@ -416,6 +416,11 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
+# A job that has not written stats.json this long after its start is taken to run without
+# tf-antman (TF itself starts in a few seconds; the agent writes its first stats at activation).
+SILENT_JOB_S = 30.0
+
+
 def _print_status(status: ClusterStatus) -> None:
     rows = []
     by_node = len({g.node for g in status.gpus}) > 1  # cluster mode: GPUs grouped by node
@@ -449,6 +454,10 @@ def _print_status(status: ClusterStatus) -> None:
         for j in g.jobs:
             if j.stats_error:
                 print(f"warning: {j.job_id}: stats.json refused: {j.stats_error}")
+            elif j.compute_share is None and j.running_s is not None and j.running_s >= SILENT_JOB_S:
+                print(f"warning: {j.job_id} has run {j.running_s:.0f} s without writing stats.json: tf-antman "
+                      "is not active in it, so no limit or share reaches it (is tf-antman installed for the "
+                      "Python its command runs? `scheduler-lite logs JOB --stderr` shows its start)")
     if status.queued:
         print(f"queued: {' '.join(status.queued)}")
 

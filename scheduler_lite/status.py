@@ -39,6 +39,7 @@ class JobOnGpu:
     step_ms_median: float | None = None
     achieved_share: float | None = None
     stats_error: str | None = None  # why the last stats.json was refused
+    running_s: float | None = None  # since the job started (None: start time unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ def build_status(
                 step_ms_median=None if found is None else found.step_ms_median,
                 achieved_share=None if found is None else found.achieved_share,
                 stats_error=error,
+                running_s=None if record.started_at is None else max(0.0, now - record.started_at),
             ))
     gpu_status = tuple(
         GpuStatus(g.id, g.memory_bytes, g.nvlink_group, None if utilisation is None else utilisation.get(g.id),

@@ -183,3 +183,19 @@ def test_serve_runs_jobs_until_sigterm(cfg_file: str, capsys: pytest.CaptureFixt
         _, log = serve.communicate(timeout=30)
     assert serve.returncode == 0, log
     assert "stopped" in log and "Traceback" not in log
+
+
+def test_status_warns_about_a_job_that_never_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    """A job started with a Python that lacks tf-antman runs unmanaged and writes no stats.json:
+    status says so instead of showing a control pending for ever."""
+    from scheduler_lite.cli import SILENT_JOB_S, _print_status
+    from scheduler_lite.model import Role
+    from scheduler_lite.status import ClusterStatus, GpuStatus, JobOnGpu
+
+    silent = JobOnGpu("job-1", "A", Role.OPPORTUNISTIC, None, None, controls_pending=1, running_s=SILENT_JOB_S + 5)
+    young = JobOnGpu("job-2", "A", Role.OPPORTUNISTIC, None, None, running_s=2.0)
+    reporting = JobOnGpu("job-3", "A", Role.GUARANTEE, 1 << 30, 1.0, step=5, running_s=SILENT_JOB_S + 5)
+    gpus = (GpuStatus(0, 1 << 30, "g", None, (silent, reporting)), GpuStatus(1, 1 << 30, "g", None, (young,)))
+    _print_status(ClusterStatus(0.0, gpus, (), (), ("job-1", "job-2", "job-3")))
+    warnings = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: job-1 has run 35 s without writing stats.json")
