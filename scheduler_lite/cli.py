@@ -455,9 +455,11 @@ def _print_status(status: ClusterStatus) -> None:
             if j.stats_error:
                 print(f"warning: {j.job_id}: stats.json refused: {j.stats_error}")
             elif j.compute_share is None and j.running_s is not None and j.running_s >= SILENT_JOB_S:
-                print(f"warning: {j.job_id} has run {j.running_s:.0f} s without writing stats.json: tf-antman "
-                      "is not active in it, so no limit or share reaches it (is tf-antman installed for the "
-                      "Python its command runs? `scheduler-lite logs JOB --stderr` shows its start)")
+                print(f"warning: {j.job_id} has run {j.running_s:.0f} s without writing stats.json: no limit "
+                      "or share reaches it until it does. Either tf-antman is not active in it (is tf-antman "
+                      "installed for the Python its command runs?) or it is still starting (the first PyTorch "
+                      "job on a machine compiles tf-antman's op hook, about a minute); "
+                      "`scheduler-lite logs JOB --stderr` shows its start")
     if status.queued:
         print(f"queued: {' '.join(status.queued)}")
 
