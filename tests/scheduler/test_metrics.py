@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -128,6 +130,11 @@ def test_a_scrape_shows_what_status_shows(tmp_path: Path, capsys: pytest.Capture
     finally:
         serve.send_signal(signal.SIGTERM)
         _, log = serve.communicate(timeout=30)
+        # A stopped daemon leaves its jobs running for its next start (by design); these endless
+        # fake jobs would outlive the test.
+        for pid_file in (tmp_path / "state" / "jobs").glob("*/pid"):
+            with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
     assert serve.returncode == 0, log
 
 
