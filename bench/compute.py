@@ -149,6 +149,8 @@ def interference(op_share: float, phase_s: float, cycles: int) -> dict[str, obje
         "rg_slowdown_floor": op_cpu / (os.cpu_count() or 1),
         "noisy_phases": sum(not _quiet(w) for w in ph),
         "phases": len(ph),
+        "detail": [[w["share"], round(m * 1e3, 2), round(w["process_cpu"] / w["wall"], 3),
+                    round(w["foreign_cpu"] / w["wall"], 2)] for w, m in zip(ph, med, strict=True)],
     }
 
 
@@ -211,6 +213,7 @@ def report_interference(op_share: float, phase_s: float, reps: int) -> dict[str,
         ["RG, OP unthrottled", "-", str([round(v, 3) for v in it["rg_slowdown_unthrottled_all"]])],
         [f"RG, OP at {op_share}", "-", str([round(v, 3) for v in it["rg_slowdown_throttled_all"]])],
     ], ["case", "RG step ms", "RG slowdown per cycle"]))
+    print(table(it["detail"], ["OP phase share", "RG step ms (median)", "OP cores", "foreign cores"]))
     print(f"OP steps/s at {op_share} over unthrottled: {it['op_progress_ratio']:.3f}; the OP job used "
           f"{it['op_cpu_cores_throttled']:.3f} cores at its share, {it['rg_slowdown_floor']:.1%} of the machine "
           f"(the least an RG job using every core can lose); {it['noisy_phases']} of {it['phases']} phases noisy\n")
