@@ -52,6 +52,7 @@ from scheduler_lite.launcher import (
     Launcher,
     LaunchSpec,
     ProcessHandle,
+    _proc_stat,
     process_name,
     process_start_ticks,
     read_exit_status,
@@ -195,8 +196,7 @@ class NodeAgent:
                 return ExitInfo(None)
         if (part.job_dir / EXIT_STATUS_FILE).exists():
             return ExitInfo(read_exit_status(part.job_dir))
-        if part.handle is not None and (part.handle.start_ticks is None
-                                        or process_start_ticks(part.handle.pid) != part.handle.start_ticks):
+        if part.handle is not None and not _task_alive(part.handle):
             return ExitInfo(read_exit_status(part.job_dir))  # the worker died (killed, crashed)
         return None
 
@@ -388,6 +388,14 @@ class NodeAgent:
                         self.launcher.signal(part.handle, signal.SIGKILL)
                         self.launcher.cleanup(part.handle)
                 self.parts.clear()
+
+
+def _task_alive(handle: ProcessHandle) -> bool:
+    """A Ray task's worker still runs: same pid and start time, not a zombie (its parent, the
+    raylet, reaps it; until then it runs nothing)."""
+    fields = _proc_stat(handle.pid)
+    return (fields is not None and handle.start_ticks is not None and int(fields[19]) == handle.start_ticks
+            and fields[0] != "Z")
 
 
 def _wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:
