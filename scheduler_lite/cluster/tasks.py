@@ -180,13 +180,19 @@ def request_placement(
 def _wait_placed(config: Config, job_id: str, deadline: float, poll_s: float) -> RayPlacement:
     import ray
 
-    from scheduler_lite.client import call
+    from scheduler_lite.client import ClientError, call
     from scheduler_lite.cluster.scheduler import agent_name
 
     cc = config.cluster
     assert cc is not None
     while True:
-        job = call(config, "show", job=job_id)["job"]
+        try:
+            job = call(config, "show", job=job_id)["job"]
+        except ClientError:  # the scheduler restarting: the booking is in its store, wait for it
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(poll_s)
+            continue
         if job["state"] in ("failed", "cancelled", "finished"):
             raise PlacementError(f"{job_id} {job['state']}: {job.get('reason') or 'no reason given'}")
         if job["state"] == "running" and job.get("placement"):

@@ -205,7 +205,9 @@ def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayC
     """A Ray task booked through `request_placement` with `scheduler-lite serve`: Algorithm 1 puts
     it on the least utilised GPU (n2), it runs there with the booking's limit and share, a
     guarantee job arriving on that GPU cuts its share (read from the task's own stats.json), a
-    SIGKILL of the global scheduler neither loses nor doubles the booking, and its end releases it."""
+    SIGKILL of the global scheduler (between the agent's booking and its record, then while the
+    task runs) neither loses nor doubles the booking, and its end releases it."""
+    import concurrent.futures
     import os
     import signal
     import subprocess
@@ -222,7 +224,10 @@ def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayC
     config = load_config(path)
     serve = [sys.executable, "-m", "scheduler_lite", "--config", str(path), "serve"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL)]
+    # The second launch (the Ray task's booking, after the guarantee job's) kills the scheduler
+    # after the node agent took the booking, before it was recorded (the daemon's fault hook).
+    faulty = {**env, "SCHEDULER_LITE_FAULT": "started", "SCHEDULER_LITE_FAULT_AFTER": "2"}
+    procs = [subprocess.Popen(serve, cwd=REPO, env=faulty, stderr=subprocess.DEVNULL)]
     stop = tmp_path / "stop"
     try:
         assert wait_for(lambda: config.socket_path.exists(), timeout=60)
@@ -237,7 +242,16 @@ def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayC
         first = submit("guarantee")  # best fit: GPU 0 on n1
         assert wait_for(lambda: (gpu(0)["utilisation"] or 0) > 0, timeout=60, interval=0.2), (
             call(config, "status"), call(config, "show", job=first))
-        placement = request_placement(config, num_gpus=0.25, kind="opportunistic", tenant="C", timeout_s=60)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(request_placement, config, num_gpus=0.25, kind="opportunistic", tenant="C",
+                                  timeout_s=90)
+            assert procs[0].wait(timeout=60) == -signal.SIGKILL
+            procs.append(subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL))
+            placement = pending.result(timeout=120)  # the client waited through the restart
+        # Re-adopted from its node (the agent still held the booking), not requeued.
+        kinds = [e["kind"] for e in _events(config, placement.job_id)]
+        # ("launched" is never recorded: the scheduler died before it; the booking stands.)
+        assert "adopted" in kinds and "requeued" not in kinds and "launched" not in kinds, kinds
         # Algorithm 1: an opportunistic job goes to the least utilised GPU: 100, on n2.
         assert (placement.node, placement.gpu, placement.role) == ("n2", 100, "opportunistic")
         shown = call(config, "show", job=placement.job_id)
@@ -261,10 +275,10 @@ def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayC
 
         # The global scheduler dies (SIGKILL) and comes back: the booking is re-adopted from
         # its node, once, on the same GPU.
-        procs[0].send_signal(signal.SIGKILL)
-        procs[0].wait(timeout=30)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(timeout=30)
         procs.append(subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL))
-        assert wait_for(lambda: any(e["kind"] == "adopted" for e in _events(config, placement.job_id)),
+        assert wait_for(lambda: [e["kind"] for e in _events(config, placement.job_id)].count("adopted") == 2,
                         timeout=60, interval=0.3)
         assert [j["job_id"] for j in gpu(100)["jobs"]] == [placement.job_id]
         assert call(config, "show", job=placement.job_id)["job"]["state"] == "running"
@@ -289,7 +303,8 @@ def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayC
         assert call(config, "show", job=placement.job_id)["placements"] == []
         tenants = {t["name"]: t for t in call(config, "tenants")}
         assert tenants["B"]["quota_used"] == 2 and tenants["C"]["quota_used"] == 0
-        assert [e["kind"] for e in _events(config, placement.job_id)].count("launched") == 1
+        kinds = [e["kind"] for e in _events(config, placement.job_id)]
+        assert kinds.count("adopted") == 2 and "requeued" not in kinds and kinds[-1] == "exited", kinds
         del first
     finally:
         for p in procs:
