@@ -189,6 +189,8 @@ class NodeAgent:
             pid = read_small_int(part.job_dir / PID_FILE)
             if pid is not None:  # claimed: the task's process wrote its pid
                 part.handle = ProcessHandle(pid, process_start_ticks(pid), part.job_dir)
+            elif (part.job_dir / RELEASED_FILE).exists():  # cancelled before any task claimed it
+                return ExitInfo(None)
             elif time.monotonic() - part.expected_at > TASK_CLAIM_TIMEOUT_S:
                 log.warning("%s: no Ray task claimed its booking in %.0f s: released", part.job_id,
                             TASK_CLAIM_TIMEOUT_S)

@@ -137,3 +137,11 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
     ended3 = agent.report().parts["job-3"].exit
     assert ended3 is not None and ended3.exit_code is None
     assert (agent.jobs_dir / "job-3" / "released").exists()
+
+    # A booking cancelled before any task claimed it ends at once (not after the claim timeout).
+    monkeypatch.setattr(agent_module, "TASK_CLAIM_TIMEOUT_S", 300.0)
+    agent.expect(task_record("job-4", "w"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    assert agent.report().parts["job-4"].exit is None
+    assert agent.signal("job-4", signal.SIGTERM)
+    ended4 = agent.report().parts["job-4"].exit
+    assert ended4 is not None and ended4.exit_code is None
