@@ -292,6 +292,12 @@ def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayC
         steps = stats()["step"]
         assert wait_for(lambda: stats().get("step", 0) > steps, timeout=120, interval=0.2)  # throttled, not stopped
 
+        # A Ray task's booking is one GPU: a larger one (only possible by hand) is rejected.
+        big = call(config, "submit", command=["scheduler-lite:ray-task"], tenant="B", gpus=2, kind="guarantee",
+                   workdir=str(tmp_path))["id"]
+        assert wait_for(lambda: call(config, "show", job=big)["job"]["state"] == "failed", timeout=30)
+        assert "a Ray task's booking is one GPU, not 2" in call(config, "show", job=big)["job"]["reason"]
+
         stop.touch()
         result = ray.get(ref, timeout=120)
         assert result["active"]  # (settings() are the start-up ones; the share in force is in stats.json)
