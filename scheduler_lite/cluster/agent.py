@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from scheduler_lite.cluster.tasks import RELEASED_FILE, TASK_CLAIM_TIMEOUT_S, is_ray_task, task_env
 from scheduler_lite.config import Config
 from scheduler_lite.devices import open_devices
 from scheduler_lite.isolation import (
@@ -51,7 +52,9 @@ from scheduler_lite.launcher import (
     Launcher,
     LaunchSpec,
     ProcessHandle,
+    _proc_stat,
     process_name,
+    process_start_ticks,
     read_exit_status,
 )
 from scheduler_lite.model import Gpu
@@ -94,6 +97,11 @@ class _Part:
     job_dir: Path
     handle: ProcessHandle | None = None
     ended: ExitInfo | None = None
+    # A Ray task's booking (scheduler_lite.cluster.tasks): Ray starts the process, not this agent.
+    # `task_env` is what the task must run with; `handle` is set once the task claims the booking
+    # (its pid file); `expected_at` bounds the wait for that claim.
+    task_env: dict[str, str] | None = None
+    expected_at: float = 0.0
 
 
 class NodeAgent:
@@ -147,6 +155,67 @@ class NodeAgent:
             self.parts[record.id] = part
             return handle.pid, handle.start_ticks, str(job_dir)
 
+    def expect(self, record: JobRecord, rank: int, gpus: list[Gpu], limit: int, share: float,
+               extra_env: dict[str, str]) -> tuple[int, int | None, str]:
+        """Book a Ray task here: its job directory made ready and its environment kept for the
+        client (`task_options`); no process is started (Ray starts it). (0, None, job dir)."""
+        with self._lock:
+            self._contact = time.monotonic()
+            assert record.launch_token is not None and is_ray_task(record.command)
+            job_dir = self.jobs_dir / record.id
+            user = job_user(record.uid)
+            prepare_job_dir(job_dir, user)
+            for stale in (EXIT_STATUS_FILE, PID_FILE, RELEASED_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    (job_dir / stale).unlink()
+            env = job_environment(self.config, record, gpus, limit, share, job_dir, base={})
+            env.update(extra_env)
+            self.parts[record.id] = _Part(record.id, rank, part_token(record.launch_token, rank), record.uid,
+                                          job_dir, task_env=task_env(env), expected_at=time.monotonic())
+            return 0, None, str(job_dir)
+
+    def task_options(self, job_id: str) -> dict[str, str] | None:
+        """The environment of a booked Ray task (the client's half of `expect`); None if this
+        node holds no such booking (not made yet, or released)."""
+        with self._lock:
+            part = self.parts.get(job_id)
+            if part is None or part.task_env is None or part.ended is not None:
+                return None
+            return dict(part.task_env)
+
+    def _poll_task(self, part: _Part) -> ExitInfo | None:
+        """A Ray task's end: its recorded exit status, its process gone, or no claim in time."""
+        if part.handle is None:
+            pid = read_small_int(part.job_dir / PID_FILE)
+            if pid is not None:  # claimed: the task's process wrote its pid
+                part.handle = ProcessHandle(pid, process_start_ticks(pid), part.job_dir)
+            elif (part.job_dir / RELEASED_FILE).exists():  # cancelled before any task claimed it
+                return ExitInfo(None)
+            elif time.monotonic() - part.expected_at > TASK_CLAIM_TIMEOUT_S:
+                log.warning("%s: no Ray task claimed its booking in %.0f s: released", part.job_id,
+                            TASK_CLAIM_TIMEOUT_S)
+                self._release_task(part)
+                return ExitInfo(None)
+        if (part.job_dir / EXIT_STATUS_FILE).exists():
+            return ExitInfo(read_exit_status(part.job_dir))
+        if part.handle is not None and not _task_alive(part.handle):
+            return ExitInfo(read_exit_status(part.job_dir))  # the worker died (killed, crashed)
+        return None
+
+    @staticmethod
+    def _release_task(part: _Part, sig: int | None = None) -> None:
+        """No Ray task may run under this booking any more: marked released (a task that starts
+        later refuses to run), and its process, if it runs, gets `sig` (the process alone: a Ray
+        worker shares its process group with the raylet's other workers)."""
+        with contextlib.suppress(OSError):
+            (part.job_dir / RELEASED_FILE).write_text("released\n")
+        pid = read_small_int(part.job_dir / PID_FILE) if part.handle is None else part.handle.pid
+        if sig is not None and pid is not None and pid > 1:
+            ticks = None if part.handle is None else part.handle.start_ticks
+            if ticks is None or process_start_ticks(pid) == ticks:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+
     def report(self) -> NodeReport:
         """Exits and the latest stats.json of every part here (one call per node per tick)."""
         with self._lock:
@@ -154,7 +223,9 @@ class NodeAgent:
             self._fenced = False
             out: dict[str, PartReport] = {}
             for job_id, part in self.parts.items():
-                if part.ended is None and part.handle is not None:
+                if part.ended is None and part.task_env is not None:
+                    part.ended = self._poll_task(part)
+                elif part.ended is None and part.handle is not None:
                     part.ended = self.launcher.poll(part.handle)
                 stats, error = None, None
                 try:
@@ -170,6 +241,11 @@ class NodeAgent:
     def signal(self, job_id: str, sig: int) -> bool:
         with self._lock:
             part = self.parts.get(job_id)
+            if part is not None and part.task_env is not None:
+                if part.ended is None and self._poll_task(part) is None:
+                    self._release_task(part, sig)
+                    return True
+                return False
             if part is None or part.handle is None:
                 return False
             return self.launcher.signal(part.handle, sig)
@@ -178,15 +254,33 @@ class NodeAgent:
         """SIGTERM, SIGKILL after grace_s, wait; the part is forgotten. None: no such part here."""
         with self._lock:
             part = self.parts.pop(job_id, None)
+        if part is not None and part.task_env is not None:
+            return self._stop_task(part, grace_s)
         if part is None or part.handle is None:
             return None
         return self.launcher.stop(part.handle, grace_s)
+
+    def _stop_task(self, part: _Part, grace_s: float) -> ExitInfo:
+        ended = part.ended or self._poll_task(part)
+        if ended is not None:
+            self._release_task(part)
+            return ended
+        self._release_task(part, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while (ended := self._poll_task(part)) is None and part.handle is not None:
+            if time.monotonic() >= deadline:
+                self._release_task(part, signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.02)
+        return ended or ExitInfo(None)
 
     def cleanup(self, job_id: str) -> None:
         """The global scheduler recorded the part's end: kill what it left behind, forget it."""
         with self._lock:
             part = self.parts.pop(job_id, None)
-            if part is not None and part.handle is not None:
+            if part is not None and part.task_env is not None:
+                self._release_task(part)  # the worker is Ray's: it ends by itself (max_calls=1)
+            elif part is not None and part.handle is not None:
                 self.launcher.cleanup(part.handle)
 
     def write_control(self, job_id: str, control: Control) -> None:
@@ -199,7 +293,12 @@ class NodeAgent:
     # -- after a restart of the global scheduler -----------------------------------------------
 
     def find(self, job_id: str, token: str, rank: int, uid: int | None) -> int | None:
-        """The pid of the part started with this launch token: pid file, else the token (/proc)."""
+        """The pid of the part started with this launch token: pid file, else the token (/proc).
+        A Ray task booked here with this token: 0 until its process claims it."""
+        with self._lock:
+            part = self.parts.get(job_id)
+            if part is not None and part.task_env is not None and part.token == part_token(token, rank):
+                return 0 if part.handle is None else part.handle.pid
         job_dir = self.jobs_dir / job_id
         pid = read_small_int(job_dir / PID_FILE)
         if pid is None:
@@ -214,6 +313,11 @@ class NodeAgent:
         with self._lock:
             self._contact = time.monotonic()
             part = self.parts.get(job_id)
+            if part is not None and part.task_env is not None and part.token == part_token(token, rank):
+                ended = part.ended or self._poll_task(part)
+                if ended is not None:
+                    return ended
+                return (0, None) if part.handle is None else (part.handle.pid, part.handle.start_ticks)
             if part is not None and part.handle is not None and part.token == part_token(token, rank):
                 ended = part.ended or self.launcher.poll(part.handle)
                 return ended if ended is not None else (part.handle.pid, part.handle.start_ticks)
@@ -251,7 +355,11 @@ class NodeAgent:
         stopped = []
         with self._lock:
             for job_id, part in list(self.parts.items()):
-                if process_name(job_id, part.token) not in wanted and part.handle is not None:
+                if process_name(job_id, part.token) not in wanted and part.task_env is not None:
+                    self._release_task(part, signal.SIGKILL)
+                    del self.parts[job_id]
+                    stopped.append(job_id)
+                elif process_name(job_id, part.token) not in wanted and part.handle is not None:
                     self.launcher.signal(part.handle, signal.SIGKILL)
                     self.launcher.cleanup(part.handle)
                     del self.parts[job_id]
@@ -276,10 +384,20 @@ class NodeAgent:
                 log.error("%s: no word from the global scheduler for %.1f s: stopping %d job(s)",
                           self.node, silent, len(self.parts))
                 for part in self.parts.values():
-                    if part.handle is not None:
+                    if part.task_env is not None:
+                        self._release_task(part, signal.SIGKILL)
+                    elif part.handle is not None:
                         self.launcher.signal(part.handle, signal.SIGKILL)
                         self.launcher.cleanup(part.handle)
                 self.parts.clear()
+
+
+def _task_alive(handle: ProcessHandle) -> bool:
+    """A Ray task's worker still runs: same pid and start time, not a zombie (its parent, the
+    raylet, reaps it; until then it runs nothing)."""
+    fields = _proc_stat(handle.pid)
+    return (fields is not None and handle.start_ticks is not None and int(fields[19]) == handle.start_ticks
+            and fields[0] != "Z")
 
 
 def _wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:

@@ -44,6 +44,7 @@ from typing import Any, Final
 
 from scheduler_lite.cluster.agent import NodeReport, actor_class
 from scheduler_lite.cluster.config import ClusterConfig
+from scheduler_lite.cluster.tasks import is_ray_task
 from scheduler_lite.config import Config
 from scheduler_lite.daemon import Daemon, TickReport, _Live, _TickLog
 from scheduler_lite.devices import EmulatedDevices, JobLoad
@@ -469,6 +470,14 @@ class ClusterDaemon(Daemon):
 
     def _enqueue(self, record: JobRecord, now: float, out: _TickLog | None) -> bool:
         largest = max((len(gs) for gs in self.nodes.gpus.values()), default=0)
+        if is_ray_task(record.command) and record.num_gpus != 1:
+            problem = f"a Ray task's booking is one GPU, not {record.num_gpus} (docs/cluster.md, \"Ray users\")"
+            with self.storage.transaction():
+                self.storage.update_job(record.id, state=JobStatus.FAILED, ended_at=now, reason=problem)
+                self.storage.add_event(now, "rejected", record.id, reason=problem)
+            if out is not None:
+                out.ended.append((record.id, JobStatus.FAILED, None))
+            return False
         if record.tenant not in self.cc.span_tenants and record.num_gpus > largest:
             problem = (f"needs {record.num_gpus} GPUs; the largest node has {largest} and tenant "
                        f"{record.tenant!r} may not span nodes (cluster.span_tenants)")
@@ -501,8 +510,10 @@ class ClusterDaemon(Daemon):
             limit = min(launch.settings.limits[g] for g in mine)
             share = min(launch.settings.shares[g] for g in mine)
             env = {**common, "SCHEDULER_LITE_NODE_RANK": str(rank)}
+            # A Ray task is started by Ray: its node's agent only books it (scheduler_lite.cluster.tasks).
+            how = "expect" if is_ray_task(record.command) else "start"
             try:
-                pid, start, _ = self.nodes.call(node, "start", record, rank, local, limit, share, env)
+                pid, start, _ = self.nodes.call(node, how, record, rank, local, limit, share, env)
             except Exception as e:  # noqa: BLE001 - node gone, bad workdir...: the job did not start
                 if started:
                     self.ray_launcher.stop(replace(handle, nodes=tuple(started)), 0.0)

@@ -61,3 +61,87 @@ def test_sweep_keeps_the_parts_the_store_counts_and_kills_the_rest(tmp_path: Pat
         assert agent.signal("job-1", signal.SIGTERM)
     finally:
         agent.sweep([])
+
+
+def task_record(job_id: str, token: str) -> JobRecord:
+    from scheduler_lite.cluster.tasks import TASK_COMMAND
+
+    return JobRecord(id=job_id, seq=1, tenant="C", kind=JobKind.OPPORTUNISTIC, num_gpus=1,
+                     command=(TASK_COMMAND,), workdir=str(REPO), submit_time=time.time(), launch_token=token)
+
+
+def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, monkeypatch) -> None:
+    """The agent's half of a Ray task's booking, with a plain process standing in for the Ray
+    worker (the real one: tests/cluster/test_cluster_placement.py): no process started by the
+    agent, a claim by pid file, adoption by a restarted global scheduler, the end by the exit
+    status the task records, and a booking no task claims released after the timeout."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from scheduler_lite.cluster import agent as agent_module
+    from scheduler_lite.cluster.tasks import PlacementError, _run_booked
+
+    config = cluster_config(tmp_path, "ns")
+    agent = NodeAgent("n0", config, fence=False)
+    pid, _, job_dir = agent.expect(task_record("job-1", "t"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    assert pid == 0 and alive(agent) == []  # Ray starts the task, not the agent
+    env = agent.task_options("job-1")
+    assert env is not None and env["ANTMAN_JOB_DIR"] == job_dir and env["ANTMAN_MEMORY_LIMIT"] == str(256 << 20)
+    assert env["ANTMAN_COMPUTE_SHARE"] == "0.5" and env["ANTMAN_DEVICE_ID"] == "0" and "PATH" not in env
+    assert agent.report().parts["job-1"].exit is None  # booked, not claimed: it runs
+    assert agent.find("job-1", "t", 0, None) == 0  # a restarted scheduler re-adopts it, unclaimed
+    assert agent.adopt("job-1", "t", 0, None, 0, None) == (0, None)
+
+    # The task starts in its worker: the wrapper writes the pid (here: a sleeping child's).
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (Path(job_dir) / "pid").write_text(f"{worker.pid}\n")
+        assert agent.report().parts["job-1"].exit is None
+        assert agent.find("job-1", "t", 0, None) == worker.pid
+        assert agent.adopt("job-1", "t", 0, None, 0, None)[0] == worker.pid  # type: ignore[index]
+        (Path(job_dir) / "exit_status").write_text("0\n")  # the wrapper, at the task's end
+        assert agent.report().parts["job-1"].exit is not None
+        assert agent.report().parts["job-1"].exit.exit_code == 0  # type: ignore[union-attr]
+        agent.cleanup("job-1")
+        assert (Path(job_dir) / "released").exists() and agent.task_options("job-1") is None
+        assert worker.poll() is None  # the worker is Ray's: not killed by the release
+    finally:
+        worker.kill()
+        worker.wait()
+
+    # A second booking: stopped (cancel, node loss) while its worker runs: that process alone is killed.
+    agent.expect(task_record("job-2", "u"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (agent.jobs_dir / "job-2" / "pid").write_text(f"{worker.pid}\n")
+        assert agent.report().parts["job-2"].exit is None
+        ended = agent.stop("job-2", 5.0)
+        assert ended is not None and worker.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        worker.kill()
+        worker.wait()
+    # A task that starts after its booking was released refuses to run.
+    monkeypatch.setenv("ANTMAN_JOB_DIR", str(agent.jobs_dir / "job-2"))
+    monkeypatch.setenv("SCHEDULER_LITE_JOB_ID", "job-2")
+    with pytest.raises(PlacementError, match="released"):
+        _run_booked("job-2", lambda: "ran")
+    assert int((agent.jobs_dir / "job-2" / "pid").read_text()) == os.getpid()
+
+    # A booking no task claims: released after TASK_CLAIM_TIMEOUT_S, as a failure.
+    monkeypatch.setattr(agent_module, "TASK_CLAIM_TIMEOUT_S", 0.0)
+    agent.expect(task_record("job-3", "v"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    time.sleep(0.01)
+    ended3 = agent.report().parts["job-3"].exit
+    assert ended3 is not None and ended3.exit_code is None
+    assert (agent.jobs_dir / "job-3" / "released").exists()
+
+    # A booking cancelled before any task claimed it ends at once (not after the claim timeout).
+    monkeypatch.setattr(agent_module, "TASK_CLAIM_TIMEOUT_S", 300.0)
+    agent.expect(task_record("job-4", "w"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    assert agent.report().parts["job-4"].exit is None
+    assert agent.signal("job-4", signal.SIGTERM)
+    ended4 = agent.report().parts["job-4"].exit
+    assert ended4 is not None and ended4.exit_code is None

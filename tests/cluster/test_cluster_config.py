@@ -119,3 +119,35 @@ def test_a_gang_stats_are_merged_in_job_device_order() -> None:
     merged = merge_stats({"n0": n0, "n1": n1}, placement, _node_of)
     assert [(d.device, d.limit_bytes) for d in merged.devices] == [(0, 10), (1, 11), (2, 12)]
     assert merged.step == 9 and merged.seq == 3 and merged.control_seq_applied == 6  # rank 0; all applied
+
+
+def test_request_placement_names_a_bad_argument(tmp_path: Path) -> None:
+    """Refused before anything is sent to the scheduler (no daemon runs here)."""
+    import dataclasses
+
+    from scheduler_lite.cluster.tasks import RayPlacement, is_ray_task, request_placement, task_env
+
+    config = cluster_config(tmp_path, "ns")
+    for kwargs, message in (
+        ({"num_gpus": 0}, r"num_gpus=0 is invalid: accepted a fraction of one GPU in \(0, 1\]"),
+        ({"num_gpus": 1.5}, "num_gpus=1.5 is invalid"),
+        ({"num_gpus": True}, "num_gpus=True is invalid"),
+        ({"kind": "auto"}, "kind='auto' is invalid: accepted one of opportunistic, guarantee"),
+        ({"memory": "lots"}, "memory='lots' is invalid"),
+        ({"timeout_s": 0}, r"timeout_s=0 is invalid: accepted \(0, 86400\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            request_placement(config, **kwargs)
+    with pytest.raises(ValueError, match=r"no \[cluster\] table"):
+        request_placement(dataclasses.replace(config, cluster=None))
+    nvml = dataclasses.replace(config, devices=dataclasses.replace(config.devices, kind="nvml"))
+    with pytest.raises(ValueError, match="memory=None is invalid"):
+        request_placement(nvml)
+    assert is_ray_task(("scheduler-lite:ray-task",)) and not is_ray_task(("python", "scheduler-lite:ray-task"))
+    env = task_env({"PATH": "/bin", "ANTMAN_JOB_DIR": "/j", "SCHEDULER_LITE_JOB_ID": "job-1",
+                    "CUDA_VISIBLE_DEVICES": "3"})
+    assert env == {"ANTMAN_JOB_DIR": "/j", "SCHEDULER_LITE_JOB_ID": "job-1", "CUDA_VISIBLE_DEVICES": "3",
+                   "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    options = RayPlacement("job-1", "n2", 200, "opportunistic", "/j", env).options({"env_vars": {"X": "1"}})
+    assert options["resources"] == {"antman_node_n2": 0.001} and options["max_retries"] == 0
+    assert options["max_calls"] == 1 and options["runtime_env"]["env_vars"]["X"] == "1"

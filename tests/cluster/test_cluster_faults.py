@@ -199,3 +199,34 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
                        interval=0.1)
     assert len(d.book.jobs[gang].placement) == 3 and d.book.quota_used("A") == 3
     assert d.run_until(lambda d: runs(log).count(gang) == 4, timeout=60, interval=0.1)
+
+
+def test_node_lost_with_on_node_loss_fail(ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
+    """`on_node_loss = "fail"`: a lost node's jobs end failed (not requeued, never rerun), a gang's
+    part on another node is stopped, quotas come back. Removes n2 again (after the test above)."""
+    log = tmp_path / "runs.log"
+    env = {**JOB_ENV, "FAKE_RUNS_LOG": str(log)}
+    config = cluster_config(tmp_path, namespace, cluster={"on_node_loss": "fail"})
+    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    ray_cluster.made.append(d)
+    assert d.run_until(lambda d: 200 in d.gpus and 201 in d.gpus, timeout=60, interval=0.2)
+    b = d.submit(fake_command(), tenant="B", kind="guarantee", gpus=2, env=env)
+    assert Place(b, (0, 1), Role.GUARANTEE) in d.tick().decisions
+    gang = d.submit(fake_command(), tenant="A", kind="guarantee", gpus=3, env=env)
+    assert Place(gang, (100, 101, 200), Role.GUARANTEE) in d.tick().decisions
+    assert d.run_until(lambda d: sorted(runs(log)) == sorted([b, gang, gang]), timeout=60, interval=0.1)
+    assert d.book.quota_used("A") == 3
+
+    ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
+    for pid, _ in _wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
+        os.killpg(pid, signal.SIGKILL)
+    assert d.run_until(lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
+    record = d.storage.get_job(gang)
+    assert record is not None and record.state is JobStatus.FAILED and record.reason == "node n2 lost"
+    assert [e.kind for e in d.storage.events(gang)].count("requeued") == 0
+    assert d.run_until(lambda d: wrappers(tmp_path, "n1") == [], timeout=4, interval=0.1)  # its n1 part stopped
+    assert d.book.quota_used("A") == 0 and d.book.quota_used("B") == 2
+    # Failed means failed: a few more passes, nothing reruns it; B's job runs on.
+    d.run_until(lambda d: False, timeout=1.5, interval=0.1)
+    assert runs(log).count(gang) == 2 and wrappers(tmp_path, "n0") == [b]
+    assert d.storage.get_job(gang).state is JobStatus.FAILED  # type: ignore[union-attr]

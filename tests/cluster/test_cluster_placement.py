@@ -138,3 +138,196 @@ def test_ray_options_enforce_a_fraction_in_a_ray_actor(ray_cluster: RayCluster, 
     stats = json.loads((job_dir / "stats.json").read_text())
     assert stats["step"] >= 1 and stats["compute_share"] == 0.5
     assert stats["devices"][0]["limit_bytes"] == 256 << 20
+
+
+RAY_TASK_CONFIG = """
+version = 1
+[paths]
+state_dir = "state"
+[devices]
+kind = "emulated"
+[[devices.emulated]]
+id = 0
+memory = "1GiB"
+[[tenants]]
+name = "B"
+gpu_quota = 2
+[[tenants]]
+name = "C"
+gpu_quota = 0
+[jobs]
+cancel_grace_s = 2
+host_memory = "1GiB"
+[daemon]
+tick_interval_s = 0.1
+schedule_interval_s = 0.3
+utilisation_window_s = 1.0
+[coordinator]
+min_memory_bytes = "64MiB"
+round_interval_s = 0.5
+[cluster]
+kind = "ray"
+address = "{address}"
+namespace = "{namespace}"
+nodes = ["n1", "n2"]
+node_timeout_s = 20
+"""
+
+
+def train_until(stop: str) -> dict:
+    """A Ray task: tiny Keras training under tf-antman until the file `stop` exists."""
+    import os
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_antman
+
+    model = tf.keras.Sequential([tf.keras.Input(shape=(16,)), tf.keras.layers.Dense(32), tf.keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((64, 16), dtype="float32")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(stop) and time.monotonic() < deadline:
+        model.fit(x, x[:, :1], batch_size=8, epochs=1, steps_per_epoch=4, verbose=0)
+    return {"active": tf_antman.is_active(), "pid": os.getpid(),
+            "node_resources": sorted(ray_resources())}
+
+
+def ray_resources() -> list[str]:
+    import ray
+
+    return list(ray.get_runtime_context().get_assigned_resources())
+
+
+def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayCluster, namespace: str,
+                                                                tmp_path: Path) -> None:
+    """A Ray task booked through `request_placement` with `scheduler-lite serve`: Algorithm 1 puts
+    it on the least utilised GPU (n2), it runs there with the booking's limit and share, a
+    guarantee job arriving on that GPU cuts its share (read from the task's own stats.json), a
+    SIGKILL of the global scheduler (between the agent's booking and its record, then while the
+    task runs) neither loses nor doubles the booking, and its end releases it."""
+    import concurrent.futures
+    import os
+    import signal
+    import subprocess
+
+    import ray
+
+    from scheduler_lite.client import call
+    from scheduler_lite.cluster.tasks import request_placement
+    from scheduler_lite.config import load_config
+    from tests.scheduler.test_daemon_fakes import wait_for
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(RAY_TASK_CONFIG.format(address=ray_cluster.address, namespace=namespace))
+    config = load_config(path)
+    serve = [sys.executable, "-m", "scheduler_lite", "--config", str(path), "serve"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The second launch (the Ray task's booking, after the guarantee job's) kills the scheduler
+    # after the node agent took the booking, before it was recorded (the daemon's fault hook).
+    faulty = {**env, "SCHEDULER_LITE_FAULT": "started", "SCHEDULER_LITE_FAULT_AFTER": "2"}
+    procs = [subprocess.Popen(serve, cwd=REPO, env=faulty, stderr=subprocess.DEVNULL)]
+    stop = tmp_path / "stop"
+    try:
+        assert wait_for(lambda: config.socket_path.exists(), timeout=60)
+
+        def submit(kind: str) -> str:
+            return str(call(config, "submit", command=fake_command(), tenant="B", gpus=1, kind=kind,
+                            workdir=str(tmp_path), env=[["PYTHONPATH", str(REPO)]])["id"])
+
+        def gpu(gid: int) -> dict:
+            return next(g for g in call(config, "status")["gpus"] if g["id"] == gid)
+
+        first = submit("guarantee")  # best fit: GPU 0 on n1
+        assert wait_for(lambda: (gpu(0)["utilisation"] or 0) > 0, timeout=60, interval=0.2), (
+            call(config, "status"), call(config, "show", job=first))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(request_placement, config, num_gpus=0.25, kind="opportunistic", tenant="C",
+                                  timeout_s=90)
+            assert procs[0].wait(timeout=60) == -signal.SIGKILL
+            procs.append(subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL))
+            placement = pending.result(timeout=120)  # the client waited through the restart
+        # Re-adopted from its node (the agent still held the booking), not requeued.
+        kinds = [e["kind"] for e in _events(config, placement.job_id)]
+        # ("launched" is never recorded: the scheduler died before it; the booking stands.)
+        assert "adopted" in kinds and "requeued" not in kinds and "launched" not in kinds, kinds
+        # Algorithm 1: an opportunistic job goes to the least utilised GPU: 100, on n2.
+        assert (placement.node, placement.gpu, placement.role) == ("n2", 100, "opportunistic")
+        shown = call(config, "show", job=placement.job_id)
+        booked = shown["placements"][0]
+        assert shown["job"]["memory_bytes"] == 256 << 20 and booked["gpu"] == 100
+        assert placement.env["ANTMAN_DEVICE_ID"] == "0" and placement.env["ANTMAN_DEVICE"] == "emulated"
+        assert placement.env["ANTMAN_COMPUTE_SHARE"] == repr(booked["compute_share"])
+        assert placement.env["ANTMAN_MEMORY_LIMIT"] == str(booked["memory_limit_bytes"])
+        ref = placement.remote(train_until).remote(str(stop))
+        stats_file = Path(placement.job_dir) / "stats.json"
+
+        def stats() -> dict:
+            try:
+                return json.loads(stats_file.read_text())
+            except (OSError, ValueError):
+                return {}
+
+        assert wait_for(lambda: stats().get("step", 0) >= 5, timeout=180, interval=0.2)
+        assert stats()["compute_share"] == booked["compute_share"]
+        assert stats()["devices"][0]["limit_bytes"] == booked["memory_limit_bytes"]
+
+        # The global scheduler dies (SIGKILL) and comes back: the booking is re-adopted from
+        # its node, once, on the same GPU.
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(timeout=30)
+        procs.append(subprocess.Popen(serve, cwd=REPO, env=env, stderr=subprocess.DEVNULL))
+        assert wait_for(lambda: [e["kind"] for e in _events(config, placement.job_id)].count("adopted") == 2,
+                        timeout=60, interval=0.3)
+        assert [j["job_id"] for j in gpu(100)["jobs"]] == [placement.job_id]
+        assert call(config, "show", job=placement.job_id)["job"]["state"] == "running"
+
+        # A guarantee job arrives; GPU 100 is the only one without a guarantee job: the
+        # coordinator cuts the task to the floor share, and TF in the Ray worker applies it.
+        second = submit("guarantee")
+        floor = config.coordinator.floor_share
+        assert wait_for(lambda: stats().get("compute_share") == floor, timeout=120, interval=0.2), stats()
+        assert sorted(j["job_id"] for j in gpu(100)["jobs"]) == sorted([placement.job_id, second])
+        steps = stats()["step"]
+        assert wait_for(lambda: stats().get("step", 0) > steps, timeout=120, interval=0.2)  # throttled, not stopped
+
+        # A Ray task's booking is one GPU: a larger one (only possible by hand) is rejected.
+        big = call(config, "submit", command=["scheduler-lite:ray-task"], tenant="B", gpus=2, kind="guarantee",
+                   workdir=str(tmp_path))["id"]
+        assert wait_for(lambda: call(config, "show", job=big)["job"]["state"] == "failed", timeout=30)
+        assert "a Ray task's booking is one GPU, not 2" in call(config, "show", job=big)["job"]["reason"]
+
+        stop.touch()
+        result = ray.get(ref, timeout=120)
+        assert result["active"]  # (settings() are the start-up ones; the share in force is in stats.json)
+        assert "antman_node_n2" in result["node_resources"]
+        # Its end releases the booking: finished, off GPU 100, the guarantee jobs untouched.
+        assert wait_for(lambda: call(config, "show", job=placement.job_id)["job"]["state"] == "finished",
+                        timeout=60, interval=0.2)
+        assert [j["job_id"] for j in gpu(100)["jobs"]] == [second]
+        assert call(config, "show", job=placement.job_id)["placements"] == []
+        tenants = {t["name"]: t for t in call(config, "tenants")}
+        assert tenants["B"]["quota_used"] == 2 and tenants["C"]["quota_used"] == 0
+        kinds = [e["kind"] for e in _events(config, placement.job_id)]
+        assert kinds.count("adopted") == 2 and "requeued" not in kinds and kinds[-1] == "exited", kinds
+        del first
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        stop.touch()
+        from scheduler_lite.cluster.scheduler import ClusterDaemon as _CD
+        d = _CD(config, SqliteStorage(config.db_path))
+        ray_cluster.made.append(d)
+
+
+def _events(config: object, job_id: str) -> list[dict]:
+    """The job's events; none while no scheduler answers (it is restarting)."""
+    from scheduler_lite.client import ClientError, call
+
+    try:
+        return list(call(config, "show", job=job_id)["events"])  # type: ignore[arg-type]
+    except ClientError:
+        return []

@@ -1,0 +1,210 @@
+"""Ray tasks placed by Algorithm 1 and protected by the coordinator (docs/cluster.md, "Ray users").
+
+`ray_options` (scheduler_lite.cluster.options) only enforces a fraction inside a Ray task; where
+Ray puts the task and what else runs on that GPU stay Ray's business. `request_placement` makes
+the task a job of the running global scheduler (`scheduler-lite serve` in cluster mode):
+
+    placement = request_placement(config, num_gpus=0.5, kind="opportunistic", tenant="research")
+    ref = placement.remote(train).remote(steps=1000)     # pinned to the booked node, under tf-antman
+
+1. The client submits through the scheduler's socket (the same `submit` as the CLI, so the same
+   access checks, tenants and quotas) a one-GPU job whose command is the marker `TASK_COMMAND`.
+2. Algorithm 1 books it (guarantee or opportunistic, tenant quota); the global scheduler asks the
+   node agent of the chosen GPU to `expect` it instead of starting a process: the agent makes its
+   job directory ready and keeps its environment (`job_environment`, as for any job).
+3. The client reads that environment from the agent (through Ray: the agent is a named actor) and
+   builds Ray options that pin the task to the node (its `antman_node_<node>` resource).
+4. The task's wrapper (`_run_booked`, in the Ray worker) writes its pid into the job directory
+   (the agent adopts the process: `claim`), refuses to run if the booking was released meanwhile,
+   runs the function, and records its exit status. tf-antman in the worker writes stats.json and
+   follows control.json in that directory, so the coordinator watches and adjusts it exactly like
+   a job the agent started.
+5. The booking ends when the exit status is recorded, the worker process is gone, or no task
+   claimed it within `TASK_CLAIM_TIMEOUT_S`; the global scheduler then releases GPU and quota.
+
+Why the socket and not a Ray actor for the global scheduler: the socket already carries
+submission with its checks (who may submit to which tenant, ranges) and crash safety (the store);
+Ray only carries what lives on the node (the environment, from the agent that made it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from scheduler_lite.cluster.options import KINDS, _bytes
+
+if TYPE_CHECKING:
+    from scheduler_lite.config import Config
+
+TASK_COMMAND: Final = "scheduler-lite:ray-task"  # the command of a Ray task's booking: no process to start
+RELEASED_FILE: Final = "released"  # in the job dir: the booking is over, a task starting now must not run
+TASK_CLAIM_TIMEOUT_S: Final = 300.0  # a booking no task claimed (wrote its pid) within this is released
+NODE_SHARE: Final = 0.001  # of the node's `antman_node_<node>` resource a pinned task takes
+_PID_FILE: Final = "pid"  # scheduler_lite.launcher.PID_FILE (not imported: the worker needs little)
+_EXIT_STATUS_FILE: Final = "exit_status"  # scheduler_lite.launcher.EXIT_STATUS_FILE
+_KEPT_PREFIXES: Final = ("ANTMAN_", "SCHEDULER_LITE_")
+
+
+class PlacementError(RuntimeError):
+    """The booking was refused, failed, released, or did not come in time; one line."""
+
+
+def is_ray_task(command: tuple[str, ...] | list[str]) -> bool:
+    return len(command) == 1 and command[0] == TASK_COMMAND
+
+
+def task_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of a job environment a Ray task gets: tf-antman's and scheduler_lite's variables
+    and the GPU (Ray keeps the rest of the worker's environment)."""
+    out = {k: v for k, v in env.items() if k.startswith(_KEPT_PREFIXES)}
+    if "CUDA_VISIBLE_DEVICES" in env:
+        out["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
+        out["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # our GPU, not one Ray assigns
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RayPlacement:
+    """A booked GPU for one Ray task: where, with what environment."""
+
+    job_id: str
+    node: str
+    gpu: int  # global GPU id (docs/cluster.md)
+    role: str  # guarantee | opportunistic
+    job_dir: str
+    env: dict[str, str]  # ANTMAN_* (limit, share, job dir, device id 0, device) and SCHEDULER_LITE_*
+
+    def options(self, runtime_env: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Options for `.options(**...)`: pinned to the node, this environment, one call per
+        worker (the worker exits after the task: its GPU memory goes with the booking), no retry
+        (a retry would run outside the booking, which ends with the first attempt)."""
+        merged = dict(runtime_env or {})
+        merged["env_vars"] = {**dict(merged.get("env_vars") or {}), **self.env}
+        return {"resources": {f"antman_node_{self.node}": NODE_SHARE}, "runtime_env": merged,
+                "max_retries": 0, "max_calls": 1}
+
+    def remote(self, fn: Callable[..., Any], **ray_options: Any) -> Any:
+        """`fn` as a Ray remote function running under this booking (extra Ray options, such as
+        num_cpus, are passed on; `resources`, `runtime_env` env vars and retries are the booking's)."""
+        import ray
+
+        runtime_env = ray_options.pop("runtime_env", None)
+        job_id = self.job_id
+
+        def task(*args: Any, **kwargs: Any) -> Any:
+            return _run_booked(job_id, fn, *args, **kwargs)
+
+        task.__name__ = task.__qualname__ = getattr(fn, "__name__", "task")
+        return ray.remote(**{**ray_options, **self.options(runtime_env)})(task)
+
+
+def _write_small(path: Path, value: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(f"{value}\n")
+    os.replace(tmp, path)
+
+
+def _run_booked(job_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """In the Ray worker: claim the booking (pid file), run `fn`, record how it ended."""
+    job_dir = Path(os.environ.get("ANTMAN_JOB_DIR", ""))
+    if os.environ.get("SCHEDULER_LITE_JOB_ID") != job_id or not job_dir.is_dir():
+        raise PlacementError(f"{job_id}: this worker does not run under its booking (ANTMAN_JOB_DIR missing)")
+    _write_small(job_dir / _PID_FILE, os.getpid())  # first: the agent adopts the process from here on
+    if (job_dir / RELEASED_FILE).exists():  # after the pid: a release racing with us sees the pid
+        raise PlacementError(f"{job_id}: the booking was released before the task started")
+    code = 1
+    try:
+        result = fn(*args, **kwargs)
+        code = 0
+        return result
+    finally:
+        with contextlib.suppress(OSError):
+            _write_small(job_dir / _EXIT_STATUS_FILE, code)
+
+
+def request_placement(
+    config: Config,
+    *,
+    num_gpus: float = 1.0,
+    memory: int | str | None = None,
+    kind: str = "opportunistic",
+    tenant: str | None = None,
+    name: str = "",
+    timeout_s: float = 600.0,
+    poll_s: float = 0.2,
+) -> RayPlacement:
+    """Book one GPU (or a fraction of its memory) for a Ray task with the running global scheduler;
+    blocks until Algorithm 1 places it (`timeout_s`, else cancelled and PlacementError).
+
+    `num_gpus` in (0, 1] is the task's memory demand as a fraction of the GPU (`memory` overrides
+    it; needed with NVML devices, whose size the client does not know); the compute share is the
+    booking's (opportunistic: what the coordinator leaves it, guarantee: 1.0). ValueError names a
+    bad argument.
+    """
+    from scheduler_lite.client import ClientError, call
+
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int | float) or not 0.0 < num_gpus <= 1.0:
+        raise ValueError(f"num_gpus={num_gpus!r} is invalid: accepted a fraction of one GPU in (0, 1]")
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is invalid: accepted one of {', '.join(KINDS)}")
+    if not 0 < timeout_s <= 86400:
+        raise ValueError(f"timeout_s={timeout_s!r} is invalid: accepted (0, 86400] seconds")
+    if config.cluster is None:
+        raise ValueError("config has no [cluster] table: request_placement needs the cluster's global scheduler")
+    demand = _bytes("memory", memory)
+    if demand is None:
+        sizes = [d.memory_bytes for d in config.devices.emulated]
+        if config.devices.kind != "emulated" or not sizes:
+            raise ValueError("memory=None is invalid: accepted a size (the device memory is known to the "
+                             "client only for emulated devices)")
+        demand = int(max(sizes) * num_gpus)
+    try:
+        job_id = str(call(config, "submit", command=[TASK_COMMAND], tenant=tenant, gpus=1, kind=kind,
+                          workdir=os.getcwd(), memory_bytes=demand, name=name)["id"])
+    except ClientError as e:
+        raise PlacementError(str(e)) from None
+    try:
+        return _wait_placed(config, job_id, time.monotonic() + timeout_s, poll_s)
+    except BaseException:
+        with contextlib.suppress(ClientError):
+            call(config, "cancel", jobs=[job_id])  # never leave a booking nobody will use
+        raise
+
+
+def _wait_placed(config: Config, job_id: str, deadline: float, poll_s: float) -> RayPlacement:
+    import ray
+
+    from scheduler_lite.client import ClientError, call
+    from scheduler_lite.cluster.scheduler import agent_name
+
+    cc = config.cluster
+    assert cc is not None
+    while True:
+        try:
+            job = call(config, "show", job=job_id)["job"]
+        except ClientError:  # the scheduler restarting: the booking is in its store, wait for it
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(poll_s)
+            continue
+        if job["state"] in ("failed", "cancelled", "finished"):
+            raise PlacementError(f"{job_id} {job['state']}: {job.get('reason') or 'no reason given'}")
+        if job["state"] == "running" and job.get("placement"):
+            gpu = int(job["placement"][0])
+            node = cc.node_of(gpu)
+            agent = ray.get_actor(agent_name(node), namespace=cc.namespace)
+            env = ray.get(agent.task_options.remote(job_id), timeout=30)
+            if env is not None:
+                return RayPlacement(job_id, node, gpu, str(job["role"]), env["ANTMAN_JOB_DIR"], dict(env))
+        if time.monotonic() >= deadline:
+            raise PlacementError(f"{job_id} not placed in time (state {job['state']}); cancelled")
+        time.sleep(poll_s)
+
+
+__all__ = ["TASK_COMMAND", "PlacementError", "RayPlacement", "is_ray_task", "request_placement", "task_env"]
