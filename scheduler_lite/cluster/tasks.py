@@ -103,6 +103,13 @@ class RayPlacement:
         task.__name__ = task.__qualname__ = getattr(fn, "__name__", "task")
         return ray.remote(**{**ray_options, **self.options(runtime_env)})(task)
 
+    def actor(self, cls: type, **ray_options: Any) -> Any:
+        """`cls` as a Ray actor class whose one instance runs under this booking
+        (scheduler_lite.cluster.actors): `placement.actor(Trainer).remote(...)` gives the handle."""
+        from scheduler_lite.cluster.actors import actor_class
+
+        return actor_class(self, cls, **ray_options)
+
 
 def _write_small(path: Path, value: int) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -110,14 +117,35 @@ def _write_small(path: Path, value: int) -> None:
     os.replace(tmp, path)
 
 
-def _run_booked(job_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """In the Ray worker: claim the booking (pid file), run `fn`, record how it ended."""
+def _claim(job_id: str, what: str = "task", exclusive: bool = False) -> Path:
+    """In the Ray worker: make this process the booking's (pid file); its job directory.
+
+    `exclusive`: refuse if a process claimed it already (an actor class made for one booking,
+    instantiated twice): the pid file is linked into place, which fails if it exists."""
     job_dir = Path(os.environ.get("ANTMAN_JOB_DIR", ""))
     if os.environ.get("SCHEDULER_LITE_JOB_ID") != job_id or not job_dir.is_dir():
         raise PlacementError(f"{job_id}: this worker does not run under its booking (ANTMAN_JOB_DIR missing)")
-    _write_small(job_dir / _PID_FILE, os.getpid())  # first: the agent adopts the process from here on
+    pid_file = job_dir / _PID_FILE
+    if not exclusive:
+        _write_small(pid_file, os.getpid())  # first: the agent adopts the process from here on
+    else:
+        tmp = pid_file.with_name(f".{_PID_FILE}.{os.getpid()}")
+        tmp.write_text(f"{os.getpid()}\n")
+        try:
+            os.link(tmp, pid_file)  # atomic, and fails if another process claimed the booking
+        except FileExistsError:
+            raise PlacementError(f"{job_id}: the booking was claimed already (pid file "
+                                 f"{pid_file.read_text().strip()}): one {what} per booking") from None
+        finally:
+            tmp.unlink()
     if (job_dir / RELEASED_FILE).exists():  # after the pid: a release racing with us sees the pid
-        raise PlacementError(f"{job_id}: the booking was released before the task started")
+        raise PlacementError(f"{job_id}: the booking was released before the {what} started")
+    return job_dir
+
+
+def _run_booked(job_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """In the Ray worker: claim the booking (pid file), run `fn`, record how it ended."""
+    job_dir = _claim(job_id)
     code = 1
     try:
         result = fn(*args, **kwargs)

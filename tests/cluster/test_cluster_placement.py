@@ -331,3 +331,86 @@ def _events(config: object, job_id: str) -> list[dict]:
         return list(call(config, "show", job=job_id)["events"])  # type: ignore[arg-type]
     except ClientError:
         return []
+
+
+class Stepper:
+    """A Ray actor's class (plain: `placement.actor` makes it remote): a tiny Keras model trained
+    a few steps per call, in the actor's own process under tf-antman."""
+
+    def __init__(self, width: int) -> None:
+        import tensorflow as tf
+
+        self.model = tf.keras.Sequential([tf.keras.Input(shape=(16,)), tf.keras.layers.Dense(width),
+                                          tf.keras.layers.Dense(1)])
+        self.model.compile(optimizer="sgd", loss="mse")
+
+    def train(self, steps: int) -> dict:
+        import os
+
+        import numpy as np
+
+        import tf_antman
+
+        x = np.zeros((64, 16), dtype="float32")
+        self.model.fit(x, x[:, :1], batch_size=8, epochs=1, steps_per_epoch=steps, verbose=0)
+        return {"active": tf_antman.is_active(), "pid": os.getpid(), "node_resources": sorted(ray_resources())}
+
+
+def test_ray_actor_booked_runs_under_its_booking_until_killed(ray_cluster: RayCluster, namespace: str,
+                                                              tmp_path: Path) -> None:
+    """A Ray actor booked through `request_placement` (opportunistic) and made with
+    `placement.actor`: its process claims the booking at construction, trains TF under the
+    booking's limit and share over several calls (its stats.json), and `ray.kill` ends the
+    booking: off its GPU, no placement left, the job no longer running."""
+    import os
+    import subprocess
+
+    import ray
+
+    from scheduler_lite.client import call
+    from scheduler_lite.cluster.tasks import request_placement
+    from scheduler_lite.config import load_config
+    from tests.scheduler.test_daemon_fakes import wait_for
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(RAY_TASK_CONFIG.format(address=ray_cluster.address, namespace=namespace))
+    config = load_config(path)
+    serve = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(path), "serve"], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: config.socket_path.exists(), timeout=60)
+        placement = request_placement(config, num_gpus=0.25, kind="opportunistic", tenant="C", timeout_s=90)
+        assert placement.role == "opportunistic" and placement.node in ("n1", "n2")
+        booked = call(config, "show", job=placement.job_id)["placements"][0]
+        trainer = placement.actor(Stepper).remote(32)  # type: ignore[attr-defined]
+        first = ray.get(trainer.train.remote(4), timeout=240)
+        again = ray.get(trainer.train.remote(4), timeout=120)
+        assert first["active"] and first["pid"] == again["pid"]  # one process, the actor's
+        assert f"antman_node_{placement.node}" in first["node_resources"]
+        assert int((Path(placement.job_dir) / "pid").read_text()) == first["pid"]  # claimed at construction
+        stats = json.loads((Path(placement.job_dir) / "stats.json").read_text())
+        assert stats["step"] >= 1 and stats["compute_share"] == booked["compute_share"]
+        assert stats["devices"][0]["limit_bytes"] == booked["memory_limit_bytes"]
+
+        def on_gpu() -> list[str]:
+            g = next(g for g in call(config, "status")["gpus"] if g["id"] == placement.gpu)
+            return [j["job_id"] for j in g["jobs"]]
+
+        assert on_gpu() == [placement.job_id]
+        assert call(config, "show", job=placement.job_id)["job"]["state"] == "running"
+        ray.kill(trainer)  # the actor's worker exits: the agent sees the claiming process gone
+        assert wait_for(lambda: call(config, "show", job=placement.job_id)["job"]["state"] != "running",
+                        timeout=60, interval=0.2)
+        shown = call(config, "show", job=placement.job_id)
+        # Killed: Ray gives the process no hook to record an exit status, so the end is "failed"
+        # with the exit unknown, as for any task whose worker died.
+        assert shown["job"]["state"] == "failed" and shown["placements"] == []
+        assert on_gpu() == []
+        assert {t["name"]: t["quota_used"] for t in call(config, "tenants")}["C"] == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        from scheduler_lite.cluster.scheduler import ClusterDaemon as _CD
+        d = _CD(config, SqliteStorage(config.db_path))
+        ray_cluster.made.append(d)

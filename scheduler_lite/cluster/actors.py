@@ -1,0 +1,75 @@
+"""Ray actors placed by Algorithm 1 and protected by the coordinator (docs/cluster.md, "Ray users").
+
+The actor's half of scheduler_lite.cluster.tasks: the same booking (`request_placement`), the
+same node pin and environment, but the booking lives as long as the actor:
+
+    placement = request_placement(config, num_gpus=0.5, kind="opportunistic", tenant="research")
+    trainer = placement.actor(Trainer).remote(width=64)   # one actor, pinned, under tf-antman
+    ray.get(trainer.train.remote(steps=100))
+    ray.kill(trainer)                                     # its worker exits: the booking ends
+
+- The actor's constructor first claims the booking (`tasks._claim`: its pid into the job
+  directory, refused if the booking was released or claimed already), then runs the class's own
+  `__init__`. The node agent adopts the actor's worker process from then on, exactly as a task's.
+- The booking ends when that process is gone (`ray.kill`, `exit_actor`, a crash): the agent
+  already ends a booking whose claiming process is gone (`NodeAgent._poll_task`). An actor's
+  worker is its own (Ray never reuses it), so it lives exactly as long as the actor. A
+  constructor that raises records exit status 1.
+- `max_restarts=0` and `max_task_retries=0`: a restarted actor would run outside the booking,
+  which ended with the first process (and a second claim is refused anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from scheduler_lite.cluster.tasks import _EXIT_STATUS_FILE, _claim, _write_small
+
+if TYPE_CHECKING:
+    from scheduler_lite.cluster.tasks import RayPlacement
+
+# Options of a Ray task that an actor does not take (Ray rejects them for actors).
+_TASK_ONLY = ("max_calls", "max_retries")
+
+
+def booked_class(job_id: str, cls: type) -> type:
+    """A subclass of `cls` whose constructor claims the booking `job_id` before `cls.__init__`
+    (pure Python: the Ray decorator is applied by `actor_class`). TypeError for a class that Ray
+    wrapped already (`@ray.remote`): its constructor cannot be wrapped any more."""
+    if not isinstance(cls, type) or hasattr(cls, "__ray_metadata__"):
+        raise TypeError(f"cls={cls!r} is invalid: accepted a plain class (not one decorated with @ray.remote)")
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        job_dir = _claim(job_id, "actor", exclusive=True)
+        try:
+            cls.__init__(self, *args, **kwargs)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                _write_small(job_dir / _EXIT_STATUS_FILE, 1)  # the actor dies: a failure, not "gone"
+            raise
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__qualname__": cls.__qualname__,
+                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def actor_options(placement: RayPlacement, runtime_env: Any = None) -> dict[str, Any]:
+    """Options for an actor under `placement`: the task's (node pin, environment) without the
+    task-only ones, and no restart or task retry."""
+    opts = {k: v for k, v in placement.options(runtime_env).items() if k not in _TASK_ONLY}
+    opts.update(max_restarts=0, max_task_retries=0)
+    return opts
+
+
+def actor_class(placement: RayPlacement, cls: type, **ray_options: Any) -> Any:
+    """`cls` as a Ray actor class under `placement` (extra Ray options, such as num_cpus or
+    max_concurrency, are passed on; `resources`, `runtime_env` env vars and restarts are the
+    booking's)."""
+    import ray
+
+    runtime_env = ray_options.pop("runtime_env", None)
+    return ray.remote(**{**ray_options, **actor_options(placement, runtime_env)})(booked_class(placement.job_id,
+                                                                                                cls))
+
+
+__all__ = ["actor_class", "actor_options", "booked_class"]
