@@ -145,3 +145,65 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
     assert agent.signal("job-4", signal.SIGTERM)
     ended4 = agent.report().parts["job-4"].exit
     assert ended4 is not None and ended4.exit_code is None
+
+
+def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monkeypatch) -> None:
+    """An actor class made for a booking (`booked_class`, what `placement.actor` decorates with
+    Ray): its constructor claims the booking before the class's own `__init__` (the agent adopts
+    that process), a second instance is refused, a constructor that raises records exit status 1,
+    and an actor started after the booking was released refuses to run."""
+    import os
+
+    import pytest
+
+    from scheduler_lite.cluster.actors import actor_options, booked_class
+    from scheduler_lite.cluster.tasks import PlacementError, RayPlacement
+
+    class Model:
+        def __init__(self, width: int) -> None:
+            if width < 0:
+                raise ValueError("width")
+            self.width = width
+            self.claimed = (Path(os.environ["ANTMAN_JOB_DIR"]) / "pid").exists()  # before our __init__
+
+    config = cluster_config(tmp_path, "ns")
+    agent = NodeAgent("n0", config, fence=False)
+    gpu = [Gpu(0, "n0", GIB, "nv")]
+    _, _, job_dir = agent.expect(task_record("job-1", "t"), 0, gpu, 256 << 20, 0.5, {})
+    monkeypatch.setenv("ANTMAN_JOB_DIR", job_dir)
+    monkeypatch.setenv("SCHEDULER_LITE_JOB_ID", "job-1")
+    cls = booked_class("job-1", Model)
+    assert issubclass(cls, Model) and cls.__name__ == "Model"
+    m = cls(8)
+    assert m.width == 8 and m.claimed and int((Path(job_dir) / "pid").read_text()) == os.getpid()
+    assert agent.report().parts["job-1"].exit is None  # claimed by a live process: the booking runs
+    assert agent.find("job-1", "t", 0, None) == os.getpid()  # adopted: this process is the actor's
+    with pytest.raises(PlacementError, match="claimed already"):
+        cls(8)  # a second actor under the same booking
+    assert int((Path(job_dir) / "pid").read_text()) == os.getpid()
+
+    # A constructor that raises: exit status 1 (the actor dies; its end is a failure).
+    _, _, dir2 = agent.expect(task_record("job-2", "u"), 0, gpu, 256 << 20, 0.5, {})
+    monkeypatch.setenv("ANTMAN_JOB_DIR", dir2)
+    monkeypatch.setenv("SCHEDULER_LITE_JOB_ID", "job-2")
+    with pytest.raises(ValueError):
+        booked_class("job-2", Model)(-1)
+    assert (Path(dir2) / "exit_status").read_text().strip() == "1"
+    assert agent.report().parts["job-2"].exit.exit_code == 1  # type: ignore[union-attr]
+
+    # Released before the actor started (cancelled): the actor refuses to run.
+    _, _, dir3 = agent.expect(task_record("job-3", "v"), 0, gpu, 256 << 20, 0.5, {})
+    assert agent.signal("job-3", signal.SIGTERM)  # unclaimed: marked released, ends at once
+    monkeypatch.setenv("ANTMAN_JOB_DIR", dir3)
+    monkeypatch.setenv("SCHEDULER_LITE_JOB_ID", "job-3")
+    with pytest.raises(PlacementError, match="released before the actor started"):
+        booked_class("job-3", Model)(8)
+
+    # Ray options: the node pin and environment of a task, no task-only option, no restart.
+    placement = RayPlacement("job-1", "n0", 0, "opportunistic", job_dir, {"ANTMAN_JOB_DIR": job_dir})
+    opts = actor_options(placement, {"env_vars": {"MINE": "1"}})
+    assert opts["resources"] == {"antman_node_n0": 0.001} and opts["max_restarts"] == 0
+    assert opts["max_task_retries"] == 0 and "max_calls" not in opts and "max_retries" not in opts
+    assert opts["runtime_env"]["env_vars"] == {"MINE": "1", "ANTMAN_JOB_DIR": job_dir}
+    with pytest.raises(TypeError, match="cls="):
+        booked_class("job-1", lambda: None)  # type: ignore[arg-type]
