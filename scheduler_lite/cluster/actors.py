@@ -13,18 +13,21 @@ same node pin and environment, but the booking lives as long as the actor:
   `__init__`. The node agent adopts the actor's worker process from then on, exactly as a task's.
 - The booking ends when that process is gone (`ray.kill`, `exit_actor`, a crash): the agent
   already ends a booking whose claiming process is gone (`NodeAgent._poll_task`). An actor's
-  worker is its own (Ray never reuses it), so it lives exactly as long as the actor. A
-  constructor that raises records exit status 1.
+  worker is its own (Ray never reuses it), so it lives exactly as long as the actor. How it
+  ended: a graceful exit (Python runs `atexit`) records exit status 0 (job `finished`), a
+  constructor that raises 1; a `ray.kill` or a crash records nothing (`failed`, exit unknown).
 - `max_restarts=0` and `max_task_retries=0`: a restarted actor would run outside the booking,
   which ended with the first process (and a second claim is refused anyway).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lite.cluster.tasks import _EXIT_STATUS_FILE, _claim, _write_small
+from scheduler_lite.cluster.tasks import _EXIT_STATUS_FILE, RELEASED_FILE, _claim, _write_small
 
 if TYPE_CHECKING:
     from scheduler_lite.cluster.tasks import RayPlacement
@@ -48,9 +51,19 @@ def booked_class(job_id: str, cls: type) -> type:
             with contextlib.suppress(OSError):
                 _write_small(job_dir / _EXIT_STATUS_FILE, 1)  # the actor dies: a failure, not "gone"
             raise
+        atexit.register(_ended_gracefully, job_dir)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__qualname__": cls.__qualname__,
                                        "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def _ended_gracefully(job_dir: Path) -> None:
+    """At the exit of the actor's process, when Python gets to run it: a graceful end (the handle
+    out of scope, `__ray_terminate__`, `exit_actor`), recorded as exit status 0. Not for a
+    `ray.kill` or a crash (no Python runs), nor after a release (cancel, node loss: not a success)."""
+    if not (job_dir / RELEASED_FILE).exists():
+        with contextlib.suppress(OSError):
+            _write_small(job_dir / _EXIT_STATUS_FILE, 0)
 
 
 def actor_options(placement: RayPlacement, runtime_env: Any = None) -> dict[str, Any]:

@@ -166,6 +166,10 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
             self.width = width
             self.claimed = (Path(os.environ["ANTMAN_JOB_DIR"]) / "pid").exists()  # before our __init__
 
+    from scheduler_lite.cluster import actors
+
+    at_exit: list[object] = []  # the actor's atexit hook, kept out of pytest's own exit
+    monkeypatch.setattr(actors.atexit, "register", lambda fn, *args: at_exit.append((fn, args)))
     config = cluster_config(tmp_path, "ns")
     agent = NodeAgent("n0", config, fence=False)
     gpu = [Gpu(0, "n0", GIB, "nv")]
@@ -181,6 +185,11 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
     with pytest.raises(PlacementError, match="claimed already"):
         cls(8)  # a second actor under the same booking
     assert int((Path(job_dir) / "pid").read_text()) == os.getpid()
+    # A graceful exit of the actor's process (Python runs atexit): exit status 0, the booking ends.
+    assert len(at_exit) == 1
+    fn, args = at_exit[0]  # type: ignore[misc]
+    fn(*args)
+    assert agent.report().parts["job-1"].exit.exit_code == 0  # type: ignore[union-attr]
 
     # A constructor that raises: exit status 1 (the actor dies; its end is a failure).
     _, _, dir2 = agent.expect(task_record("job-2", "u"), 0, gpu, 256 << 20, 0.5, {})
@@ -198,6 +207,9 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
     monkeypatch.setenv("SCHEDULER_LITE_JOB_ID", "job-3")
     with pytest.raises(PlacementError, match="released before the actor started"):
         booked_class("job-3", Model)(8)
+    assert len(at_exit) == 1  # only a constructed actor records a graceful end
+    fn(Path(dir3))  # an exit after a release (cancel, node loss) is no success: nothing recorded
+    assert not (Path(dir3) / "exit_status").exists()
 
     # Ray options: the node pin and environment of a task, no task-only option, no restart.
     placement = RayPlacement("job-1", "n0", 0, "opportunistic", job_dir, {"ANTMAN_JOB_DIR": job_dir})

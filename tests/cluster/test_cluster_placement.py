@@ -356,12 +356,22 @@ class Stepper:
         return {"active": tf_antman.is_active(), "pid": os.getpid(), "node_resources": sorted(ray_resources())}
 
 
+class Idle:
+    """A Ray actor's class that holds its booking and does nothing."""
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
 def test_ray_actor_booked_runs_under_its_booking_until_killed(ray_cluster: RayCluster, namespace: str,
                                                               tmp_path: Path) -> None:
     """A Ray actor booked through `request_placement` (opportunistic) and made with
     `placement.actor`: its process claims the booking at construction, trains TF under the
     booking's limit and share over several calls (its stats.json), and `ray.kill` ends the
-    booking: off its GPU, no placement left, the job no longer running."""
+    booking: off its GPU, no placement left, failed (exit unknown); a second actor ended
+    gracefully leaves its booking finished."""
     import os
     import subprocess
 
@@ -407,6 +417,16 @@ def test_ray_actor_booked_runs_under_its_booking_until_killed(ray_cluster: RayCl
         assert shown["job"]["state"] == "failed" and shown["placements"] == []
         assert on_gpu() == []
         assert {t["name"]: t["quota_used"] for t in call(config, "tenants")}["C"] == 0
+
+        # A graceful end (`__ray_terminate__`, as when the last handle goes): Python runs the
+        # actor's exit, exit status 0 is recorded, the job is finished.
+        second = request_placement(config, num_gpus=0.25, kind="opportunistic", tenant="C", timeout_s=90)
+        idle = second.actor(Idle).remote()  # type: ignore[attr-defined]
+        assert ray.get(idle.pid.remote(), timeout=120) == int((Path(second.job_dir) / "pid").read_text())
+        idle.__ray_terminate__.remote()
+        assert wait_for(lambda: call(config, "show", job=second.job_id)["job"]["state"] == "finished",
+                        timeout=60, interval=0.2), call(config, "show", job=second.job_id)
+        assert call(config, "show", job=second.job_id)["placements"] == []
     finally:
         if serve.poll() is None:
             serve.kill()
