@@ -22,6 +22,8 @@ the task a job of the running global scheduler (`scheduler-lite serve` in cluste
 5. The booking ends when the exit status is recorded, the worker process is gone, or no task
    claimed it within `TASK_CLAIM_TIMEOUT_S`; the global scheduler then releases GPU and quota.
 
+Ray actors get the same booking through `RayPlacement.actor` (scheduler_lite.cluster.actors).
+
 Why the socket and not a Ray actor for the global scheduler: the socket already carries
 submission with its checks (who may submit to which tenant, ranges) and crash safety (the store);
 Ray only carries what lives on the node (the environment, from the agent that made it).
