@@ -34,7 +34,11 @@ def test_wheel_builds_installs_and_activates(tmp_path: Path) -> None:
     target = tmp_path / "venv"
     venv.create(target, with_pip=True)
     py = target / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheels[0])], check=True, env=env,
+    # Without PYTHONPATH: with this checkout on it, the new venv's pip finds tf_antman.egg-info there,
+    # calls tf-antman "already satisfied" and installs nothing of the wheel (it happened after a test
+    # module had put the checkout on PYTHONPATH).
+    no_path = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheels[0])], check=True, env=no_path,
                    timeout=1200)
     script = tmp_path / "user_script.py"  # an unchanged user script: no tf_antman import
     script.write_text("from absl import logging\n"  # INFO lines on, as under absl.app

@@ -60,7 +60,10 @@ def ray_cluster() -> Iterator[RayCluster]:
     ray = pytest.importorskip("ray")  # the optional extra: tf-antman[ray]
     from ray.cluster_utils import Cluster
 
-    # Workers (node agents, Ray tasks) import this checkout, and jobs inherit it.
+    # Workers (node agents, Ray tasks) import this checkout, and jobs inherit it; restored after
+    # the module, so that later tests do not run with this checkout on PYTHONPATH.
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "PYTHONBREAKPOINT",
+                                             "RAY_CLIENT_MODE")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     common = {"num_cpus": 1, "object_store_memory": STORE}
@@ -76,6 +79,11 @@ def ray_cluster() -> Iterator[RayCluster]:
     finally:
         ray.shutdown()
         c.shutdown()
+        for key, value in saved.items():  # ray.init sets the last two
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture
