@@ -75,9 +75,7 @@ def share_accuracy(phase_s: float, cycles: int) -> dict[str, object]:
         runnable[ph["share"]].append(ph["device_runnable"] / ph["wall"])
         absolute[ph["share"]].append(ph["device_cpu"] / ph["wall"])
 
-    def error(values: dict[float, list[float]]) -> tuple[float | None, float | None]:
-        if not all(values.values()):
-            return None, None
+    def error(values: dict[float, list[float]]) -> tuple[float, float]:
         med = max(abs(median(v) - t) * 100 for t, v in values.items())
         worst = max(abs(x - t) * 100 for t, v in values.items() for x in v)
         return med, worst
@@ -265,6 +263,8 @@ def main() -> None:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         p.error(f"--sections: unknown {', '.join(unknown)}; accepted: {', '.join(SECTIONS)}")
+    if a.reps < 0:
+        p.error(f"--reps: {a.reps} is outside the accepted range [0, 1000] (0: the default)")
     if not 0.0 < a.op_share < 1.0:
         p.error(f"--op-share: {a.op_share} is outside the accepted range (0, 1)")
     phase_s = 2.5 if a.quick else 4.0
