@@ -263,7 +263,7 @@ def main() -> None:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         p.error(f"--sections: unknown {', '.join(unknown)}; accepted: {', '.join(SECTIONS)}")
-    if a.reps < 0:
+    if not 0 <= a.reps <= 1000:
         p.error(f"--reps: {a.reps} is outside the accepted range [0, 1000] (0: the default)")
     if not 0.0 < a.op_share < 1.0:
         p.error(f"--op-share: {a.op_share} is outside the accepted range (0, 1)")
