@@ -19,11 +19,12 @@ is judged by something the op manager does not control:
    op slowed by another process's load is charged in full by the manager while its on-CPU time
    is less, so on a loaded machine the figure reads low.
 2. Interference: a resource-guarantee (RG) job on both cores runs throughout while an
-   opportunistic (OP) job beside it cycles paused -> op share (default 0.05) -> paused ->
-   unthrottled; the RG job's own wall-clock step times in each phase are compared with the paused
-   phases around it. Figures: rg_slowdown_throttled (median of cycles), _worst (worst cycle),
-   _worst_quiet (worst cycle without foreign load), rg_slowdown_unthrottled, op_progress_ratio
-   (OP steps/s at its share over unthrottled).
+   opportunistic (OP) job beside it alternates paused / op share (default 0.05) every phase
+   (1 s; 6 pairs a block quick, 10 full), then one unthrottled phase per block. Each OP phase is
+   judged by the RG job's own wall-clock mean step time against the paused phases on both sides.
+   Figures: rg_slowdown_throttled (median of blocks), _worst (worst block), _worst_quiet (worst
+   block over its pairs without foreign load), rg_slowdown_unthrottled, op_progress_ratio (OP
+   steps/s at its share over unthrottled), rg_slowdown_floor (the OP job's own CPU share).
 3. Input pipelines: a job reading through tf.data (map + prefetch) and one with a py_function
    map survive 100 share changes (pause included) each; an input-bound job (its py_function
    sleeps 20 ms a batch) at share 0.5 keeps the step rate it has unthrottled, because waiting
@@ -45,7 +46,7 @@ import subprocess
 from _common import finish_job, median, run_job, start_job, step_time_ratio_vs_stock, table
 
 TARGETS = (0.25, 0.5, 0.75)
-QUIET_CORES = 0.2  # interference: a phase during which other processes used more than this is noisy
+QUIET_CORES = 0.1  # interference: a phase during which other processes used more than this is noisy
 
 
 def _quiet(phase: dict) -> bool:
@@ -81,6 +82,12 @@ def share_accuracy(phase_s: float, cycles: int) -> dict[str, object]:
         return med, worst
 
     err, worst = error(absolute)
+    # The phase furthest from its target, with what the machine did meanwhile: an outlier can be
+    # told apart from a manager error (foreign load or CPU wait explain a phase that reads low).
+    far = max((p for p in phases if p["share"] != 1.0), key=lambda p: abs(p["device_cpu"] / p["wall"] - p["share"]))
+    worst_phase = {"share": far["share"], "measured": far["device_cpu"] / far["wall"],
+                   "cpu_wait": (far["device_runnable"] - far["device_cpu"]) / far["wall"],
+                   "foreign_cores": far["foreign_cpu"] / far["wall"], "index": phases.index(far)}
     err_rel, worst_rel = error(rel)
     err_run, _ = error(runnable)
     rows = [[t, median(absolute[t]), min(absolute[t]), max(absolute[t]), median(runnable[t]), median(rel[t])]
@@ -88,7 +95,7 @@ def share_accuracy(phase_s: float, cycles: int) -> dict[str, object]:
     waits = [(p["device_runnable"] - p["device_cpu"]) / p["wall"] for p in phases]
     full = [p["device_cpu"] / p["wall"] for p in phases if p["share"] == 1.0]
     return {"rows": rows, "error": err, "worst": worst, "error_runnable": err_run, "error_relative": err_rel,
-            "worst_relative": worst_rel, "full_median": median(full), "phases": len(phases),
+            "worst_relative": worst_rel, "full_median": median(full), "phases": len(phases), "worst_phase": worst_phase,
             "wait_median": median(waits), "wait_max": max(waits),
             "foreign_cores_median": median([p["foreign_cpu"] / p["wall"] for p in phases])}
 
@@ -97,50 +104,80 @@ def _steps_in(spans: list[list[float]], window: dict) -> list[float]:
     return [b - a for a, b in spans if a >= window["t0"] and b <= window["t1"]]
 
 
-def interference(op_share: float, phase_s: float, cycles: int) -> dict[str, object]:
+def _mean_step(spans: list[list[float]], window: dict) -> float:
+    """The RG job's mean step time inside a phase: its throughput, which a sparse interruption
+    lowers in full (a median would hide an OP op that delays one RG step in ten)."""
+    steps = _steps_in(spans, window)
+    return statistics.mean(steps) if steps else math.nan
+
+
+def interference_phases(op_share: float, pairs: int, blocks: int) -> list[float]:
+    """OP shares phase by phase: each block alternates paused / op_share `pairs` times, then one
+    unthrottled phase; paused phases sit on both sides of every other phase."""
+    block = [v for _ in range(pairs) for v in (0.0, op_share)] + [0.0, 1.0]
+    return [v for _ in range(blocks) for v in block] + [0.0]
+
+
+def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, blocks: int) -> dict[str, object]:
     """A resource-guarantee (RG) job on both cores runs throughout while an opportunistic (OP) job
-    beside it cycles paused -> op_share -> paused -> unthrottled -> paused ...; the RG job's own
-    step times (wall clock, not the manager's figures) inside each OP phase are compared with the
-    paused phases on both sides. A paused OP job holds its ops and uses no CPU, so the paused
-    phases are the RG job alone, seconds away; one separate RG-alone run checks that."""
+    beside it alternates paused / op_share every phase_s seconds (`pairs` times per block), then
+    runs one unthrottled phase. Each OP phase is judged by the RG job's own mean step time (wall
+    clock, not the manager's figures) over the mean of the paused phases on both sides of it, a
+    second away: the machine's drifts (the RG step time alone moves by +-10% within seconds
+    here) hit a phase and its baseline alike, and the pairs of a block average what remains.
+    A paused OP job holds its ops and uses no CPU, so the paused phases are the RG job alone;
+    a separate RG-alone run checks that."""
     rg_args = ["--mode", "loop", "--width", "1024"]
-    shares = [v for _ in range(cycles) for v in (0.0, op_share, 0.0, 1.0)] + [0.0]
+    shares = interference_phases(op_share, pairs, blocks)
     total = len(shares) * phase_s
-    alone = median(run_job([*rg_args, "--duration", "6"], {"ANTMAN_ENABLE": "1"}, threads=2)["step_times"])
+    alone = run_job([*rg_args, "--duration", "6"], {"ANTMAN_ENABLE": "1"}, threads=2)["step_times"]
     rg = start_job([*rg_args, "--duration", str(total + 15)], {"ANTMAN_ENABLE": "1"}, threads=2)
     op = start_job(["--mode", "loop", "--width", "1024", "--seed", "1", "--phases", ",".join(map(str, shares)),
-                    "--phase-s", str(phase_s), "--watch-pids", str(rg.pid)], {"ANTMAN_ENABLE": "1"}, threads=2)
+                    "--phase-s", str(phase_s), "--settle-s", str(settle_s), "--watch-pids", str(rg.pid)],
+                   {"ANTMAN_ENABLE": "1"}, threads=2)
     o = finish_job(op)
     r = finish_job(rg)
     ph = o["phases"]
-    med = [median(_steps_in(r["step_spans"], w)) if _steps_in(r["step_spans"], w) else math.nan for w in ph]
-    op_rate = [len(_steps_in(o["step_spans"], w)) / w["wall"] for w in ph]
-    slow: dict[str, list[float]] = {"throttled": [], "unthrottled": []}
+    step = [_mean_step(r["step_spans"], w) for w in ph]
+    # OP steps that ENDED in a phase: at 5% one OP step outlasts a 1 s phase.
+    op_rate = [sum(w["t0"] <= b <= w["t1"] for _, b in o["step_spans"]) / w["wall"] for w in ph]
+
+    def slowdown(i: int) -> float:
+        return step[i] / statistics.mean([step[i - 1], step[i + 1]]) - 1
+
+    per_block = 2 * pairs + 2
+    throttled: list[float] = []
     quiet: list[float] = []
-    progress = []
-    for k in range(cycles):
-        i = 4 * k
-        base_t = statistics.mean([med[i], med[i + 2]])
-        base_u = statistics.mean([med[i + 2], med[i + 4]])
-        slow["throttled"].append(med[i + 1] / base_t - 1)
-        slow["unthrottled"].append(med[i + 3] / base_u - 1)
-        if all(_quiet(ph[j]) for j in (i, i + 1, i + 2)):
-            quiet.append(slow["throttled"][-1])
-        if op_rate[i + 3]:
-            progress.append(op_rate[i + 1] / op_rate[i + 3])
-    paused = [m for m, w in zip(med, ph, strict=True) if w["share"] == 0.0]
+    unthrottled: list[float] = []
+    progress: list[float] = []
+    single: list[float] = []
+    for b in range(blocks):
+        first = b * per_block
+        ops = [first + 2 * k + 1 for k in range(pairs)]
+        values = [slowdown(i) for i in ops]
+        single += values
+        throttled.append(statistics.mean(values))
+        calm = [v for i, v in zip(ops, values, strict=True) if all(_quiet(ph[j]) for j in (i - 1, i, i + 1))]
+        if 2 * len(calm) >= pairs:  # a block counts as quiet on at least half its pairs
+            quiet.append(statistics.mean(calm))
+        full = first + per_block - 1
+        unthrottled.append(slowdown(full))
+        if op_rate[full]:
+            progress.append(statistics.mean(op_rate[i] for i in ops) / op_rate[full])
+    paused = [m for m, w in zip(step, ph, strict=True) if w["share"] == 0.0]
     # What the OP job took of the machine while held to its share (kernel CPU time of its process):
     # a guarantee job that keeps every core busy cannot lose less than this fraction of them.
     op_cpu = median([w["process_cpu"] / w["wall"] for w in ph if w["share"] == op_share])
     return {
-        "rg_step_ms_alone": alone * 1e3,
+        "rg_step_ms_alone": statistics.mean(alone) * 1e3,
         "rg_step_ms_op_paused": median(paused) * 1e3,
-        "rg_slowdown_unthrottled": median(slow["unthrottled"]),
-        "rg_slowdown_throttled": median(slow["throttled"]),
-        "rg_slowdown_throttled_worst": max(slow["throttled"]),
-        "rg_slowdown_throttled_all": slow["throttled"],
-        "rg_slowdown_unthrottled_all": slow["unthrottled"],
+        "rg_slowdown_unthrottled": median(unthrottled),
+        "rg_slowdown_throttled": median(throttled),
+        "rg_slowdown_throttled_worst": max(throttled),
+        "rg_slowdown_throttled_all": throttled,
+        "rg_slowdown_unthrottled_all": unthrottled,
         "rg_slowdown_throttled_quiet": quiet,
+        "rg_slowdown_single_phase_range": (min(single), max(single)),
         "op_progress_ratio": median(progress) if progress else 0.0,
         "op_share": op_share,
         "op_cpu_cores_throttled": op_cpu,
@@ -148,7 +185,7 @@ def interference(op_share: float, phase_s: float, cycles: int) -> dict[str, obje
         "noisy_phases": sum(not _quiet(w) for w in ph),
         "phases": len(ph),
         "detail": [[w["share"], round(m * 1e3, 2), round(w["process_cpu"] / w["wall"], 3),
-                    round(w["foreign_cpu"] / w["wall"], 2)] for w, m in zip(ph, med, strict=True)],
+                    round(w["foreign_cpu"] / w["wall"], 2)] for m, w in zip(step, ph, strict=True)],
     }
 
 
@@ -189,7 +226,10 @@ def report_share(phase_s: float, reps: int) -> dict[str, object]:
     print(f"error: {sa['error']:.2f} points (median per target, worst target); worst single phase "
           f"{sa['worst']:.2f}; relative to the 100% phases (which use {sa['full_median']:.3f}) "
           f"{sa['error_relative']:.2f}; the TF thread waited for a CPU {sa['wait_median']:.1%} of the time "
-          f"(median phase; most {sa['wait_max']:.1%}); other processes used {sa['foreign_cores_median']:.2f} cores\n")
+          f"(median phase; most {sa['wait_max']:.1%}); other processes used {sa['foreign_cores_median']:.2f} cores")
+    w = sa["worst_phase"]
+    print(f"furthest phase: #{w['index']} at {w['share']} read {w['measured']:.3f}; meanwhile the TF thread waited "
+          f"for a CPU {w['cpu_wait']:.1%} of the time and other processes used {w['foreign_cores']:.2f} cores\n")
     return {
         "share_error_points_cpu_time": _r(sa["error"]),
         "share_error_points_cpu_time_worst_phase": _r(sa["worst"]),
@@ -199,19 +239,24 @@ def report_share(phase_s: float, reps: int) -> dict[str, object]:
         "share_cpu_wait_median": _r(sa["wait_median"], 4),
         "share_foreign_cores_median": _r(sa["foreign_cores_median"]),
         "share_phases": sa["phases"],
+        "share_worst_phase": {k: _r(v) if isinstance(v, float) else v for k, v in sa["worst_phase"].items()},
     }
 
 
-def report_interference(op_share: float, phase_s: float, reps: int) -> dict[str, object]:
-    print(f"2. RG job next to an opportunistic job cycling paused -> {op_share} -> paused -> 1.0, {reps} cycles")
-    it = interference(op_share, phase_s, reps)
+def report_interference(op_share: float, phase_s: float, settle_s: float, pairs: int,
+                        blocks: int) -> dict[str, object]:
+    print(f"2. RG job next to an opportunistic job alternating paused / {op_share} every {phase_s} s "
+          f"({pairs} pairs, then 1.0), {blocks} blocks")
+    it = interference(op_share, phase_s, settle_s, pairs, blocks)
+    print(table(it["detail"], ["OP phase share", "RG step ms (mean)", "OP cores", "foreign cores"]))
+    lo, hi = it["rg_slowdown_single_phase_range"]
     print(table([
         ["RG alone (separate run)", it["rg_step_ms_alone"], "-"],
         ["RG, OP paused (median of phases)", it["rg_step_ms_op_paused"], "-"],
-        ["RG, OP unthrottled", "-", str([round(v, 3) for v in it["rg_slowdown_unthrottled_all"]])],
-        [f"RG, OP at {op_share}", "-", str([round(v, 3) for v in it["rg_slowdown_throttled_all"]])],
-    ], ["case", "RG step ms", "RG slowdown per cycle"]))
-    print(table(it["detail"], ["OP phase share", "RG step ms (median)", "OP cores", "foreign cores"]))
+        ["RG, OP unthrottled", "-", str([round(v, 4) for v in it["rg_slowdown_unthrottled_all"]])],
+        [f"RG, OP at {op_share}", "-", str([round(v, 4) for v in it["rg_slowdown_throttled_all"]])],
+    ], ["case", "RG step ms", "RG slowdown per block"]))
+    print(f"single {op_share} phases against their neighbours: {lo:+.1%} .. {hi:+.1%}")
     print(f"OP steps/s at {op_share} over unthrottled: {it['op_progress_ratio']:.3f}; the OP job used "
           f"{it['op_cpu_cores_throttled']:.3f} cores at its share, {it['rg_slowdown_floor']:.1%} of the machine "
           f"(the least an RG job using every core can lose); {it['noisy_phases']} of {it['phases']} phases noisy\n")
@@ -222,6 +267,7 @@ def report_interference(op_share: float, phase_s: float, reps: int) -> dict[str,
         "rg_slowdown_throttled_worst": round(it["rg_slowdown_throttled_worst"], 4),
         "rg_slowdown_throttled_worst_quiet": _r(max(quiet) if quiet else None, 4),
         "rg_slowdown_throttled_all": [round(v, 4) for v in it["rg_slowdown_throttled_all"]],
+        "rg_slowdown_single_phase_range": [round(lo, 4), round(hi, 4)],
         "rg_noisy_phases": it["noisy_phases"],
         "rg_step_ms_alone": round(it["rg_step_ms_alone"], 2),
         "rg_step_ms_op_paused": round(it["rg_step_ms_op_paused"], 2),
@@ -229,6 +275,8 @@ def report_interference(op_share: float, phase_s: float, reps: int) -> dict[str,
         "op_share": op_share,
         "op_cpu_cores_throttled": round(it["op_cpu_cores_throttled"], 4),
         "rg_slowdown_floor": round(it["rg_slowdown_floor"], 4),
+        "rg_pairs_per_block": pairs,
+        "rg_phase_s": phase_s,
     }
 
 
@@ -274,7 +322,7 @@ def main() -> None:
     if "share" in sections:
         out.update(report_share(phase_s, reps))
     if "interference" in sections:
-        out.update(report_interference(a.op_share, phase_s, reps))
+        out.update(report_interference(a.op_share, 1.0, 0.25, 6 if a.quick else 10, reps))
     if "input" in sections:
         out.update(report_input(min(reps, 3)))
     if "cost" in sections:
