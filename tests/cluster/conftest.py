@@ -19,6 +19,7 @@ import pytest
 
 from scheduler_lite.cluster.scheduler import agent_name
 from scheduler_lite.config import Config, parse_config
+from tests.scheduler.configs import scheduler_config
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("n0", "n1", "n2")
@@ -38,18 +39,13 @@ class RayCluster:
 
 
 def cluster_config(state_dir: Path, namespace: str, **sections: dict) -> Config:
-    data: dict = {
-        "version": 1,
-        "paths": {"state_dir": str(state_dir)},
-        "devices": {"kind": "emulated",
-                    "emulated": [{"id": i, "memory": "1GiB", "nvlink_group": "nv"} for i in range(2)]},
-        "tenants": [{"name": "A", "gpu_quota": 4}, {"name": "B", "gpu_quota": 2}, {"name": "C", "gpu_quota": 0}],
-        "jobs": {"cancel_grace_s": 2, "host_memory": "1GiB"},
-        "daemon": {"tick_interval_s": 0.1, "schedule_interval_s": 0.3, "utilisation_window_s": 1.0},
-        "coordinator": {"min_memory_bytes": "64MiB", "round_interval_s": 0.5},
-        "cluster": {"kind": "ray", "address": "auto", "namespace": namespace, "nodes": list(NODES),
-                    "span_tenants": ["A"], "node_timeout_s": 10},
-    }
+    data = scheduler_config(
+        ["1GiB", "1GiB"], {"A": 4, "B": 2, "C": 0}, nvlink_group="nv", state_dir=str(state_dir),
+        jobs={"cancel_grace_s": 2, "host_memory": "1GiB"},
+        daemon={"tick_interval_s": 0.1, "schedule_interval_s": 0.3, "utilisation_window_s": 1.0},
+        coordinator={"min_memory_bytes": "64MiB", "round_interval_s": 0.5},
+        cluster={"kind": "ray", "address": "auto", "namespace": namespace, "nodes": list(NODES),
+                 "span_tenants": ["A"], "node_timeout_s": 10})
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
     return parse_config(data, base_dir=state_dir)

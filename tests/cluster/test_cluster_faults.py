@@ -19,6 +19,7 @@ from scheduler_lite.cluster.scheduler import ClusterDaemon
 from scheduler_lite.model import Place, Role
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from tests.cluster.conftest import NODES, REPO, STORE, RayCluster, cluster_config
+from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import JOB_ENV, fake_command, wait_for
 
 
@@ -49,35 +50,12 @@ def step_of(d: ClusterDaemon, job_id: str) -> int:
 
 
 def write_config(path: Path, rc: RayCluster, namespace: str) -> Path:
-    nodes = ", ".join(f'"{n}"' for n in NODES)
-    path.write_text(f"""
-version = 1
-[paths]
-state_dir = "state"
-[devices]
-kind = "emulated"
-[[devices.emulated]]
-id = 0
-memory = "1GiB"
-[[devices.emulated]]
-id = 1
-memory = "1GiB"
-[[tenants]]
-name = "A"
-gpu_quota = 4
-[jobs]
-cancel_grace_s = 2
-[daemon]
-tick_interval_s = 0.1
-schedule_interval_s = 0.3
-[cluster]
-kind = "ray"
-address = "{rc.address}"
-namespace = "{namespace}"
-nodes = [{nodes}]
-span_tenants = ["A"]
-node_timeout_s = 20
-""")
+    """Two GPUs on each node, tenant A alone (its gangs may span nodes), for `serve` as a process."""
+    path.write_text(to_toml(scheduler_config(
+        ["1GiB", "1GiB"], {"A": 4}, jobs={"cancel_grace_s": 2},
+        daemon={"tick_interval_s": 0.1, "schedule_interval_s": 0.3},
+        cluster={"kind": "ray", "address": rc.address, "namespace": namespace, "nodes": list(NODES),
+                 "span_tenants": ["A"], "node_timeout_s": 20})))
     return path
 
 

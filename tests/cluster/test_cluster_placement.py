@@ -10,6 +10,7 @@ from scheduler_lite.cluster.scheduler import ClusterDaemon
 from scheduler_lite.model import Place, Reserve, Role, SetComputeShare
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from tests.cluster.conftest import REPO, RayCluster, cluster_config
+from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import JOB_ENV, fake_command
 
 
@@ -140,38 +141,14 @@ def test_ray_options_enforce_a_fraction_in_a_ray_actor(ray_cluster: RayCluster, 
     assert stats["devices"][0]["limit_bytes"] == 256 << 20
 
 
-RAY_TASK_CONFIG = """
-version = 1
-[paths]
-state_dir = "state"
-[devices]
-kind = "emulated"
-[[devices.emulated]]
-id = 0
-memory = "1GiB"
-[[tenants]]
-name = "B"
-gpu_quota = 2
-[[tenants]]
-name = "C"
-gpu_quota = 0
-[jobs]
-cancel_grace_s = 2
-host_memory = "1GiB"
-[daemon]
-tick_interval_s = 0.1
-schedule_interval_s = 0.3
-utilisation_window_s = 1.0
-[coordinator]
-min_memory_bytes = "64MiB"
-round_interval_s = 0.5
-[cluster]
-kind = "ray"
-address = "{address}"
-namespace = "{namespace}"
-nodes = ["n1", "n2"]
-node_timeout_s = 20
-"""
+def ray_task_config(address: str, namespace: str) -> str:
+    """One GPU on each of nodes n1 and n2; tenant B (quota 2) and C (opportunistic only)."""
+    return to_toml(scheduler_config(
+        ["1GiB"], {"B": 2, "C": 0}, jobs={"cancel_grace_s": 2, "host_memory": "1GiB"},
+        daemon={"tick_interval_s": 0.1, "schedule_interval_s": 0.3, "utilisation_window_s": 1.0},
+        coordinator={"min_memory_bytes": "64MiB", "round_interval_s": 0.5},
+        cluster={"kind": "ray", "address": address, "namespace": namespace, "nodes": ["n1", "n2"],
+                 "node_timeout_s": 20}))
 
 
 def train_until(stop: str) -> dict:
@@ -220,7 +197,7 @@ def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayC
     from tests.scheduler.test_daemon_fakes import wait_for
 
     path = tmp_path / "cluster.toml"
-    path.write_text(RAY_TASK_CONFIG.format(address=ray_cluster.address, namespace=namespace))
+    path.write_text(ray_task_config(ray_cluster.address, namespace))
     config = load_config(path)
     serve = [sys.executable, "-m", "scheduler_lite", "--config", str(path), "serve"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -383,7 +360,7 @@ def test_ray_actor_booked_runs_under_its_booking_until_killed(ray_cluster: RayCl
     from tests.scheduler.test_daemon_fakes import wait_for
 
     path = tmp_path / "cluster.toml"
-    path.write_text(RAY_TASK_CONFIG.format(address=ray_cluster.address, namespace=namespace))
+    path.write_text(ray_task_config(ray_cluster.address, namespace))
     config = load_config(path)
     serve = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(path), "serve"], cwd=REPO,
                              env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.DEVNULL)

@@ -8,35 +8,26 @@ import pwd
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
 from scheduler_lite.cli import main
 from scheduler_lite.isolation import SESSION_VARIABLES
+from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.serving import serving
 from tests.scheduler.test_daemon_fakes import REPO, fake_command, wait_for
 
-CONFIG = """\
-version = 1
-[paths]
-state_dir = "state"
-[devices]
-kind = "emulated"
-[[devices.emulated]]
-memory = "1GiB"
-[[tenants]]
-name = "A"
-gpu_quota = 1
-[[tenants]]
-name = "B"
-gpu_quota = 0
-[daemon]
-tick_interval_s = 0.05
-[coordinator]
-min_memory_bytes = "64MiB"
-"""
+
+def cli_config(gpu_memory: str = "1GiB", quotas: Mapping[str, int] | None = None,
+               users: Mapping[str, Sequence[str]] | None = None) -> str:
+    """One emulated GPU, tenant A (quota 1) and B (opportunistic only), a fast tick."""
+    return to_toml(scheduler_config([gpu_memory], quotas or {"A": 1, "B": 0}, users=users,
+                                    daemon={"tick_interval_s": 0.05}, coordinator={"min_memory_bytes": "64MiB"}))
+
+
+CONFIG = cli_config()
 
 
 @pytest.fixture
@@ -125,10 +116,10 @@ def test_user_mistakes_are_one_line_and_status_2(cfg: str, capsys: pytest.Captur
 
 def test_a_bad_config_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text(CONFIG.replace('memory = "1GiB"', 'memory = "1KiB"'))
+    path.write_text(cli_config(gpu_memory="1KiB"))
     rc, _, err = run(capsys, "--config", str(path), "list")
     assert rc == 2 and "devices.emulated[0].memory='1KiB' is invalid: accepted" in err
-    path.write_text(CONFIG.replace('gpu_quota = 0', 'gpu_quota = 0\nusers = ["Not A Name"]'))
+    path.write_text(cli_config(users={"B": ["Not A Name"]}))
     rc, _, err = run(capsys, "--config", str(path), "list")
     assert rc == 2 and "tenants[1].users=['Not A Name'] is invalid: accepted a list of user or group names" in err
     rc, _, err = run(capsys, "--config", str(tmp_path / "missing.toml"), "list")

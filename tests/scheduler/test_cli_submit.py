@@ -15,7 +15,7 @@ import pytest
 from scheduler_lite.cli import main
 from scheduler_lite.storage import SqliteStorage
 from tests.scheduler.serving import serving
-from tests.scheduler.test_cli_commands import CONFIG
+from tests.scheduler.test_cli_commands import CONFIG, cli_config
 from tests.scheduler.test_daemon_fakes import REPO
 
 CONCURRENT = 200
@@ -95,7 +95,7 @@ def test_share_and_restartable_are_validated_and_stored(cfg: str, capsys: pytest
 
 def test_quotas_above_the_gpu_count_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "over.toml"
-    path.write_text(CONFIG.replace('name = "B"\ngpu_quota = 0', 'name = "B"\ngpu_quota = 2'))
+    path.write_text(cli_config(quotas={"A": 1, "B": 2}))
     with serving(path):
         rc, _, err = run(capsys, "--config", str(path), "tenants")
         assert rc == 0

@@ -25,38 +25,15 @@ from scheduler_lite.daemon import FAULT_AFTER_ENV, FAULT_ENV, FAULT_POINTS
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage import JobSpec, JobStatus, SqliteStorage
 from scheduler_lite.submission import submit_job
+from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import JOB_ENV, REPO, fake_command, wait_for
 
 DEATHS = 20
 JOBS = 40
-CONFIG = """
-version = 1
-[paths]
-state_dir = "state"
-[devices]
-kind = "emulated"
-[[devices.emulated]]
-id = 0
-memory = "1GiB"
-[[devices.emulated]]
-id = 1
-memory = "1GiB"
-[[tenants]]
-name = "A"
-gpu_quota = 1
-[[tenants]]
-name = "B"
-gpu_quota = 0
-[jobs]
-cancel_grace_s = 2
-[daemon]
-tick_interval_s = 0.05
-schedule_interval_s = 0.2
-utilisation_window_s = 0.5
-[coordinator]
-round_interval_s = 0.2
-min_memory_bytes = "64MiB"
-"""
+CONFIG = to_toml(scheduler_config(
+    ["1GiB", "1GiB"], {"A": 1, "B": 0}, jobs={"cancel_grace_s": 2},
+    daemon={"tick_interval_s": 0.05, "schedule_interval_s": 0.2, "utilisation_window_s": 0.5},
+    coordinator={"round_interval_s": 0.2, "min_memory_bytes": "64MiB"}))
 
 
 def job_processes(state_dir: Path) -> dict[str, int]:

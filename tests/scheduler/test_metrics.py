@@ -15,34 +15,16 @@ from pathlib import Path
 import pytest
 
 from scheduler_lite.cli import main
+from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import MIB, REPO, fake_command, wait_for
 
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-CONFIG = """\
-version = 1
-[paths]
-state_dir = "state"
-[devices]
-kind = "emulated"
-[[devices.emulated]]
-memory = "1GiB"
-[[tenants]]
-name = "A"
-gpu_quota = 1
-[[tenants]]
-name = "B"
-gpu_quota = 0
-[jobs]
-cancel_grace_s = 1
-[daemon]
-tick_interval_s = 0.5
-utilisation_window_s = 2
-[coordinator]
-min_memory_bytes = "64MiB"
-round_interval_s = 0.5
-"""
+CONFIG = to_toml(scheduler_config(
+    ["1GiB"], {"A": 1, "B": 0}, jobs={"cancel_grace_s": 1},
+    daemon={"tick_interval_s": 0.5, "utilisation_window_s": 2},
+    coordinator={"min_memory_bytes": "64MiB", "round_interval_s": 0.5}))
 
 
 def free_port() -> int:

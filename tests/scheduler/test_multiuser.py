@@ -25,36 +25,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import REPO, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                 reason="needs root and useradd (creates Unix users)")
 
-CONFIG = """\
-version = 1
-[paths]
-state_dir = "state"
-[devices]
-kind = "emulated"
-[[devices.emulated]]
-memory = "1GiB"
-[[devices.emulated]]
-memory = "1GiB"
-[[tenants]]
-name = "ta"
-gpu_quota = 1
-users = ["{a}"]
-[[tenants]]
-name = "tb"
-gpu_quota = 1
-users = ["{b}"]
-[access]
-admins = ["{adm}"]
-[jobs]
-cancel_grace_s = 1
-[daemon]
-tick_interval_s = 0.1
-"""
+def site_config(a: str, b: str, adm: str, state_dir: str = "state") -> str:
+    """Two GPUs; tenant ta is user a's, tb user b's (one GPU each); adm administers."""
+    return to_toml(scheduler_config(["1GiB", "1GiB"], {"ta": 1, "tb": 1}, users={"ta": [a], "tb": [b]},
+                                    state_dir=state_dir, access={"admins": [adm]}, jobs={"cancel_grace_s": 1},
+                                    daemon={"tick_interval_s": 0.1}))
 
 # A's job: what it can and cannot touch, as one JSON line on stdout; then it waits to be cancelled.
 PROBE = r"""
@@ -168,7 +149,7 @@ def site() -> Iterator[Site]:
         if python is None:
             pytest.skip("no Python interpreter that the test users may run")
         config = base / "sl.toml"
-        config.write_text(CONFIG.format(**names))
+        config.write_text(site_config(**names))
         os.chmod(config, 0o644)
         env = {**os.environ, "PYTHONPATH": str(REPO), "SL_CANARY": "root-only"}
         daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(config), "serve"],
@@ -315,8 +296,7 @@ def test_a_daemon_run_by_a_user_serves_only_that_user_and_says_so(site: Site) ->
     home.mkdir()
     os.chown(home, a.uid, a.gid)
     config = home / "sl.toml"
-    config.write_text(CONFIG.format(a=a.name, b=b.name, adm="root").replace('state_dir = "state"',
-                                                                             f'state_dir = "{home}/state"'))
+    config.write_text(site_config(a.name, b.name, "root", state_dir=f"{home}/state"))
     os.chown(config, a.uid, a.gid)
     log = home / "daemon.log"
     daemon = subprocess.Popen([site.python, "-m", "scheduler_lite", "--config", str(config), "serve"],
