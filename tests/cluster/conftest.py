@@ -19,7 +19,7 @@ import pytest
 
 from scheduler_lite.cluster.scheduler import agent_name
 from scheduler_lite.config import Config, parse_config
-from tests.scheduler.configs import scheduler_config
+from tests.scheduler.configs import merge_tables, scheduler_config
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("n0", "n1", "n2")
@@ -46,9 +46,7 @@ def cluster_config(state_dir: Path, namespace: str, **sections: dict) -> Config:
         coordinator={"min_memory_bytes": "64MiB", "round_interval_s": 0.5},
         cluster={"kind": "ray", "address": "auto", "namespace": namespace, "nodes": list(NODES),
                  "span_tenants": ["A"], "node_timeout_s": 10})
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
-    return parse_config(data, base_dir=state_dir)
+    return parse_config(merge_tables(data, **sections), base_dir=state_dir)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ scheduler_lite/config.py).
     data = scheduler_config(["1GiB", "1GiB"], {"A": 1, "B": 0}, daemon={"tick_interval_s": 0.1})
     path.write_text(to_toml(data))      # for `scheduler-lite --config` and `serve` subprocesses
     parse_config(data, base_dir=...)    # or in-process, without a file
+    merge_tables(data, daemon={"schedule_interval_s": 1.0})  # a test's change to a shared base
 
 The tests describe only what differs between them (GPUs, tenants, the tables they tune); the
 document's fixed parts (version, [paths], [devices]) live here once.
@@ -46,6 +47,15 @@ def scheduler_config(gpus: Sequence[str], tenants: Mapping[str, int], *,
     return {"version": VERSION, "paths": {"state_dir": state_dir},
             "devices": {"kind": "emulated", "emulated": emulated}, "tenants": tenant_tables,
             **{name: dict(table) for name, table in tables.items()}}
+
+
+def merge_tables(data: Mapping[str, Any], **tables: Table) -> dict[str, Any]:
+    """`data` with each given table's keys set (the table's other keys kept): a test's changes
+    to a shared base config."""
+    merged = dict(data)
+    for name, table in tables.items():
+        merged[name] = {**merged.get(name, {}), **table}
+    return merged
 
 
 def to_toml(data: Mapping[str, Any]) -> str:

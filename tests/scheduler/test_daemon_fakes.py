@@ -11,9 +11,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from scheduler_lite.config import Config, parse_config
+from tests.scheduler.configs import Table, merge_tables, scheduler_config
 from tf_antman.protocol import (
     Control,
     MemoryLimit,
@@ -83,20 +85,15 @@ def fake_command(steps: int = 0, step_s: float = 0.02, demand: int = 512 * MIB, 
     return cmd + ([str(achieved)] if achieved is not None else [])
 
 
-def make_config(state_dir: Path, gpus: int = 1, memory: str = "1GiB", **sections: dict) -> Config:
-    data: dict = {
-        "version": 1,
-        "paths": {"state_dir": str(state_dir)},
-        "devices": {"kind": "emulated",
-                    "emulated": [{"id": i, "memory": memory, "nvlink_group": "g0"} for i in range(gpus)]},
-        "tenants": [{"name": "A", "gpu_quota": gpus}, {"name": "B", "gpu_quota": 0}],
-        "jobs": {"cancel_grace_s": 2},
-        "daemon": {"tick_interval_s": 0.05, "schedule_interval_s": 0.2, "utilisation_window_s": 1.0},
-        "coordinator": {"min_memory_bytes": "64MiB", "round_interval_s": 0.2},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
-    return parse_config(data, base_dir=state_dir)
+def make_config(state_dir: Path, gpus: int = 1, memory: str = "1GiB", quotas: Mapping[str, int] | None = None,
+                **sections: Table) -> Config:
+    """`gpus` GPUs of one NVLink group; tenant A's quota is every GPU, B is opportunistic only."""
+    data = scheduler_config(
+        [memory] * gpus, quotas or {"A": gpus, "B": 0}, nvlink_group="g0", state_dir=str(state_dir),
+        jobs={"cancel_grace_s": 2},
+        daemon={"tick_interval_s": 0.05, "schedule_interval_s": 0.2, "utilisation_window_s": 1.0},
+        coordinator={"min_memory_bytes": "64MiB", "round_interval_s": 0.2})
+    return parse_config(merge_tables(data, **sections), base_dir=state_dir)
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02) -> bool:
