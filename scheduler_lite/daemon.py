@@ -558,26 +558,34 @@ class Daemon:
 
     def _enqueue(self, record: JobRecord, now: float, out: _TickLog | None) -> bool:
         """Into the book; False (and the job failed) when it can never run here."""
-        problem = None
-        largest = max((g.memory_bytes for g in self.gpus.values()), default=0)
-        if record.tenant not in self.book.tenants:
-            problem = f"tenant {record.tenant!r} is not configured"
-        elif record.num_gpus > len(self.gpus):
-            problem = f"needs {record.num_gpus} GPUs; this machine has {len(self.gpus)}"
-        elif record.memory_bytes is not None and not 0 < record.memory_bytes <= largest:
-            problem = f"memory {record.memory_bytes} bytes is outside [1, {largest}] (the largest GPU)"
+        problem = self._cannot_run(record)
         if problem is not None:
-            with self.storage.transaction():
-                self.storage.update_job(record.id, state=JobStatus.FAILED, ended_at=now, reason=problem)
-                self.storage.add_event(now, "rejected", record.id, reason=problem)
-            if out is not None:
-                out.ended.append((record.id, JobStatus.FAILED, None))
+            self._reject(record.id, problem, now, out)
             return False
         self.driver.submit(self._book_job(record))
         self._dirty = True
         if out is not None:
             out.picked_up.append(record.id)
         return True
+
+    def _cannot_run(self, record: JobRecord) -> str | None:
+        """Why the job can never run here (the reason it fails with), or None. Cluster mode adds its own."""
+        largest = max((g.memory_bytes for g in self.gpus.values()), default=0)
+        if record.tenant not in self.book.tenants:
+            return f"tenant {record.tenant!r} is not configured"
+        if record.num_gpus > len(self.gpus):
+            return f"needs {record.num_gpus} GPUs; this machine has {len(self.gpus)}"
+        if record.memory_bytes is not None and not 0 < record.memory_bytes <= largest:
+            return f"memory {record.memory_bytes} bytes is outside [1, {largest}] (the largest GPU)"
+        return None
+
+    def _reject(self, job_id: str, reason: str, now: float, out: _TickLog | None) -> None:
+        """The job fails without having run: at pick-up, or when the global scheduler rejects it."""
+        with self.storage.transaction():
+            self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
+            self.storage.add_event(now, "rejected", job_id, reason=reason)
+        if out is not None:
+            out.ended.append((job_id, JobStatus.FAILED, None))
 
     # -- 2. reap ----------------------------------------------------------------------------------
 
@@ -711,10 +719,7 @@ class Daemon:
                         live.record = self.storage.get_job(d.job_id) or live.record
                         self._write_control(d.job_id, now, out)  # its share is 1 now
                 case Reject():
-                    with self.storage.transaction():
-                        self.storage.update_job(d.job_id, state=JobStatus.FAILED, ended_at=now, reason=d.reason)
-                        self.storage.add_event(now, "rejected", d.job_id, reason=d.reason)
-                    out.ended.append((d.job_id, JobStatus.FAILED, None))
+                    self._reject(d.job_id, d.reason, now, out)
         for launch in launches:
             try:
                 self._book_launch(launch, now)

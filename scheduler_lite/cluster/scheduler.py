@@ -468,26 +468,14 @@ class ClusterDaemon(Daemon):
                 self.ray_launcher.jobs[record.id] = record
         super()._recover(now)
 
-    def _enqueue(self, record: JobRecord, now: float, out: _TickLog | None) -> bool:
+    def _cannot_run(self, record: JobRecord) -> str | None:
         largest = max((len(gs) for gs in self.nodes.gpus.values()), default=0)
         if is_ray_task(record.command) and record.num_gpus != 1:
-            problem = f"a Ray task's booking is one GPU, not {record.num_gpus} (docs/cluster.md, \"Ray users\")"
-            with self.storage.transaction():
-                self.storage.update_job(record.id, state=JobStatus.FAILED, ended_at=now, reason=problem)
-                self.storage.add_event(now, "rejected", record.id, reason=problem)
-            if out is not None:
-                out.ended.append((record.id, JobStatus.FAILED, None))
-            return False
+            return f"a Ray task's booking is one GPU, not {record.num_gpus} (docs/cluster.md, \"Ray users\")"
         if record.tenant not in self.cc.span_tenants and record.num_gpus > largest:
-            problem = (f"needs {record.num_gpus} GPUs; the largest node has {largest} and tenant "
-                       f"{record.tenant!r} may not span nodes (cluster.span_tenants)")
-            with self.storage.transaction():
-                self.storage.update_job(record.id, state=JobStatus.FAILED, ended_at=now, reason=problem)
-                self.storage.add_event(now, "rejected", record.id, reason=problem)
-            if out is not None:
-                out.ended.append((record.id, JobStatus.FAILED, None))
-            return False
-        return super()._enqueue(record, now, out)
+            return (f"needs {record.num_gpus} GPUs; the largest node has {largest} and tenant "
+                    f"{record.tenant!r} may not span nodes (cluster.span_tenants)")
+        return super()._cannot_run(record)
 
     def _prepare_job_dir(self, launch: Launch, uid: int | None) -> Path:
         # On the job's first node; its agent makes it ready when it starts the job.

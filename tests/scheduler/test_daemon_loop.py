@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_lite.config import parse_config
 from scheduler_lite.daemon import Daemon, job_environment
 from scheduler_lite.launcher import EXIT_STATUS_FILE
-from scheduler_lite.model import Place, Role, SetComputeShare, SetMemoryLimit
+from scheduler_lite.model import Place, Reject, Role, SetComputeShare, SetMemoryLimit
 from scheduler_lite.storage import JobStatus, SqliteStorage
+from scheduler_lite.submission import make_job_spec, submit_job
+from tests.scheduler.configs import scheduler_config
 from tests.scheduler.test_daemon_fakes import (
     JOB_ENV,
     MIB,
@@ -185,6 +188,37 @@ def test_queued_cancel_and_launch_failure(tmp_path: Path, daemons: list[Daemon])
     failed = d.job(doomed)
     assert failed is not None and failed.state is JobStatus.FAILED and "cannot start" in (failed.reason or "")
     assert d.book.jobs_on(0) == ()
+
+
+def test_jobs_that_can_never_run_here_fail_once_with_the_reason(tmp_path: Path, daemons: list[Daemon]) -> None:
+    """Jobs queued under an older, roomier config (three 1 GiB GPUs, tenant Z, A's quota 3) that the
+    daemon restarted with one GPU less, half the memory and A's quota 1: each fails once, with its
+    reason and a `rejected` event, whether found by recovery, at pick-up or by the global scheduler."""
+    roomy = parse_config(scheduler_config(["1GiB"] * 3, {"A": 3, "B": 0, "Z": 1}, state_dir=str(tmp_path)),
+                         base_dir=tmp_path)
+
+    def queue(storage: SqliteStorage, **how: object) -> str:
+        return submit_job(storage, make_job_spec(roomy, ["true"], **how)).id  # type: ignore[arg-type]
+
+    old = SqliteStorage(roomy.db_path)
+    gang = queue(old, tenant="B", kind="opportunistic", gpus=3)
+    stranger = queue(old, tenant="Z", kind="opportunistic")
+    old.close()
+    d = new_daemon(daemons, tmp_path, gpus=2, memory="512MiB", quotas={"A": 1, "B": 0})
+    big = queue(d.storage, tenant="B", kind="opportunistic", memory_bytes=1 << 30)
+    wide = queue(d.storage, tenant="A", kind="guarantee", gpus=2)
+    report = d.tick()
+    reasons = {gang: "needs 3 GPUs; this machine has 2", stranger: "tenant 'Z' is not configured",
+               big: "memory 1073741824 bytes is outside [1, 536870912] (the largest GPU)",
+               wide: "needs 2 GPUs, quota is 1"}
+    assert Reject(wide, reasons[wide]) in report.decisions and report.picked_up == (wide,)
+    assert sorted(report.ended) == sorted((j, JobStatus.FAILED, None) for j in (big, wide))  # found this tick
+    for job, reason in reasons.items():
+        record = d.job(job)
+        assert record is not None and record.state is JobStatus.FAILED and record.reason == reason
+        assert record.pid is None and record.ended_at is not None
+        assert [(e.kind, e.detail.get("reason")) for e in d.storage.events(job)][1:] == [("rejected", reason)]
+    assert d.tick().ended == () and d.book.jobs_on(0) == () and d.book.jobs_on(1) == ()
 
 
 def test_run_until_gives_up_after_the_timeout(tmp_path: Path, daemons: list[Daemon]) -> None:
