@@ -75,3 +75,15 @@ def test_documented_type_default_and_range_match_the_code() -> None:
             rows[cells[0]] = cells[1:4]
     for var in config.VARIABLES:
         assert rows.get(var.name) == [var.kind, var.default, var.accepted], var.name
+
+
+def test_enable_options_override_the_environment_and_turn_tf_antman_on() -> None:
+    environ = {"ANTMAN_COMPUTE_SHARE": "0.5", "ANTMAN_ENABLE": "0", "ANTMAN_JOB_DIR": "/j", "PATH": "/bin"}
+    env = config.enable_environment({"compute_share": 0.25, "device_memory": "1GiB"}, environ)
+    assert env == {"ANTMAN_COMPUTE_SHARE": "0.25", "ANTMAN_DEVICE_MEMORY": "1GiB", "ANTMAN_ENABLE": "1",
+                   "ANTMAN_JOB_DIR": "/j"}
+    assert config.load(env).compute_share == 0.25
+    # Every option sets a variable that load() knows (a typo there would be refused at activation).
+    assert set(config.ENABLE_OPTIONS.values()) <= {v.name for v in config.VARIABLES}
+    with pytest.raises(TypeError, match=r"unknown option 'memroy_limit'; known: \['compute_share'"):
+        config.enable_environment({"memroy_limit": "1GiB"}, {})

@@ -21,27 +21,10 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_OPTION_TO_VAR = {
-    "device": "ANTMAN_DEVICE", "device_id": "ANTMAN_DEVICE_ID",
-    "device_memory": "ANTMAN_DEVICE_MEMORY", "memory_limit": "ANTMAN_MEMORY_LIMIT",
-    "host_memory": "ANTMAN_HOST_MEMORY", "compute_share": "ANTMAN_COMPUTE_SHARE",
-    "job_dir": "ANTMAN_JOB_DIR", "stats_interval_ms": "ANTMAN_STATS_INTERVAL_MS",
-    "control_fallback_ms": "ANTMAN_CONTROL_FALLBACK_MS",
-}
-
-
 def enable(**options: Any) -> Settings:
     """Turns tf-antman on from code. Options are the ANTMAN_* variables in lower case without
     the prefix (device_memory="2GiB", compute_share=0.5, ...); they override the environment."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k.startswith(config.PREFIX)}
-    for key, value in options.items():
-        if key not in _OPTION_TO_VAR:
-            raise TypeError(f"enable() got an unknown option {key!r}; known: {sorted(_OPTION_TO_VAR)}")
-        env[_OPTION_TO_VAR[key]] = str(value)
-    env["ANTMAN_ENABLE"] = "1"
-    state = activation.activate(env)
+    state = activation.activate(config.enable_environment(options))
     assert state is not None
     return state.settings
 

@@ -167,6 +167,29 @@ def requested(environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+# enable(**options) of either front-end (tf_antman, tf_antman.torch): option -> the variable it sets.
+ENABLE_OPTIONS: dict[str, str] = {
+    "device": "ANTMAN_DEVICE", "device_id": "ANTMAN_DEVICE_ID",
+    "device_memory": "ANTMAN_DEVICE_MEMORY", "memory_limit": "ANTMAN_MEMORY_LIMIT",
+    "host_memory": "ANTMAN_HOST_MEMORY", "compute_share": "ANTMAN_COMPUTE_SHARE",
+    "job_dir": "ANTMAN_JOB_DIR", "stats_interval_ms": "ANTMAN_STATS_INTERVAL_MS",
+    "control_fallback_ms": "ANTMAN_CONTROL_FALLBACK_MS",
+}
+
+
+def enable_environment(options: Mapping[str, object], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What enable(**options) activates with: the ANTMAN_* variables of the environment, each
+    option overriding its variable, and ANTMAN_ENABLE=1. TypeError for an unknown option (load()
+    validates the values)."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k.startswith(PREFIX)}
+    for key, value in options.items():
+        if key not in ENABLE_OPTIONS:
+            raise TypeError(f"enable() got an unknown option {key!r}; known: {sorted(ENABLE_OPTIONS)}")
+        env[ENABLE_OPTIONS[key]] = str(value)
+    env["ANTMAN_ENABLE"] = "1"
+    return env
+
+
 def _get(env: Mapping[str, str], name: str, default: Any) -> Any:
     var = _BY_NAME[name]
     if name not in env:

@@ -155,6 +155,27 @@ def test_unchanged_script_is_activated_at_import_torch(tmp_path: Path) -> None:
 
 
 @needs_shim
+def test_enable_from_code_before_torch(tmp_path: Path) -> None:
+    site = stand_in.write(tmp_path / "site")
+    job = run_py("""
+        import tf_antman, tf_antman.torch
+        try:
+            tf_antman.torch.enable(memroy_limit="16MiB")
+        except TypeError as e:
+            typo = str(e)
+        s = tf_antman.torch.enable(device="emulated", device_memory="64MiB", memory_limit="16MiB")
+        import torch
+        emit({"typo": typo, "active": tf_antman.torch.is_active(), "device": s.device,
+              "limit": s.memory_limit, "in_force": tf_antman.memory_stats()["limit"]})
+    """, timeout=120, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
+    assert job.rc == 0, job.stderr
+    out = job.result
+    assert out["typo"].startswith("enable() got an unknown option 'memroy_limit'")
+    assert out["active"] and out["device"] == "emulated"
+    assert out["limit"] == out["in_force"] == 16 * MiB
+
+
+@needs_shim
 def test_a_share_below_one_without_compute_scaling_fails_loudly_at_start(tmp_path: Path) -> None:
     site = stand_in.write(tmp_path / "site")
     libs = tmp_path / "libs"  # the allocator library without libantman_core.so beside it

@@ -9,10 +9,9 @@ through $ANTMAN_JOB_DIR like a TensorFlow job's. Importing this package does not
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from tf_antman import _OPTION_TO_VAR, config
+from tf_antman import config
 from tf_antman.config import Settings
 
 __all__ = ["enable", "is_active", "op_hook_stats"]
@@ -24,13 +23,7 @@ def enable(**options: Any) -> Settings:
     to cuda here."""
     from tf_antman.torch import activation
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(config.PREFIX)}
-    for key, value in options.items():
-        if key not in _OPTION_TO_VAR:
-            raise TypeError(f"enable() got an unknown option {key!r}; known: {sorted(_OPTION_TO_VAR)}")
-        env[_OPTION_TO_VAR[key]] = str(value)
-    env["ANTMAN_ENABLE"] = "1"
-    state = activation.activate(env)
+    state = activation.activate(config.enable_environment(options))
     assert state is not None
     return state.settings
 
