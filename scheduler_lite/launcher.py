@@ -30,6 +30,7 @@ EXIT_STATUS_FILE: Final = "exit_status"
 PID_FILE: Final = "pid"  # the wrapper's pid, written first: found again if the daemon dies mid-launch
 STDOUT_FILE: Final = "stdout.log"
 STDERR_FILE: Final = "stderr.log"
+PROGRAM_PREFIX: Final = "scheduler-lite:"  # every wrapper's $0 starts with it (process_name)
 # "$@" runs the command without a shell parsing it. The wrapper catches SIGTERM/SIGINT/SIGHUP (the
 # command still gets them: a cancel signals the whole group, and caught signals are reset to their
 # default in the child) so that it outlives the command, records its status and then dies of the
@@ -93,7 +94,28 @@ def describe_exit(code: int | None) -> str:
 
 def process_name(job_id: str, token: str) -> str:
     """The wrapper's $0: names the job and its launch in `ps` and /proc/<pid>/cmdline."""
-    return f"scheduler-lite:{job_id}:{token}" if token else f"scheduler-lite:{job_id}"
+    return f"{PROGRAM_PREFIX}{job_id}:{token}" if token else f"{PROGRAM_PREFIX}{job_id}"
+
+
+def wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:
+    """(pid, wrapper name) of the live job wrappers whose job directory lies under `jobs_dir`
+    (scans /proc). An exited wrapper not yet reaped has an empty command line: never listed. For an
+    instant after a start, the wrapper's fork that is about to become the command is listed too."""
+    out = []
+    prefix = f"SCHEDULER_LITE_JOB_DIR={jobs_dir}/".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if len(argv) < 4 or not argv[3].startswith(PROGRAM_PREFIX.encode()):
+                continue  # /bin/sh -c <wrapper> <name> ...
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(prefix) for v in environ):
+            out.append((int(entry.name), argv[3].decode(errors="replace")))
+    return out
 
 
 def _has_name(pid: int, name: str) -> bool:

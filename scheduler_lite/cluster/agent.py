@@ -56,6 +56,7 @@ from scheduler_lite.launcher import (
     process_name,
     process_start_ticks,
     read_exit_status,
+    wrappers_under,
 )
 from scheduler_lite.model import Gpu
 from scheduler_lite.storage import JobRecord
@@ -64,7 +65,6 @@ from tf_antman.protocol import Control, ProtocolError, Stats, control_path, pars
 log = logging.getLogger("scheduler_lite.cluster")
 
 FENCE_FRACTION: Final = 0.5  # of node_timeout_s: the agent stops its jobs before the global requeues them
-PROGRAM_PREFIX: Final = "scheduler-lite:"
 
 
 def part_token(token: str, rank: int) -> str:
@@ -364,7 +364,7 @@ class NodeAgent:
                     self.launcher.cleanup(part.handle)
                     del self.parts[job_id]
                     stopped.append(job_id)
-        for pid, name in _wrappers_under(self.jobs_dir):
+        for pid, name in wrappers_under(self.jobs_dir):
             if name not in wanted:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
@@ -398,25 +398,6 @@ def _task_alive(handle: ProcessHandle) -> bool:
     fields = _proc_stat(handle.pid)
     return (fields is not None and handle.start_ticks is not None and int(fields[19]) == handle.start_ticks
             and fields[0] != "Z")
-
-
-def _wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:
-    """(pid, wrapper name) of the job wrappers whose job directory lies under `jobs_dir`."""
-    out = []
-    prefix = f"SCHEDULER_LITE_JOB_DIR={jobs_dir}/".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if len(argv) < 4 or not argv[3].startswith(PROGRAM_PREFIX.encode()):
-                continue  # /bin/sh -c <wrapper> <name> ...
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(prefix) for v in environ):
-            out.append((int(entry.name), argv[3].decode(errors="replace")))
-    return out
 
 
 def actor_class() -> type:

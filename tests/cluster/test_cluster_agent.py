@@ -6,7 +6,8 @@ import signal
 import time
 from pathlib import Path
 
-from scheduler_lite.cluster.agent import NodeAgent, _wrappers_under
+from scheduler_lite.cluster.agent import NodeAgent
+from scheduler_lite.launcher import wrappers_under
 from scheduler_lite.model import GIB, Gpu, JobKind
 from scheduler_lite.storage import JobRecord
 from tests.cluster.conftest import REPO, cluster_config
@@ -26,7 +27,7 @@ def start(agent: NodeAgent, job_id: str, token: str = "t1") -> int:
 
 
 def alive(agent: NodeAgent) -> list[str]:
-    return [name for _, name in _wrappers_under(agent.jobs_dir)]
+    return [name for _, name in wrappers_under(agent.jobs_dir)]
 
 
 def test_agent_fences_its_jobs_when_the_global_scheduler_goes_silent(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from scheduler_lite.cli import main
-from scheduler_lite.cluster.agent import _wrappers_under
 from scheduler_lite.cluster.scheduler import ClusterDaemon
+from scheduler_lite.launcher import wrappers_under
 from scheduler_lite.model import Place, Role
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from tests.cluster.conftest import NODES, REPO, STORE, RayCluster, cluster_config
@@ -34,7 +34,7 @@ def runs(log: Path) -> list[str]:
 
 def wrappers(state: Path, node: str) -> list[str]:
     """Job processes alive on the node (by their wrapper's name scheduler-lite:<job>:<token>)."""
-    return [name.split(":")[1] for _, name in _wrappers_under(state / "nodes" / node / "jobs")]
+    return [name.split(":")[1] for _, name in wrappers_under(state / "nodes" / node / "jobs")]
 
 
 def tf_job() -> list[str]:
@@ -143,7 +143,7 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     # Node n2 goes away: its raylet is removed, and its processes with it (on this one machine
     # they would outlive the raylet, so the test kills them: what a dead machine does).
     ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
-    for pid, _ in _wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
+    for pid, _ in wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
         os.killpg(pid, signal.SIGKILL)
     assert d.run_until(lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
     assert sorted(d.gpus) == [0, 1, 100, 101]
@@ -196,7 +196,7 @@ def test_node_lost_with_on_node_loss_fail(ray_cluster: RayCluster, namespace: st
     assert d.book.quota_used("A") == 3
 
     ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
-    for pid, _ in _wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
+    for pid, _ in wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
         os.killpg(pid, signal.SIGKILL)
     assert d.run_until(lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
     record = d.storage.get_job(gang)

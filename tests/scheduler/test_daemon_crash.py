@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from scheduler_lite.daemon import FAULT_AFTER_ENV, FAULT_ENV, FAULT_POINTS
+from scheduler_lite.launcher import wrappers_under
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage import JobSpec, JobStatus, SqliteStorage
 from scheduler_lite.submission import submit_job
@@ -37,24 +38,9 @@ CONFIG = to_toml(scheduler_config(
 
 
 def job_processes(state_dir: Path) -> dict[str, int]:
-    """Live job wrappers of this store, by job id: $0 is scheduler-lite:<id>:<token> and the job
-    directory is under `state_dir` (other daemons on the machine run jobs with the same ids)."""
-    found = {}
-    marker = f"SCHEDULER_LITE_JOB_DIR={state_dir}/".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if len(argv) <= 3 or not argv[3].startswith(b"scheduler-lite:job-"):
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and any(v.startswith(marker) for v in environ):
-            found[argv[3].decode().split(":")[1]] = int(entry.name)
-    return found
+    """Live job wrappers of this store, by job id (other daemons on the machine run jobs with the
+    same ids, under other job directories)."""
+    return {name.split(":")[1]: pid for pid, name in wrappers_under(state_dir / "jobs")}
 
 
 def start_daemon(config: Path, log: Path, fault: str | None, after: int) -> subprocess.Popen[bytes]:

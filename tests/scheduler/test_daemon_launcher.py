@@ -17,7 +17,9 @@ from scheduler_lite.launcher import (
     LaunchError,
     LaunchSpec,
     ProcessHandle,
+    process_name,
     process_start_ticks,
+    wrappers_under,
 )
 from tests.scheduler.test_daemon_fakes import wait_for
 
@@ -115,6 +117,26 @@ def test_a_reused_pid_is_not_mistaken_for_the_job(tmp_path: Path) -> None:
     found = launcher.adopt(me, ticks + 1, tmp_path)
     assert found == ExitInfo(None)
     assert isinstance(launcher.adopt(me, ticks, tmp_path), ProcessHandle)
+
+
+def test_wrappers_under_lists_the_live_jobs_of_one_jobs_dir(tmp_path: Path) -> None:
+    launcher = Launcher()
+    code = "import time; print('ready', flush=True); time.sleep(60)"
+    # Two stores whose jobs dirs share a prefix ("jobs" and "jobs2"), the same job id in both.
+    mine = launcher.start(LaunchSpec("job-1", [sys.executable, "-c", code], tmp_path, dict(os.environ),
+                                     tmp_path / "jobs" / "job-1", token="t1"))
+    other = launcher.start(LaunchSpec("job-1", [sys.executable, "-c", code], tmp_path, dict(os.environ),
+                                      tmp_path / "jobs2" / "job-1", token="t2"))
+    try:
+        # Until the command runs, the wrapper's fork for it still bears the wrapper's name.
+        for handle in (mine, other):
+            assert wait_for(lambda h=handle: (h.job_dir / STDOUT_FILE).read_text() == "ready\n")
+        assert wrappers_under(tmp_path / "jobs") == [(mine.pid, process_name("job-1", "t1"))]
+        launcher.stop(mine, grace_s=10)  # reaped: gone from /proc
+        assert wrappers_under(tmp_path / "jobs") == []
+        assert wrappers_under(tmp_path / "jobs2") == [(other.pid, process_name("job-1", "t2"))]
+    finally:
+        launcher.stop(other, grace_s=10)
 
 
 def test_a_bad_workdir_is_a_launch_error(tmp_path: Path) -> None:
