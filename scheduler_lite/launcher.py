@@ -99,8 +99,9 @@ def process_name(job_id: str, token: str) -> str:
 
 def wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:
     """(pid, wrapper name) of the live job wrappers whose job directory lies under `jobs_dir`
-    (scans /proc). An exited wrapper not yet reaped has an empty command line: never listed. For an
-    instant after a start, the wrapper's fork that is about to become the command is listed too."""
+    (scans /proc). An exited wrapper not yet reaped has an empty command line: never listed. Each
+    wrapper leads its own process group: the wrapper's fork that is about to become the command
+    bears the wrapper's name for an instant, but not its group, and is not listed."""
     out = []
     prefix = f"SCHEDULER_LITE_JOB_DIR={jobs_dir}/".encode()
     for entry in Path("/proc").iterdir():
@@ -111,9 +112,10 @@ def wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:
             if len(argv) < 4 or not argv[3].startswith(PROGRAM_PREFIX.encode()):
                 continue  # /bin/sh -c <wrapper> <name> ...
             environ = (entry / "environ").read_bytes().split(b"\0")
+            leader = os.getpgid(int(entry.name)) == int(entry.name)
         except OSError:
             continue
-        if any(v.startswith(prefix) for v in environ):
+        if leader and any(v.startswith(prefix) for v in environ):
             out.append((int(entry.name), argv[3].decode(errors="replace")))
     return out
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_lite.daemon import Daemon
-from scheduler_lite.launcher import process_name
+from scheduler_lite.launcher import wrappers_under
 from scheduler_lite.model import Place, Role
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from scheduler_lite.submission import SubmitError
@@ -39,25 +39,9 @@ def new_daemon(made: list[Daemon], state: Path) -> Daemon:
 
 
 def wrappers(d: Daemon, job_id: str) -> int:
-    """Live (not zombie) wrapper processes of this daemon's job, whatever their launch token (job
-    ids repeat across stores: the job directory in the environment tells this test's apart)."""
-    prefix = process_name(job_id, "x")[:-1].encode()
-    job_dir = f"SCHEDULER_LITE_JOB_DIR={d.job_dir(job_id)}".encode()
-    count = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if not any(a.startswith(prefix) for a in argv[:5]):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if state != "Z" and job_dir in environ:
-            count += 1
-    return count
+    """Live wrapper processes of this daemon's job, whatever their launch token (job ids repeat
+    across stores: the jobs directory tells this test's apart)."""
+    return sum(1 for _, name in wrappers_under(d.config.jobs_dir) if name.split(":")[1] == job_id)
 
 
 def kinds(d: Daemon, job_id: str) -> list[str]:
