@@ -5,18 +5,23 @@
 # status while they share the GPU (limits in force, memory, host fallback, shares, step times);
 # their logs with tf-antman's exit report; the daemon stopped.
 #   bash examples/cli_demo.sh            (after scripts/setup.sh; about 1 minute on 2 idle cores)
+# DEMO_CONFIG (default examples/demo.toml) and DEMO_OUT (default out: the daemon's log, and the
+# store the config names there, emptied first) let a test run it without touching out/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SL=${SCHEDULER_LITE:-scheduler-lite}
 command -v "$SL" >/dev/null || SL=.venv/bin/scheduler-lite
 CFG=${DEMO_CONFIG:-examples/demo.toml}
 PY=$PWD/.venv/bin/python
-mkdir -p out
-rm -rf out/demo-state   # a fresh store each run: the demo shows only its own jobs
+OUT=${DEMO_OUT:-out}
+mkdir -p "$OUT"
+rm -rf "$OUT/demo-state"   # a fresh store each run: the demo shows only its own jobs
 sl() { "$SL" --config "$CFG" "$@"; }
 
-echo "== scheduler-lite serve (in the background, log in out/demo-daemon.log)"
-sl serve > out/demo-daemon.log 2>&1 &
+echo "== scheduler-lite serve (in the background, log in $OUT/demo-daemon.log)"
+# Not through sl(): a backgrounded function is a subshell, and $! would name that subshell, which a
+# kill stops while the daemon it started keeps running.
+"$SL" --config "$CFG" serve > "$OUT/demo-daemon.log" 2>&1 &
 DAEMON=$!
 trap 'kill "$DAEMON" 2>/dev/null || true; wait "$DAEMON" 2>/dev/null || true' EXIT
 for _ in $(seq 100); do sl list >/dev/null 2>&1 && break; sleep 0.2; done
