@@ -178,6 +178,9 @@ def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, b
         "rg_slowdown_unthrottled_all": unthrottled,
         "rg_slowdown_throttled_quiet": quiet,
         "rg_slowdown_single_phase_range": (min(single), max(single)),
+        # Every pair of every block pooled, with its standard error: the figure with an error bar.
+        "rg_slowdown_pooled": statistics.mean(single),
+        "rg_slowdown_pooled_stderr": statistics.stdev(single) / math.sqrt(len(single)) if len(single) > 1 else math.nan,
         "op_progress_ratio": median(progress) if progress else 0.0,
         "op_share": op_share,
         "op_cpu_cores_throttled": op_cpu,
@@ -256,7 +259,8 @@ def report_interference(op_share: float, phase_s: float, settle_s: float, pairs:
         ["RG, OP unthrottled", "-", str([round(v, 4) for v in it["rg_slowdown_unthrottled_all"]])],
         [f"RG, OP at {op_share}", "-", str([round(v, 4) for v in it["rg_slowdown_throttled_all"]])],
     ], ["case", "RG step ms", "RG slowdown per block"]))
-    print(f"single {op_share} phases against their neighbours: {lo:+.1%} .. {hi:+.1%}")
+    print(f"single {op_share} phases against their neighbours: {lo:+.1%} .. {hi:+.1%}; all {pairs * blocks} pooled: "
+          f"{it['rg_slowdown_pooled']:+.2%} +- {it['rg_slowdown_pooled_stderr']:.2%} (standard error)")
     print(f"OP steps/s at {op_share} over unthrottled: {it['op_progress_ratio']:.3f}; the OP job used "
           f"{it['op_cpu_cores_throttled']:.3f} cores at its share, {it['rg_slowdown_floor']:.1%} of the machine "
           f"(the least an RG job using every core can lose); {it['noisy_phases']} of {it['phases']} phases noisy\n")
@@ -268,6 +272,8 @@ def report_interference(op_share: float, phase_s: float, settle_s: float, pairs:
         "rg_slowdown_throttled_worst_quiet": _r(max(quiet) if quiet else None, 4),
         "rg_slowdown_throttled_all": [round(v, 4) for v in it["rg_slowdown_throttled_all"]],
         "rg_slowdown_single_phase_range": [round(lo, 4), round(hi, 4)],
+        "rg_slowdown_pooled": round(it["rg_slowdown_pooled"], 4),
+        "rg_slowdown_pooled_stderr": round(it["rg_slowdown_pooled_stderr"], 4),
         "rg_noisy_phases": it["noisy_phases"],
         "rg_step_ms_alone": round(it["rg_step_ms_alone"], 2),
         "rg_step_ms_op_paused": round(it["rg_step_ms_op_paused"], 2),
