@@ -140,6 +140,11 @@ class ClusterQueries(Protocol):
         `min_room` share room, least loaded first."""
         ...
 
+    def room_bound(self, below: float, share: float) -> int:
+        """An upper bound, read without visiting GPUs, on how many GPUs
+        `gpus_with_room(below, share, unstated)` yields (any `unstated` >= 0)."""
+        ...
+
     def first_with_room(self, below: float, share: float, unstated: float, demand: int, n: int,
                         skip: set[int], skip_too: set[int]) -> tuple[list[int], list[int]]:
         """In `gpus_with_room(below, share, unstated)` order, less `skip` and `skip_too`: the

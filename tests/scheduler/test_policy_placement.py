@@ -119,3 +119,30 @@ def test_single_job_fast_scan_picks_what_the_buffered_loop_picks(seed):
                 int(rng.uniform(1, 30) * GIB), rng.choice((1, 2, 4)))
         skip = set(rng.sample(range(16), rng.randrange(4)))
         assert b.first_with_room(*args, skip, set()) == _reference_first_with_room(b, *args, skip)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_room_bound_never_undercounts_and_is_exact_for_a_full_cluster(seed):
+    rng = random.Random(seed)
+    b = book(nodes=4, per_node=4)
+    placed = []
+    for step in range(60):  # places, releases and utilisation moves, in random order
+        if placed and rng.random() < 0.3:
+            b.finish(placed.pop(rng.randrange(len(placed))))
+        else:
+            b.submit(_opp(f"r{step}", rng.choice((None, 0.05, 0.1, 0.25, 0.5, 0.9))))
+            b.apply(Place(f"r{step}", (rng.randrange(16),), Role.OPPORTUNISTIC))
+            placed.append(f"r{step}")
+        b.set_utilisation(rng.randrange(16), rng.random())
+        for below in (0.3, 0.5, 0.8, 1.0):
+            for share in (0.05, 0.1, 0.15, 0.5, 0.85, 1.0):
+                with_room = max(len(list(b.gpus_with_room(below, share, u))) for u in (0.0, 0.2))
+                assert b.room_bound(below, share) >= with_room
+    for job_id in placed:
+        b.finish(job_id)
+    for gpu in range(16):  # every GPU full (stated share 1): no room for any request
+        b.submit(_opp(f"full{gpu}", 1.0))
+        b.apply(Place(f"full{gpu}", (gpu,), Role.OPPORTUNISTIC))
+    assert b.room_bound(1.0, 0.05) == 0
+    b.finish("full3")
+    assert b.room_bound(1.0, 0.05) == 1
