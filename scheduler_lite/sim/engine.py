@@ -239,9 +239,15 @@ class Simulator:
 
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        for i, tj in enumerate(self.w.jobs):
-            self._push(tj.submit_time, ARRIVE, i, 0)
         total = len(self.w.jobs)
+        # Arrivals enter the heap one at a time, in (time, trace order), each with the sequence
+        # number it would have had if all were pushed up front: the same order of events from
+        # a heap that does not carry every future arrival (20k entries in the 20k-job run).
+        arrivals = iter(sorted(range(total), key=lambda i: (self.w.jobs[i].submit_time, i)))
+        self.seq = total
+        first = next(arrivals, None)
+        if first is not None:
+            heapq.heappush(self.heap, (self.w.jobs[first].submit_time, first + 1, ARRIVE, first, 0))
         last_submit = max((j.submit_time for j in self.w.jobs), default=0.0)
         sample_every = max(1.0, last_submit / 300)
         next_sample = 0.0
@@ -268,6 +274,9 @@ class Simulator:
                 if kind == ARRIVE:
                     self._arrive(self.w.jobs[key])  # type: ignore[index]
                     need_schedule = True
+                    after = next(arrivals, None)
+                    if after is not None:
+                        heapq.heappush(heap, (self.w.jobs[after].submit_time, after + 1, ARRIVE, after, 0))
                 elif kind == PROGRESS:
                     sj = self.jobs.get(key)  # type: ignore[arg-type]
                     if sj is None or sj.version != ver or sj.state != "running":
