@@ -140,9 +140,9 @@ class ClusterQueries(Protocol):
         `min_room` share room, least loaded first."""
         ...
 
-    def room_bound(self, below: float, share: float) -> int:
-        """An upper bound, read without visiting GPUs, on how many GPUs
-        `gpus_with_room(below, share, unstated)` yields (any `unstated` >= 0)."""
+    def may_have_room(self, below: float, share: float, n: int) -> bool:
+        """False only if `gpus_with_room(below, share, unstated)` yields fewer than n GPUs (any
+        `unstated` >= 0); answered without visiting GPUs."""
         ...
 
     def first_with_room(self, below: float, share: float, unstated: float, demand: int, n: int,

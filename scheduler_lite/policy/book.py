@@ -93,7 +93,7 @@ class ClusterBook:
         self._quota_used: dict[str, int] = dict.fromkeys(self.tenants, 0)
         self._buckets: list[dict[int, None]] = [{} for _ in range(UTILISATION_BUCKETS)]
         self._bucket_of: dict[int, int] = {}
-        # GPUs per (utilisation bucket, rung of stated share): room_bound's counts.
+        # GPUs per (utilisation bucket, rung of stated share): may_have_room's counts.
         self._rung_counts: list[list[int]] = [[0] * (SHARE_RUNGS + 1) for _ in range(UTILISATION_BUCKETS)]
         self._rung_of: dict[int, int] = dict.fromkeys(self.gpus, 0)
         for g in self.gpus.values():
@@ -187,22 +187,25 @@ class ClusterBook:
                 if committed <= limit:
                     yield gpu, 1.0 - committed
 
-    def room_bound(self, below: float, share: float) -> int:
-        """At least as many GPUs as `gpus_with_room(below, share, unstated)` yields, for any
-        `unstated` >= 0; read from counts, without visiting a GPU.
+    def may_have_room(self, below: float, share: float, n: int) -> bool:
+        """False only if `gpus_with_room(below, share, unstated)` yields fewer than n GPUs, for
+        any `unstated` >= 0; read from counts, without visiting a GPU.
 
         When the cluster is full, a request finds no room after reading every GPU below the
         threshold (4,800 per pass at the 20k run's peaks: most of the time of its placement);
-        a bound below the GPUs wanted says so at once. The counts are by the rung of the stated
-        share, which never exceeds the committed one, and include the whole boundary bucket.
+        this says so at once. The counts are by the rung of the stated share, which never
+        exceeds the committed one, and include the whole boundary bucket: an upper bound,
+        summed only until it reaches n (usually within the least utilised bucket).
         """
-        rung = _rung(1.0 - share + 1e-9)
+        rungs = _rung(1.0 - share + 1e-9) + 1
         total = 0
         for b, counts in enumerate(self._rung_counts):
             if b / UTILISATION_BUCKETS >= below:
-                break
-            total += sum(counts[: rung + 1])
-        return total
+                return False
+            total += sum(counts[:rungs])
+            if total >= n:
+                return True
+        return False
 
     def first_with_room(self, below: float, share: float, unstated: float, demand: int, n: int,
                         skip: set[int], skip_too: set[int]) -> tuple[list[int], list[int]]:

@@ -287,7 +287,7 @@ class _Pass:
         if len(jobs) == 1:  # the common pass: one scan, no buffer (same GPUs as the loop below)
             job = jobs[0]
             share = self._request(job)
-            if self.idx.room_bound(below, share) < job.num_gpus:
+            if not self.idx.may_have_room(below, share, job.num_gpus):
                 return  # the scan would read every GPU below M and find too few with room
             fits, tight = self.idx.first_with_room(below, share, unstated, job.memory_demand_bytes,
                                                    job.num_gpus, self.taken, self.opp_taken)
@@ -308,7 +308,7 @@ class _Pass:
             # A job asking at least as much as one that found no GPU finds none either.
             if failed and any(fn <= n and fr <= share for fn, fr in failed):
                 continue
-            if self.idx.room_bound(below, share) < n:
+            if not self.idx.may_have_room(below, share, n):
                 # It would pull every GPU below M and fail. Later jobs pull the same GPUs in
                 # the same order when they need them (the book does not change in a pass).
                 failed.append((n, share))

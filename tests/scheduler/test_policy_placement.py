@@ -122,7 +122,7 @@ def test_single_job_fast_scan_picks_what_the_buffered_loop_picks(seed):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_room_bound_never_undercounts_and_is_exact_for_a_full_cluster(seed):
+def test_may_have_room_never_denies_room_that_is_there_and_sees_a_full_cluster(seed):
     rng = random.Random(seed)
     b = book(nodes=4, per_node=4)
     placed = []
@@ -137,12 +137,16 @@ def test_room_bound_never_undercounts_and_is_exact_for_a_full_cluster(seed):
         for below in (0.3, 0.5, 0.8, 1.0):
             for share in (0.05, 0.1, 0.15, 0.5, 0.85, 1.0):
                 with_room = max(len(list(b.gpus_with_room(below, share, u))) for u in (0.0, 0.2))
-                assert b.room_bound(below, share) >= with_room
+                for n in range(1, with_room + 1):
+                    assert b.may_have_room(below, share, n)
     for job_id in placed:
         b.finish(job_id)
     for gpu in range(16):  # every GPU full (stated share 1): no room for any request
         b.submit(_opp(f"full{gpu}", 1.0))
         b.apply(Place(f"full{gpu}", (gpu,), Role.OPPORTUNISTIC))
-    assert b.room_bound(1.0, 0.05) == 0
+    assert not b.may_have_room(1.0, 0.05, 1)
     b.finish("full3")
-    assert b.room_bound(1.0, 0.05) == 1
+    assert b.may_have_room(1.0, 0.05, 1)
+    assert not b.may_have_room(1.0, 0.05, 2)
+    b.set_utilisation(3, 0.9)  # the one GPU with room, now above the threshold
+    assert not b.may_have_room(0.8, 0.05, 1)
