@@ -53,15 +53,15 @@ class _GroupFreeIndex:
 
     def set_free(self, group: str, gpu: int, free: bool) -> None:
         members = self.free[group]
+        if (gpu in members) is free:
+            return  # most calls (every placement refreshes both indexes of each GPU)
         before = len(members)
         if free:
             members.add(gpu)
         else:
             members.discard(gpu)
-        after = len(members)
-        if after != before:
-            del self.by_count[before][group]
-            self.by_count[after][group] = None
+        del self.by_count[before][group]
+        self.by_count[len(members)][group] = None
 
 
 class ClusterBook:
@@ -117,7 +117,7 @@ class ClusterBook:
         return iter(self._pending_o)
 
     def pending_count(self) -> int:
-        return len(self._pending_o) + sum(len(q) for q in self._pending_g.values())
+        return len(self._pending_o) + sum(map(len, self._pending_g.values()))
 
     def quota_used(self, tenant: str) -> int:
         return self._quota_used[tenant]
@@ -281,7 +281,8 @@ class ClusterBook:
         if g.utilisation == utilisation:
             return
         self.gpus[gpu] = Gpu(g.id, g.node, g.memory_bytes, g.nvlink_group, utilisation)
-        b = _bucket(utilisation)
+        # _bucket, inlined: every placement and every utilisation refresh comes through here.
+        b = min(max(int(utilisation * UTILISATION_BUCKETS), 0), UTILISATION_BUCKETS - 1)
         old = self._bucket_of[gpu]
         if b != old:
             del self._buckets[old][gpu]
@@ -414,7 +415,9 @@ class ClusterBook:
             self._share_stated[gpu] += sign * job.requested_share
         else:
             self._share_stated[gpu] = 0.0  # no job left: no float residue
-        rung, old = _rung(self._share_stated[gpu]), self._rung_of[gpu]
+        # _rung, inlined (every placement and release of a job with a stated share).
+        rung = min(max(int(self._share_stated[gpu] * SHARE_RUNGS), 0), SHARE_RUNGS)
+        old = self._rung_of[gpu]
         if rung != old:
             counts = self._rung_counts[self._bucket_of[gpu]]
             counts[old] -= 1

@@ -573,7 +573,7 @@ class Simulator:
             return False
         self.counters["rounds"] += 1
         decisions = self.driver.round(self.now, gpu, self._view(gpu))  # applied to sj.limits/shares
-        memo = self.driver.memo(gpu)
+        memo = self.driver.memos[gpu]  # the round on a GPU with jobs left one
         if self.migration is not None:
             for d in decisions:
                 if isinstance(d, SetComputeShare):
@@ -661,6 +661,7 @@ class Simulator:
         has_guarantee = self.book.guarantee_holder(gpu) is not None
         shared = len(jobs) > 1
         guarantee = Role.GUARANTEE
+        now = self.now
         for jid, sj in jobs.items():
             steps: tuple[StepSample, ...] = ()
             # Only the step times the coordinator reads are drawn (they cost most of a round).
@@ -669,7 +670,13 @@ class Simulator:
             share = sj.shares.get(gpu, 1.0)
             assert sj.role is not None
             if sj.speed > 0 and watched:
-                steps = self._steps(sj)
+                # The last `detector_window` steps since its speed last changed; the other GPUs
+                # of a gang read the same steps at the same tick (cached per time and epoch).
+                key = (now, sj.epoch)
+                if sj.cache_key != key:
+                    sj.cache_key = key
+                    sj.cache = self._draw_steps(sj)
+                steps = sj.cache
             else:
                 # Without steps a job's view changes only with its limit, share or demand.
                 seen = sj.seen.get(gpu)
@@ -684,15 +691,6 @@ class Simulator:
                 sj.seen[gpu] = job
             local.append(job)
         return GpuView(self.book.gpus[gpu], tuple(local))
-
-    def _steps(self, sj: _SimJob) -> tuple[StepSample, ...]:
-        """The last `detector_window` steps since the job's speed last changed."""
-        key = (self.now, sj.epoch)
-        if sj.cache_key == key:  # the other GPUs of a gang read the same steps at the same tick
-            return sj.cache
-        sj.cache_key = key
-        sj.cache = self._draw_steps(sj)
-        return sj.cache
 
     def _draw_steps(self, sj: _SimJob) -> tuple[StepSample, ...]:
         step = sj.step / sj.speed
@@ -793,7 +791,10 @@ class Simulator:
         if util != self.gpu_util[g]:
             self.util_sum += util - self.gpu_util[g]
             self.gpu_util[g] = util
-            self._stale(g)
+            if self.refresh_at is None:
+                self._stale(g)
+            else:  # _stale's common case, inlined: a refresh is already planned
+                self.util_stale.add(g)
         if mem_used != self.gpu_mem[g]:
             self.mem_sum += mem_used - self.gpu_mem[g]
             self.gpu_mem[g] = mem_used
