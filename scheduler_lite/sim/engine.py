@@ -43,6 +43,7 @@ from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import check_choice
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
+from scheduler_lite.sim.nogc import collector_paused
 from scheduler_lite.sim.perf import ModelPerf, PerfModel
 from scheduler_lite.sim.workload import TraceJob, Workload
 
@@ -906,7 +907,8 @@ def _bar(done: int, total: int) -> None:
 
 def simulate(workload: Workload, policy: PolicySpec, perf: PerfModel, **kwargs: object) -> SimResult:
     """Run one policy over a workload; keyword arguments as `Simulator`."""
-    return Simulator(workload, policy, perf, **kwargs).run()  # type: ignore[arg-type]
+    with collector_paused():  # nogc.py: the collector's work found nothing to free
+        return Simulator(workload, policy, perf, **kwargs).run()  # type: ignore[arg-type]
 
 
 __all__ = ["InvariantError", "SimResult", "Simulator", "simulate"]
