@@ -64,11 +64,11 @@ class InvariantError(AssertionError):
     pass
 
 
-def _never() -> bool:
+def _never(sim: Simulator) -> bool:
     return False
 
 
-def _always() -> bool:
+def _always(sim: Simulator) -> bool:
     return True
 
 
@@ -221,12 +221,15 @@ class Simulator:
         self.util_stale: set[int] = set()
         self.refresh_at: float | None = None
         has_auto = self.has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
-        self.reads_util: Callable[[], bool]
+        # A function of the simulator, not a bound method: a simulator that refers to itself is a
+        # reference cycle, and its whole state (millions of objects) would wait for the cyclic
+        # collector after the run instead of being freed when the last reference goes.
+        self.reads_util: Callable[[Simulator], bool]
         if reads_nothing:
             self.reads_util = _never
         elif policy.schedule is global_scheduler.schedule and not has_auto:
             # Utilisation is read only to place opportunistic jobs; time only for auto jobs.
-            self.reads_util = self._opportunistic_pending
+            self.reads_util = Simulator._opportunistic_pending
         else:
             self.reads_util = _always
         self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0,
@@ -295,7 +298,7 @@ class Simulator:
                     refreshed = self._refresh_utilisation()
                 elif self.round_version.get(key) == ver:  # type: ignore[arg-type]
                     rounds.add(key)  # type: ignore[arg-type]
-            if (need_schedule or (refreshed and self.reads_util())) and (
+            if (need_schedule or (refreshed and self.reads_util(self))) and (
                 self.book.pending_count() or self._upgradable()
             ):
                 self._schedule(dirty)

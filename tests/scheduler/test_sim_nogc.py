@@ -53,3 +53,13 @@ def test_a_caller_that_had_it_off_keeps_it_off(collector_on):
     with collector_paused():
         pass
     assert not gc.isenabled()
+
+
+def test_a_simulation_leaves_no_cyclic_garbage(collector_on):
+    """With the collector paused, a cycle through the simulator (e.g. a bound method kept on it)
+    would keep its whole state alive until the next collection instead of freeing it at once."""
+    gc.collect()
+    gc.disable()
+    simulate(WL, POLICIES["tf-antman"], PERF, seed=1)
+    found = gc.collect()
+    assert found == 0
