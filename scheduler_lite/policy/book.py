@@ -358,8 +358,13 @@ class ClusterBook:
     def _refresh_free(self, gpu: int) -> None:
         group = self.gpus[gpu].nvlink_group
         reserved = gpu in self._reserved
-        self._guarantee_free.set_free(group, gpu, gpu not in self._holder and not reserved)
-        self._empty.set_free(group, gpu, not self._jobs_on[gpu] and not reserved)
+        # set_free's no-change test first, here: most refreshes change neither index.
+        free = gpu not in self._holder and not reserved
+        if (gpu in self._guarantee_free.free[group]) is not free:
+            self._guarantee_free.set_free(group, gpu, free)
+        empty = not self._jobs_on[gpu] and not reserved
+        if (gpu in self._empty.free[group]) is not empty:
+            self._empty.set_free(group, gpu, empty)
 
     def _place(self, d: Place) -> None:
         job = self.jobs[d.job_id]
