@@ -1,6 +1,6 @@
 """Simulator speed: the 20k-job run of bench/sim.py, this tree against a baseline tree, alternated.
 
-Usage: python bench/sim_speed.py --baseline DIR [--repeats N] [--quick] [--instructions]
+Usage: python bench/sim_speed.py --baseline DIR [--repeats N] [--quick] [--instructions] [--instructions-20k]
 DIR is a checkout of the code to compare with (e.g. `git archive e474886 | tar -x -C DIR`).
 Each run is a fresh process (PYTHONPATH = the tree) that times only `simulate` with
 `time.process_time` (CPU: on a shared machine wall time measures the neighbours) and prints a
@@ -11,6 +11,8 @@ comparison is void (a deliberate change of results is reported as such, the time
 valgrind's callgrind (PYTHONHASHSEED=0, so the count repeats exactly), less those of a 5-job run
 (interpreter start, imports, workload generation): a figure the neighbours on a shared machine
 cannot move, where CPU times spread by +-30%. About 2 minutes per tree.
+--instructions-20k: the same count for the 20,000-job run itself (5-11 minutes per tree): costs
+that grow with the cluster (a scan over thousands of GPUs) barely show at 2,000 jobs.
 Last line: JSON with both trees' CPU seconds (min, median, max), the ratio of the medians,
 whether the results were identical and, with --instructions, both trees' instruction counts.
 """
@@ -71,8 +73,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--instructions", action="store_true", help="also count instructions under callgrind")
+    ap.add_argument("--instructions-20k", action="store_true", help="count them for the 20k-job run too")
     args = ap.parse_args()
-    if args.instructions and shutil.which("valgrind") is None:
+    if (args.instructions or args.instructions_20k) and shutil.which("valgrind") is None:
         print("error: --instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
         return 2
     if not (args.baseline / "scheduler_lite" / "sim" / "engine.py").is_file():
@@ -106,6 +109,13 @@ def main() -> int:
             print(f"{name:8s} {ir / 1e6:8.1f} M instructions, 2,000-job simulate()")
         figures["instructions_this_over_baseline"] = round(
             figures["this_instructions_2k"] / figures["baseline_instructions_2k"], 4)  # type: ignore[operator]
+    if args.instructions_20k:
+        for name, tree in (("baseline", args.baseline), ("this", REPO)):
+            ir = instructions(tree, 20_000, 813, 3_250) - instructions(tree, 5, 813, 3_250)
+            figures[f"{name}_instructions_20k"] = ir
+            print(f"{name:8s} {ir / 1e6:8.1f} M instructions, 20,000-job simulate()")
+        figures["instructions_20k_this_over_baseline"] = round(
+            figures["this_instructions_20k"] / figures["baseline_instructions_20k"], 4)  # type: ignore[operator]
     print(json.dumps(figures))
     return 0 if figures["identical_results"] else 1
 

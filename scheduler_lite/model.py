@@ -140,6 +140,11 @@ class ClusterQueries(Protocol):
         `min_room` share room, least loaded first."""
         ...
 
+    def may_have_room(self, below: float, share: float, n: int) -> bool:
+        """False only if `gpus_with_room(below, share, unstated)` yields fewer than n GPUs (any
+        `unstated` >= 0); answered without visiting GPUs."""
+        ...
+
     def first_with_room(self, below: float, share: float, unstated: float, demand: int, n: int,
                         skip: set[int], skip_too: set[int]) -> tuple[list[int], list[int]]:
         """In `gpus_with_room(below, share, unstated)` order, less `skip` and `skip_too`: the

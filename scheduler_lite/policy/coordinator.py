@@ -169,7 +169,7 @@ def is_stable(samples: Sequence[float], config: CoordinatorConfig) -> bool:
     mean = math.fsum(recent) / n
     # Float variance, not statistics.pstdev: that one sums exact fractions, ~20x slower, and a
     # step time's last bits say nothing about stability.
-    std = math.sqrt(math.fsum((x - mean) ** 2 for x in recent) / n)
+    std = math.sqrt(math.fsum([(x - mean) ** 2 for x in recent]) / n)  # a list: no generator frames
     return mean > 0 and std / mean <= config.stable_cv
 
 

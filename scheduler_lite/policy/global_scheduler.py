@@ -283,11 +283,14 @@ class _Pass:
         # without room for the smallest request of the pass are dropped as they are pulled
         # (on a 6,504-GPU cluster most of a pass's time went to rescanning them).
         unstated = self.cfg.unknown_requested_share
+        below = self.cfg.utilisation_threshold
         if len(jobs) == 1:  # the common pass: one scan, no buffer (same GPUs as the loop below)
             job = jobs[0]
-            fits, tight = self.idx.first_with_room(self.cfg.utilisation_threshold, self._request(job),
-                                                   unstated, job.memory_demand_bytes, job.num_gpus,
-                                                   self.taken, self.opp_taken)
+            share = self._request(job)
+            if not self.idx.may_have_room(below, share, job.num_gpus):
+                return  # the scan would read every GPU below M and find too few with room
+            fits, tight = self.idx.first_with_room(below, share, unstated, job.memory_demand_bytes,
+                                                   job.num_gpus, self.taken, self.opp_taken)
             chosen = (fits + tight)[: job.num_gpus]
             if len(chosen) == job.num_gpus:
                 self.out.append(Place(job.id, tuple(chosen), Role.OPPORTUNISTIC))
@@ -295,7 +298,7 @@ class _Pass:
             return
         smallest = min(self._request(j) for j in jobs)
         buffer: list[tuple[int, float]] = []
-        gpus_iter = self.idx.gpus_with_room(self.cfg.utilisation_threshold, smallest, unstated)
+        gpus_iter = self.idx.gpus_with_room(below, smallest, unstated)
         exhausted = False
         failed: list[tuple[int, float]] = []  # (GPUs, share) of jobs that found no GPU
         # Hoisted out of the loops below: this pass runs after most events of a 20k-job run.
@@ -304,6 +307,11 @@ class _Pass:
             n, share = job.num_gpus, self._request(job)
             # A job asking at least as much as one that found no GPU finds none either.
             if failed and any(fn <= n and fr <= share for fn, fr in failed):
+                continue
+            if not self.idx.may_have_room(below, share, n):
+                # It would pull every GPU below M and fail. Later jobs pull the same GPUs in
+                # the same order when they need them (the book does not change in a pass).
+                failed.append((n, share))
                 continue
             demand = job.memory_demand_bytes
             fits: list[int] = []

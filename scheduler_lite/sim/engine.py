@@ -43,6 +43,7 @@ from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import check_choice
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
+from scheduler_lite.sim.nogc import collector_paused
 from scheduler_lite.sim.perf import ModelPerf, PerfModel
 from scheduler_lite.sim.workload import TraceJob, Workload
 
@@ -63,11 +64,11 @@ class InvariantError(AssertionError):
     pass
 
 
-def _never() -> bool:
+def _never(sim: Simulator) -> bool:
     return False
 
 
-def _always() -> bool:
+def _always(sim: Simulator) -> bool:
     return True
 
 
@@ -220,12 +221,15 @@ class Simulator:
         self.util_stale: set[int] = set()
         self.refresh_at: float | None = None
         has_auto = self.has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
-        self.reads_util: Callable[[], bool]
+        # A function of the simulator, not a bound method: a simulator that refers to itself is a
+        # reference cycle, and its whole state (millions of objects) would wait for the cyclic
+        # collector after the run instead of being freed when the last reference goes.
+        self.reads_util: Callable[[Simulator], bool]
         if reads_nothing:
             self.reads_util = _never
         elif policy.schedule is global_scheduler.schedule and not has_auto:
             # Utilisation is read only to place opportunistic jobs; time only for auto jobs.
-            self.reads_util = self._opportunistic_pending
+            self.reads_util = Simulator._opportunistic_pending
         else:
             self.reads_util = _always
         self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0,
@@ -239,9 +243,15 @@ class Simulator:
 
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        for i, tj in enumerate(self.w.jobs):
-            self._push(tj.submit_time, ARRIVE, i, 0)
         total = len(self.w.jobs)
+        # Arrivals enter the heap one at a time, in (time, trace order), each with the sequence
+        # number it would have had if all were pushed up front: the same order of events from
+        # a heap that does not carry every future arrival (20k entries in the 20k-job run).
+        arrivals = iter(sorted(range(total), key=lambda i: (self.w.jobs[i].submit_time, i)))
+        self.seq = total
+        first = next(arrivals, None)
+        if first is not None:
+            heapq.heappush(self.heap, (self.w.jobs[first].submit_time, first + 1, ARRIVE, first, 0))
         last_submit = max((j.submit_time for j in self.w.jobs), default=0.0)
         sample_every = max(1.0, last_submit / 300)
         next_sample = 0.0
@@ -268,6 +278,9 @@ class Simulator:
                 if kind == ARRIVE:
                     self._arrive(self.w.jobs[key])  # type: ignore[index]
                     need_schedule = True
+                    after = next(arrivals, None)
+                    if after is not None:
+                        heapq.heappush(heap, (self.w.jobs[after].submit_time, after + 1, ARRIVE, after, 0))
                 elif kind == PROGRESS:
                     sj = self.jobs.get(key)  # type: ignore[arg-type]
                     if sj is None or sj.version != ver or sj.state != "running":
@@ -285,7 +298,7 @@ class Simulator:
                     refreshed = self._refresh_utilisation()
                 elif self.round_version.get(key) == ver:  # type: ignore[arg-type]
                     rounds.add(key)  # type: ignore[arg-type]
-            if (need_schedule or (refreshed and self.reads_util())) and (
+            if (need_schedule or (refreshed and self.reads_util(self))) and (
                 self.book.pending_count() or self._upgradable()
             ):
                 self._schedule(dirty)
@@ -564,7 +577,7 @@ class Simulator:
             return False
         self.counters["rounds"] += 1
         decisions = self.driver.round(self.now, gpu, self._view(gpu))  # applied to sj.limits/shares
-        memo = self.driver.memo(gpu)
+        memo = self.driver.memos[gpu]  # the round on a GPU with jobs left one
         if self.migration is not None:
             for d in decisions:
                 if isinstance(d, SetComputeShare):
@@ -652,6 +665,7 @@ class Simulator:
         has_guarantee = self.book.guarantee_holder(gpu) is not None
         shared = len(jobs) > 1
         guarantee = Role.GUARANTEE
+        now = self.now
         for jid, sj in jobs.items():
             steps: tuple[StepSample, ...] = ()
             # Only the step times the coordinator reads are drawn (they cost most of a round).
@@ -660,7 +674,13 @@ class Simulator:
             share = sj.shares.get(gpu, 1.0)
             assert sj.role is not None
             if sj.speed > 0 and watched:
-                steps = self._steps(sj)
+                # The last `detector_window` steps since its speed last changed; the other GPUs
+                # of a gang read the same steps at the same tick (cached per time and epoch).
+                key = (now, sj.epoch)
+                if sj.cache_key != key:
+                    sj.cache_key = key
+                    sj.cache = self._draw_steps(sj)
+                steps = sj.cache
             else:
                 # Without steps a job's view changes only with its limit, share or demand.
                 seen = sj.seen.get(gpu)
@@ -675,15 +695,6 @@ class Simulator:
                 sj.seen[gpu] = job
             local.append(job)
         return GpuView(self.book.gpus[gpu], tuple(local))
-
-    def _steps(self, sj: _SimJob) -> tuple[StepSample, ...]:
-        """The last `detector_window` steps since the job's speed last changed."""
-        key = (self.now, sj.epoch)
-        if sj.cache_key == key:  # the other GPUs of a gang read the same steps at the same tick
-            return sj.cache
-        sj.cache_key = key
-        sj.cache = self._draw_steps(sj)
-        return sj.cache
 
     def _draw_steps(self, sj: _SimJob) -> tuple[StepSample, ...]:
         step = sj.step / sj.speed
@@ -784,7 +795,10 @@ class Simulator:
         if util != self.gpu_util[g]:
             self.util_sum += util - self.gpu_util[g]
             self.gpu_util[g] = util
-            self._stale(g)
+            if self.refresh_at is None:
+                self._stale(g)
+            else:  # _stale's common case, inlined: a refresh is already planned
+                self.util_stale.add(g)
         if mem_used != self.gpu_mem[g]:
             self.mem_sum += mem_used - self.gpu_mem[g]
             self.gpu_mem[g] = mem_used
@@ -896,7 +910,8 @@ def _bar(done: int, total: int) -> None:
 
 def simulate(workload: Workload, policy: PolicySpec, perf: PerfModel, **kwargs: object) -> SimResult:
     """Run one policy over a workload; keyword arguments as `Simulator`."""
-    return Simulator(workload, policy, perf, **kwargs).run()  # type: ignore[arg-type]
+    with collector_paused():  # nogc.py: the collector's work found nothing to free
+        return Simulator(workload, policy, perf, **kwargs).run()  # type: ignore[arg-type]
 
 
 __all__ = ["InvariantError", "SimResult", "Simulator", "simulate"]

@@ -119,3 +119,34 @@ def test_single_job_fast_scan_picks_what_the_buffered_loop_picks(seed):
                 int(rng.uniform(1, 30) * GIB), rng.choice((1, 2, 4)))
         skip = set(rng.sample(range(16), rng.randrange(4)))
         assert b.first_with_room(*args, skip, set()) == _reference_first_with_room(b, *args, skip)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_may_have_room_never_denies_room_that_is_there_and_sees_a_full_cluster(seed):
+    rng = random.Random(seed)
+    b = book(nodes=4, per_node=4)
+    placed = []
+    for step in range(60):  # places, releases and utilisation moves, in random order
+        if placed and rng.random() < 0.3:
+            b.finish(placed.pop(rng.randrange(len(placed))))
+        else:
+            b.submit(_opp(f"r{step}", rng.choice((None, 0.05, 0.1, 0.25, 0.5, 0.9))))
+            b.apply(Place(f"r{step}", (rng.randrange(16),), Role.OPPORTUNISTIC))
+            placed.append(f"r{step}")
+        b.set_utilisation(rng.randrange(16), rng.random())
+        for below in (0.3, 0.5, 0.8, 1.0):
+            for share in (0.05, 0.1, 0.15, 0.5, 0.85, 1.0):
+                with_room = max(len(list(b.gpus_with_room(below, share, u))) for u in (0.0, 0.2))
+                for n in range(1, with_room + 1):
+                    assert b.may_have_room(below, share, n)
+    for job_id in placed:
+        b.finish(job_id)
+    for gpu in range(16):  # every GPU full (stated share 1): no room for any request
+        b.submit(_opp(f"full{gpu}", 1.0))
+        b.apply(Place(f"full{gpu}", (gpu,), Role.OPPORTUNISTIC))
+    assert not b.may_have_room(1.0, 0.05, 1)
+    b.finish("full3")
+    assert b.may_have_room(1.0, 0.05, 1)
+    assert not b.may_have_room(1.0, 0.05, 2)
+    b.set_utilisation(3, 0.9)  # the one GPU with room, now above the threshold
+    assert not b.may_have_room(0.8, 0.05, 1)
