@@ -102,20 +102,18 @@ def main() -> int:
     figures["baseline_over_this_median"] = round(
         statistics.median(cpu["baseline"]) / statistics.median(cpu["this"]), 3)
     figures["identical_results"] = len(hashes["baseline"] | hashes["this"]) == 1
-    if args.instructions:
+    # (wanted, key suffix, jobs, nodes, quota, ratio key): the ratio keys predate the 20k count.
+    counts = ((args.instructions, "2k", 2_000, 81, 324, "instructions_this_over_baseline"),
+              (args.instructions_20k, "20k", 20_000, 813, 3_250, "instructions_20k_this_over_baseline"))
+    for wanted, size, n_jobs, n_nodes, quota, ratio_key in counts:
+        if not wanted:
+            continue
+        ir: dict[str, int] = {}
         for name, tree in (("baseline", args.baseline), ("this", REPO)):
-            ir = instructions(tree, 2_000, 81, 324) - instructions(tree, 5, 81, 324)
-            figures[f"{name}_instructions_2k"] = ir
-            print(f"{name:8s} {ir / 1e6:8.1f} M instructions, 2,000-job simulate()")
-        figures["instructions_this_over_baseline"] = round(
-            figures["this_instructions_2k"] / figures["baseline_instructions_2k"], 4)  # type: ignore[operator]
-    if args.instructions_20k:
-        for name, tree in (("baseline", args.baseline), ("this", REPO)):
-            ir = instructions(tree, 20_000, 813, 3_250) - instructions(tree, 5, 813, 3_250)
-            figures[f"{name}_instructions_20k"] = ir
-            print(f"{name:8s} {ir / 1e6:8.1f} M instructions, 20,000-job simulate()")
-        figures["instructions_20k_this_over_baseline"] = round(
-            figures["this_instructions_20k"] / figures["baseline_instructions_20k"], 4)  # type: ignore[operator]
+            ir[name] = instructions(tree, n_jobs, n_nodes, quota) - instructions(tree, 5, n_nodes, quota)
+            figures[f"{name}_instructions_{size}"] = ir[name]
+            print(f"{name:8s} {ir[name] / 1e6:8.1f} M instructions, {n_jobs:,}-job simulate()")
+        figures[ratio_key] = round(ir["this"] / ir["baseline"], 4)
     print(json.dumps(figures))
     return 0 if figures["identical_results"] else 1
 
