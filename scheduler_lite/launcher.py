@@ -134,6 +134,12 @@ def process_start_ticks(pid: int) -> int | None:
     return None if fields is None else int(fields[19])
 
 
+def process_running(pid: int, start_ticks: int | None) -> bool:
+    """`pid` runs (is not a zombie) and, when `start_ticks` is given, is the process started then."""
+    fields = _proc_stat(pid)
+    return fields is not None and fields[0] != "Z" and (start_ticks is None or int(fields[19]) == start_ticks)
+
+
 def _proc_stat(pid: int) -> list[str] | None:
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
@@ -194,10 +200,8 @@ class Launcher:
         """The pid of a live process started with this launch token, if any (scans /proc)."""
         name = process_name(job_id, token)
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and _has_name(int(entry.name), name):
-                fields = _proc_stat(int(entry.name))
-                if fields is not None and fields[0] != "Z":
-                    return int(entry.name)
+            if entry.name.isdigit() and _has_name(int(entry.name), name) and process_running(int(entry.name), None):
+                return int(entry.name)
         return None
 
     def poll(self, handle: ProcessHandle) -> ExitInfo | None:

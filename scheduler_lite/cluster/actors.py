@@ -27,7 +27,8 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lite.cluster.tasks import _EXIT_STATUS_FILE, RELEASED_FILE, _claim, _write_small
+from scheduler_lite.cluster.tasks import RELEASED_FILE, _claim, write_number
+from scheduler_lite.launcher import EXIT_STATUS_FILE
 
 if TYPE_CHECKING:
     from scheduler_lite.cluster.tasks import RayPlacement
@@ -49,7 +50,7 @@ def booked_class(job_id: str, cls: type) -> type:
             cls.__init__(self, *args, **kwargs)
         except BaseException:
             with contextlib.suppress(OSError):
-                _write_small(job_dir / _EXIT_STATUS_FILE, 1)  # the actor dies: a failure, not "gone"
+                write_number(job_dir / EXIT_STATUS_FILE, 1)  # the actor dies: a failure, not "gone"
             raise
         atexit.register(_ended_gracefully, job_dir)
 
@@ -63,7 +64,7 @@ def _ended_gracefully(job_dir: Path) -> None:
     `ray.kill` or a crash (no Python runs), nor after a release (cancel, node loss: not a success)."""
     if not (job_dir / RELEASED_FILE).exists():
         with contextlib.suppress(OSError):
-            _write_small(job_dir / _EXIT_STATUS_FILE, 0)
+            write_number(job_dir / EXIT_STATUS_FILE, 0)
 
 
 def actor_options(placement: RayPlacement, runtime_env: Any = None) -> dict[str, Any]:

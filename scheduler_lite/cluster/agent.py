@@ -52,8 +52,8 @@ from scheduler_lite.launcher import (
     Launcher,
     LaunchSpec,
     ProcessHandle,
-    _proc_stat,
     process_name,
+    process_running,
     process_start_ticks,
     read_exit_status,
     wrappers_under,
@@ -393,11 +393,9 @@ class NodeAgent:
 
 
 def _task_alive(handle: ProcessHandle) -> bool:
-    """A Ray task's worker still runs: same pid and start time, not a zombie (its parent, the
-    raylet, reaps it; until then it runs nothing)."""
-    fields = _proc_stat(handle.pid)
-    return (fields is not None and handle.start_ticks is not None and int(fields[19]) == handle.start_ticks
-            and fields[0] != "Z")
+    """A Ray task's worker still runs: same pid and start time (a start time not read means it
+    was gone already), not a zombie (its parent, the raylet, reaps it; until then it runs nothing)."""
+    return handle.start_ticks is not None and process_running(handle.pid, handle.start_ticks)
 
 
 def actor_class() -> type:

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from scheduler_lite.cluster.options import KINDS, _bytes
+from scheduler_lite.launcher import EXIT_STATUS_FILE, PID_FILE
+from tf_antman.protocol import atomic_write_text
 
 if TYPE_CHECKING:
     from scheduler_lite.config import Config
@@ -48,8 +50,6 @@ TASK_COMMAND: Final = "scheduler-lite:ray-task"  # the command of a Ray task's b
 RELEASED_FILE: Final = "released"  # in the job dir: the booking is over, a task starting now must not run
 TASK_CLAIM_TIMEOUT_S: Final = 300.0  # a booking no task claimed (wrote its pid) within this is released
 NODE_SHARE: Final = 0.001  # of the node's `antman_node_<node>` resource a pinned task takes
-_PID_FILE: Final = "pid"  # scheduler_lite.launcher.PID_FILE (not imported: the worker needs little)
-_EXIT_STATUS_FILE: Final = "exit_status"  # scheduler_lite.launcher.EXIT_STATUS_FILE
 _KEPT_PREFIXES: Final = ("ANTMAN_", "SCHEDULER_LITE_")
 
 
@@ -113,10 +113,9 @@ class RayPlacement:
         return actor_class(self, cls, **ray_options)
 
 
-def _write_small(path: Path, value: int) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(f"{value}\n")
-    os.replace(tmp, path)
+def write_number(path: Path, value: int) -> None:
+    """A pid or an exit status, as the launcher's wrapper writes them (one line, replaced whole)."""
+    atomic_write_text(path, f"{value}\n", fsync=False)
 
 
 def _claim(job_id: str, what: str = "task", exclusive: bool = False) -> Path:
@@ -127,11 +126,11 @@ def _claim(job_id: str, what: str = "task", exclusive: bool = False) -> Path:
     job_dir = Path(os.environ.get("ANTMAN_JOB_DIR", ""))
     if os.environ.get("SCHEDULER_LITE_JOB_ID") != job_id or not job_dir.is_dir():
         raise PlacementError(f"{job_id}: this worker does not run under its booking (ANTMAN_JOB_DIR missing)")
-    pid_file = job_dir / _PID_FILE
+    pid_file = job_dir / PID_FILE
     if not exclusive:
-        _write_small(pid_file, os.getpid())  # first: the agent adopts the process from here on
+        write_number(pid_file, os.getpid())  # first: the agent adopts the process from here on
     else:
-        tmp = pid_file.with_name(f".{_PID_FILE}.{os.getpid()}")
+        tmp = pid_file.with_name(f".{PID_FILE}.{os.getpid()}")
         tmp.write_text(f"{os.getpid()}\n")
         try:
             os.link(tmp, pid_file)  # atomic, and fails if another process claimed the booking
@@ -155,7 +154,7 @@ def _run_booked(job_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) 
         return result
     finally:
         with contextlib.suppress(OSError):
-            _write_small(job_dir / _EXIT_STATUS_FILE, code)
+            write_number(job_dir / EXIT_STATUS_FILE, code)
 
 
 def request_placement(
