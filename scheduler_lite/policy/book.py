@@ -281,8 +281,7 @@ class ClusterBook:
         if g.utilisation == utilisation:
             return
         self.gpus[gpu] = Gpu(g.id, g.node, g.memory_bytes, g.nvlink_group, utilisation)
-        # _bucket, inlined: every placement and every utilisation refresh comes through here.
-        b = min(max(int(utilisation * UTILISATION_BUCKETS), 0), UTILISATION_BUCKETS - 1)
+        b = _bucket(utilisation)
         old = self._bucket_of[gpu]
         if b != old:
             del self._buckets[old][gpu]
@@ -358,13 +357,8 @@ class ClusterBook:
     def _refresh_free(self, gpu: int) -> None:
         group = self.gpus[gpu].nvlink_group
         reserved = gpu in self._reserved
-        # set_free's no-change test first, here: most refreshes change neither index.
-        free = gpu not in self._holder and not reserved
-        if (gpu in self._guarantee_free.free[group]) is not free:
-            self._guarantee_free.set_free(group, gpu, free)
-        empty = not self._jobs_on[gpu] and not reserved
-        if (gpu in self._empty.free[group]) is not empty:
-            self._empty.set_free(group, gpu, empty)
+        self._guarantee_free.set_free(group, gpu, gpu not in self._holder and not reserved)
+        self._empty.set_free(group, gpu, not self._jobs_on[gpu] and not reserved)
 
     def _place(self, d: Place) -> None:
         job = self.jobs[d.job_id]
@@ -420,8 +414,7 @@ class ClusterBook:
             self._share_stated[gpu] += sign * job.requested_share
         else:
             self._share_stated[gpu] = 0.0  # no job left: no float residue
-        # _rung, inlined (every placement and release of a job with a stated share).
-        rung = min(max(int(self._share_stated[gpu] * SHARE_RUNGS), 0), SHARE_RUNGS)
+        rung = _rung(self._share_stated[gpu])
         old = self._rung_of[gpu]
         if rung != old:
             counts = self._rung_counts[self._bucket_of[gpu]]

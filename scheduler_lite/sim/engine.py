@@ -795,10 +795,7 @@ class Simulator:
         if util != self.gpu_util[g]:
             self.util_sum += util - self.gpu_util[g]
             self.gpu_util[g] = util
-            if self.refresh_at is None:
-                self._stale(g)
-            else:  # _stale's common case, inlined: a refresh is already planned
-                self.util_stale.add(g)
+            self._stale(g)
         if mem_used != self.gpu_mem[g]:
             self.mem_sum += mem_used - self.gpu_mem[g]
             self.gpu_mem[g] = mem_used
