@@ -167,13 +167,10 @@ def requested(environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-# enable(**options) of either front-end (tf_antman, tf_antman.torch): option -> the variable it sets.
+# enable(**options) of either front-end (tf_antman, tf_antman.torch): option -> the variable it
+# sets; every variable but ANTMAN_ENABLE, in lower case without the prefix.
 ENABLE_OPTIONS: dict[str, str] = {
-    "device": "ANTMAN_DEVICE", "device_id": "ANTMAN_DEVICE_ID",
-    "device_memory": "ANTMAN_DEVICE_MEMORY", "memory_limit": "ANTMAN_MEMORY_LIMIT",
-    "host_memory": "ANTMAN_HOST_MEMORY", "compute_share": "ANTMAN_COMPUTE_SHARE",
-    "job_dir": "ANTMAN_JOB_DIR", "stats_interval_ms": "ANTMAN_STATS_INTERVAL_MS",
-    "control_fallback_ms": "ANTMAN_CONTROL_FALLBACK_MS",
+    v.name.removeprefix(PREFIX).lower(): v.name for v in VARIABLES if v.name != "ANTMAN_ENABLE"
 }
 
 
