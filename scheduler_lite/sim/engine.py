@@ -210,9 +210,13 @@ class Simulator:
         self.mem_sum = 0
         self.busy_gpus = 0
         self.gpu_busy = dict.fromkeys(self.mem, False)
+        # Integrals of the three totals over time, advanced only when a total changes (to
+        # `integrated_to`): events that change nothing (a round that decides nothing) do not
+        # split the sums, so the figures do not depend on how many such events the engine runs.
         self.util_integral = 0.0
         self.mem_integral = 0.0
         self.busy_integral = 0.0
+        self.integrated_to = 0.0
         self.now = 0.0
         # The global policy sees utilisation as the daemon does: refreshed every
         # UTILISATION_REFRESH_S (the paper's 10 s average), not the instant a share moves.
@@ -238,6 +242,7 @@ class Simulator:
         # Running opportunistic jobs below the migration policy's stranded share (its input).
         self.low_shares: dict[str, float] = {}
         self.timeseries: list[tuple[float, float, float, int]] = []
+        self.sample_every = 1.0
 
     # -- driver ---------------------------------------------------------------------------------
 
@@ -253,8 +258,16 @@ class Simulator:
         if first is not None:
             heapq.heappush(self.heap, (self.w.jobs[first].submit_time, first + 1, ARRIVE, first, 0))
         last_submit = max((j.submit_time for j in self.w.jobs), default=0.0)
-        sample_every = max(1.0, last_submit / 300)
+        # The time series is sampled on a fixed grid, each point with the totals that held just
+        # before it (the value between the last event before it and the first at or after it):
+        # the same series whatever events in between changed nothing. About 400 points: the
+        # grid spans the arrivals plus the time the cluster needs for all their work.
+        work_s = sum(j.runtime_s * j.num_gpus for j in self.w.jobs) / max(1, len(self.mem))
+        sample_every = self.sample_every = max(1.0, (last_submit + work_s) / 400)
+        samples = 0
         next_sample = 0.0
+        mem_total = sum(self.mem.values())
+        n_gpus = len(self.mem)
         done = 0
         report_every = max(1, total // 50)
         heap = self.heap
@@ -262,12 +275,12 @@ class Simulator:
         events = 0
         while heap:
             t = heap[0][0]
-            self._advance(t)
-            if t >= next_sample:
-                n = len(self.mem)
-                self.timeseries.append((t, self.util_sum / n, self.mem_sum / sum(self.mem.values()),
+            self.now = t
+            while next_sample <= t:
+                self.timeseries.append((next_sample, self.util_sum / n_gpus, self.mem_sum / mem_total,
                                         self.busy_gpus))
-                next_sample = t + sample_every
+                samples += 1
+                next_sample = samples * sample_every
             dirty: set[int] = set()
             rounds: set[int] = set()
             need_schedule = False
@@ -324,13 +337,14 @@ class Simulator:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, key, ver))
 
-    def _advance(self, t: float) -> None:
-        dt = t - self.now
+    def _integrate(self) -> None:
+        """Add the totals held since the last change to the integrals (a total changes next)."""
+        dt = self.now - self.integrated_to
         if dt > 0:
             self.util_integral += self.util_sum * dt
             self.mem_integral += self.mem_sum * dt
             self.busy_integral += self.busy_gpus * dt
-            self.now = t
+            self.integrated_to = self.now
 
     def _stale(self, gpu: int) -> None:
         self.util_stale.add(gpu)
@@ -606,7 +620,7 @@ class Simulator:
         sj = next(iter(jobs.values()))
         return sj.role is Role.GUARANTEE and sj.limits.get(gpu, 0) >= sj.demand
 
-    def _catch_up(self, gpu: int, inclusive: bool) -> None:
+    def _catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None:
         """Run the deferred rounds of a lone guarantee job before its GPU changes.
 
         Rounds due before now see the GPU as it was then (nothing changed since, or this would
@@ -625,7 +639,12 @@ class Simulator:
             at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
         self.now = now
         if at is not None and at > now + 1e-9:
-            self._set_round(gpu, at)
+            if still_alone and self._alone(gpu):
+                # Only the job's speed changed (e.g. from 0 at its start): the rounds still to
+                # come read the new speed whenever they run, so they can wait as before.
+                self.deferred[gpu] = at
+            else:
+                self._set_round(gpu, at)
 
     def _tick_after(self, gpu: int, t: float) -> float:
         """First grid point of the GPU strictly after `t` (and after now)."""
@@ -782,7 +801,7 @@ class Simulator:
             if abs(speed - sj.speed) > 1e-12:
                 for g in sj.gpus:
                     if g in self.deferred:
-                        self._catch_up(g, inclusive=True)
+                        self._catch_up(g, inclusive=True, still_alone=True)
                 self._settle(sj)
                 sj.speed = speed
                 sj.changed_at = self.now
@@ -793,13 +812,16 @@ class Simulator:
 
     def _gpu_totals(self, g: int, util: float, mem_used: int, busy: bool) -> None:
         if util != self.gpu_util[g]:
+            self._integrate()
             self.util_sum += util - self.gpu_util[g]
             self.gpu_util[g] = util
             self._stale(g)
         if mem_used != self.gpu_mem[g]:
+            self._integrate()
             self.mem_sum += mem_used - self.gpu_mem[g]
             self.gpu_mem[g] = mem_used
         if busy != self.gpu_busy[g]:
+            self._integrate()
             self.gpu_busy[g] = busy
             self.busy_gpus += 1 if busy else -1
 
@@ -885,7 +907,10 @@ class Simulator:
             "wall_s": wall_s,
             **{k: float(v) for k, v in self.counters.items()},
         }
-        return SimResult(self.policy.name, self.w.name, self.seed, records, summary, self.timeseries)
+        # Stale heap entries (rounds of GPUs that emptied) run the clock past the last job:
+        # the series ends at the first point after it.
+        series = [p for p in self.timeseries if p[0] < last + self.sample_every]
+        return SimResult(self.policy.name, self.w.name, self.seed, records, summary, series)
 
 
 def _mean(xs: list[float]) -> float:
