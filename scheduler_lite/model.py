@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from scheduler_lite.frozen import quick_init
+
 GIB = 1 << 30
 
 
@@ -54,6 +56,7 @@ class Tenant:
     gpu_quota: int  # GPUs its guarantee jobs may hold at once
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Gpu:
     id: int
@@ -64,6 +67,7 @@ class Gpu:
     utilisation: float = 0.0  # SM utilisation averaged over the last 10 s
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Job:
     id: str
@@ -160,6 +164,7 @@ class ClusterQueries(Protocol):
         ...
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ClusterState:
     """One consistent snapshot: what the global scheduler sees at time `now`."""
@@ -176,6 +181,7 @@ class ClusterState:
 # Decisions. Frozen so that a batch can be logged and compared (daemon vs simulator).
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Place:
     """Start a job on these GPUs in this role (drops any reservation the job held)."""
@@ -220,6 +226,7 @@ class Reject:
     reason: str
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SetMemoryLimit:
     job_id: str
@@ -232,6 +239,7 @@ class SetMemoryLimit:
         return SetMemoryLimit(self.job_id, self.gpu, self.previous_bytes, self.limit_bytes)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SetComputeShare:
     job_id: str
@@ -249,12 +257,14 @@ Decision = GlobalDecision | LocalDecision
 # What the local coordinator sees of one GPU.
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class StepSample:
     ended_at: float
     seconds: float
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class LocalJob:
     job_id: str
@@ -267,6 +277,7 @@ class LocalJob:
     solo_step_time_s: float | None = None  # step time alone on a GPU, when known
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class GpuView:
     gpu: Gpu

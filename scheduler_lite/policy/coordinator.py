@@ -39,6 +39,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from scheduler_lite.frozen import quick_init
 from scheduler_lite.model import (
     GpuView,
     LocalDecision,
@@ -115,12 +116,14 @@ class Phase(enum.StrEnum):
     STEADY = "steady"
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Trial:
     moves: tuple[SetMemoryLimit, ...]
     score_before: float
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CoordinatorMemo:
     guarantee_job: str | None = None

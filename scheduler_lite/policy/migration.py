@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from scheduler_lite.frozen import quick_init
 from scheduler_lite.model import ClusterState, JobState, Role
 from scheduler_lite.policy.validation import check_int, check_range
 
@@ -38,6 +39,7 @@ class MigrationConfig:
         return self
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Migrate:
     """Checkpoint the running job, and restart it on these GPUs in the same role."""
