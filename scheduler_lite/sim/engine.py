@@ -271,6 +271,8 @@ class Simulator:
         done = 0
         report_every = max(1, total // 50)
         heap = self.heap
+        heappop, heappush = heapq.heappop, heapq.heappush  # hoisted: ~60k events per 20k jobs
+        sim_jobs, trace_jobs = self.jobs, self.w.jobs
         coordinated = self.policy.coordinated
         events = 0
         while heap:
@@ -286,16 +288,16 @@ class Simulator:
             need_schedule = False
             refreshed = False
             while heap and heap[0][0] <= t:
-                _, _, kind, key, ver = heapq.heappop(heap)
+                _, _, kind, key, ver = heappop(heap)
                 events += 1
                 if kind == ARRIVE:
-                    self._arrive(self.w.jobs[key])  # type: ignore[index]
+                    self._arrive(trace_jobs[key])  # type: ignore[index]
                     need_schedule = True
                     after = next(arrivals, None)
                     if after is not None:
-                        heapq.heappush(heap, (self.w.jobs[after].submit_time, after + 1, ARRIVE, after, 0))
+                        heappush(heap, (trace_jobs[after].submit_time, after + 1, ARRIVE, after, 0))
                 elif kind == PROGRESS:
-                    sj = self.jobs.get(key)  # type: ignore[arg-type]
+                    sj = sim_jobs.get(key)  # type: ignore[arg-type]
                     if sj is None or sj.version != ver or sj.state != "running":
                         continue
                     sj.due = None
@@ -811,17 +813,18 @@ class Simulator:
                     self._watch(sj)
 
     def _gpu_totals(self, g: int, util: float, mem_used: int, busy: bool) -> None:
+        if self.integrated_to < self.now and (
+            util != self.gpu_util[g] or mem_used != self.gpu_mem[g] or busy != self.gpu_busy[g]
+        ):
+            self._integrate()  # once for the three, and only before a real change
         if util != self.gpu_util[g]:
-            self._integrate()
             self.util_sum += util - self.gpu_util[g]
             self.gpu_util[g] = util
             self._stale(g)
         if mem_used != self.gpu_mem[g]:
-            self._integrate()
             self.mem_sum += mem_used - self.gpu_mem[g]
             self.gpu_mem[g] = mem_used
         if busy != self.gpu_busy[g]:
-            self._integrate()
             self.gpu_busy[g] = busy
             self.busy_gpus += 1 if busy else -1
 
