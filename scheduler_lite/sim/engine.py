@@ -591,6 +591,12 @@ class Simulator:
             self.driver.memos.pop(gpu, None)
             self._set_round(gpu, None)
             return False
+        if changed and not self.periodic and self._alone(gpu) and not self._stepping(gpu):
+            # A guarantee job placed alone and not stepping yet: its first round only records it
+            # (no steps to read, nothing to decide), so it waits with the later ones (_catch_up).
+            self.deferred[gpu] = self.now
+            self._set_round(gpu, None)
+            return False
         self.counters["rounds"] += 1
         decisions = self.driver.round(self.now, gpu, self._view(gpu))  # applied to sj.limits/shares
         memo = self.driver.memos[gpu]  # the round on a GPU with jobs left one
@@ -622,6 +628,9 @@ class Simulator:
         sj = next(iter(jobs.values()))
         return sj.role is Role.GUARANTEE and sj.limits.get(gpu, 0) >= sj.demand
 
+    def _stepping(self, gpu: int) -> bool:
+        return next(iter(self.on_gpu[gpu].values())).speed > 0
+
     def _catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None:
         """Run the deferred rounds of a lone guarantee job before its GPU changes.
 
@@ -640,13 +649,12 @@ class Simulator:
             memo = self.driver.memo(gpu)
             at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
         self.now = now
-        if at is not None and at > now + 1e-9:
-            if still_alone and self._alone(gpu):
-                # Only the job's speed changed (e.g. from 0 at its start): the rounds still to
-                # come read the new speed whenever they run, so they can wait as before.
-                self.deferred[gpu] = at
-            else:
-                self._set_round(gpu, at)
+        if at is not None and still_alone and self._alone(gpu):
+            # Only the job's speed changed (e.g. from 0 at its start): the rounds still to come
+            # read the new speed whenever they run, so they can wait as before.
+            self.deferred[gpu] = at
+        elif at is not None and at > now + 1e-9:
+            self._set_round(gpu, at)
 
     def _tick_after(self, gpu: int, t: float) -> float:
         """First grid point of the GPU strictly after `t` (and after now)."""
@@ -803,7 +811,9 @@ class Simulator:
             if abs(speed - sj.speed) > 1e-12:
                 for g in sj.gpus:
                     if g in self.deferred:
-                        self._catch_up(g, inclusive=True, still_alone=True)
+                        # A round due now sees the job's old speed. From 0 that view has no steps,
+                        # as has a view at the new speed now (no step ended since): it can wait.
+                        self._catch_up(g, inclusive=sj.speed > 0, still_alone=True)
                 self._settle(sj)
                 sj.speed = speed
                 sj.changed_at = self.now
