@@ -173,9 +173,10 @@ class Driver:
         """Initial settings: the same rule the coordinator applies at its next round.
 
         A guarantee job keeps all but `min_memory_bytes` per job already on the GPU (the
-        coordinator's arrival step shrinks those to that); a job next to others gets what they
-        leave, but never less than `min_memory_bytes` nor more than its demand. The round that
-        follows in the same pass settles the rest before the world starts the job.
+        coordinator's arrival step shrinks those to that); an opportunistic job alone on a GPU
+        gets all of it (what the coordinator gives it: nobody to protect); one next to others
+        gets what they leave, but never less than `min_memory_bytes` nor more than its demand.
+        The round that follows in the same pass settles the rest before the world starts the job.
         """
         demand = self.book.jobs[d.job_id].memory_demand_bytes
         floor = self.ccfg.min_memory_bytes
@@ -187,6 +188,8 @@ class Driver:
                 limit = demand
             elif d.role is Role.GUARANTEE:
                 limit = min(demand, mem - len(others) * min(floor, mem // (len(others) + 1)))
+            elif not others:
+                limit = mem
             else:
                 used = sum(self.settings[j].limits.get(g, 0) for j in others if j in self.settings)
                 limit = min(demand, max(mem - used, min(floor, mem // (len(others) + 1))))

@@ -201,8 +201,8 @@ class Simulator:
         self.round_version: dict[int, int] = {}
         self.round_at: dict[int, float | None] = {}
         self.anchor: dict[int, float] = {}  # time of the GPU's last change-driven round
-        # Next round of a GPU whose only job is a guarantee job, run only if something happens
-        # there before the job leaves (_catch_up); such rounds never decide anything.
+        # Next round of a GPU whose only job's rounds decide nothing (`_alone`), run only if
+        # something happens there before the job leaves (_catch_up).
         self.deferred: dict[int, float] = {}
         self.gpu_util = dict.fromkeys(self.mem, 0.0)
         self.gpu_mem = dict.fromkeys(self.mem, 0)
@@ -592,8 +592,8 @@ class Simulator:
             self._set_round(gpu, None)
             return False
         if changed and not self.periodic and self._alone(gpu) and not self._stepping(gpu):
-            # A guarantee job placed alone and not stepping yet: its first round only records it
-            # (no steps to read, nothing to decide), so it waits with the later ones (_catch_up).
+            # A job placed alone and not stepping yet: its first round only records it (no steps
+            # to read, nothing to decide), so it waits with the later ones (_catch_up).
             self.deferred[gpu] = self.now
             self._set_round(gpu, None)
             return False
@@ -617,22 +617,27 @@ class Simulator:
         return bool(decisions)
 
     def _alone(self, gpu: int) -> bool:
-        """A lone guarantee job with all its memory on the GPU: its rounds decide nothing.
+        """A lone job whose rounds decide nothing: a guarantee job with all its memory on the
+        GPU, or an opportunistic job holding the whole GPU at a full share (the coordinator's
+        answer for it; the driver places it so).
 
-        With part of it in host memory (its neighbours left while it was settling, e.g. moved
-        away by migration) a later round grows its limit, so its rounds are not deferred.
+        A guarantee job with part of it in host memory (its neighbours left while it was
+        settling, e.g. moved away by migration), or an opportunistic job whose neighbours just
+        left, gets a decision from its next round, so those rounds are not deferred.
         """
         jobs = self.on_gpu[gpu]
         if len(jobs) != 1:
             return False
         sj = next(iter(jobs.values()))
-        return sj.role is Role.GUARANTEE and sj.limits.get(gpu, 0) >= sj.demand
+        if sj.role is Role.GUARANTEE:
+            return sj.limits.get(gpu, 0) >= sj.demand
+        return sj.limits.get(gpu, 0) == self.mem[gpu] and sj.shares.get(gpu, 1.0) == 1.0
 
     def _stepping(self, gpu: int) -> bool:
         return next(iter(self.on_gpu[gpu].values())).speed > 0
 
     def _catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None:
-        """Run the deferred rounds of a lone guarantee job before its GPU changes.
+        """Run the deferred rounds of a lone job (`_alone`) before its GPU changes.
 
         Rounds due before now see the GPU as it was then (nothing changed since, or this would
         have run earlier). A round due exactly now runs here when the change is not one that
@@ -645,7 +650,7 @@ class Simulator:
             self.counters["rounds"] += 1
             decisions = self.driver.round(at, gpu, self._view(gpu))
             if decisions:
-                raise InvariantError(f"GPU {gpu}: a lone guarantee job's round decided {decisions}")
+                raise InvariantError(f"GPU {gpu}: a lone job's round decided {decisions}")
             memo = self.driver.memo(gpu)
             at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
         self.now = now

@@ -41,8 +41,9 @@ def test_migrate_moves_book_settings_and_busy_mark() -> None:
     d.settings["o"].shares[0] = 0.05  # the coordinator cut it: stranded
     launch = d.migrate(Migrate("o", (2,)), 10.0)
     assert (launch.job_id, launch.gpus, launch.role) == ("o", (2,), Role.OPPORTUNISTIC)
-    # Alone on GPU 2: its whole demand, full share; nothing of GPU 0 is left in its settings.
-    assert launch.settings.limits == {2: 8 * GIB} and launch.settings.shares == {2: 1.0}
+    # Alone on GPU 2: the whole GPU (the coordinator's answer for a lone opportunistic job), full
+    # share; nothing of GPU 0 is left in its settings.
+    assert launch.settings.limits == {2: 32 * GIB} and launch.settings.shares == {2: 1.0}
     assert d.settings["o"] is launch.settings
     assert d.book.jobs_on(0) == ("g",) and d.book.jobs_on(2) == ("o",)
     assert d.book.jobs["o"].placement == (2,) and d.book.jobs["o"].role is Role.OPPORTUNISTIC
@@ -75,3 +76,17 @@ def test_hold_is_refused_under_universal_memory() -> None:
     d = driver()
     with pytest.raises(ValueError, match="coordinator"):
         d.hold("o", {0: GIB})
+
+
+def test_a_placement_starts_with_what_the_coordinator_would_give() -> None:
+    """The driver's launch settings follow the coordinator's rule, so its first round changes
+    nothing: alone, an opportunistic job gets the whole GPU; next to a guarantee job, what it
+    leaves (here the guarantee job's demand leaves 24 GiB, more than the 8 GiB demand)."""
+    d = driver()  # g (guarantee) and o (opportunistic) on GPU 0
+    assert d.settings["o"].limits == {0: 8 * GIB}
+    d.submit(job("p", "B", JobKind.OPPORTUNISTIC))
+    d.policy = scripted([[Place("p", (1,), Role.OPPORTUNISTIC)]])
+    _, (launch,) = d.schedule(1.0)
+    assert launch.settings.limits == {1: 32 * GIB}
+    view = d.view(1, {})
+    assert d.round(2.0, 1, view) == []  # the coordinator agrees: nothing to change
