@@ -26,7 +26,7 @@ import hashlib
 import pytest
 
 from scheduler_lite.policy.registry import POLICIES
-from scheduler_lite.sim.engine import SimResult, simulate
+from scheduler_lite.sim.engine import ENGINE_WORK, SimResult, simulate
 from scheduler_lite.sim.perf import load_perf_model
 from scheduler_lite.sim.workload import paper_recipe
 
@@ -48,10 +48,6 @@ GOLDEN = {
     ("auto", "tf-antman"): "371a5c13ae3160ab",
     ("auto", "tf-antman-sjf"): "af84f982bb1c80c6",
 }
-
-
-# Summary fields that say how long the engine took or how much work it did, not what happened.
-ENGINE_WORK = frozenset({"wall_s", "events", "rounds", "schedule_calls"})
 
 
 def result_hash(r: SimResult) -> str:
