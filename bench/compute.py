@@ -1,6 +1,6 @@
 """Compute dynamic scaling (GpuOpManager) on the emulated device, with real TF training.
 
-    python bench/compute.py [--quick] [--reps N] [--op-share S]
+    python bench/compute.py [--quick] [--reps N] [--op-share S] [--op-priority low|normal]
 
 Every comparison alternates within seconds inside the same processes (phases), so that the
 drifts of a shared 2-core machine hit the measured case and its baseline alike, and every figure
@@ -25,6 +25,9 @@ is judged by something the op manager does not control:
    Figures: rg_slowdown_throttled (median of blocks), _worst (worst block), _worst_quiet (worst
    block over its pairs without foreign load), rg_slowdown_unthrottled, op_progress_ratio (OP
    steps/s at its share over unthrottled), rg_slowdown_floor (the OP job's own CPU share).
+   The OP job runs at the device priority scheduler_lite gives opportunistic jobs
+   (ANTMAN_DEVICE_PRIORITY=low: its threads under SCHED_IDLE, tf_antman/priority.py);
+   --op-priority normal measures it without (op_priority in the JSON line says which).
 3. Input pipelines: a job reading through tf.data (map + prefetch) and one with a py_function
    map survive 100 share changes (pause included) each; an input-bound job (its py_function
    sleeps 20 ms a batch) at share 0.5 keeps the step rate it has unthrottled, because waiting
@@ -118,7 +121,8 @@ def interference_phases(op_share: float, pairs: int, blocks: int) -> list[float]
     return [v for _ in range(blocks) for v in block] + [0.0]
 
 
-def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, blocks: int) -> dict[str, object]:
+def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, blocks: int,
+                 op_priority: str = "low") -> dict[str, object]:
     """A resource-guarantee (RG) job on both cores runs throughout while an opportunistic (OP) job
     beside it alternates paused / op_share every phase_s seconds (`pairs` times per block), then
     runs one unthrottled phase. Each OP phase is judged by the RG job's own mean step time (wall
@@ -134,7 +138,7 @@ def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, b
     rg = start_job([*rg_args, "--duration", str(total + 15)], {"ANTMAN_ENABLE": "1"}, threads=2)
     op = start_job(["--mode", "loop", "--width", "1024", "--seed", "1", "--phases", ",".join(map(str, shares)),
                     "--phase-s", str(phase_s), "--settle-s", str(settle_s), "--watch-pids", str(rg.pid)],
-                   {"ANTMAN_ENABLE": "1"}, threads=2)
+                   {"ANTMAN_ENABLE": "1", "ANTMAN_DEVICE_PRIORITY": op_priority}, threads=2)
     o = finish_job(op)
     r = finish_job(rg)
     ph = o["phases"]
@@ -247,10 +251,10 @@ def report_share(phase_s: float, reps: int) -> dict[str, object]:
 
 
 def report_interference(op_share: float, phase_s: float, settle_s: float, pairs: int,
-                        blocks: int) -> dict[str, object]:
-    print(f"2. RG job next to an opportunistic job alternating paused / {op_share} every {phase_s} s "
-          f"({pairs} pairs, then 1.0), {blocks} blocks")
-    it = interference(op_share, phase_s, settle_s, pairs, blocks)
+                        blocks: int, op_priority: str) -> dict[str, object]:
+    print(f"2. RG job next to an opportunistic job (device priority {op_priority}) alternating paused / "
+          f"{op_share} every {phase_s} s ({pairs} pairs, then 1.0), {blocks} blocks")
+    it = interference(op_share, phase_s, settle_s, pairs, blocks, op_priority)
     print(table(it["detail"], ["OP phase share", "RG step ms (mean)", "OP cores", "foreign cores"]))
     lo, hi = it["rg_slowdown_single_phase_range"]
     print(table([
@@ -279,6 +283,7 @@ def report_interference(op_share: float, phase_s: float, settle_s: float, pairs:
         "rg_step_ms_op_paused": round(it["rg_step_ms_op_paused"], 2),
         "op_progress_ratio": round(it["op_progress_ratio"], 4),
         "op_share": op_share,
+        "op_priority": op_priority,
         "op_cpu_cores_throttled": round(it["op_cpu_cores_throttled"], 4),
         "rg_slowdown_floor": round(it["rg_slowdown_floor"], 4),
         "rg_pairs_per_block": pairs,
@@ -310,6 +315,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=0,
                    help="cycles of the alternating phases, and repeats of the input checks (default 3 quick, 6 full)")
     p.add_argument("--op-share", type=float, default=0.05, help="share of the throttled opportunistic job")
+    p.add_argument("--op-priority", choices=("low", "normal"), default="low",
+                   help="ANTMAN_DEVICE_PRIORITY of the opportunistic job (default low, as scheduler_lite "
+                        "runs opportunistic jobs on emulated devices)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
     a = p.parse_args()
@@ -328,7 +336,7 @@ def main() -> None:
     if "share" in sections:
         out.update(report_share(phase_s, reps))
     if "interference" in sections:
-        out.update(report_interference(a.op_share, 1.0, 0.25, 6 if a.quick else 10, reps))
+        out.update(report_interference(a.op_share, 1.0, 0.25, 6 if a.quick else 10, reps, a.op_priority))
     if "input" in sections:
         out.update(report_input(min(reps, 3)))
     if "cost" in sections:

@@ -66,6 +66,8 @@ class JobsConfig:
     host_memory_bytes: int = 8 << 30
     # SIGTERM, then SIGKILL after this long: long enough for a checkpoint on exit.
     cancel_grace_s: float = 10.0
+    # ANTMAN_DEVICE_PRIORITY of opportunistic jobs on emulated devices (tf_antman/priority.py).
+    opportunistic_priority: str = "low"
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,8 +322,11 @@ def _jobs(t: _Table) -> JobsConfig:
     host = _size(t.path("host_memory"), t.take("host_memory", default=d.host_memory_bytes), 0, MAX_BYTES)
     grace = t.take("cancel_grace_s", default=d.cancel_grace_s)
     check_range(t.path("cancel_grace_s"), grace, 0.0, 3600.0)
+    priority = t.take("opportunistic_priority", default=d.opportunistic_priority)
+    if priority not in ("low", "normal"):
+        raise ConfigError(t.path("opportunistic_priority"), _short(priority), '"low" or "normal"')
     t.finish()
-    return JobsConfig(host, float(grace))
+    return JobsConfig(host, float(grace), priority)
 
 
 def _daemon(t: _Table) -> DaemonConfig:

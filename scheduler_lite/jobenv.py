@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Final
 
 from scheduler_lite.config import Config
-from scheduler_lite.model import Gpu
+from scheduler_lite.model import Gpu, JobKind
 from scheduler_lite.storage import JobRecord
 from scheduler_lite.submission import RESERVED_ENV
 
@@ -49,6 +49,12 @@ def job_environment(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.id) for g in gpus)
     else:
         env["ANTMAN_DEVICE"] = "emulated"
+        # The paper's opportunistic jobs run at a low priority; on an emulated device that is the
+        # CPU's idle class (tf_antman/priority.py). Only for jobs that are never upgraded: an
+        # unprivileged process cannot leave that class, and an upgraded `auto` job must not stay
+        # in it.
+        if record.kind is JobKind.OPPORTUNISTIC and config.jobs.opportunistic_priority == "low":
+            env["ANTMAN_DEVICE_PRIORITY"] = "low"
     return env
 
 

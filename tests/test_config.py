@@ -17,6 +17,8 @@ def test_defaults_when_only_enable_is_set() -> None:
     assert s.memory_limit == s.device_memory and s.compute_share == 1.0 and s.job_dir is None
     assert s.control_fallback_ms == 1000
     assert config.load({"ANTMAN_CONTROL_FALLBACK_MS": "250"}).control_fallback_ms == 250
+    assert s.device_priority == "normal"
+    assert config.load({"ANTMAN_DEVICE_PRIORITY": "Low"}).device_priority == "low"
 
 
 def test_any_variable_implies_enable_unless_disabled() -> None:
@@ -41,6 +43,7 @@ def test_any_variable_implies_enable_unless_disabled() -> None:
     ("ANTMAN_CONTROL_FALLBACK_MS", "5", "10..600000"),
     ("ANTMAN_CONTROL_FALLBACK_MS", "1e3", "10..600000"),
     ("ANTMAN_JOB_DIR", "  ", "a directory path"),
+    ("ANTMAN_DEVICE_PRIORITY", "idle", "normal or low"),
     ("ANTMAN_MEMROY_LIMIT", "1GiB", "no such variable"),
 ])
 def test_bad_value_names_variable_and_range(name: str, value: str, accepted: str) -> None:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 from types import ModuleType
 
-from tf_antman import config, device_select, importhook, native
+from tf_antman import config, device_select, importhook, native, priority
 from tf_antman._log import log
 from tf_antman.steps import StepTracker
 
@@ -64,6 +64,8 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
         # any TF component allocate from it anyway, growth keeps that to what it uses instead of
         # the whole GPU (docs/gpu-path.md). A value the user set is kept.
         os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+    # Before TF starts its thread pools, which inherit it (priority.py).
+    priority.apply(settings)
     lib = native.load()
     capacity, limit = device_select.native_memory(settings, env)
     lib.configure(settings.device, settings.device_id, capacity, limit, settings.host_memory,

@@ -39,6 +39,7 @@ class Settings:
     job_dir: str | None
     stats_interval_ms: int
     control_fallback_ms: int = 1000
+    device_priority: str = "normal"  # "normal" | "low" (priority.py)
 
     def describe(self) -> str:
         parts = [
@@ -47,6 +48,7 @@ class Settings:
             f"memory_limit={format_bytes(self.memory_limit)}",
             f"host_memory={format_bytes(self.host_memory)}",
             f"compute_share={self.compute_share:g}",
+            f"device_priority={self.device_priority}",
             f"job_dir={self.job_dir or '-'}",
         ]
         return " ".join(parts)
@@ -149,6 +151,13 @@ VARIABLES: tuple[Variable, ...] = (
              "How long a coordinator control waits for a training step boundary before it is applied "
              "anyway from the job agent's thread (docs/steps.md).",
              _int_range(10, 600000)),
+    Variable("ANTMAN_DEVICE_PRIORITY", "string", "normal", "normal or low",
+             "Priority of the job's work on its device. low (the paper's low-priority "
+             "opportunistic job; scheduler_lite sets it for opportunistic jobs on emulated "
+             "devices): on the emulated device every thread of the job runs under Linux's "
+             "SCHED_IDLE, so it gets the cores only when other jobs leave them idle; not applied "
+             "on cuda (logged). An unprivileged process cannot return to normal (docs/op-manager.md).",
+             _choice("normal", "low")),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -221,4 +230,5 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         job_dir=_get(env, "ANTMAN_JOB_DIR", None),
         stats_interval_ms=_get(env, "ANTMAN_STATS_INTERVAL_MS", 50),
         control_fallback_ms=_get(env, "ANTMAN_CONTROL_FALLBACK_MS", 1000),
+        device_priority=_get(env, "ANTMAN_DEVICE_PRIORITY", "normal"),
     )

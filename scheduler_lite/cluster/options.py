@@ -13,7 +13,9 @@ into what tf-antman enforces inside the worker process:
   * `ANTMAN_JOB_DIR`: where the worker writes stats.json and reads control.json
     (docs/protocol.md), so a coordinator can watch and adjust it; one directory per actor or task;
   * the device: `"cuda"` asks Ray for `num_gpus`; `"emulated"` (docs/emulated-device.md, no GPU)
-    asks Ray for none and emulates a `device_memory`-sized GPU.
+    asks Ray for none and emulates a `device_memory`-sized GPU;
+  * `ANTMAN_DEVICE_PRIORITY=low` for an opportunistic task on the emulated device, as the daemon
+    gives its opportunistic jobs (tf_antman/priority.py).
 
 Ray starts a dedicated worker process for a runtime environment, with these variables set before
 Python starts, so tf-antman's import hook activates when the task imports TensorFlow. The result
@@ -89,6 +91,8 @@ def ray_options(
         env["ANTMAN_HOST_MEMORY"] = str(host)
     if job_dir is not None:
         env["ANTMAN_JOB_DIR"] = str(job_dir)
+    if kind == "opportunistic" and device == "emulated":
+        env["ANTMAN_DEVICE_PRIORITY"] = "low"
     merged = dict(runtime_env or {})
     merged["env_vars"] = {**dict(merged.get("env_vars") or {}), **env}
     options: dict[str, Any] = {"runtime_env": merged}

@@ -62,6 +62,12 @@ def test_ray_options_turn_a_fraction_into_antman_settings(tmp_path: Path) -> Non
     guarantee = ray_options(0.5, device_memory="16GiB", kind="guarantee", runtime_env={"env_vars": {"X": "1"}})
     genv = guarantee["runtime_env"]["env_vars"]
     assert genv["ANTMAN_MEMORY_LIMIT"] == str(8 << 30) and genv["ANTMAN_COMPUTE_SHARE"] == "1.0" and genv["X"] == "1"
+    # Low device priority: opportunistic tasks on the emulated device only (not applied on cuda).
+    assert "ANTMAN_DEVICE_PRIORITY" not in env and "ANTMAN_DEVICE_PRIORITY" not in genv
+    emulated = {k: ray_options(0.5, device="emulated", device_memory="1GiB", kind=k)["runtime_env"]["env_vars"]
+                for k in ("opportunistic", "guarantee")}
+    assert emulated["opportunistic"]["ANTMAN_DEVICE_PRIORITY"] == "low"
+    assert "ANTMAN_DEVICE_PRIORITY" not in emulated["guarantee"]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

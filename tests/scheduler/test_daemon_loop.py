@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_lite.config import parse_config
+from scheduler_lite.config import Config, parse_config
 from scheduler_lite.daemon import Daemon, job_environment
 from scheduler_lite.launcher import EXIT_STATUS_FILE
 from scheduler_lite.model import Place, Reject, Role, SetComputeShare, SetMemoryLimit
@@ -239,12 +240,30 @@ def test_job_environment(tmp_path: Path) -> None:
         "ANTMAN_COMPUTE_SHARE": "0.5", "ANTMAN_DEVICE_MEMORY": str(1 << 30),
         "ANTMAN_MEMORY_LIMIT": str(300 * MIB), "SCHEDULER_LITE_JOB_ID": job.id, "SCHEDULER_LITE_GPUS": "1,0",
         "ANTMAN_DEVICE": "emulated", "ANTMAN_DEVICE_ID": "0",  # within the job, as the protocol numbers it
+        "ANTMAN_DEVICE_PRIORITY": "low",  # an opportunistic job on an emulated device
     }
     nvml = config.__class__(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
                                "devices": config.devices.__class__("nvml")})
     env = job_environment(nvml, job, gpus, 0, 1.0, tmp_path, {})
     assert env["CUDA_VISIBLE_DEVICES"] == "1,0" and env["ANTMAN_DEVICE"] == "cuda"
     assert env["ANTMAN_MEMORY_LIMIT"] == str(MIB)  # never below tf-antman's accepted minimum
+    assert "ANTMAN_DEVICE_PRIORITY" not in env  # not applied on cuda: the job is not told to
+
+
+def test_only_opportunistic_jobs_get_the_low_device_priority(tmp_path: Path) -> None:
+    """`auto` jobs may be upgraded and an unprivileged process cannot leave SCHED_IDLE, so only
+    `opportunistic` submissions run at low priority; `jobs.opportunistic_priority` turns it off."""
+    config = make_config(tmp_path, gpus=1)
+    d = Daemon(config, SqliteStorage(config.db_path))
+
+    def priority(cfg: Config, kind: str) -> str | None:
+        job = d.storage.get_job(d.submit(["x"], tenant="A", kind=kind))
+        assert job is not None
+        return job_environment(cfg, job, [d.gpus[0]], 300 * MIB, 0.5, tmp_path, {}).get("ANTMAN_DEVICE_PRIORITY")
+
+    assert [priority(config, k) for k in ("opportunistic", "auto", "guarantee")] == ["low", None, None]
+    normal = dataclasses.replace(config, jobs=dataclasses.replace(config.jobs, opportunistic_priority="normal"))
+    assert priority(normal, "opportunistic") is None
 
 
 def _ended(pid: int) -> bool:

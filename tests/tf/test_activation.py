@@ -102,3 +102,33 @@ def test_keras_example_log_says_active_with_settings() -> None:
     assert "tf-antman: active" in on.stderr and "device_memory=1.0 GiB" in on.stderr
     assert "tf-antman" not in off.stderr and "tf-antman" not in off.stdout
     assert "final loss" in on.stdout and "final loss" in off.stdout
+
+
+PRIORITY = """
+import os, threading, time
+stop = threading.Event()
+early = threading.Thread(target=stop.wait)  # exists before activation: must be changed too
+early.start()
+import tf_antman
+tf_antman.enable(device="emulated", device_priority=PRIORITY)
+import tensorflow as tf
+a = tf.random.normal((512, 512))
+tf.matmul(a, a).numpy()  # TF's thread pools exist from here
+ds = tf.data.Dataset.range(64).map(lambda x: x * 2, num_parallel_calls=2).prefetch(2)
+sum(int(x) for x in ds)
+policies = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+stop.set()
+emit({"policies": sorted(policies.values()), "threads": len(policies), "idle": os.SCHED_IDLE,
+      "early": policies.get(early.native_id)})
+"""
+
+
+def test_low_device_priority_puts_every_thread_of_the_job_in_the_idle_class() -> None:
+    """ANTMAN_DEVICE_PRIORITY=low (tf_antman/priority.py): the threads that existed at activation
+    and every thread TF starts later (its intra-/inter-op pools, tf.data's) run under SCHED_IDLE;
+    `normal` leaves them all as they were."""
+    low = run_py(PRIORITY.replace("PRIORITY)", '"low")')).result
+    assert low["threads"] >= 4, low  # main, the early thread, TF's pools
+    assert set(low["policies"]) == {low["idle"]} and low["early"] == low["idle"]
+    normal = run_py(PRIORITY.replace("PRIORITY)", '"normal")')).result
+    assert low["idle"] not in normal["policies"] and normal["early"] != low["idle"]

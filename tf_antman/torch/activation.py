@@ -12,6 +12,7 @@ from typing import Any
 
 from tf_antman import activation as tf_activation
 from tf_antman import core as antman_core
+from tf_antman import priority
 from tf_antman._log import log
 from tf_antman.config import Settings
 from tf_antman.steps import StepTracker
@@ -72,6 +73,7 @@ def activate(environ: Mapping[str, str] | None = None, torch: ModuleType | None 
                            "tf_antman.torch.enable() before the first CUDA tensor, or set ANTMAN_* "
                            "variables before starting Python")
     b = ts.base
+    priority.apply(b)  # every thread that exists now, and the ones they start (priority.py)
     path = _shim.shim_path()
     lib = _shim.load(path)
     memory = _shim.create(lib, path, b.device, b.device_id, ts.device_capacity, ts.memory_limit,
