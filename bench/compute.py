@@ -1,6 +1,6 @@
 """Compute dynamic scaling (GpuOpManager) on the emulated device, with real TF training.
 
-    python bench/compute.py [--quick] [--reps N] [--op-share S] [--op-priority low|normal]
+    python bench/compute.py [--quick] [--reps N] [--op-share S] [--op-priority low|normal] [--pairs N]
 
 Every comparison alternates within seconds inside the same processes (phases), so that the
 drifts of a shared 2-core machine hit the measured case and its baseline alike, and every figure
@@ -20,7 +20,8 @@ is judged by something the op manager does not control:
    is less, so on a loaded machine the figure reads low.
 2. Interference: a resource-guarantee (RG) job on both cores runs throughout while an
    opportunistic (OP) job beside it alternates paused / op share (default 0.05) every phase
-   (1 s; 6 pairs a block quick, 10 full), then one unthrottled phase per block. Each OP phase is
+   (1 s; 6 pairs a block quick, 30 full: a block of 10 pairs moves by +-3% on 2 shared cores,
+   the size of the target), then one unthrottled phase per block. Each OP phase is
    judged by the RG job's own wall-clock mean step time against the paused phases on both sides.
    Figures: rg_slowdown_throttled (median of blocks), _worst (worst block), _worst_quiet (worst
    block over its pairs without foreign load), rg_slowdown_unthrottled, op_progress_ratio (OP
@@ -318,6 +319,9 @@ def main() -> None:
     p.add_argument("--op-priority", choices=("low", "normal"), default="low",
                    help="ANTMAN_DEVICE_PRIORITY of the opportunistic job (default low, as scheduler_lite "
                         "runs opportunistic jobs on emulated devices)")
+    p.add_argument("--pairs", type=int, default=0,
+                   help="interference: paused/OP pairs per block (default 6 quick, 30 full); a block's "
+                        "noise falls as 1/sqrt(pairs)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
     a = p.parse_args()
@@ -327,6 +331,8 @@ def main() -> None:
         p.error(f"--sections: unknown {', '.join(unknown)}; accepted: {', '.join(SECTIONS)}")
     if not 0 <= a.reps <= 1000:
         p.error(f"--reps: {a.reps} is outside the accepted range [0, 1000] (0: the default)")
+    if not 0 <= a.pairs <= 1000:
+        p.error(f"--pairs: {a.pairs} is outside the accepted range [0, 1000] (0: the default)")
     if not 0.0 < a.op_share < 1.0:
         p.error(f"--op-share: {a.op_share} is outside the accepted range (0, 1)")
     phase_s = 2.5 if a.quick else 4.0
@@ -336,7 +342,8 @@ def main() -> None:
     if "share" in sections:
         out.update(report_share(phase_s, reps))
     if "interference" in sections:
-        out.update(report_interference(a.op_share, 1.0, 0.25, 6 if a.quick else 10, reps, a.op_priority))
+        out.update(report_interference(a.op_share, 1.0, 0.25, a.pairs or (6 if a.quick else 30), reps,
+                                       a.op_priority))
     if "input" in sections:
         out.update(report_input(min(reps, 3)))
     if "cost" in sections:
