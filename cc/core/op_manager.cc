@@ -122,6 +122,7 @@ int64_t OpManager::Admit(Timing timing) {
   if (timing == Timing::kHost && tl_current_op_manager == this) return kNested;
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t ticket = next_ticket_++;
+  const int64_t requested_ns = clock_->NowNs();
   ++waiting_;
   bool delayed = false;
   void* lent = nullptr;
@@ -163,7 +164,18 @@ int64_t OpManager::Admit(Timing timing) {
     lock.lock();
   }
   int64_t now = clock_->NowNs();
-  if (delayed) last_release_ns_ = std::max(last_release_ns_, now);
+  if (delayed) {
+    // The thread's work from the job's last busy time to this request (the
+    // executor preparing this op) came before the wait: it is the job's, as a
+    // bridged gap is. Without this, every delayed op left that work uncharged.
+    int64_t gap_from = std::max(last_busy_end_ns_, last_release_ns_);
+    if (timing == Timing::kHost && gap_from < requested_ns &&
+        requested_ns - gap_from <= options_.bridge_gap_ns) {
+      AccrueLocked(now);
+      tokens_ -= static_cast<double>(ChargeIntervalLocked(gap_from, requested_ns));
+    }
+    last_release_ns_ = std::max(last_release_ns_, now);
+  }
   if (timing == Timing::kHost) running_starts_.insert(now);
   --waiting_;
   if (stopping_) cv_.notify_all();  // a destructor waits for the last waiter

@@ -179,8 +179,9 @@ void TestNaturalGapsCountAsIdle() {
 }
 
 // A gap shorter than bridge_gap_ns between the job's ops is the job's (the
-// executor's work between kernels); a longer one is idle; and time the
-// manager itself inserted is never bridged, however short.
+// executor's work between kernels), also when the op after it then waits for
+// its slot; a longer one is idle; and time the manager itself inserted is
+// never bridged, however short.
 void TestShortGapsAreTheJobs() {
   FakeClock clock;
   OpManager::Options options = FakeOptions(&clock, 0.5, /*max_credit_ns=*/100 * kMs);
@@ -204,6 +205,22 @@ void TestShortGapsAreTheJobs() {
     HostOp(manager, clock, 20 * kUs);  // waits those 20 us first: not bridged
     CHECK_EQ(manager.stats().ops_delayed, 1);
     CHECK_EQ(manager.stats().busy_ns, 40 * kUs);
+  }
+  {
+    // A delayed op: the executor's work between the last op and the request
+    // (20 us) came before the wait and is the job's; the wait itself is not.
+    options.max_credit_ns = 0;
+    OpManager manager(options);
+    HostOp(manager, clock, 100 * kUs);  // owes 50 us at share 0.5
+    clock.Advance(20 * kUs);            // the executor: pays back 10 of them
+    int64_t requested = clock.NowNs();
+    HostOp(manager, clock, 100 * kUs);  // waits 80 us, then runs 100 us
+    CHECK_EQ(manager.stats().ops_delayed, 1);
+    CHECK_EQ(manager.stats().busy_ns, 220 * kUs);
+    CHECK_EQ(clock.NowNs() - requested, 180 * kUs);
+    clock.Advance(200 * kUs);  // a long gap before a delayed op stays idle
+    HostOp(manager, clock, 100 * kUs);
+    CHECK_EQ(manager.stats().busy_ns, 320 * kUs);
   }
   options.bridge_gap_ns = -1;
   CHECK(!OpManager::Validate(options).empty());
