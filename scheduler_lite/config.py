@@ -26,7 +26,7 @@ from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
 from scheduler_lite.policy.migration import MigrationConfig
-from scheduler_lite.policy.validation import ConfigError, check_int, check_range
+from scheduler_lite.policy.validation import ConfigError, check_choice, check_int, check_range
 from tf_antman.units import parse_bytes
 
 VERSION: Final = 1
@@ -40,6 +40,7 @@ MAX_DEVICE_ID: Final = 1023  # ANTMAN_DEVICE_ID's upper bound
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 C = TypeVar("C")
 SOCKET_FILE: Final = "scheduler.sock"
+PRIORITIES: Final = ("low", "normal")  # jobs.opportunistic_priority
 # POSIX portable user and group names (useradd's default NAME_REGEX, without the trailing '$').
 _ACCOUNT_RE: Final = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 ACCOUNT_RULE: Final = "a list of user or group names (1-32 of a-z, 0-9, '_', '-', starting with a letter or '_')"
@@ -67,7 +68,7 @@ class JobsConfig:
     # SIGTERM, then SIGKILL after this long: long enough for a checkpoint on exit.
     cancel_grace_s: float = 10.0
     # ANTMAN_DEVICE_PRIORITY of opportunistic jobs on emulated devices (tf_antman/priority.py).
-    opportunistic_priority: str = "low"
+    opportunistic_priority: str = "low"  # one of PRIORITIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,8 +324,7 @@ def _jobs(t: _Table) -> JobsConfig:
     grace = t.take("cancel_grace_s", default=d.cancel_grace_s)
     check_range(t.path("cancel_grace_s"), grace, 0.0, 3600.0)
     priority = t.take("opportunistic_priority", default=d.opportunistic_priority)
-    if priority not in ("low", "normal"):
-        raise ConfigError(t.path("opportunistic_priority"), _short(priority), '"low" or "normal"')
+    check_choice(t.path("opportunistic_priority"), priority, PRIORITIES)
     t.finish()
     return JobsConfig(host, float(grace), priority)
 

@@ -122,13 +122,14 @@ int64_t OpManager::Admit(Timing timing) {
   if (timing == Timing::kHost && tl_current_op_manager == this) return kNested;
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t ticket = next_ticket_++;
-  const int64_t requested_ns = clock_->NowNs();
+  int64_t requested_ns = -1;  // the first reading of the clock below
   ++waiting_;
   bool delayed = false;
   void* lent = nullptr;
   bool lending = false;
   for (;;) {
     int64_t now = clock_->NowNs();
+    if (requested_ns < 0) requested_ns = now;
     int64_t wait = Clock::kForever;  // not at the head: woken when the line moves
     if (ticket == serving_ticket_) {
       AccrueLocked(now);
