@@ -30,7 +30,8 @@ CURVE_POLICIES = ("yarn-cs", "gandiva", "tf-antman")
 LOADS = (0.8, 1.0, 1.5, 2.0, 3.0)  # offered GPU-seconds per second over the cluster's GPUs
 # Named assumptions of the model, each run at a low and a high value (docs/simulator.md).
 SENSITIVITY = {"colocation_interference": (0.0, 0.2), "cross_group_slowdown": (0.0, 1.0),
-               "checkpoint_restart_s": (0.0, 600.0)}
+               "checkpoint_restart_s": (0.0, 600.0), "input_phase_s": (0.0, 600.0),
+               "evaluation_every_s": (0.0, 600.0)}
 ALIBABA_PEAK_RATIO = 1.25
 
 
@@ -132,7 +133,9 @@ def main() -> int:
     sens_seeds = range(3)
     print(f"\nsensitivity at load {calibrated}, seeds {list(sens_seeds)}: JCT speed-up of tf-antman")
     print(f"{'variant':44s} {'vs YARN-CS':>11s} {'vs Gandiva':>11s}")
-    variants: list[tuple[str, PerfModel, dict[str, PolicySpec]]] = [("model as shipped", perf, {})]
+    variants: list[tuple[str, PerfModel, dict[str, PolicySpec]]] = [
+        ("model as shipped", perf, {}),
+        ("no CPU phases (model v3)", dataclasses.replace(perf, input_phase_s=0.0, evaluation_every_s=0.0), {})]
     for field, values in SENSITIVITY.items():
         for v in values:
             variants.append((f"{field} = {v}", dataclasses.replace(perf, **{field: v}), {}))
@@ -148,7 +151,7 @@ def main() -> int:
         per = _run(pm, pols, calibrated, jobs, sens_seeds, ("avg_jct_s",))
         ry, rg = _ratios(per, "yarn-cs", "avg_jct_s"), _ratios(per, "gandiva", "avg_jct_s")
         print(f"{label:44s} {_rs(ry):>11s} {_rs(rg):>11s}")
-        tag = label.replace(" ", "_").replace("=", "").replace("__", "_")
+        tag = label.replace(" ", "_").replace("=", "").replace("(", "").replace(")", "").replace("__", "_")
         figures[f"sensitivity_{tag}_vs_yarn_cs"] = round(statistics.fmean(ry), 3)
         figures[f"sensitivity_{tag}_vs_gandiva"] = round(statistics.fmean(rg), 3)
 

@@ -135,6 +135,7 @@ def load_alibaba(
                 step_time_s=generic.step_time_s, predicted_runtime_s=runtime,
                 surge_at_fraction=perf.surge_at_fraction if surge else None,
                 surge_growth=perf.surge_growth, requested_share=share,
+                cpu_phases=perf.cpu_phases(runtime),
             ))
     if not jobs:
         raise ConfigError(f"{pods}", "no GPU pod that ran", "at least one")

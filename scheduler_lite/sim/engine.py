@@ -4,7 +4,8 @@ Everything between a policy decision and the world (applying decisions to the bo
 settings, busy marks, coordinator memos and settings) is the shared `Driver`, as in the daemon;
 this module supplies time (events), readings (sim/perf.py) and the jobs' progress.
 
-Events: job arrival, job progress (finish or memory surge), coordinator round on one GPU.
+Events: job arrival, job progress (finish, memory surge, or the start or end of a CPU-bound
+phase), coordinator round on one GPU.
 After each batch of same-time events the global policy runs once on the book's snapshot (when
 jobs are pending and something it reads changed), the local coordinator runs on the GPUs whose
 jobs changed or whose round is due (see "coordinator rounds" below), and the speed of every job
@@ -15,6 +16,7 @@ time.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -49,7 +51,7 @@ from scheduler_lite.sim.workload import TraceJob, Workload
 
 ARRIVE, PROGRESS, ROUND, REFRESH = 0, 1, 2, 3
 UTILISATION_REFRESH_S = 10.0  # the global policy's utilisation is a 10 s average (paper §3.3)
-EARLY, CHANGED, FINISHED = 0, 1, 2  # outcome of a progress event
+EARLY, CHANGED, FINISHED, PHASE = 0, 1, 2, 3  # outcome of a progress event
 WORK_TOLERANCE_S = 1e-6  # solo-seconds of work left that count as done (float round-off)
 MAX_RETRIES = 1  # a job that ran out of memory is resubmitted once, with its peak as profile
 ROUND_MODES = ("event", "periodic")
@@ -85,6 +87,7 @@ class _SimJob:
         "cache",
         "cache_key",
         "changed_at",
+        "cpu",
         "demand",
         "due",
         "end",
@@ -132,6 +135,7 @@ class _SimJob:
         self.epoch = 0  # speed changes so far: the step samples of each epoch are distinct
         self.demand = trace.memory_demand_bytes
         self.surged = False
+        self.cpu = False  # in a CPU-bound phase (trace.cpu_phases): u is 0, its speed its own
         self.first_start: float | None = None
         self.end: float | None = None
         self.failures = 0
@@ -228,6 +232,9 @@ class Simulator:
         # A pass runs on arrivals, finishes and surges, and after a refresh that changed a GPU
         # if the policy reads utilisation; other passes would decide the same as the last one.
         self.util_stale: set[int] = set()
+        # GPUs whose job entered or left a CPU phase in this batch of events: their speeds are
+        # recomputed; the coordinator hears of it through the speeds (_watch), as a daemon would.
+        self.phased: set[int] = set()
         self.refresh_at: float | None = None
         has_auto = self.has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
         # A function of the simulator, not a bound method: a simulator that refers to itself is a
@@ -307,7 +314,7 @@ class Simulator:
                         continue
                     sj.due = None
                     outcome = self._progress(sj, dirty)
-                    if outcome == EARLY:
+                    if outcome == EARLY or outcome == PHASE:
                         continue
                     need_schedule = True
                     if outcome == FINISHED:
@@ -325,8 +332,11 @@ class Simulator:
             if self.low_shares and (need_schedule or refreshed):
                 self._migrate(dirty)
             changed = dirty
+            if self.phased:
+                changed = dirty | self.phased
+                self.phased = set()
             if coordinated:
-                changed = set(dirty)
+                changed = set(changed)
                 for gpu in sorted(dirty | rounds):
                     if self._round(gpu, gpu in dirty):
                         changed.add(gpu)
@@ -411,12 +421,30 @@ class Simulator:
             sj.busy_gpu_s += dt * len(sj.gpus)
         sj.last_t = self.now
 
+    def _phase_edge(self, sj: _SimJob) -> int:
+        """Index of the first of its phase edges not reached yet (an edge within the tolerance
+        counts as reached): odd inside a CPU phase. _progress and _reschedule both ask this one
+        place, so the phase a job is in and the event planned to leave it always agree."""
+        return bisect.bisect_right(sj.trace.cpu_phases, sj.trace.runtime_s - sj.remaining + WORK_TOLERANCE_S)
+
+    def _set_phase(self, sj: _SimJob) -> None:
+        """Its phase at its work done: at a (re)start, which may repeat or redo work."""
+        if sj.trace.cpu_phases:
+            sj.cpu = self._phase_edge(sj) % 2 == 1
+            sj.u = 0.0 if sj.cpu else sj.trace.utilisation
+
     def _progress(self, sj: _SimJob, dirty: set[int]) -> int:
         self._settle(sj)
         tj = sj.trace
         surge_pending = not sj.surged and tj.surge_at_fraction is not None
         target = tj.runtime_s * (1 - tj.surge_at_fraction) if surge_pending else 0.0  # type: ignore[operator]
         if sj.remaining > target + WORK_TOLERANCE_S:
+            if tj.cpu_phases and self._phase_edge(sj) % 2 != sj.cpu:
+                sj.cpu = not sj.cpu
+                sj.u = 0.0 if sj.cpu else tj.utilisation
+                self.phased.update(sj.gpus)
+                self._reschedule(sj)
+                return PHASE
             # The event was planned at a higher speed (see _reschedule): not there yet.
             self._reschedule(sj)
             return EARLY
@@ -533,8 +561,9 @@ class Simulator:
             self._settle(sj)
             launch = self.driver.migrate(m, self.now)
             self._leave(sj, dirty)
-            self._start(sj, launch, dirty)
+            # The restart redoes the work since the checkpoint (before _start: it sets the phase).
             sj.remaining += self.perf.checkpoint_restart_s
+            self._start(sj, launch, dirty)
             sj.migrations += 1
             self.counters["migrations"] += 1
 
@@ -552,6 +581,7 @@ class Simulator:
         sj.state = "running"
         sj.role = d.role
         sj.gpus = d.gpus
+        self._set_phase(sj)
         sj.last_t = self.now
         sj.changed_at = self.now
         if sj.first_start is None:
@@ -768,7 +798,8 @@ class Simulator:
                 want = sj.demand
                 s = 1.0
                 if limit < want and want > 0:
-                    s /= sj.perf.memory_slowdown(limit / want)
+                    if not sj.cpu:  # on the CPU it does not touch its tensors in host memory
+                        s /= sj.perf.memory_slowdown(limit / want)
                     mem_used = limit
                 else:
                     mem_used = want
@@ -800,8 +831,11 @@ class Simulator:
                 # Bandwidth interference (interference.bandwidth_slowdown, inlined): from the
                 # co-runners' effective utilisation, however far below 1 the total is.
                 s = (1.0 if compute is None else next(compute)) / (slow * (1.0 + c * (demand - u)))
-                if limit < want and want > 0:
+                if sj.cpu:
+                    s = 1.0  # a CPU phase: the GPU's contention is not its own
+                elif limit < want and want > 0:
                     s /= sj.perf.memory_slowdown(limit / want)
+                if limit < want and want > 0:
                     mem_used += limit
                 else:
                     mem_used += want
@@ -816,6 +850,8 @@ class Simulator:
         for sj in touched.values():
             if len(sj.gpus) == 1:
                 speed = sj.gpu_speed[sj.gpus[0]]
+            elif sj.cpu:
+                speed = 1.0  # no all-reduce on the CPU: locality does not matter
             else:
                 speed = min(sj.gpu_speed[g] for g in sj.gpus) * sj.locality
             if abs(speed - sj.speed) > 1e-12:
@@ -863,6 +899,14 @@ class Simulator:
         tj = sj.trace
         if not sj.surged and tj.surge_at_fraction is not None:
             target = sj.remaining - tj.runtime_s * (1 - tj.surge_at_fraction)
+        if tj.cpu_phases:
+            # Up to its next phase edge (an edge within the tolerance counts as passed), or now
+            # if it passed one without changing phase (a surge at the same point came first).
+            i = self._phase_edge(sj)
+            if i % 2 != sj.cpu:
+                target = 0.0
+            elif i < len(tj.cpu_phases):
+                target = min(target, tj.cpu_phases[i] - (tj.runtime_s - sj.remaining))
         at = self.now + max(0.0, target) / sj.speed
         if sj.due is not None and sj.due <= at:
             return

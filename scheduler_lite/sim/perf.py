@@ -28,8 +28,9 @@ from scheduler_lite.model import GIB
 from scheduler_lite.policy.validation import ConfigError, check_range
 
 FORMAT = "scheduler_lite.perf_model"
-VERSION = 3  # v3: colocation_overhead became colocation_interference; cross_group_slowdown,
-# checkpoint_restart_s
+VERSION = 4  # v4: cpu_phases; v3: colocation_overhead became colocation_interference,
+# cross_group_slowdown, checkpoint_restart_s
+READABLE = (3, 4)  # a v3 file is read as a model without CPU phases
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,31 @@ class PerfModel:
     surge_probability: float
     surge_growth: float
     surge_at_fraction: float
+    # CPU-bound phases (AntMan §2.2): the job computes on the CPU and leaves its GPU idle.
+    # Input preprocessing at the start (Fig. 3), evaluation on the CPU every so often (Fig. 4).
+    input_phase_s: float = 0.0
+    input_phase_max_fraction: float = 0.0  # of the job's run time
+    evaluation_every_s: float = 0.0  # of work; 0: no evaluation phases
+    evaluation_s: float = 0.0
+
+    def cpu_phases(self, runtime_s: float) -> tuple[float, ...]:
+        """Edges of a job's CPU-bound phases in solo-seconds of work, flat and ascending.
+
+        (a0, b0, a1, b1, ...): the job is on the CPU while a_i <= work done < b_i, so
+        `bisect_right(edges, w)` is odd inside a phase. The input phase starts at 0; an
+        evaluation starts every `evaluation_every_s` of work after it (a job that ends inside
+        one ends on the CPU, like a final evaluation).
+        """
+        edges: list[float] = []
+        start = min(self.input_phase_s, self.input_phase_max_fraction * runtime_s)
+        if start > 0:
+            edges += [0.0, start]
+        if self.evaluation_every_s > 0 and self.evaluation_s > 0:
+            at = start + self.evaluation_every_s
+            while at < runtime_s:
+                edges += [at, min(at + self.evaluation_s, runtime_s)]
+                at += self.evaluation_every_s
+        return tuple(edges)
 
     def contention(self, demand: float) -> float:
         """Slowdown of every job on a GPU with compute isolation, at total demand D."""
@@ -79,7 +105,8 @@ class PerfModel:
         a = self.unisolated_share_exponent
         weights = [u**a for u in demands]
         total = sum(weights)
-        return [min(1.0, w / total / u) for w, u in zip(weights, demands, strict=True)]
+        # A job on the CPU (u = 0) issues no kernels: its speed is not the GPU's to share.
+        return [min(1.0, w / total / u) if u > 0 else 1.0 for w, u in zip(weights, demands, strict=True)]
 
 
 def load_perf_model(path: Path | None = None) -> PerfModel:
@@ -88,9 +115,9 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
     else:
         text = Path(path).read_text()
     raw = json.loads(text)
-    if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+    if raw.get("format") != FORMAT or raw.get("version") not in READABLE:
         raise ConfigError("perf_model.format/version", (raw.get("format"), raw.get("version")),
-                          f"({FORMAT!r}, {VERSION})")
+                          f"({FORMAT!r}, one of {READABLE})")
     models = {}
     for name, m in raw["models"].items():
         check_range(f"models.{name}.memory_gib", m["memory_gib"], 0.0, 1024.0, low_open=True)
@@ -119,8 +146,27 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
     check_range("memory_surge.probability", surge["probability"], 0.0, 1.0)
     check_range("memory_surge.growth", surge["growth"], 0.0, 10.0)
     check_range("memory_surge.at_fraction", surge["at_fraction"], 0.0, 1.0)
+    phases = raw.get("cpu_phases") if raw["version"] >= 4 else {}
+    if phases is None:
+        raise ConfigError("cpu_phases", None, "an object (perf_model v4)")
+    phase_fields = {"input_s": (0.0, 86400.0), "input_max_fraction": (0.0, 1.0),
+                    "evaluation_every_s": (0.0, 1e7), "evaluation_s": (0.0, 86400.0)}
+    for key in phases:
+        if key not in phase_fields:
+            raise ConfigError(f"cpu_phases.{key}", phases[key], "one of " + ", ".join(phase_fields))
+    for key, (low, high) in phase_fields.items() if raw["version"] >= 4 else ():
+        if key not in phases:
+            raise ConfigError(f"cpu_phases.{key}", None, f"a number in [{low}, {high}]")
+        check_range(f"cpu_phases.{key}", phases[key], low, high)
+    if phases and phases["evaluation_every_s"] > 0 and phases["evaluation_s"] >= phases["evaluation_every_s"]:
+        raise ConfigError("cpu_phases.evaluation_s", phases["evaluation_s"],
+                          f"below cpu_phases.evaluation_every_s ({phases['evaluation_every_s']})")
     return PerfModel(models, families, raw["step_noise_cv"], raw["contention_slowdown"],
                      raw["unisolated_share_exponent"],
                      raw["colocation_interference"], raw["cross_group_slowdown"],
                      raw["checkpoint_restart_s"], surge["probability"], surge["growth"],
-                     surge["at_fraction"])
+                     surge["at_fraction"],
+                     input_phase_s=phases.get("input_s", 0.0),
+                     input_phase_max_fraction=phases.get("input_max_fraction", 0.0),
+                     evaluation_every_s=phases.get("evaluation_every_s", 0.0),
+                     evaluation_s=phases.get("evaluation_s", 0.0))

@@ -42,6 +42,8 @@ class TraceJob:
     surge_at_fraction: float | None = None  # progress at which its memory demand grows
     surge_growth: float = 0.0
     requested_share: float | None = None  # what the user asks for (fraction of one GPU)
+    # Edges of its CPU-bound phases in solo-seconds of work (PerfModel.cpu_phases).
+    cpu_phases: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ def paper_recipe(
             step_time_s=m.step_time_s, predicted_runtime_s=predicted,
             surge_at_fraction=perf.surge_at_fraction if surge else None,
             surge_growth=perf.surge_growth, requested_share=m.utilisation,
+            cpu_phases=perf.cpu_phases(runtime),
         ))
         t += rng.expovariate(rate)
     tenants = (Tenant("A", quota_a), Tenant("B", 0))
