@@ -27,16 +27,12 @@ from dataclasses import dataclass, field
 
 from scheduler_lite.driver import Driver, Launch
 from scheduler_lite.model import (
-    GpuView,
     Job,
     JobKind,
-    LocalJob,
     Place,
     Preempt,
     Reject,
     Role,
-    SetComputeShare,
-    StepSample,
     Upgrade,
 )
 from scheduler_lite.policy import global_scheduler
@@ -46,7 +42,9 @@ from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import check_choice
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
 from scheduler_lite.sim.nogc import collector_paused
-from scheduler_lite.sim.perf import ModelPerf, PerfModel
+from scheduler_lite.sim.perf import PerfModel
+from scheduler_lite.sim.rounds import NOISE_CYCLE, NOISE_JOB_STRIDE, CoordinatorRounds, InvariantError
+from scheduler_lite.sim.simjob import SimJob
 from scheduler_lite.sim.workload import TraceJob, Workload
 
 ARRIVE, PROGRESS, ROUND, REFRESH = 0, 1, 2, 3
@@ -55,20 +53,11 @@ EARLY, CHANGED, FINISHED, PHASE = 0, 1, 2, 3  # outcome of a progress event
 WORK_TOLERANCE_S = 1e-6  # solo-seconds of work left that count as done (float round-off)
 MAX_RETRIES = 1  # a job that ran out of memory is resubmitted once, with its peak as profile
 ROUND_MODES = ("event", "periodic")
-# Step-time noise: one cycle of draws; a job's samples start at its own offset, and each speed
-# epoch at another, so neighbouring jobs and epochs do not see the same sequence.
-NOISE_CYCLE = 4093
-NOISE_JOB_STRIDE = 611
-NOISE_EPOCH_STRIDE = 97
 
 
 # Summary fields that say how long the engine took or how much work it did, not what happened:
 # speed work changes them, so result hashes (tests/scheduler/test_sim_golden.py) leave them out.
 ENGINE_WORK = frozenset({"wall_s", "events", "rounds", "schedule_calls"})
-
-
-class InvariantError(AssertionError):
-    pass
 
 
 def _never(sim: Simulator) -> bool:
@@ -77,81 +66,6 @@ def _never(sim: Simulator) -> bool:
 
 def _always(sim: Simulator) -> bool:
     return True
-
-
-class _SimJob:
-    __slots__ = (
-        "attempt",
-        "book_id",
-        "busy_gpu_s",
-        "cache",
-        "cache_key",
-        "changed_at",
-        "cpu",
-        "demand",
-        "due",
-        "end",
-        "epoch",
-        "failures",
-        "first_start",
-        "gpu_speed",
-        "gpus",
-        "last_t",
-        "limits",
-        "locality",
-        "migrations",
-        "noise_base",
-        "perf",
-        "preemptions",
-        "remaining",
-        "role",
-        "seen",
-        "shares",
-        "speed",
-        "state",
-        "step",
-        "surged",
-        "trace",
-        "u",
-        "version",
-        "work_done",
-    )
-
-    def __init__(self, trace: TraceJob, perf: ModelPerf, noise_base: int) -> None:
-        self.trace = trace
-        self.perf = perf
-        self.u = trace.utilisation
-        self.step = trace.step_time_s
-        self.noise_base = noise_base
-        self.book_id = trace.id
-        self.attempt = 0
-        self.remaining = trace.runtime_s
-        self.speed = 0.0
-        self.last_t = 0.0
-        self.version = 0
-        self.due: float | None = None  # time of its pending progress event
-        self.cache: tuple[StepSample, ...] = ()
-        self.cache_key = (-1.0, -1)  # (now, epoch) the cached steps were drawn for
-        self.epoch = 0  # speed changes so far: the step samples of each epoch are distinct
-        self.demand = trace.memory_demand_bytes
-        self.surged = False
-        self.cpu = False  # in a CPU-bound phase (trace.cpu_phases): u is 0, its speed its own
-        self.first_start: float | None = None
-        self.end: float | None = None
-        self.failures = 0
-        self.preemptions = 0
-        self.state = "pending"
-        self.changed_at = 0.0
-        self.limits: dict[int, int] = {}
-        self.shares: dict[int, float] = {}
-        self.gpu_speed: dict[int, float] = {}
-        self.seen: dict[int, LocalJob] = {}  # last step-less view of it per GPU, reused
-        self.gpus: tuple[int, ...] = ()
-        self.locality = 1.0  # speed factor of its placement (a gang over NVLink groups pays)
-        self.migrations = 0
-        self.role: Role | None = None
-        self.busy_gpu_s = 0.0
-        self.work_done = 0.0
 
 
 @dataclass
@@ -164,7 +78,7 @@ class SimResult:
     timeseries: list[tuple[float, float, float, int]] = field(default_factory=list)
 
 
-class Simulator:
+class Simulator(CoordinatorRounds):
     def __init__(
         self,
         workload: Workload,
@@ -202,9 +116,9 @@ class Simulator:
         self.mem = {g.id: g.memory_bytes for g in workload.gpus}
         self.group = {g.id: g.nvlink_group for g in workload.gpus}
         self.max_mem = max(self.mem.values(), default=0)
-        self.jobs: dict[str, _SimJob] = {}  # by book id (changes on retry)
-        self.all_jobs: list[_SimJob] = []
-        self.on_gpu: dict[int, dict[str, _SimJob]] = {g: {} for g in self.mem}  # book order
+        self.jobs: dict[str, SimJob] = {}  # by book id (changes on retry)
+        self.all_jobs: list[SimJob] = []
+        self.on_gpu: dict[int, dict[str, SimJob]] = {g: {} for g in self.mem}  # book order
         self.heap: list[tuple[float, int, int, object, int]] = []
         self.seq = 0
         self.round_version: dict[int, int] = {}
@@ -392,18 +306,18 @@ class Simulator:
 
     def _arrive(self, tj: TraceJob) -> None:
         base = (len(self.all_jobs) * NOISE_JOB_STRIDE) % NOISE_CYCLE
-        sj = _SimJob(tj, self.perf.models[tj.model], base)
+        sj = SimJob(tj, self.perf.models[tj.model], base)
         self.jobs[sj.book_id] = sj
         self.all_jobs.append(sj)
         self.book.submit(self._book_job(sj))
 
-    def _book_job(self, sj: _SimJob) -> Job:
+    def _book_job(self, sj: SimJob) -> Job:
         tj = sj.trace
         return Job(id=sj.book_id, tenant=tj.tenant, num_gpus=tj.num_gpus, kind=tj.kind,
                    submit_time=tj.submit_time, memory_demand_bytes=self._profile(sj),
                    predicted_runtime_s=tj.predicted_runtime_s, requested_share=tj.requested_share)
 
-    def _profile(self, sj: _SimJob) -> int:
+    def _profile(self, sj: SimJob) -> int:
         """Memory the book commits for the job: without universal memory, what its framework's
         caching allocator holds (a profiling run sees that, not the tensors; interference.py)."""
         if self.policy.universal_memory:
@@ -412,7 +326,7 @@ class Simulator:
             return max(sj.limits.values())
         return min(cached_reservation(sj.demand), self.max_mem)
 
-    def _settle(self, sj: _SimJob) -> None:
+    def _settle(self, sj: SimJob) -> None:
         dt = self.now - sj.last_t
         if dt > 0 and sj.speed > 0:
             sj.remaining -= sj.speed * dt
@@ -421,19 +335,19 @@ class Simulator:
             sj.busy_gpu_s += dt * len(sj.gpus)
         sj.last_t = self.now
 
-    def _phase_edge(self, sj: _SimJob) -> int:
+    def _phase_edge(self, sj: SimJob) -> int:
         """Index of the first of its phase edges not reached yet (an edge within the tolerance
         counts as reached): odd inside a CPU phase. _progress and _reschedule both ask this one
         place, so the phase a job is in and the event planned to leave it always agree."""
         return bisect.bisect_right(sj.trace.cpu_phases, sj.trace.runtime_s - sj.remaining + WORK_TOLERANCE_S)
 
-    def _set_phase(self, sj: _SimJob) -> None:
+    def _set_phase(self, sj: SimJob) -> None:
         """Its phase at its work done: at a (re)start, which may repeat or redo work."""
         if sj.trace.cpu_phases:
             sj.cpu = self._phase_edge(sj) % 2 == 1
             sj.u = 0.0 if sj.cpu else sj.trace.utilisation
 
-    def _progress(self, sj: _SimJob, dirty: set[int]) -> int:
+    def _progress(self, sj: SimJob, dirty: set[int]) -> int:
         self._settle(sj)
         tj = sj.trace
         surge_pending = not sj.surged and tj.surge_at_fraction is not None
@@ -474,7 +388,7 @@ class Simulator:
         sj.end = self.now
         return FINISHED
 
-    def _grow_caches(self, sj: _SimJob, fresh: bool = False) -> dict[int, int] | None:
+    def _grow_caches(self, sj: SimJob, fresh: bool = False) -> dict[int, int] | None:
         """What its caching allocator holds on each GPU at its current demand; None: OOM.
 
         `fresh`: the job is just starting and holds nothing yet (the driver's launch limit is the
@@ -490,7 +404,7 @@ class Simulator:
             held[g] = h
         return held
 
-    def _leave(self, sj: _SimJob, dirty: set[int]) -> None:
+    def _leave(self, sj: SimJob, dirty: set[int]) -> None:
         dirty.update(sj.gpus)
         for g in sj.gpus:
             # Its deferred rounds would only have moved a memo that its departure resets.
@@ -506,7 +420,7 @@ class Simulator:
         sj.version += 1
         sj.due = None
 
-    def _fail(self, sj: _SimJob, dirty: set[int]) -> None:
+    def _fail(self, sj: SimJob, dirty: set[int]) -> None:
         """Out of GPU memory without universal memory: the job dies; resubmitted once."""
         self.driver.finish(sj.book_id, self.now, failed=True)
         self._leave(sj, dirty)
@@ -567,7 +481,7 @@ class Simulator:
             sj.migrations += 1
             self.counters["migrations"] += 1
 
-    def _track_share(self, sj: _SimJob) -> None:
+    def _track_share(self, sj: SimJob) -> None:
         """Keep `low_shares` current for the migration policy."""
         if self.migration is None:
             return
@@ -577,7 +491,7 @@ class Simulator:
         else:
             self.low_shares.pop(sj.book_id, None)
 
-    def _start(self, sj: _SimJob, d: Launch, dirty: set[int]) -> None:
+    def _start(self, sj: SimJob, d: Launch, dirty: set[int]) -> None:
         sj.state = "running"
         sj.role = d.role
         sj.gpus = d.gpus
@@ -608,105 +522,7 @@ class Simulator:
                 return
             self.driver.hold(sj.book_id, held)
 
-    # -- coordinator rounds ---------------------------------------------------------------------
-    #
-    # A GPU's rounds run on its own grid: when its jobs change (the grid restarts there), then
-    # every round_interval_s. Periodic mode runs every grid point of every GPU with jobs.
-    # Event mode runs only the grid points the coordinator asked for (memo.next_round_at) or at
-    # which a job it watches changed speed; the grid points it skips would see the same step
-    # times as the round before, so the coordinator would return no decisions and the same memo
-    # (tests/scheduler/test_sim_rounds.py checks this equivalence without step noise).
-
-    def _round(self, gpu: int, changed: bool) -> bool:
-        if changed:
-            self.anchor[gpu] = self.now
-        if not self.on_gpu[gpu]:
-            # The coordinator's documented answer for a GPU without jobs: no decisions, a fresh
-            # memo. Not asking saves a tenth of all rounds (every last departure).
-            self.driver.memos.pop(gpu, None)
-            self._set_round(gpu, None)
-            return False
-        if changed and not self.periodic and self._alone(gpu) and not self._stepping(gpu):
-            # A job placed alone and not stepping yet: its first round only records it (no steps
-            # to read, nothing to decide), so it waits with the later ones (_catch_up).
-            self.deferred[gpu] = self.now
-            self._set_round(gpu, None)
-            return False
-        self.counters["rounds"] += 1
-        decisions = self.driver.round(self.now, gpu, self._view(gpu))  # applied to sj.limits/shares
-        memo = self.driver.memos[gpu]  # the round on a GPU with jobs left one
-        if self.migration is not None:
-            for d in decisions:
-                if isinstance(d, SetComputeShare):
-                    self._track_share(self.jobs[d.job_id])
-        if self.periodic:
-            at = self._tick_after(gpu, self.now) if self.on_gpu[gpu] else None
-        elif memo.next_round_at is not None:
-            at = self._tick_at_or_after(gpu, memo.next_round_at)
-        else:
-            at = None
-        if at is not None and not self.periodic and self._alone(gpu):
-            self.deferred[gpu] = at
-            at = None
-        self._set_round(gpu, at)
-        return bool(decisions)
-
-    def _alone(self, gpu: int) -> bool:
-        """A lone job whose rounds decide nothing: a guarantee job with all its memory on the
-        GPU, or an opportunistic job holding the whole GPU at a full share (the coordinator's
-        answer for it; the driver places it so).
-
-        A guarantee job with part of it in host memory (its neighbours left while it was
-        settling, e.g. moved away by migration), or an opportunistic job whose neighbours just
-        left, gets a decision from its next round, so those rounds are not deferred.
-        """
-        jobs = self.on_gpu[gpu]
-        if len(jobs) != 1:
-            return False
-        sj = next(iter(jobs.values()))
-        if sj.role is Role.GUARANTEE:
-            return sj.limits.get(gpu, 0) >= sj.demand
-        return sj.limits.get(gpu, 0) == self.mem[gpu] and sj.shares.get(gpu, 1.0) == 1.0
-
-    def _stepping(self, gpu: int) -> bool:
-        return next(iter(self.on_gpu[gpu].values())).speed > 0
-
-    def _catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None:
-        """Run the deferred rounds of a lone job (`_alone`) before its GPU changes.
-
-        Rounds due before now see the GPU as it was then (nothing changed since, or this would
-        have run earlier). A round due exactly now runs here when the change is not one that
-        gives the GPU a round now anyway (`inclusive`), as periodic rounds would.
-        """
-        at = self.deferred.pop(gpu, None)
-        now = self.now
-        while at is not None and (at < now - 1e-9 or (inclusive and at <= now + 1e-9)):
-            self.now = at
-            self.counters["rounds"] += 1
-            decisions = self.driver.round(at, gpu, self._view(gpu))
-            if decisions:
-                raise InvariantError(f"GPU {gpu}: a lone job's round decided {decisions}")
-            memo = self.driver.memo(gpu)
-            at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
-        self.now = now
-        if at is not None and still_alone and self._alone(gpu):
-            # Only the job's speed changed (e.g. from 0 at its start): the rounds still to come
-            # read the new speed whenever they run, so they can wait as before.
-            self.deferred[gpu] = at
-        elif at is not None and at > now + 1e-9:
-            self._set_round(gpu, at)
-
-    def _tick_after(self, gpu: int, t: float) -> float:
-        """First grid point of the GPU strictly after `t` (and after now)."""
-        anchor = self.anchor[gpu]
-        k = math.floor((max(t, self.now) - anchor) / self.interval + 1e-9) + 1
-        return anchor + k * self.interval
-
-    def _tick_at_or_after(self, gpu: int, t: float) -> float:
-        anchor = self.anchor[gpu]
-        k = math.ceil((t - anchor) / self.interval - 1e-9)
-        now_k = math.floor((self.now - anchor) / self.interval + 1e-9) + 1
-        return anchor + max(k, now_k) * self.interval
+    # -- coordinator rounds (the rest: sim/rounds.py) ------------------------------------------
 
     def _set_round(self, gpu: int, at: float | None) -> None:
         ver = self.round_version.get(gpu, 0) + 1
@@ -715,75 +531,11 @@ class Simulator:
         if at is not None:
             self._push(at, ROUND, gpu, ver)
 
-    def _watch(self, sj: _SimJob) -> None:
-        """The job's speed changed: the coordinators that read its steps look again."""
-        for g in sj.gpus:
-            jobs = self.on_gpu[g]
-            if len(jobs) < 2 or g not in self.anchor:
-                continue
-            if sj.role is not Role.GUARANTEE and self.book.guarantee_holder(g) is not None:
-                continue  # only the guarantee job's steps are read on its GPU
-            at = self._tick_after(g, self.now)
-            pending = self.round_at.get(g)
-            if pending is None or pending > at:
-                self._set_round(g, at)
-
-    def _view(self, gpu: int) -> GpuView:
-        local = []
-        jobs = self.on_gpu[gpu]
-        has_guarantee = self.book.guarantee_holder(gpu) is not None
-        shared = len(jobs) > 1
-        guarantee = Role.GUARANTEE
-        now = self.now
-        for jid, sj in jobs.items():
-            steps: tuple[StepSample, ...] = ()
-            # Only the step times the coordinator reads are drawn (they cost most of a round).
-            watched = sj.role is guarantee or (not has_guarantee and shared)
-            limit = sj.limits.get(gpu, 0)
-            share = sj.shares.get(gpu, 1.0)
-            assert sj.role is not None
-            if sj.speed > 0 and watched:
-                # The last `detector_window` steps since its speed last changed; the other GPUs
-                # of a gang read the same steps at the same tick (cached per time and epoch).
-                key = (now, sj.epoch)
-                if sj.cache_key != key:
-                    sj.cache_key = key
-                    sj.cache = self._draw_steps(sj)
-                steps = sj.cache
-            else:
-                # Without steps a job's view changes only with its limit, share or demand.
-                seen = sj.seen.get(gpu)
-                if seen is not None and seen.memory_limit_bytes == limit and \
-                        seen.compute_share == share and seen.memory_demand_bytes == sj.demand and \
-                        seen.role is sj.role:
-                    local.append(seen)
-                    continue
-            job = LocalJob(jid, sj.role, sj.demand, limit, max(0, sj.demand - limit), share, steps,
-                           sj.step)
-            if not steps:
-                sj.seen[gpu] = job
-            local.append(job)
-        return GpuView(self.book.gpus[gpu], tuple(local))
-
-    def _draw_steps(self, sj: _SimJob) -> tuple[StepSample, ...]:
-        step = sj.step / sj.speed
-        start = sj.changed_at
-        last = int((self.now - start) / step)
-        first = max(1, last - self.ccfg.detector_window + 1)
-        count = last - first + 1
-        if count <= 0:
-            return ()
-        at = (sj.noise_base + sj.epoch * NOISE_EPOCH_STRIDE + first) % NOISE_CYCLE
-        noise = self.noise[at : at + count]
-        if len(noise) < count:
-            noise += self.noise[: count - len(noise)]
-        ends = [start + i * step for i in range(first, last + 1)]
-        return tuple(map(StepSample, ends, [step * x for x in noise]))
 
     # -- performance model ----------------------------------------------------------------------
 
     def _recompute(self, gpus: set[int]) -> None:
-        touched: dict[str, _SimJob] = {}
+        touched: dict[str, SimJob] = {}
         perf = self.perf
         isolated = self.policy.isolated
         k = perf.contention_slowdown
@@ -884,7 +636,7 @@ class Simulator:
             self.gpu_busy[g] = busy
             self.busy_gpus += 1 if busy else -1
 
-    def _reschedule(self, sj: _SimJob) -> None:
+    def _reschedule(self, sj: SimJob) -> None:
         """Plan the job's next progress event (finish or surge) at its current speed.
 
         A job that slowed down keeps its earlier event: it fires early and is planned again

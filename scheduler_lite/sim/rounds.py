@@ -1,0 +1,219 @@
+"""When the simulator runs a GPU's coordinator round, and what the round sees.
+
+A GPU's rounds run on its own grid: when its jobs change (the grid restarts there), then every
+round_interval_s. Periodic mode runs every grid point of every GPU with jobs. Event mode runs
+only the grid points the coordinator asked for (memo.next_round_at) or at which a job it watches
+changed speed; the grid points it skips would see the same step times as the round before, so
+the coordinator would return no decisions and the same memo (tests/scheduler/test_sim_rounds.py
+checks this equivalence without step noise). A lone job whose rounds decide nothing has them
+deferred and run only if something happens on its GPU before it leaves (`_catch_up`).
+
+`CoordinatorRounds` is a part of `engine.Simulator` (a mixin, not an object of its own: an
+object that pointed back at the simulator would make a reference cycle, see sim/nogc.py); it
+reads the simulator's state declared below and schedules through `Simulator._set_round`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from scheduler_lite.model import GpuView, LocalJob, Role, SetComputeShare, StepSample
+from scheduler_lite.sim.simjob import SimJob
+
+if TYPE_CHECKING:
+    from scheduler_lite.driver import Driver
+    from scheduler_lite.policy.book import ClusterBook
+    from scheduler_lite.policy.coordinator import CoordinatorConfig
+    from scheduler_lite.policy.migration import MigrationConfig
+
+# Step-time noise: one cycle of draws; a job's samples start at its own offset, and each speed
+# epoch at another, so neighbouring jobs and epochs do not see the same sequence.
+NOISE_CYCLE = 4093
+NOISE_JOB_STRIDE = 611
+NOISE_EPOCH_STRIDE = 97
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+class CoordinatorRounds:
+    # The simulator's state these methods read (set in Simulator.__init__).
+    now: float
+    periodic: bool
+    interval: float
+    ccfg: CoordinatorConfig
+    driver: Driver
+    book: ClusterBook
+    migration: MigrationConfig | None
+    noise: list[float]
+    mem: dict[int, int]
+    jobs: dict[str, SimJob]
+    on_gpu: dict[int, dict[str, SimJob]]
+    counters: dict[str, int]
+    round_at: dict[int, float | None]
+    anchor: dict[int, float]  # time of the GPU's last change-driven round
+    deferred: dict[int, float]
+
+    def _set_round(self, gpu: int, at: float | None) -> None:
+        raise NotImplementedError  # Simulator's: it owns the event heap
+
+    def _track_share(self, sj: SimJob) -> None:
+        raise NotImplementedError  # Simulator's: the migration policy's input
+
+    def _round(self, gpu: int, changed: bool) -> bool:
+        if changed:
+            self.anchor[gpu] = self.now
+        if not self.on_gpu[gpu]:
+            # The coordinator's documented answer for a GPU without jobs: no decisions, a fresh
+            # memo. Not asking saves a tenth of all rounds (every last departure).
+            self.driver.memos.pop(gpu, None)
+            self._set_round(gpu, None)
+            return False
+        if changed and not self.periodic and self._alone(gpu) and not self._stepping(gpu):
+            # A job placed alone and not stepping yet: its first round only records it (no steps
+            # to read, nothing to decide), so it waits with the later ones (_catch_up).
+            self.deferred[gpu] = self.now
+            self._set_round(gpu, None)
+            return False
+        self.counters["rounds"] += 1
+        decisions = self.driver.round(self.now, gpu, self._view(gpu))  # applied to sj.limits/shares
+        memo = self.driver.memos[gpu]  # the round on a GPU with jobs left one
+        if self.migration is not None:
+            for d in decisions:
+                if isinstance(d, SetComputeShare):
+                    self._track_share(self.jobs[d.job_id])
+        if self.periodic:
+            at = self._tick_after(gpu, self.now) if self.on_gpu[gpu] else None
+        elif memo.next_round_at is not None:
+            at = self._tick_at_or_after(gpu, memo.next_round_at)
+        else:
+            at = None
+        if at is not None and not self.periodic and self._alone(gpu):
+            self.deferred[gpu] = at
+            at = None
+        self._set_round(gpu, at)
+        return bool(decisions)
+
+    def _alone(self, gpu: int) -> bool:
+        """A lone job whose rounds decide nothing: a guarantee job with all its memory on the
+        GPU, or an opportunistic job holding the whole GPU at a full share (the coordinator's
+        answer for it; the driver places it so).
+
+        A guarantee job with part of it in host memory (its neighbours left while it was
+        settling, e.g. moved away by migration), or an opportunistic job whose neighbours just
+        left, gets a decision from its next round, so those rounds are not deferred.
+        """
+        jobs = self.on_gpu[gpu]
+        if len(jobs) != 1:
+            return False
+        sj = next(iter(jobs.values()))
+        if sj.role is Role.GUARANTEE:
+            return sj.limits.get(gpu, 0) >= sj.demand
+        return sj.limits.get(gpu, 0) == self.mem[gpu] and sj.shares.get(gpu, 1.0) == 1.0
+
+    def _stepping(self, gpu: int) -> bool:
+        return next(iter(self.on_gpu[gpu].values())).speed > 0
+
+    def _catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None:
+        """Run the deferred rounds of a lone job (`_alone`) before its GPU changes.
+
+        Rounds due before now see the GPU as it was then (nothing changed since, or this would
+        have run earlier). A round due exactly now runs here when the change is not one that
+        gives the GPU a round now anyway (`inclusive`), as periodic rounds would.
+        """
+        at = self.deferred.pop(gpu, None)
+        now = self.now
+        while at is not None and (at < now - 1e-9 or (inclusive and at <= now + 1e-9)):
+            self.now = at
+            self.counters["rounds"] += 1
+            decisions = self.driver.round(at, gpu, self._view(gpu))
+            if decisions:
+                raise InvariantError(f"GPU {gpu}: a lone job's round decided {decisions}")
+            memo = self.driver.memo(gpu)
+            at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
+        self.now = now
+        if at is not None and still_alone and self._alone(gpu):
+            # Only the job's speed changed (e.g. from 0 at its start): the rounds still to come
+            # read the new speed whenever they run, so they can wait as before.
+            self.deferred[gpu] = at
+        elif at is not None and at > now + 1e-9:
+            self._set_round(gpu, at)
+
+    def _tick_after(self, gpu: int, t: float) -> float:
+        """First grid point of the GPU strictly after `t` (and after now)."""
+        anchor = self.anchor[gpu]
+        k = math.floor((max(t, self.now) - anchor) / self.interval + 1e-9) + 1
+        return anchor + k * self.interval
+
+    def _tick_at_or_after(self, gpu: int, t: float) -> float:
+        anchor = self.anchor[gpu]
+        k = math.ceil((t - anchor) / self.interval - 1e-9)
+        now_k = math.floor((self.now - anchor) / self.interval + 1e-9) + 1
+        return anchor + max(k, now_k) * self.interval
+
+    def _watch(self, sj: SimJob) -> None:
+        """The job's speed changed: the coordinators that read its steps look again."""
+        for g in sj.gpus:
+            jobs = self.on_gpu[g]
+            if len(jobs) < 2 or g not in self.anchor:
+                continue
+            if sj.role is not Role.GUARANTEE and self.book.guarantee_holder(g) is not None:
+                continue  # only the guarantee job's steps are read on its GPU
+            at = self._tick_after(g, self.now)
+            pending = self.round_at.get(g)
+            if pending is None or pending > at:
+                self._set_round(g, at)
+
+    def _view(self, gpu: int) -> GpuView:
+        local = []
+        jobs = self.on_gpu[gpu]
+        has_guarantee = self.book.guarantee_holder(gpu) is not None
+        shared = len(jobs) > 1
+        guarantee = Role.GUARANTEE
+        now = self.now
+        for jid, sj in jobs.items():
+            steps: tuple[StepSample, ...] = ()
+            # Only the step times the coordinator reads are drawn (they cost most of a round).
+            watched = sj.role is guarantee or (not has_guarantee and shared)
+            limit = sj.limits.get(gpu, 0)
+            share = sj.shares.get(gpu, 1.0)
+            assert sj.role is not None
+            if sj.speed > 0 and watched:
+                # The last `detector_window` steps since its speed last changed; the other GPUs
+                # of a gang read the same steps at the same tick (cached per time and epoch).
+                key = (now, sj.epoch)
+                if sj.cache_key != key:
+                    sj.cache_key = key
+                    sj.cache = self._draw_steps(sj)
+                steps = sj.cache
+            else:
+                # Without steps a job's view changes only with its limit, share or demand.
+                seen = sj.seen.get(gpu)
+                if seen is not None and seen.memory_limit_bytes == limit and \
+                        seen.compute_share == share and seen.memory_demand_bytes == sj.demand and \
+                        seen.role is sj.role:
+                    local.append(seen)
+                    continue
+            job = LocalJob(jid, sj.role, sj.demand, limit, max(0, sj.demand - limit), share, steps,
+                           sj.step)
+            if not steps:
+                sj.seen[gpu] = job
+            local.append(job)
+        return GpuView(self.book.gpus[gpu], tuple(local))
+
+    def _draw_steps(self, sj: SimJob) -> tuple[StepSample, ...]:
+        step = sj.step / sj.speed
+        start = sj.changed_at
+        last = int((self.now - start) / step)
+        first = max(1, last - self.ccfg.detector_window + 1)
+        count = last - first + 1
+        if count <= 0:
+            return ()
+        at = (sj.noise_base + sj.epoch * NOISE_EPOCH_STRIDE + first) % NOISE_CYCLE
+        noise = self.noise[at : at + count]
+        if len(noise) < count:
+            noise += self.noise[: count - len(noise)]
+        ends = [start + i * step for i in range(first, last + 1)]
+        return tuple(map(StepSample, ends, [step * x for x in noise]))
