@@ -33,6 +33,7 @@ SENSITIVITY = {"colocation_interference": (0.0, 0.2), "cross_group_slowdown": (0
                "checkpoint_restart_s": (0.0, 600.0), "input_phase_s": (0.0, 600.0),
                "evaluation_every_s": (0.0, 600.0)}
 ALIBABA_PEAK_RATIO = 1.25
+AUTO_FRACTIONS = (0.5, 1.0)
 
 
 def main() -> int:
@@ -133,22 +134,28 @@ def main() -> int:
     sens_seeds = range(3)
     print(f"\nsensitivity at load {calibrated}, seeds {list(sens_seeds)}: JCT speed-up of tf-antman")
     print(f"{'variant':44s} {'vs YARN-CS':>11s} {'vs Gandiva':>11s}")
-    variants: list[tuple[str, PerfModel, dict[str, PolicySpec]]] = [
-        ("model as shipped", perf, {}),
-        ("no CPU phases (model v3)", dataclasses.replace(perf, input_phase_s=0.0, evaluation_every_s=0.0), {})]
+    # (label, model, policies replaced, share of tenant A's jobs submitted as `auto`)
+    variants: list[tuple[str, PerfModel, dict[str, PolicySpec], float]] = [
+        ("model as shipped", perf, {}, 0.0),
+        ("no CPU phases (model v3)", dataclasses.replace(perf, input_phase_s=0.0, evaluation_every_s=0.0), {}, 0.0)]
     for field, values in SENSITIVITY.items():
         for v in values:
-            variants.append((f"{field} = {v}", dataclasses.replace(perf, **{field: v}), {}))
+            variants.append((f"{field} = {v}", dataclasses.replace(perf, **{field: v}), {}, 0.0))
     base = POLICIES["tf-antman"]
     for label, cfg in (("placement by utilisation only (Algorithm 1)",
                         SchedulerConfig(opportunistic_placement="utilisation")),
                        ("gangs wait for one NVLink group", SchedulerConfig(gang_locality="wait"))):
-        variants.append((label, perf, {"tf-antman": dataclasses.replace(base, config=cfg)}))
+        variants.append((label, perf, {"tf-antman": dataclasses.replace(base, config=cfg)}, 0.0))
     variants.append(("no migration of stranded jobs", perf,
-                     {"tf-antman": dataclasses.replace(base, migration=None)}))
-    for label, pm, override in variants:
+                     {"tf-antman": dataclasses.replace(base, migration=None)}, 0.0))
+    # The paper's third job type: tenant A submits some jobs as `auto` (guarantee unless the
+    # wait for quota is long, then opportunistic, upgraded in place later). The baselines have
+    # no such type: for them an auto job is a guarantee job.
+    for fraction in AUTO_FRACTIONS:
+        variants.append((f"auto jobs = {fraction:g} of tenant A", perf, {}, fraction))
+    for label, pm, override, auto in variants:
         pols = {**{n: POLICIES[n] for n in CURVE_POLICIES}, **override}
-        per = _run(pm, pols, calibrated, jobs, sens_seeds, ("avg_jct_s",))
+        per = _run(pm, pols, calibrated, jobs, sens_seeds, ("avg_jct_s",), auto_fraction=auto)
         ry, rg = _ratios(per, "yarn-cs", "avg_jct_s"), _ratios(per, "gandiva", "avg_jct_s")
         print(f"{label:44s} {_rs(ry):>11s} {_rs(rg):>11s}")
         tag = label.replace(" ", "_").replace("=", "").replace("(", "").replace(")", "").replace("__", "_")
@@ -174,11 +181,11 @@ def main() -> int:
 
 
 def _run(perf: PerfModel, policies: dict[str, PolicySpec] | tuple[str, ...], load: float, jobs: int,
-         seeds: range, keys: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
+         seeds: range, keys: tuple[str, ...], auto_fraction: float = 0.0) -> dict[str, dict[str, list[float]]]:
     specs = {n: POLICIES[n] for n in policies} if isinstance(policies, tuple) else policies
     per: dict[str, dict[str, list[float]]] = {p: {k: [] for k in keys} for p in specs}
     for seed in seeds:
-        wl = paper_recipe(perf, num_jobs=jobs, seed=seed, load=load)
+        wl = paper_recipe(perf, num_jobs=jobs, seed=seed, load=load, auto_fraction=auto_fraction)
         for name, spec in specs.items():
             s = simulate(wl, spec, perf, seed=seed).summary
             for k in keys:
