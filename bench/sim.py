@@ -31,7 +31,7 @@ LOADS = (0.8, 1.0, 1.5, 2.0, 3.0)  # offered GPU-seconds per second over the clu
 # Named assumptions of the model, each run at a low and a high value (docs/simulator.md).
 SENSITIVITY = {"colocation_interference": (0.0, 0.2), "cross_group_slowdown": (0.0, 1.0),
                "checkpoint_restart_s": (0.0, 600.0), "input_phase_s": (0.0, 600.0),
-               "evaluation_every_s": (0.0, 600.0)}
+               "input_phase_max_fraction": (0.1, 0.5), "evaluation_every_s": (0.0, 600.0)}
 ALIBABA_PEAK_RATIO = 1.25
 AUTO_FRACTIONS = (0.5, 1.0)
 

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "many times its GPUs (e.g. 1.25)")
     p.add_argument("--time-compression", type=float, default=1.0,
                    help="alibaba workload: divide arrival times by this (run times kept)")
-    p.add_argument("--perf-model", type=Path, default=None, help="default: the shipped one")
+    p.add_argument("--perf-model", type=Path, default=None,
+                   help="a scheduler_lite.perf_model JSON file, version 3 or 4 (v3: no CPU phases; "
+                        "docs/simulator.md); default: the shipped one")
     p.add_argument("--rounds", choices=ROUND_MODES, default="event",
                    help="event: coordinator rounds when asked or inputs changed; periodic: every "
                         "GPU with jobs every round_interval_s (slow; same results without noise)")

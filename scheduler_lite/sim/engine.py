@@ -335,17 +335,17 @@ class Simulator(CoordinatorRounds):
             sj.busy_gpu_s += dt * len(sj.gpus)
         sj.last_t = self.now
 
-    def _phase_edge(self, sj: SimJob) -> int:
-        """Index of the first of its phase edges not reached yet (an edge within the tolerance
-        counts as reached): odd inside a CPU phase. _progress and _reschedule both ask this one
-        place, so the phase a job is in and the event planned to leave it always agree."""
-        return bisect.bisect_right(sj.trace.cpu_phases, sj.trace.runtime_s - sj.remaining + WORK_TOLERANCE_S)
-
     def _set_phase(self, sj: SimJob) -> None:
-        """Its phase at its work done: at a (re)start, which may repeat or redo work."""
-        if sj.trace.cpu_phases:
-            sj.cpu = self._phase_edge(sj) % 2 == 1
+        """Its phase and next phase edge at its work done (an edge within the tolerance counts
+        as reached): at a (re)start, which may repeat or redo work, and at each edge. Between
+        two calls its work only grows, so `edge_at` alone tells _progress and _reschedule when
+        the phase changes next."""
+        edges = sj.trace.cpu_phases
+        if edges:
+            i = bisect.bisect_right(edges, sj.trace.runtime_s - sj.remaining + WORK_TOLERANCE_S)
+            sj.cpu = i % 2 == 1  # odd: inside a CPU phase
             sj.u = 0.0 if sj.cpu else sj.trace.utilisation
+            sj.edge_at = edges[i] if i < len(edges) else math.inf
 
     def _progress(self, sj: SimJob, dirty: set[int]) -> int:
         self._settle(sj)
@@ -353,10 +353,11 @@ class Simulator(CoordinatorRounds):
         surge_pending = not sj.surged and tj.surge_at_fraction is not None
         target = tj.runtime_s * (1 - tj.surge_at_fraction) if surge_pending else 0.0  # type: ignore[operator]
         if sj.remaining > target + WORK_TOLERANCE_S:
-            if tj.cpu_phases and self._phase_edge(sj) % 2 != sj.cpu:
-                sj.cpu = not sj.cpu
-                sj.u = 0.0 if sj.cpu else tj.utilisation
-                self.phased.update(sj.gpus)
+            if tj.runtime_s - sj.remaining + WORK_TOLERANCE_S >= sj.edge_at:
+                was = sj.cpu
+                self._set_phase(sj)
+                if sj.cpu != was:
+                    self.phased.update(sj.gpus)
                 self._reschedule(sj)
                 return PHASE
             # The event was planned at a higher speed (see _reschedule): not there yet.
@@ -651,14 +652,11 @@ class Simulator(CoordinatorRounds):
         tj = sj.trace
         if not sj.surged and tj.surge_at_fraction is not None:
             target = sj.remaining - tj.runtime_s * (1 - tj.surge_at_fraction)
-        if tj.cpu_phases:
-            # Up to its next phase edge (an edge within the tolerance counts as passed), or now
-            # if it passed one without changing phase (a surge at the same point came first).
-            i = self._phase_edge(sj)
-            if i % 2 != sj.cpu:
-                target = 0.0
-            elif i < len(tj.cpu_phases):
-                target = min(target, tj.cpu_phases[i] - (tj.runtime_s - sj.remaining))
+        if sj.edge_at != math.inf:
+            # Up to its next phase edge, or now if it reached one on the way to another event
+            # (a surge at the same point came first).
+            gap = sj.edge_at - (tj.runtime_s - sj.remaining)
+            target = 0.0 if gap <= WORK_TOLERANCE_S else min(target, gap)
         at = self.now + max(0.0, target) / sj.speed
         if sj.due is not None and sj.due <= at:
             return

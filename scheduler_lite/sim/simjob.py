@@ -7,6 +7,8 @@ book's frozen `Job` records and the `LocalJob` views built from it.
 
 from __future__ import annotations
 
+import math
+
 from scheduler_lite.model import LocalJob, Role, StepSample
 from scheduler_lite.sim.perf import ModelPerf
 from scheduler_lite.sim.workload import TraceJob
@@ -23,6 +25,7 @@ class SimJob:
         "cpu",
         "demand",
         "due",
+        "edge_at",
         "end",
         "epoch",
         "failures",
@@ -69,6 +72,7 @@ class SimJob:
         self.demand = trace.memory_demand_bytes
         self.surged = False
         self.cpu = False  # in a CPU-bound phase (trace.cpu_phases): u is 0, its speed its own
+        self.edge_at = math.inf  # work done at its next phase edge (Simulator._set_phase)
         self.first_start: float | None = None
         self.end: float | None = None
         self.failures = 0
