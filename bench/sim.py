@@ -3,8 +3,10 @@
 Usage: python bench/sim.py [--quick]   (without --quick: 500 jobs per run and the Alibaba replay)
 Last line: JSON with seconds_20k_jobs, the load curve (curve_<load>_*), the calibrated load and
 jct_speedup_vs_yarn_cs / jct_speedup_vs_gandiva there (means over 5 seeds of the per-seed ratios,
-spreads the population stdev), the worst seed at any load, the sensitivity runs and the Alibaba
-replay's mean / median / p95 JCT.
+spreads the population stdev), the worst seed at any load, the sensitivity runs (each named
+assumption of the model at a low and a high value, the model without CPU phases, the policy
+variants, and workloads where tenant A submits half or all of its jobs as `auto`) and the
+Alibaba replay's mean / median / p95 JCT.
 """
 
 from __future__ import annotations
