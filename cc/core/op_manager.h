@@ -45,6 +45,11 @@ class Clock {
   // notification only. Callers re-check their condition after it returns.
   virtual void WaitUntil(std::unique_lock<std::mutex>& lock,
                          std::condition_variable& cv, int64_t deadline_ns) = 0;
+  // CPU time the calling thread has used, in ns; 0 where not measured. A
+  // host-timed op that waited charges what its thread spent going to sleep and
+  // waking up (see OpManager::Admit): on the emulated device that CPU is the
+  // device's.
+  virtual int64_t ThreadCpuNs() const { return 0; }
 };
 
 // Monotonic wall clock (std::chrono::steady_clock). Never deleted.

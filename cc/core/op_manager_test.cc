@@ -80,10 +80,16 @@ class FakeClock final : public Clock {
     int64_t now = now_.load();
     while (now < deadline_ns && !now_.compare_exchange_weak(now, deadline_ns)) {
     }
+    thread_cpu_.fetch_add(cpu_per_wait_.load());
   }
   int untimed_waiters() const { return untimed_waiters_.load(); }
+  // CPU a timed wait costs the waiting thread (going to sleep, waking up).
+  void SetCpuPerWait(int64_t ns) { cpu_per_wait_.store(ns); }
+  int64_t ThreadCpuNs() const override { return thread_cpu_.load(); }
 
  private:
+  std::atomic<int64_t> cpu_per_wait_{0};
+  std::atomic<int64_t> thread_cpu_{0};
   const bool ticking_;
   mutable std::atomic<int64_t> now_{1'000'000'000};
   std::atomic<int> untimed_waiters_{0};
@@ -224,6 +230,46 @@ void TestShortGapsAreTheJobs() {
   }
   options.bridge_gap_ns = -1;
   CHECK(!OpManager::Validate(options).empty());
+}
+
+// What a delayed op's thread spends in its wait (sleeping and waking: CPU on
+// the emulated device) is the job's busy time: the share holds with it. A
+// device-timed op's waiting thread is not the device's, and is not charged.
+void TestWaitCpuIsCharged() {
+  for (double share : {0.25, 0.5, 0.75}) {
+    FakeClock clock;
+    clock.SetCpuPerWait(100 * kUs);
+    OpManager manager(FakeOptions(&clock, share));
+    int64_t first = -1;
+    for (int i = 0; i < 100; ++i) {
+      int64_t admitted = manager.Admit();
+      if (first < 0) first = admitted;
+      clock.Advance(1 * kMs);
+      manager.Finish(admitted);
+    }
+    int64_t marker = manager.Admit();
+    manager.Finish(marker);
+    int64_t waits = manager.stats().ops_delayed;
+    CHECK_EQ(waits, 100);  // every op after the first, and the marker
+    // Busy: the ops and each wait's CPU; the share holds over both.
+    int64_t busy = 100 * kMs + waits * 100 * kUs;
+    CHECK_EQ(manager.stats().busy_ns, busy);
+    double achieved = static_cast<double>(busy) / static_cast<double>(marker - first);
+    CHECK_NEAR(achieved, share, 0.002);
+  }
+  {
+    FakeClock clock;
+    clock.SetCpuPerWait(100 * kUs);
+    OpManager manager(FakeOptions(&clock, 0.5));
+    for (int i = 0; i < 3; ++i) {
+      manager.Admit(OpManager::Timing::kDevice);
+      int64_t provisional = manager.Launched();
+      int64_t start = clock.NowNs();
+      clock.Advance(1 * kMs);
+      manager.DeviceDone(provisional, start, clock.NowNs());
+    }
+    CHECK_EQ(manager.stats().busy_ns, 3 * kMs);
+  }
 }
 
 // After a long idle time the job banks at most max_credit_ns.
@@ -589,6 +635,7 @@ int main() {
       {"ShareHeldForHostOps", antman::TestShareHeldForHostOps},
       {"NaturalGapsCountAsIdle", antman::TestNaturalGapsCountAsIdle},
       {"ShortGapsAreTheJobs", antman::TestShortGapsAreTheJobs},
+    {"WaitCpuIsCharged", antman::TestWaitCpuIsCharged},
       {"CreditIsCapped", antman::TestCreditIsCapped},
       {"PauseHoldsAndResumeReleasesInOrder", antman::TestPauseHoldsAndResumeReleasesInOrder},
       {"ShareChangeMidStream", antman::TestShareChangeMidStream},
