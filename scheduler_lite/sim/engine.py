@@ -584,14 +584,12 @@ class Simulator(CoordinatorRounds):
                 # Bandwidth interference (interference.bandwidth_slowdown, inlined): from the
                 # co-runners' effective utilisation, however far below 1 the total is.
                 s = (1.0 if compute is None else next(compute)) / (slow * (1.0 + c * (demand - u)))
+                spilled = limit < want and want > 0
                 if sj.cpu:
                     s = 1.0  # a CPU phase: the GPU's contention is not its own
-                elif limit < want and want > 0:
+                elif spilled:
                     s /= sj.perf.memory_slowdown(limit / want)
-                if limit < want and want > 0:
-                    mem_used += limit
-                else:
-                    mem_used += want
+                mem_used += limit if spilled else want
                 if u < sj.u:
                     s *= u / sj.u
                 u = sj.u

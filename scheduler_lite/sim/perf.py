@@ -146,21 +146,7 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
     check_range("memory_surge.probability", surge["probability"], 0.0, 1.0)
     check_range("memory_surge.growth", surge["growth"], 0.0, 10.0)
     check_range("memory_surge.at_fraction", surge["at_fraction"], 0.0, 1.0)
-    phases = raw.get("cpu_phases") if raw["version"] >= 4 else {}
-    if phases is None:
-        raise ConfigError("cpu_phases", None, "an object (perf_model v4)")
-    phase_fields = {"input_s": (0.0, 86400.0), "input_max_fraction": (0.0, 1.0),
-                    "evaluation_every_s": (0.0, 1e7), "evaluation_s": (0.0, 86400.0)}
-    for key in phases:
-        if key not in phase_fields:
-            raise ConfigError(f"cpu_phases.{key}", phases[key], "one of " + ", ".join(phase_fields))
-    for key, (low, high) in phase_fields.items() if raw["version"] >= 4 else ():
-        if key not in phases:
-            raise ConfigError(f"cpu_phases.{key}", None, f"a number in [{low}, {high}]")
-        check_range(f"cpu_phases.{key}", phases[key], low, high)
-    if phases and phases["evaluation_every_s"] > 0 and phases["evaluation_s"] >= phases["evaluation_every_s"]:
-        raise ConfigError("cpu_phases.evaluation_s", phases["evaluation_s"],
-                          f"below cpu_phases.evaluation_every_s ({phases['evaluation_every_s']})")
+    phases = _cpu_phases(raw.get("cpu_phases")) if raw["version"] >= 4 else {}
     return PerfModel(models, families, raw["step_noise_cv"], raw["contention_slowdown"],
                      raw["unisolated_share_exponent"],
                      raw["colocation_interference"], raw["cross_group_slowdown"],
@@ -170,3 +156,24 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
                      input_phase_max_fraction=phases.get("input_max_fraction", 0.0),
                      evaluation_every_s=phases.get("evaluation_every_s", 0.0),
                      evaluation_s=phases.get("evaluation_s", 0.0))
+
+
+PHASE_FIELDS = {"input_s": (0.0, 86400.0), "input_max_fraction": (0.0, 1.0),
+                "evaluation_every_s": (0.0, 1e7), "evaluation_s": (0.0, 86400.0)}
+
+
+def _cpu_phases(phases: object) -> dict[str, float]:
+    """The v4 `cpu_phases` object, validated: exactly the four fields, each in its range."""
+    if not isinstance(phases, dict):
+        raise ConfigError("cpu_phases", phases, "an object with " + ", ".join(PHASE_FIELDS))
+    for key in phases:
+        if key not in PHASE_FIELDS:
+            raise ConfigError(f"cpu_phases.{key}", phases[key], "one of " + ", ".join(PHASE_FIELDS))
+    for key, (low, high) in PHASE_FIELDS.items():
+        if key not in phases:
+            raise ConfigError(f"cpu_phases.{key}", None, f"a number in [{low}, {high}]")
+        check_range(f"cpu_phases.{key}", phases[key], low, high)
+    if phases["evaluation_every_s"] > 0 and phases["evaluation_s"] >= phases["evaluation_every_s"]:
+        raise ConfigError("cpu_phases.evaluation_s", phases["evaluation_s"],
+                          f"below cpu_phases.evaluation_every_s ({phases['evaluation_every_s']})")
+    return phases

@@ -65,10 +65,14 @@ def test_bad_phase_fields_are_named(tmp_path, change, field):
         _load(tmp_path, raw)
 
 
-def test_a_version_4_model_without_phases_is_rejected(tmp_path):
+@pytest.mark.parametrize("value", [None, [275, 0.25, 1800, 100], 275])
+def test_a_version_4_model_without_a_phases_object_is_rejected(tmp_path, value):
     raw = _raw()
-    del raw["cpu_phases"]
-    with pytest.raises(ConfigError, match="cpu_phases"):
+    if value is None:
+        del raw["cpu_phases"]
+    else:
+        raw["cpu_phases"] = value
+    with pytest.raises(ConfigError, match="cpu_phases=.*an object with input_s"):
         _load(tmp_path, raw)
 
 
