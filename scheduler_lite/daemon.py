@@ -24,11 +24,10 @@ Everything that touches a job's process or files goes through a few small method
 `_control_seq_on_disk`, `read_log`): cluster mode (scheduler_lite.cluster) runs the same loop with
 them carried out by node agents.
 
-The store (scheduler_lite.storage) is the truth: a new Daemon on the same store re-adopts running
-jobs (pid + start time + launch token), requeues booked jobs that never started, keeps queued jobs
-queued and finished ones as they were; a job caught in a migration (`migrating` in the store:
-the new GPUs recorded, the old process perhaps still running) is stopped if it still runs and
-then started on its new GPUs. The clock is injected: tests drive `tick(now)` themselves.
+The store (scheduler_lite.storage) is the truth: a new Daemon on the same store takes over the
+jobs it records (scheduler_lite.recovery). The clock is injected: tests drive `tick(now)`
+themselves. A tick's report and the record of each running job: scheduler_lite.tick; the crash
+tests' fault points: scheduler_lite.faults.
 """
 
 from __future__ import annotations
@@ -45,21 +44,19 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 from scheduler_lite.config import Config
 from scheduler_lite.devices import DeviceBackend, JobLoad, job_load, open_devices
-from scheduler_lite.driver import Driver, Launch, Reading, Settings, estimate_remaining_s
+from scheduler_lite.driver import Driver, Launch, Reading, estimate_remaining_s
+from scheduler_lite.faults import Faults
 from scheduler_lite.isolation import (
     INITIAL_CONTROL_SEQ,
     base_environment,
     job_user,
     prepare_job_dir,
-    process_uid,
     read_log,
-    read_small_int,
 )
 from scheduler_lite.isolation import read_job_stats as read_job_stats_file
 from scheduler_lite.jobenv import MIN_ENV_LIMIT, job_environment
@@ -74,14 +71,10 @@ from scheduler_lite.launcher import (
     LaunchSpec,
     ProcessHandle,
     describe_exit,
-    read_exit_status,
 )
 from scheduler_lite.model import (
-    Decision,
     Gpu,
-    Job,
     JobKind,
-    Place,
     Reject,
     Reserve,
     Role,
@@ -93,7 +86,7 @@ from scheduler_lite.model import (
     Upgrade,
 )
 from scheduler_lite.policy.global_scheduler import schedule
-from scheduler_lite.policy.migration import Migrate
+from scheduler_lite.recovery import Recovery
 from scheduler_lite.status import (
     ClusterStatus,
     GpuStatus,
@@ -112,116 +105,29 @@ from scheduler_lite.submission import (
     request_cancel,
     submit_job,
 )
+from scheduler_lite.tick import ControlWrite, LiveJob, TickLog, TickReport
 from tf_antman.protocol import (
     Control,
-    DeviceStats,
     MemoryLimit,
     ProtocolError,
     Stats,
-    control_path,
-    parse_control,
-    read_text,
     write_control,
 )
 
 log = logging.getLogger("scheduler_lite")
 
-STEP_HISTORY: Final = 256  # step samples kept per job: several detector windows
 LOCK_FILE: Final = "daemon.lock"
 PRUNE_EVERY_TICKS: Final = 1000  # events beyond MAX_EVENTS are deleted this often
-# A restart that finds a launch booked without a pid, pid file or process looks for one until
-# this long after the booking (a child forked by a Popen the crash interrupted may exec the
-# wrapper late on a loaded machine).
-LAUNCH_GRACE_S: Final = 5.0
-# Test hook (tests/scheduler/test_daemon_crash.py): SCHEDULER_LITE_FAULT="point,point..." and
-# SCHEDULER_LITE_FAULT_AFTER=N make the daemon SIGKILL itself the Nth time it passes one of the
-# points. Points: booked (launch recorded, process not started), started (process started, pid
-# not recorded), control (between two control.json writes), observe (between two stats reads),
-# ended (an exit noticed, not yet recorded). Unset: no effect. (A crash in the middle of a
-# migration is tested in-process: tests/scheduler/test_daemon_migration.py.)
-FAULT_ENV: Final = "SCHEDULER_LITE_FAULT"
-FAULT_AFTER_ENV: Final = "SCHEDULER_LITE_FAULT_AFTER"
-FAULT_POINTS: Final = ("booked", "started", "control", "observe", "ended")
 
 
 class DaemonLockedError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class ControlWrite:
-    job_id: str
-    control: Control
-
-
-@dataclass(frozen=True, slots=True)
-class TickReport:
-    now: float
-    picked_up: tuple[str, ...] = ()
-    launched: tuple[str, ...] = ()
-    ended: tuple[tuple[str, JobStatus, int | None], ...] = ()
-    decisions: tuple[Decision, ...] = ()
-    controls: tuple[ControlWrite, ...] = ()
-    migrating: tuple[Migrate, ...] = ()  # moves decided this tick (the processes were sent SIGTERM)
-
-
-@dataclass
-class _TickLog:
-    now: float
-    picked_up: list[str] = field(default_factory=list)
-    launched: list[str] = field(default_factory=list)
-    ended: list[tuple[str, JobStatus, int | None]] = field(default_factory=list)
-    decisions: list[Decision] = field(default_factory=list)
-    controls: list[ControlWrite] = field(default_factory=list)
-    migrating: list[Migrate] = field(default_factory=list)
-
-    def freeze(self) -> TickReport:
-        return TickReport(self.now, tuple(self.picked_up), tuple(self.launched), tuple(self.ended),
-                          tuple(self.decisions), tuple(self.controls), tuple(self.migrating))
-
-
-@dataclass
-class _Live:
-    """What the daemon tracks of one running job (its settings are the driver's)."""
-
-    record: JobRecord
-    handle: ProcessHandle
-    job_dir: Path
-    control_seq: int = 0
-    stats: Stats | None = None
-    stats_error: str | None = None
-    last_step: int | None = None
-    last_progress_at: float = -math.inf
-    samples: deque[StepSample] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
-    stop_sent_at: float | None = None
-    killed: bool = False
-
-
-class _Faults:
-    def __init__(self, environ: Mapping[str, str]) -> None:
-        names = [p for p in environ.get(FAULT_ENV, "").split(",") if p]
-        after = environ.get(FAULT_AFTER_ENV, "1")
-        bad = [p for p in names if p not in FAULT_POINTS]
-        if bad or not after.isdigit() or not 1 <= int(after) <= 1_000_000:
-            if names:  # a test hook set wrong: say so and run without faults
-                log.error("%s=%r / %s=%r ignored: accepted points %s, and a count in [1, 1000000]",
-                          FAULT_ENV, environ.get(FAULT_ENV), FAULT_AFTER_ENV, after, ",".join(FAULT_POINTS))
-            names = []
-        self.points = frozenset(names)
-        self.left = int(after) if self.points else 0
-
-    def at(self, point: str) -> None:
-        if point in self.points:
-            self.left -= 1
-            if self.left <= 0:
-                log.warning("fault injection: SIGKILL at %s", point)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
 # ----------------------------------------------------------------------------------------------
 
 
-class Daemon:
+class Daemon(Recovery):
     """The scheduler as a library: `tick(now)` does one round; `serve()` loops until SIGTERM."""
 
     def __init__(
@@ -239,9 +145,9 @@ class Daemon:
         self.devices = devices if devices is not None else open_devices(config.devices)
         self.launcher = launcher if launcher is not None else Launcher()
         self.gpus: dict[int, Gpu] = {g.id: g for g in self.devices.inventory()}
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveJob] = {}
         # Migrations under way: the old process (stopping) and the launch that follows its end.
-        self._stopping: dict[str, _Live] = {}
+        self._stopping: dict[str, LiveJob] = {}
         self._moves: dict[str, Launch] = {}
         self._booked: list[Launch] = []  # booked this tick, started after the rounds
         self._round_sig: dict[int, tuple[tuple[str, Role], ...]] = {}
@@ -251,7 +157,7 @@ class Daemon:
         self._dirty = True
         self._ticks = 0
         self._stop = threading.Event()
-        self._faults = _Faults(os.environ)
+        self._faults = Faults(os.environ)
         now = clock()
         tenants = list(config.tenants)
         known = {t.name for t in tenants}
@@ -313,7 +219,7 @@ class Daemon:
 
     def tick(self, now: float | None = None) -> TickReport:
         now = self.clock() if now is None else now
-        out = _TickLog(now)
+        out = TickLog(now)
         self._ingest(now, out)
         self._reap(now, out)
         self._observe(now)
@@ -399,142 +305,9 @@ class Daemon:
             ended = self.launcher.stop(self._live[job_id].handle, grace)
             self._finish(job_id, ended, self.clock(), None)
 
-    # -- recovery ---------------------------------------------------------------------------------
-
-    def _recover(self, now: float) -> None:
-        running = self.storage.list_jobs([JobStatus.RUNNING])
-        launched = self._find_launched([r for r in running if r.pid is None], now)
-        for record in running:
-            self._readopt(record, now, launched.get(record.id))
-        for record in self.storage.list_jobs([JobStatus.QUEUED]):
-            self._enqueue(record, now, None)
-
-    def _find_launched(self, records: Sequence[JobRecord], now: float) -> dict[str, int]:
-        """Pids of jobs booked but with no pid recorded (the daemon died mid-launch).
-
-        The wrapper writes its pid file first thing; before that, the launch token in its command
-        line finds it. A daemon killed inside Popen may leave a child that has forked but not yet
-        exec'd the wrapper (which can take seconds on a loaded machine): until LAUNCH_GRACE_S
-        after the booking, a job with neither is looked for again (all of them together).
-        """
-        found: dict[str, int] = {}
-        booked = [r.started_at for r in records if r.launch_token and r.started_at is not None]
-        wait = min(LAUNCH_GRACE_S, max((t + LAUNCH_GRACE_S - now for t in booked), default=0.0))
-        deadline = time.monotonic() + max(0.0, wait)
-        while True:
-            for r in records:
-                if r.id in found:
-                    continue
-                pid = self._find_pid(r)
-                if pid is not None:
-                    found[r.id] = pid
-            if len(found) == len(records) or time.monotonic() >= deadline:
-                return found
-            time.sleep(0.1)
-
-    def _find_pid(self, record: JobRecord) -> int | None:
-        """The pid of a booked job's process, from its pid file or its launch token; None if none.
-
-        A hook: the cluster scheduler (scheduler_lite.cluster) asks the job's node instead.
-        """
-        job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(record.id)
-        pid = read_small_int(job_dir / PID_FILE)  # no link followed, no FIFO blocking
-        if pid is None and record.launch_token:
-            pid = self.launcher.find(record.id, record.launch_token)
-        # The job's user writes the pid file: never adopt (and later signal) another's process.
-        if pid is not None and process_uid(pid) in (None, os.geteuid(), record.uid):
-            return pid
-        return None
-
-    def _recorded_exit(self, job_dir: Path) -> ExitInfo | None:
-        """How the job ended if its wrapper recorded it (hook: on the job's node in a cluster)."""
-        return ExitInfo(read_exit_status(job_dir)) if (job_dir / EXIT_STATUS_FILE).exists() else None
-
-    def _control_seq_on_disk(self, job_id: str, job_dir: Path) -> int:
-        """The seq of the job's control.json, 0 if none (hook: on the job's node in a cluster)."""
-        return _control_file_seq(job_dir)
-
-    def _readopt(self, record: JobRecord, now: float, launched_pid: int | None = None) -> None:
-        """A job the store says runs: its process, how it ended, or 'never started' (requeued)."""
-        job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(record.id)
-        missing = [g for g in record.placement if g not in self.gpus]
-        pid, start = record.pid, record.pid_start
-        if pid is None:  # crashed between booking the launch and recording the pid
-            pid, start = launched_pid, None
-        if pid is None:
-            ended = self._recorded_exit(job_dir)
-            if ended is not None:  # ran and ended, pid file lost: not again
-                self._record_end(record, ended, now, "ended while the daemon was down")
-                return
-            # No process carries its token and it never wrote a pid: the command never ran.
-            with self.storage.transaction():
-                self.storage.update_job(record.id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
-                                        started_at=None, launch_token=None)
-                self.storage.clear_placements(record.id)
-                self.storage.add_event(now, "requeued", record.id, reason="never started")
-            return
-        found = self.launcher.adopt(pid, start, job_dir, record.launch_token, record.id)
-        if record.migrating and not missing and record.role is not None:
-            self._resume_migration(record, found, now)
-            return
-        if isinstance(found, ExitInfo):
-            self._record_end(record, found, now, "ended while the daemon was down")
-            return
-        if missing or record.role is None:
-            log.error("job %s runs on GPU(s) %s that are no longer configured: stopping it", record.id, missing)
-            self.launcher.signal(found, signal.SIGTERM)
-            self._record_end(record, ExitInfo(None), now, f"GPU(s) {missing} no longer configured")
-            return
-        settings = self._stored_settings(record)
-        self.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
-        seq = max(record.control_seq, self._control_seq_on_disk(record.id, job_dir))
-        with self.storage.transaction():
-            record = self.storage.update_job(record.id, pid=pid, pid_start=found.start_ticks)
-            self.storage.add_event(now, "adopted", record.id, pid=pid, gpus=list(record.placement))
-        live = _Live(record, found, job_dir, control_seq=seq)
-        live.stop_sent_at = now if record.cancel_requested else None
-        self._live[record.id] = live
-        log.info("re-adopted %s (pid %d) on GPU(s) %s", record.id, pid, list(record.placement))
-
-    def _stored_settings(self, record: JobRecord) -> Settings:
-        placements = {p.gpu: p for p in self.storage.placements(record.id)}
-        return Settings(
-            {g: placements[g].memory_limit_bytes if g in placements else self.gpus[g].memory_bytes
-             for g in record.placement},
-            {g: placements[g].compute_share if g in placements else 1.0 for g in record.placement},
-        )
-
-    def _resume_migration(self, record: JobRecord, found: ProcessHandle | ExitInfo, now: float) -> None:
-        """A restart found a job in the middle of a migration: the store holds its new GPUs and
-        settings. The book gets it there; the old process, if it still runs, is stopped (again),
-        and the job starts on its new GPUs once it has ended."""
-        assert record.role is not None
-        settings = self._stored_settings(record)
-        self.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
-        launch = Launch(record.id, record.placement, record.role, settings)
-        job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(record.id)
-        self.storage.add_event(now, "migration_resumed", record.id, running=not isinstance(found, ExitInfo))
-        if isinstance(found, ExitInfo):
-            self._restart_moved(record.id, launch, found, now, None)
-            return
-        live = _Live(record, found, job_dir, control_seq=record.control_seq)
-        live.stop_sent_at = now
-        self.launcher.signal(found, signal.SIGTERM)
-        self._stopping[record.id] = live
-        self._moves[record.id] = launch
-        log.info("re-adopted %s (pid %d) in the middle of a migration: stopping it", record.id, found.pid)
-
-    def _book_job(self, record: JobRecord) -> Job:
-        demand = record.memory_bytes
-        if demand is None:
-            demand = max((g.memory_bytes for g in self.gpus.values()), default=0)
-        return Job(id=record.id, tenant=record.tenant, num_gpus=record.num_gpus, kind=record.kind,
-                   submit_time=record.submit_time, memory_demand_bytes=demand,
-                   requested_share=record.requested_share)
-
     # -- 1. ingest --------------------------------------------------------------------------------
 
-    def _ingest(self, now: float, out: _TickLog) -> None:
+    def _ingest(self, now: float, out: TickLog) -> None:
         for record in self.storage.list_jobs([JobStatus.QUEUED, JobStatus.RUNNING]):
             new = record.state is JobStatus.QUEUED and record.id not in self.book.jobs
             if new and not self._enqueue(record, now, out):
@@ -556,7 +329,7 @@ class Daemon:
                     self.launcher.signal(live.handle, signal.SIGTERM)
                     self.storage.add_event(now, "stopping", record.id, signal="SIGTERM")
 
-    def _enqueue(self, record: JobRecord, now: float, out: _TickLog | None) -> bool:
+    def _enqueue(self, record: JobRecord, now: float, out: TickLog | None) -> bool:
         """Into the book; False (and the job failed) when it can never run here."""
         problem = self._cannot_run(record)
         if problem is not None:
@@ -579,7 +352,7 @@ class Daemon:
             return f"memory {record.memory_bytes} bytes is outside [1, {largest}] (the largest GPU)"
         return None
 
-    def _reject(self, job_id: str, reason: str, now: float, out: _TickLog | None) -> None:
+    def _reject(self, job_id: str, reason: str, now: float, out: TickLog | None) -> None:
         """The job fails without having run: at pick-up, or when the global scheduler rejects it."""
         with self.storage.transaction():
             self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
@@ -589,7 +362,7 @@ class Daemon:
 
     # -- 2. reap ----------------------------------------------------------------------------------
 
-    def _reap(self, now: float, out: _TickLog) -> None:
+    def _reap(self, now: float, out: TickLog) -> None:
         grace = self.config.jobs.cancel_grace_s
         for job_id, live in list(self._stopping.items()):
             ended = self.launcher.poll(live.handle)
@@ -612,7 +385,7 @@ class Daemon:
                 self.launcher.signal(live.handle, signal.SIGKILL)
                 self.storage.add_event(now, "stopping", job_id, signal="SIGKILL")
 
-    def _finish(self, job_id: str, ended: ExitInfo, now: float, out: _TickLog | None) -> None:
+    def _finish(self, job_id: str, ended: ExitInfo, now: float, out: TickLog | None) -> None:
         live = self._live.pop(job_id)
         self.launcher.cleanup(live.handle)
         record = self.storage.get_job(job_id) or live.record
@@ -657,7 +430,7 @@ class Daemon:
             average = statistics.fmean(u for _, u in samples)
             self.driver.observe_utilisation(gpu, round(average, 6), now - window)
 
-    def _read_stats(self, job_id: str, live: _Live, now: float) -> None:
+    def _read_stats(self, job_id: str, live: LiveJob, now: float) -> None:
         try:
             stats = self._load_stats(job_id, live)
         except (ProtocolError, OSError) as e:
@@ -693,13 +466,13 @@ class Daemon:
                                          running_s=now - started)
         self.book.update_hints(job_id, mean_step_time_s=step_s, estimated_remaining_s=remaining)
 
-    def _load_stats(self, job_id: str, live: _Live) -> Stats | None:
+    def _load_stats(self, job_id: str, live: LiveJob) -> Stats | None:
         """The job's stats.json (hook: the cluster scheduler takes what the job's node reported)."""
         return read_job_stats_file(live.job_dir, live.record.uid)
 
     # -- 4. schedule ------------------------------------------------------------------------------
 
-    def _schedule(self, now: float, out: _TickLog) -> None:
+    def _schedule(self, now: float, out: TickLog) -> None:
         self._dirty = False
         self._last_schedule = now
         decisions, launches = self.driver.schedule(now)
@@ -728,7 +501,7 @@ class Daemon:
 
     # -- 4b. migrate ------------------------------------------------------------------------------
 
-    def _migrate(self, now: float, out: _TickLog) -> None:
+    def _migrate(self, now: float, out: TickLog) -> None:
         """Move stranded restartable jobs (policy/migration.py, as in the simulator): book the
         move, record it (`migrating`, new GPUs and settings), then SIGTERM the old process."""
         cfg = self.config.migration
@@ -757,7 +530,7 @@ class Daemon:
             out.migrating.append(move)
             self._dirty = True
 
-    def _restart_moved(self, job_id: str, launch: Launch, ended: ExitInfo, now: float, out: _TickLog | None) -> None:
+    def _restart_moved(self, job_id: str, launch: Launch, ended: ExitInfo, now: float, out: TickLog | None) -> None:
         """The old process of a migrated job has ended: book its launch on the new GPUs (started
         at step 6 like any other), unless it was cancelled meanwhile. Its exit status is not an
         end: a restartable job stopped by SIGTERM resumes from its checkpoints."""
@@ -783,7 +556,7 @@ class Daemon:
             if out is not None:
                 self._launch_failed(launch, now, out, f"could not book the migrated launch: {e}")
             else:
-                self._launch_failed(launch, now, _TickLog(now), f"could not book the migrated launch: {e}")
+                self._launch_failed(launch, now, TickLog(now), f"could not book the migrated launch: {e}")
 
     def _book_launch(self, launch: Launch, now: float, started_at: float | None = None) -> None:
         """Record the launch (with its token) before any process exists: a crash now requeues it.
@@ -809,7 +582,7 @@ class Daemon:
         prepare_job_dir(job_dir, job_user(uid))
         return job_dir
 
-    def _launch_failed(self, launch: Launch, now: float, out: _TickLog, reason: str) -> None:
+    def _launch_failed(self, launch: Launch, now: float, out: TickLog, reason: str) -> None:
         """Release the booking (driver and store): the job failed, its GPUs are free again."""
         log.error("%s: %s", launch.job_id, reason)
         self.driver.finish(launch.job_id, now, failed=True)
@@ -823,7 +596,7 @@ class Daemon:
 
     # -- 6. launch --------------------------------------------------------------------------------
 
-    def _start_booked(self, now: float, out: _TickLog) -> None:
+    def _start_booked(self, now: float, out: TickLog) -> None:
         booked, self._booked = self._booked, []
         for launch in booked:
             if launch.job_id not in self.driver.settings:  # released meanwhile
@@ -835,7 +608,7 @@ class Daemon:
             except Exception as e:  # noqa: BLE001 - between booking and launch: release the booking
                 self._launch_failed(launch, now, out, f"could not start: {e!r}")
 
-    def _start(self, launch: Launch, now: float, out: _TickLog) -> None:
+    def _start(self, launch: Launch, now: float, out: TickLog) -> None:
         record = self.storage.get_job(launch.job_id)
         assert record is not None and record.launch_token is not None and record.job_dir is not None
         job_dir = Path(record.job_dir)
@@ -849,7 +622,7 @@ class Daemon:
             self.storage.add_event(now, "launched", launch.job_id, pid=handle.pid, gpus=list(launch.gpus),
                                    role=str(launch.role), memory_limit_bytes=max(MIN_ENV_LIMIT, limit),
                                    compute_share=share)
-        self._live[launch.job_id] = _Live(record, handle, job_dir, control_seq=record.control_seq)
+        self._live[launch.job_id] = LiveJob(record, handle, job_dir, control_seq=record.control_seq)
         out.launched.append(launch.job_id)
 
     def _launch(self, launch: Launch, record: JobRecord, job_dir: Path) -> ProcessHandle:
@@ -864,7 +637,7 @@ class Daemon:
 
     # -- 5. coordinate ----------------------------------------------------------------------------
 
-    def _coordinate(self, now: float, out: _TickLog) -> None:
+    def _coordinate(self, now: float, out: TickLog) -> None:
         interval = self.config.coordinator.round_interval_s
         for gpu in self.gpus:
             ids = self.book.jobs_on(gpu)
@@ -902,10 +675,10 @@ class Daemon:
         live = self._live.get(job_id)
         if live is None:
             return Reading()
-        device = _device_stats(live, gpu)
+        device = live.device_stats(gpu)
         return Reading(steps=tuple(live.samples), spill_bytes=0 if device is None else device.host_in_use_bytes)
 
-    def _write_control(self, job_id: str, now: float, out: _TickLog) -> None:
+    def _write_control(self, job_id: str, now: float, out: TickLog) -> None:
         live = self._live[job_id]
         placement = live.record.placement
         settings = self.driver.settings[job_id]
@@ -927,27 +700,12 @@ class Daemon:
                 self.storage.set_placement(job_id, g, settings.limits[g], settings.shares[g])
         out.controls.append(ControlWrite(job_id, control))
 
-    def _send_control(self, job_id: str, live: _Live, control: Control) -> None:
+    def _send_control(self, job_id: str, live: LiveJob, control: Control) -> None:
         """Write the job's control.json (hook: the job's node writes it in a cluster); OSError if not."""
         write_control(live.job_dir, control)
 
 
 # ----------------------------------------------------------------------------------------------
-
-
-def _device_stats(live: _Live, gpu: int) -> DeviceStats | None:
-    if live.stats is None:
-        return None
-    index = live.record.placement.index(gpu)
-    return next((d for d in live.stats.devices if d.device == index), None)
-
-
-def _control_file_seq(job_dir: Path) -> int:
-    try:
-        text = read_text(control_path(job_dir))
-        return 0 if text is None else parse_control(text).seq
-    except (ProtocolError, OSError):
-        return 0
 
 
 def lock_state_dir(state_dir: Path) -> int:

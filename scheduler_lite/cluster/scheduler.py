@@ -46,13 +46,14 @@ from scheduler_lite.cluster.agent import NodeReport, actor_class
 from scheduler_lite.cluster.config import ClusterConfig
 from scheduler_lite.cluster.tasks import is_ray_task
 from scheduler_lite.config import Config
-from scheduler_lite.daemon import Daemon, TickReport, _Live, _TickLog
+from scheduler_lite.daemon import Daemon
 from scheduler_lite.devices import EmulatedDevices, JobLoad
 from scheduler_lite.driver import Driver, Launch, SchedulePolicy
 from scheduler_lite.launcher import ExitInfo, Launcher, LaunchError, ProcessHandle
 from scheduler_lite.model import ClusterState, GlobalDecision, Gpu, JobState, Place, Reserve, Role
 from scheduler_lite.policy.global_scheduler import schedule
 from scheduler_lite.storage import JobRecord, JobStatus, Storage
+from scheduler_lite.tick import LiveJob, TickLog, TickReport
 from tf_antman.protocol import Control, MemoryLimit, Stats
 
 log = logging.getLogger("scheduler_lite.cluster")
@@ -521,12 +522,12 @@ class ClusterDaemon(Daemon):
         """
         return self.cc.local_gpu(gpu) if self.config.devices.kind == "nvml" else index
 
-    def _migrate(self, now: float, out: _TickLog) -> None:
+    def _migrate(self, now: float, out: TickLog) -> None:
         """Not in cluster mode (yet): the daemon's migration clears the old launch's files in the
         job directory on this machine, and a move to another node would need the job's
         checkpoints on storage both nodes share. Restartable jobs stay where they were placed."""
 
-    def _load_stats(self, job_id: str, live: _Live) -> Stats | None:
+    def _load_stats(self, job_id: str, live: LiveJob) -> Stats | None:
         assert isinstance(live.handle, ClusterHandle)
         parts: dict[str, Stats] = {}
         for node in live.handle.nodes:
@@ -541,7 +542,7 @@ class ClusterDaemon(Daemon):
             parts[node] = part.stats
         return merge_stats(parts, live.record.placement, self.cc.node_of)
 
-    def _send_control(self, job_id: str, live: _Live, control: Control) -> None:
+    def _send_control(self, job_id: str, live: LiveJob, control: Control) -> None:
         for node, part in split_control(control, live.record.placement, self.cc.node_of).items():
             try:
                 self.nodes.call(node, "write_control", job_id, part)

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from scheduler_lite.daemon import FAULT_AFTER_ENV, FAULT_ENV, FAULT_POINTS
+from scheduler_lite.faults import FAULT_AFTER_ENV, FAULT_ENV, FAULT_POINTS
 from scheduler_lite.launcher import wrappers_under
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage import JobSpec, JobStatus, SqliteStorage

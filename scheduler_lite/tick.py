@@ -1,0 +1,79 @@
+"""What one daemon tick reports, and what the daemon tracks of each running job.
+
+Shared by the daemon (scheduler_lite.daemon), its crash recovery (scheduler_lite.recovery) and
+cluster mode (scheduler_lite.cluster.scheduler), which runs the same loop over node agents.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from scheduler_lite.launcher import ProcessHandle
+from scheduler_lite.model import Decision, StepSample
+from scheduler_lite.policy.migration import Migrate
+from scheduler_lite.storage import JobRecord, JobStatus
+from tf_antman.protocol import Control, DeviceStats, Stats
+
+STEP_HISTORY: Final = 256  # step samples kept per job: several detector windows
+
+
+@dataclass(frozen=True, slots=True)
+class ControlWrite:
+    job_id: str
+    control: Control
+
+
+@dataclass(frozen=True, slots=True)
+class TickReport:
+    now: float
+    picked_up: tuple[str, ...] = ()
+    launched: tuple[str, ...] = ()
+    ended: tuple[tuple[str, JobStatus, int | None], ...] = ()
+    decisions: tuple[Decision, ...] = ()
+    controls: tuple[ControlWrite, ...] = ()
+    migrating: tuple[Migrate, ...] = ()  # moves decided this tick (the processes were sent SIGTERM)
+
+
+@dataclass
+class TickLog:
+    """A tick's report while the tick runs (each step appends); `freeze` at its end."""
+
+    now: float
+    picked_up: list[str] = field(default_factory=list)
+    launched: list[str] = field(default_factory=list)
+    ended: list[tuple[str, JobStatus, int | None]] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    controls: list[ControlWrite] = field(default_factory=list)
+    migrating: list[Migrate] = field(default_factory=list)
+
+    def freeze(self) -> TickReport:
+        return TickReport(self.now, tuple(self.picked_up), tuple(self.launched), tuple(self.ended),
+                          tuple(self.decisions), tuple(self.controls), tuple(self.migrating))
+
+
+@dataclass
+class LiveJob:
+    """What the daemon tracks of one running job (its settings are the driver's)."""
+
+    record: JobRecord
+    handle: ProcessHandle
+    job_dir: Path
+    control_seq: int = 0
+    stats: Stats | None = None
+    stats_error: str | None = None
+    last_step: int | None = None
+    last_progress_at: float = -math.inf
+    samples: deque[StepSample] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
+    stop_sent_at: float | None = None
+    killed: bool = False
+
+    def device_stats(self, gpu: int) -> DeviceStats | None:
+        """The job's last reported stats for one of its GPUs (by the GPU's index in its placement)."""
+        if self.stats is None:
+            return None
+        index = self.record.placement.index(gpu)
+        return next((d for d in self.stats.devices if d.device == index), None)
