@@ -23,7 +23,6 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from scheduler_lite.driver import Driver, Launch
 from scheduler_lite.model import (
@@ -43,6 +42,7 @@ from scheduler_lite.policy.validation import check_choice
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
 from scheduler_lite.sim.nogc import collector_paused
 from scheduler_lite.sim.perf import PerfModel
+from scheduler_lite.sim.result import ENGINE_WORK, SimResult, job_record, summarise
 from scheduler_lite.sim.rounds import NOISE_CYCLE, NOISE_JOB_STRIDE, CoordinatorRounds, InvariantError
 from scheduler_lite.sim.simjob import SimJob
 from scheduler_lite.sim.workload import TraceJob, Workload
@@ -55,27 +55,12 @@ MAX_RETRIES = 1  # a job that ran out of memory is resubmitted once, with its pe
 ROUND_MODES = ("event", "periodic")
 
 
-# Summary fields that say how long the engine took or how much work it did, not what happened:
-# speed work changes them, so result hashes (tests/scheduler/test_sim_golden.py) leave them out.
-ENGINE_WORK = frozenset({"wall_s", "events", "rounds", "schedule_calls"})
-
-
 def _never(sim: Simulator) -> bool:
     return False
 
 
 def _always(sim: Simulator) -> bool:
     return True
-
-
-@dataclass
-class SimResult:
-    policy: str
-    workload: str
-    seed: int
-    records: list[dict[str, object]]
-    summary: dict[str, float]
-    timeseries: list[tuple[float, float, float, int]] = field(default_factory=list)
 
 
 class Simulator(CoordinatorRounds):
@@ -679,63 +664,14 @@ class Simulator(CoordinatorRounds):
                 raise InvariantError(f"GPU {g}: {len(sjs)} jobs under an exclusive policy")
 
     def _result(self, wall_s: float) -> SimResult:
-        records = []
-        for sj in self.all_jobs:
-            tj = sj.trace
-            jct = (sj.end - tj.submit_time) if sj.end is not None and sj.state == "finished" else None
-            records.append({
-                "id": tj.id, "tenant": tj.tenant, "kind": str(tj.kind), "model": tj.model,
-                "num_gpus": tj.num_gpus, "submit_s": tj.submit_time, "runtime_s": tj.runtime_s,
-                "start_s": sj.first_start, "end_s": sj.end, "jct_s": jct,
-                "queue_delay_s": None if sj.first_start is None else sj.first_start - tj.submit_time,
-                "state": sj.state, "preemptions": sj.preemptions, "failures": sj.failures,
-                "migrations": sj.migrations,
-                "work_done_s": sj.work_done, "busy_gpu_s": sj.busy_gpu_s,
-            })
-        fin = [r for r in records if r["state"] == "finished"]
-        jcts = sorted(float(r["jct_s"]) for r in fin)  # type: ignore[arg-type]
-        guar = [float(r["jct_s"]) for r in fin if r["kind"] == "guarantee"]  # type: ignore[arg-type]
-        opp = [float(r["jct_s"]) for r in fin if r["kind"] != "guarantee"]  # type: ignore[arg-type]
-        delays = [float(r["queue_delay_s"]) for r in records if r["queue_delay_s"] is not None]  # type: ignore[arg-type]
+        records = [job_record(sj) for sj in self.all_jobs]
         first = min((j.submit_time for j in self.w.jobs), default=0.0)
-        last = max((float(r["end_s"]) for r in records if r["end_s"] is not None), default=first)  # type: ignore[arg-type]
-        span = max(last - first, 1e-9)
-        n_gpus = len(self.mem)
-        summary = {
-            "jobs": len(records),
-            "finished": len(fin),
-            "failed": sum(1 for r in records if r["state"] == "failed"),
-            "unfinished": sum(1 for r in records if r["state"] in ("pending", "running")),
-            "oom_failures": sum(int(r["failures"]) for r in records),  # type: ignore[call-overload]
-            "preemptions": sum(int(r["preemptions"]) for r in records),  # type: ignore[call-overload]
-            "avg_jct_s": _mean(jcts),
-            "median_jct_s": _quantile(jcts, 0.5),
-            "p95_jct_s": _quantile(jcts, 0.95),
-            "guarantee_avg_jct_s": _mean(guar),
-            "opportunistic_avg_jct_s": _mean(opp),
-            "avg_queue_delay_s": _mean(delays),
-            "makespan_s": span,
-            "gpu_compute_util": self.util_integral / (n_gpus * span),
-            "gpu_memory_util": self.mem_integral / (sum(self.mem.values()) * span),
-            "gpu_busy_fraction": self.busy_integral / (n_gpus * span),
-            "busy_gpu_seconds": self.busy_integral,
-            "wall_s": wall_s,
-            **{k: float(v) for k, v in self.counters.items()},
-        }
+        summary, last = summarise(records, first, self.mem, (self.util_integral, self.mem_integral,
+                                  self.busy_integral), self.counters, wall_s)
         # Stale heap entries (rounds of GPUs that emptied) run the clock past the last job:
         # the series ends at the first point after it.
         series = [p for p in self.timeseries if p[0] < last + self.sample_every]
         return SimResult(self.policy.name, self.w.name, self.seed, records, summary, series)
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _quantile(sorted_xs: list[float], q: float) -> float:
-    if not sorted_xs:
-        return math.nan
-    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
 
 
 def _bar(done: int, total: int) -> None:

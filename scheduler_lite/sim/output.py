@@ -6,7 +6,7 @@ import csv
 import json
 from pathlib import Path
 
-from scheduler_lite.sim.engine import SimResult
+from scheduler_lite.sim.result import SimResult
 
 CSV_VERSION = 2
 FIELDS = ("id", "tenant", "kind", "model", "num_gpus", "submit_s", "runtime_s", "start_s", "end_s",

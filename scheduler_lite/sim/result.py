@@ -1,0 +1,93 @@
+"""What a simulation run returns: one record per job and the summary figures over them.
+
+The records are the per-job CSV's rows (sim/output.py); the summary is what bench/sim.py and
+`scheduler-lite sim` report. Quantiles are nearest-rank on the sorted JCTs (the p95 of 20 jobs is
+the 20th), so a summary never interpolates between two jobs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scheduler_lite.sim.simjob import SimJob
+
+# Summary fields that say how long the engine took or how much work it did, not what happened:
+# speed work changes them, so result hashes (tests/scheduler/test_sim_golden.py) leave them out.
+ENGINE_WORK = frozenset({"wall_s", "events", "rounds", "schedule_calls"})
+
+
+@dataclass
+class SimResult:
+    policy: str
+    workload: str
+    seed: int
+    records: list[dict[str, object]]
+    summary: dict[str, float]
+    timeseries: list[tuple[float, float, float, int]] = field(default_factory=list)
+
+
+def job_record(sj: SimJob) -> dict[str, object]:
+    """A job's row: when it was submitted, started and ended, and what happened to it."""
+    tj = sj.trace
+    jct = (sj.end - tj.submit_time) if sj.end is not None and sj.state == "finished" else None
+    return {
+        "id": tj.id, "tenant": tj.tenant, "kind": str(tj.kind), "model": tj.model,
+        "num_gpus": tj.num_gpus, "submit_s": tj.submit_time, "runtime_s": tj.runtime_s,
+        "start_s": sj.first_start, "end_s": sj.end, "jct_s": jct,
+        "queue_delay_s": None if sj.first_start is None else sj.first_start - tj.submit_time,
+        "state": sj.state, "preemptions": sj.preemptions, "failures": sj.failures,
+        "migrations": sj.migrations,
+        "work_done_s": sj.work_done, "busy_gpu_s": sj.busy_gpu_s,
+    }
+
+
+def summarise(records: Sequence[dict[str, object]], first_submit: float, gpu_memory: Mapping[int, int],
+              integrals: tuple[float, float, float], counters: Mapping[str, int],
+              wall_s: float) -> tuple[dict[str, float], float]:
+    """The run's summary and the time its last job ended.
+
+    `integrals`: the cluster's utilisation, memory in use and busy GPUs integrated over time.
+    """
+    fin = [r for r in records if r["state"] == "finished"]
+    jcts = sorted(float(r["jct_s"]) for r in fin)  # type: ignore[arg-type]
+    guar = [float(r["jct_s"]) for r in fin if r["kind"] == "guarantee"]  # type: ignore[arg-type]
+    opp = [float(r["jct_s"]) for r in fin if r["kind"] != "guarantee"]  # type: ignore[arg-type]
+    delays = [float(r["queue_delay_s"]) for r in records if r["queue_delay_s"] is not None]  # type: ignore[arg-type]
+    last = max((float(r["end_s"]) for r in records if r["end_s"] is not None), default=first_submit)  # type: ignore[arg-type]
+    span = max(last - first_submit, 1e-9)
+    n_gpus = len(gpu_memory)
+    util, mem, busy = integrals
+    summary = {
+        "jobs": len(records),
+        "finished": len(fin),
+        "failed": sum(1 for r in records if r["state"] == "failed"),
+        "unfinished": sum(1 for r in records if r["state"] in ("pending", "running")),
+        "oom_failures": sum(int(r["failures"]) for r in records),  # type: ignore[call-overload]
+        "preemptions": sum(int(r["preemptions"]) for r in records),  # type: ignore[call-overload]
+        "avg_jct_s": _mean(jcts),
+        "median_jct_s": _quantile(jcts, 0.5),
+        "p95_jct_s": _quantile(jcts, 0.95),
+        "guarantee_avg_jct_s": _mean(guar),
+        "opportunistic_avg_jct_s": _mean(opp),
+        "avg_queue_delay_s": _mean(delays),
+        "makespan_s": span,
+        "gpu_compute_util": util / (n_gpus * span),
+        "gpu_memory_util": mem / (sum(gpu_memory.values()) * span),
+        "gpu_busy_fraction": busy / (n_gpus * span),
+        "busy_gpu_seconds": busy,
+        "wall_s": wall_s,
+        **{k: float(v) for k, v in counters.items()},
+    }
+    return summary, last
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    if not sorted_xs:
+        return math.nan
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
