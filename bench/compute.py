@@ -1,6 +1,6 @@
 """Compute dynamic scaling (GpuOpManager) on the emulated device, with real TF training.
 
-    python bench/compute.py [--quick] [--reps N] [--op-share S] [--op-priority low|normal] [--pairs N]
+    python bench/compute.py [--quick] [--reps N] [--op-share S] [--op-priority low|normal] [--op-width W] [--pairs N]
 
 Every comparison alternates within seconds inside the same processes (phases), so that the
 drifts of a shared 2-core machine hit the measured case and its baseline alike, and every figure
@@ -29,6 +29,8 @@ is judged by something the op manager does not control:
    The OP job runs at the device priority scheduler_lite gives opportunistic jobs
    (ANTMAN_DEVICE_PRIORITY=low: its threads under SCHED_IDLE, tf_antman/priority.py);
    --op-priority normal measures it without (op_priority in the JSON line says which).
+   --op-width W gives the OP job narrower layers than the RG job (default: the same 1024): its
+   working set then fits in a core's L2, which tells the caches' part of the loss apart.
 3. Input pipelines: a job reading through tf.data (map + prefetch) and one with a py_function
    map survive 100 share changes (pause included) each; an input-bound job (its py_function
    sleeps 20 ms a batch) at share 0.5 keeps the step rate it has unthrottled, because waiting
@@ -123,7 +125,7 @@ def interference_phases(op_share: float, pairs: int, blocks: int) -> list[float]
 
 
 def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, blocks: int,
-                 op_priority: str = "low") -> dict[str, object]:
+                 op_priority: str = "low", op_width: int = 1024) -> dict[str, object]:
     """A resource-guarantee (RG) job on both cores runs throughout while an opportunistic (OP) job
     beside it alternates paused / op_share every phase_s seconds (`pairs` times per block), then
     runs one unthrottled phase. Each OP phase is judged by the RG job's own mean step time (wall
@@ -137,7 +139,7 @@ def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, b
     total = len(shares) * phase_s
     alone = run_job([*rg_args, "--duration", "6"], {"ANTMAN_ENABLE": "1"}, threads=2)["step_times"]
     rg = start_job([*rg_args, "--duration", str(total + 15)], {"ANTMAN_ENABLE": "1"}, threads=2)
-    op = start_job(["--mode", "loop", "--width", "1024", "--seed", "1", "--phases", ",".join(map(str, shares)),
+    op = start_job(["--mode", "loop", "--width", str(op_width), "--seed", "1", "--phases", ",".join(map(str, shares)),
                     "--phase-s", str(phase_s), "--settle-s", str(settle_s), "--watch-pids", str(rg.pid)],
                    {"ANTMAN_ENABLE": "1", "ANTMAN_DEVICE_PRIORITY": op_priority}, threads=2)
     o = finish_job(op)
@@ -252,10 +254,10 @@ def report_share(phase_s: float, reps: int) -> dict[str, object]:
 
 
 def report_interference(op_share: float, phase_s: float, settle_s: float, pairs: int,
-                        blocks: int, op_priority: str) -> dict[str, object]:
-    print(f"2. RG job next to an opportunistic job (device priority {op_priority}) alternating paused / "
-          f"{op_share} every {phase_s} s ({pairs} pairs, then 1.0), {blocks} blocks")
-    it = interference(op_share, phase_s, settle_s, pairs, blocks, op_priority)
+                        blocks: int, op_priority: str, op_width: int) -> dict[str, object]:
+    print(f"2. RG job next to an opportunistic job (device priority {op_priority}, width {op_width}) alternating "
+          f"paused / {op_share} every {phase_s} s ({pairs} pairs, then 1.0), {blocks} blocks")
+    it = interference(op_share, phase_s, settle_s, pairs, blocks, op_priority, op_width)
     print(table(it["detail"], ["OP phase share", "RG step ms (mean)", "OP cores", "foreign cores"]))
     lo, hi = it["rg_slowdown_single_phase_range"]
     print(table([
@@ -285,6 +287,7 @@ def report_interference(op_share: float, phase_s: float, settle_s: float, pairs:
         "op_progress_ratio": round(it["op_progress_ratio"], 4),
         "op_share": op_share,
         "op_priority": op_priority,
+        "op_width": op_width,
         "op_cpu_cores_throttled": round(it["op_cpu_cores_throttled"], 4),
         "rg_slowdown_floor": round(it["rg_slowdown_floor"], 4),
         "rg_pairs_per_block": pairs,
@@ -319,6 +322,11 @@ def main() -> None:
     p.add_argument("--op-priority", choices=("low", "normal"), default="low",
                    help="ANTMAN_DEVICE_PRIORITY of the opportunistic job (default low, as scheduler_lite "
                         "runs opportunistic jobs on emulated devices)")
+    p.add_argument("--op-width", type=int, default=1024,
+                   help="interference: the opportunistic job's layer width (default 1024, the RG job's): "
+                        "its widest layer and two optimizer slots take 3 x width^2 x 4 bytes, 12 MiB at 1024, "
+                        "192 KiB at 128 (L2 here: 1.25 MiB a core), so a "
+                        "small width shows how much of the RG job's loss is the caches")
     p.add_argument("--pairs", type=int, default=0,
                    help="interference: paused/OP pairs per block (default 6 quick, 30 full); a block's "
                         "noise falls as 1/sqrt(pairs)")
@@ -333,6 +341,8 @@ def main() -> None:
         p.error(f"--reps: {a.reps} is outside the accepted range [0, 1000] (0: the default)")
     if not 0 <= a.pairs <= 1000:
         p.error(f"--pairs: {a.pairs} is outside the accepted range [0, 1000] (0: the default)")
+    if not 16 <= a.op_width <= 4096:
+        p.error(f"--op-width: {a.op_width} is outside the accepted range [16, 4096]")
     if not 0.0 < a.op_share < 1.0:
         p.error(f"--op-share: {a.op_share} is outside the accepted range (0, 1)")
     phase_s = 2.5 if a.quick else 4.0
@@ -343,7 +353,7 @@ def main() -> None:
         out.update(report_share(phase_s, reps))
     if "interference" in sections:
         out.update(report_interference(a.op_share, 1.0, 0.25, a.pairs or (6 if a.quick else 30), reps,
-                                       a.op_priority))
+                                       a.op_priority, a.op_width))
     if "input" in sections:
         out.update(report_input(min(reps, 3)))
     if "cost" in sections:
