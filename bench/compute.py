@@ -52,6 +52,7 @@ import subprocess
 from _common import finish_job, median, run_job, start_job, step_time_ratio_vs_stock, table
 
 TARGETS = (0.25, 0.5, 0.75)
+RG_WIDTH = 1024  # interference: the RG job's layer width, and the OP job's unless --op-width
 QUIET_CORES = 0.1  # interference: a phase during which other processes used more than this is noisy
 
 
@@ -125,7 +126,7 @@ def interference_phases(op_share: float, pairs: int, blocks: int) -> list[float]
 
 
 def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, blocks: int,
-                 op_priority: str = "low", op_width: int = 1024) -> dict[str, object]:
+                 op_priority: str = "low", op_width: int = RG_WIDTH) -> dict[str, object]:
     """A resource-guarantee (RG) job on both cores runs throughout while an opportunistic (OP) job
     beside it alternates paused / op_share every phase_s seconds (`pairs` times per block), then
     runs one unthrottled phase. Each OP phase is judged by the RG job's own mean step time (wall
@@ -134,7 +135,7 @@ def interference(op_share: float, phase_s: float, settle_s: float, pairs: int, b
     here) hit a phase and its baseline alike, and the pairs of a block average what remains.
     A paused OP job holds its ops and uses no CPU, so the paused phases are the RG job alone;
     a separate RG-alone run checks that."""
-    rg_args = ["--mode", "loop", "--width", "1024"]
+    rg_args = ["--mode", "loop", "--width", str(RG_WIDTH)]
     shares = interference_phases(op_share, pairs, blocks)
     total = len(shares) * phase_s
     alone = run_job([*rg_args, "--duration", "6"], {"ANTMAN_ENABLE": "1"}, threads=2)["step_times"]
@@ -322,8 +323,8 @@ def main() -> None:
     p.add_argument("--op-priority", choices=("low", "normal"), default="low",
                    help="ANTMAN_DEVICE_PRIORITY of the opportunistic job (default low, as scheduler_lite "
                         "runs opportunistic jobs on emulated devices)")
-    p.add_argument("--op-width", type=int, default=1024,
-                   help="interference: the opportunistic job's layer width (default 1024, the RG job's): "
+    p.add_argument("--op-width", type=int, default=RG_WIDTH,
+                   help=f"interference: the opportunistic job's layer width (default {RG_WIDTH}, the RG job's): "
                         "its widest layer and two optimizer slots take 3 x width^2 x 4 bytes, 12 MiB at 1024, "
                         "192 KiB at 128 (L2 here: 1.25 MiB a core), so a "
                         "small width shows how much of the RG job's loss is the caches")
