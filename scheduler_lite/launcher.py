@@ -264,4 +264,8 @@ def read_exit_status(job_dir: Path, fallback: int | None = None) -> int | None:
     The job's user writes the file: it is read without following a link or blocking on a FIFO.
     """
     code = read_small_int(job_dir / EXIT_STATUS_FILE)
-    return fallback if code is None else code
+    if code is None:
+        return fallback
+    # The shell's 128+N for a command killed by signal N: as a signal, the way a job the daemon
+    # still watches as its child reports it (the wrapper re-raises the signal; Popen gives -N).
+    return -(code - 128) if 128 < code < 160 else code

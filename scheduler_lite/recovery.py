@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -45,6 +45,7 @@ LAUNCH_GRACE_S: Final = 5.0
 class Recovery:
     # The daemon's state these methods read and fill (set in Daemon.__init__ before _recover).
     config: Config
+    clock: Callable[[], float]
     storage: Storage
     launcher: Launcher
     driver: Driver
@@ -148,9 +149,13 @@ class Recovery:
             self._record_end(record, found, now, "ended while the daemon was down")
             return
         if missing or record.role is None:
+            # Nothing may run unmanaged: SIGTERM, SIGKILL after the grace, and its end recorded
+            # once it has ended (this blocks the start-up for up to jobs.cancel_grace_s).
             log.error("job %s runs on GPU(s) %s that are no longer configured: stopping it", record.id, missing)
-            self.launcher.signal(found, signal.SIGTERM)
-            self._record_end(record, ExitInfo(None), now, f"GPU(s) {missing} no longer configured")
+            self.storage.add_event(now, "stopping", record.id, signal="SIGTERM", why="GPU(s) no longer configured")
+            ended = self.launcher.stop(found, self.config.jobs.cancel_grace_s)
+            self.launcher.cleanup(found)
+            self._record_end(record, ended, self.clock(), f"GPU(s) {missing} no longer configured")
             return
         settings = self._stored_settings(record)
         self.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
@@ -159,9 +164,21 @@ class Recovery:
             record = self.storage.update_job(record.id, pid=pid, pid_start=found.start_ticks)
             self.storage.add_event(now, "adopted", record.id, pid=pid, gpus=list(record.placement))
         live = LiveJob(record, found, job_dir, control_seq=seq)
-        live.stop_sent_at = now if record.cancel_requested else None
+        # A cancel whose SIGTERM was sent before the restart keeps its grace period; one the
+        # daemon died before acting on gets its SIGTERM from _ingest (never a bare SIGKILL).
+        live.stop_sent_at = self._sigterm_sent_at(record.id) if record.cancel_requested else None
         self._live[record.id] = live
         log.info("re-adopted %s (pid %d) on GPU(s) %s", record.id, pid, list(record.placement))
+
+    def _sigterm_sent_at(self, job_id: str) -> float | None:
+        """When the cancel's SIGTERM went out, if the store shows it did (after the cancel request)."""
+        sent = None
+        for event in self.storage.events(job_id):
+            if event.kind == "cancel_requested":
+                sent = None
+            elif event.kind == "stopping" and event.detail.get("signal") == "SIGTERM":
+                sent = event.time
+        return sent
 
     def _stored_settings(self, record: JobRecord) -> Settings:
         placements = {p.gpu: p for p in self.storage.placements(record.id)}

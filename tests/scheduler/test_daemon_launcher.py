@@ -108,6 +108,19 @@ def test_adopt_of_a_gone_job_reads_the_status_file(tmp_path: Path) -> None:
     assert Launcher().adopt(handle.pid, handle.start_ticks, tmp_path / "job") == ExitInfo(None)
 
 
+def test_a_job_killed_by_a_signal_reads_the_same_whether_watched_or_adopted(tmp_path: Path) -> None:
+    """The daemon's own child reports SIGTERM as -15; after a restart only the wrapper's status
+    file is left, where the shell wrote 143: both must read as the signal."""
+    launcher = Launcher()
+    handle = launcher.start(spec(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"))
+    assert wait_exit(launcher, handle).exit_code == -signal.SIGTERM
+    assert (tmp_path / "job" / EXIT_STATUS_FILE).read_text() == "143\n"
+    assert Launcher().adopt(handle.pid, handle.start_ticks, tmp_path / "job") == ExitInfo(-signal.SIGTERM)
+    for text, code in (("0\n", 0), ("3\n", 3), ("128\n", 128), ("137\n", -signal.SIGKILL), ("160\n", 160)):
+        (tmp_path / "job" / EXIT_STATUS_FILE).write_text(text)
+        assert Launcher().adopt(handle.pid, handle.start_ticks, tmp_path / "job") == ExitInfo(code), text
+
+
 def test_a_reused_pid_is_not_mistaken_for_the_job(tmp_path: Path) -> None:
     launcher = Launcher()
     # This test process stands in for an unrelated process that got the job's old pid.

@@ -122,6 +122,74 @@ def test_restart_keeps_queued_readopts_running_and_keeps_finished(tmp_path: Path
     assert cancelled.exit_code == -signal.SIGTERM
 
 
+# A job that checkpoints on SIGTERM: it notes the signal and exits 0 (`ignore`: it does not stop).
+TRAPS_TERM = "trap '{action}' TERM; echo up > up; while :; do sleep 0.05; done"
+
+
+def test_a_cancel_the_daemon_died_before_acting_on_still_sends_sigterm(tmp_path: Path, daemons: list[Daemon]) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    d1 = new_daemon(daemons, tmp_path / "state")
+    job = d1.submit(["/bin/sh", "-c", TRAPS_TERM.format(action="echo TERM >> got; exit 0")], tenant="A",
+                    kind="guarantee", workdir=work)
+    d1.tick()
+    assert wait_for(lambda: (work / "up").exists())
+    d1.cancel(job)  # in the store; the daemon dies before a tick acts on it
+    daemons.remove(d1)
+    del d1
+
+    d2 = new_daemon(daemons, tmp_path / "state")
+    assert d2.run_until(lambda d: d.job(job).state.done, timeout=20, interval=0.02)  # type: ignore[union-attr]
+    assert (work / "got").read_text() == "TERM\n"  # it could checkpoint: a SIGTERM, not a bare SIGKILL
+    record = d2.job(job)
+    assert record is not None and record.state is JobStatus.CANCELLED and record.exit_code == 0
+    assert [e.detail["signal"] for e in d2.storage.events(job) if e.kind == "stopping"] == ["SIGTERM"]
+
+
+def test_a_cancel_signalled_before_a_restart_keeps_its_grace_period(tmp_path: Path, daemons: list[Daemon]) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    d1 = new_daemon(daemons, tmp_path / "state")
+    job = d1.submit(["/bin/sh", "-c", TRAPS_TERM.format(action="echo TERM >> got")], tenant="A", kind="guarantee",
+                    workdir=work)
+    d1.tick()
+    assert wait_for(lambda: (work / "up").exists())
+    d1.cancel(job)
+    d1.tick()  # SIGTERM sent (the job ignores it); then the daemon dies
+    assert wait_for(lambda: (work / "got").exists())
+    daemons.remove(d1)
+    del d1
+
+    d2 = new_daemon(daemons, tmp_path / "state")
+    assert d2.run_until(lambda d: d.job(job).state.done, timeout=20, interval=0.02)  # type: ignore[union-attr]
+    assert (work / "got").read_text() == "TERM\n"  # not signalled twice
+    record = d2.job(job)
+    assert record is not None and record.state is JobStatus.CANCELLED and record.exit_code == -signal.SIGKILL
+    assert [e.detail["signal"] for e in d2.storage.events(job) if e.kind == "stopping"] == ["SIGTERM", "SIGKILL"]
+
+
+def test_a_job_on_a_gpu_no_longer_configured_is_stopped_for_good(tmp_path: Path, daemons: list[Daemon]) -> None:
+    """It ignores SIGTERM: a restart with one GPU less must still end it (SIGKILL after the grace)
+    and record how it ended, not leave it running unmanaged."""
+    work = tmp_path / "work"
+    work.mkdir()
+    d1 = new_daemon(daemons, tmp_path / "state", gpus=2)
+    job = d1.submit(["/bin/sh", "-c", TRAPS_TERM.format(action="")], tenant="A", kind="guarantee", gpus=2,
+                    workdir=work)
+    d1.tick()
+    assert wait_for(lambda: (work / "up").exists())
+    pid = d1.job(job).pid  # type: ignore[union-attr]
+    daemons.remove(d1)
+    del d1
+
+    d2 = new_daemon(daemons, tmp_path / "state", gpus=1)
+    record = d2.job(job)
+    assert record is not None and record.state is JobStatus.FAILED and record.exit_code == -signal.SIGKILL
+    assert "no longer configured" in (record.reason or "")
+    assert pid is not None and not Path(f"/proc/{pid}").exists()  # ended, and reaped
+    assert [e.detail["signal"] for e in d2.storage.events(job) if e.kind == "stopping"] == ["SIGTERM"]
+
+
 def test_a_job_that_ends_while_the_daemon_is_down_keeps_its_status(tmp_path: Path, daemons: list[Daemon]) -> None:
     d1 = new_daemon(daemons, tmp_path)
     job = d1.submit(fake_command(steps=3, exit_code=4), tenant="A", kind="guarantee", env=JOB_ENV)
