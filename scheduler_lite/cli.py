@@ -75,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, ConfigError, SubmitError, StorageError, DeviceError, ClientError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `logs job-3 | head`: the reader has what it wanted. Python would complain again when it
+        # flushes stdout at exit, so stdout goes to /dev/null; the status is the shell's for SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as e:
         print(f"{PROG}: error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
         return 1
@@ -168,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = command("submit", cmd_submit, "queue a job; prints its id",
                  f"example:\n  {PROG} submit --tenant research --gpus 1 --type guarantee -- python train.py --lr 0.1")
-    sp.add_argument("--tenant", help="tenant (default: the only one configured)")
+    sp.add_argument("--tenant", help="tenant (default: the only one you may submit to; `tenants` lists them)")
     sp.add_argument("--gpus", type=int, default=1, help="GPUs of the gang (default 1)")
     sp.add_argument("--type", dest="kind", default="auto", choices=[k.value for k in JobKind],
                     help="guarantee: uses quota; opportunistic: never does; auto: guarantee unless it "

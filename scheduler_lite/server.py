@@ -27,6 +27,7 @@ import logging
 import os
 import queue
 import socket
+import stat
 import struct
 import subprocess
 import threading
@@ -52,6 +53,7 @@ from scheduler_lite.auth import (
 from scheduler_lite.config import Config
 from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user
 from scheduler_lite.model import JobKind
+from scheduler_lite.policy.validation import ConfigError
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
 from scheduler_lite.submission import SubmitError, make_job_spec, request_cancel, submit_job
@@ -62,6 +64,7 @@ log = logging.getLogger("scheduler_lite")
 PROTOCOL_VERSION: Final = 1
 MAX_REQUEST_BYTES: Final = 1 << 20
 MAX_LOG_CHUNK: Final = 1 << 20
+MAX_LOG_OFFSET: Final = 1 << 62  # a file offset: larger ones overflow a seek
 READ_TIMEOUT_S: Final = 10.0  # a client that does not send its request in time is dropped
 ANSWER_TIMEOUT_S: Final = 60.0
 MAX_CONNECTIONS: Final = 64
@@ -85,6 +88,23 @@ class _Pending:
     args: Mapping[str, Any]
     done: threading.Event = field(default_factory=threading.Event)
     answer: dict[str, Any] | None = None
+    # Who got it first: the daemon's thread (taken) or the connection giving up on it (dropped).
+    # Under the lock, so a request the client was told failed is never carried out later.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    taken: bool = False
+    dropped: bool = False
+
+    def take(self) -> bool:
+        """The daemon's thread starts on it; False if the client was already told it timed out."""
+        with self.lock:
+            self.taken = not self.dropped
+            return self.taken
+
+    def drop(self) -> bool:
+        """The connection gives up; False if the daemon's thread is already carrying it out."""
+        with self.lock:
+            self.dropped = not self.taken
+            return self.dropped
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,6 +115,25 @@ def access_policy(config: Config, daemon_uid: int | None = None) -> AccessPolicy
     named = {m.tenant: m for m in config.access.members}
     members = [named.get(t.name, TenantMembers(t.name)) for t in config.tenants]
     return policy_from_config(members, config.access.admins, config.access.admin_groups, daemon_uid)
+
+
+def check_state_dir(config: Config) -> None:
+    """Refuse a state directory that is not the scheduler's own: `serve` sets its mode (0700 or
+    0755), which must not happen to a shared directory such as /tmp or to another user's."""
+    try:
+        st = os.stat(config.state_dir)
+    except FileNotFoundError:
+        return  # created by serve, with the right owner and mode
+    field_name = "paths.state_dir"
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(field_name, str(config.state_dir), "a directory (this path is not one)")
+    if st.st_mode & (stat.S_IWOTH | stat.S_ISVTX):
+        raise ConfigError(field_name, str(config.state_dir),
+                          f"a directory of the scheduler's own, not a shared one (mode {stat.S_IMODE(st.st_mode):04o}): "
+                          "serve makes it 0700 (0755 as root); e.g. a new subdirectory of it")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(field_name, str(config.state_dir),
+                          f"a directory owned by the daemon's user (uid {os.geteuid()}), not by uid {st.st_uid}")
 
 
 def secure_state_dir(config: Config, multi_user: bool) -> None:
@@ -188,8 +227,15 @@ class Server:
             pending = _Pending(identity_of_uid(uid, gid), op, args)
             self._requests.put(pending)
             if not pending.done.wait(ANSWER_TIMEOUT_S):
-                _send(conn, {"ok": False, "error": "the daemon did not answer in time"})
-                return
+                if pending.drop():
+                    _send(conn, {"ok": False, "error": f"the daemon did not take the request within "
+                                 f"{ANSWER_TIMEOUT_S:g} s (busy): nothing was done, try again"})
+                    return
+                # Being carried out: a submit's answer names the job, which a retry would duplicate.
+                if not pending.done.wait(ANSWER_TIMEOUT_S):
+                    _send(conn, {"ok": False, "error": "the daemon did not finish the request in time: it may "
+                                 "still take effect (check with `scheduler-lite list`)"})
+                    return
             assert pending.answer is not None
             conn.settimeout(ANSWER_TIMEOUT_S)
             _send(conn, pending.answer)
@@ -213,6 +259,8 @@ class Server:
                 pending = self._requests.get(timeout=min(left, 0.1))
             except queue.Empty:
                 continue
+            if not pending.take():
+                continue  # its client was told that nothing was done
             pending.answer = self.handle(pending.who, pending.op, pending.args)
             pending.done.set()
 
@@ -247,7 +295,7 @@ class Server:
     def _submit(self, who: Identity, args: Mapping[str, Any]) -> Any:
         _only(args, ("command", "tenant", "gpus", "kind", "workdir", "env", "session_env", "memory_bytes", "name",
                      "steps", "duration_s", "share", "restartable"))
-        command = _strings(args, "command", MAX_COMMAND_WORDS, required=True)
+        command = _strings(args, "command", MAX_COMMAND_WORDS, required=True, empty_after_first=True)
         tenant = _string(args, "tenant", MAX_NAME)
         gpus = _int(args, "gpus", default=1)
         kind = _string(args, "kind", 32) or str(JobKind.AUTO)
@@ -272,13 +320,15 @@ class Server:
         if not isinstance(restartable, bool):
             raise RequestError(f"restartable {restartable!r} is invalid: accepted true or false")
         chosen = check_submit(self.policy, who, tenant)
+        # As the submitter first: make_job_spec looks at the path as the daemon's user (root), and
+        # its answers (exists, where a link points) must not tell anyone what they cannot see.
+        _check_workdir(who, workdir)
         # The --env allow-list and every range: the same checks as the library's submissions.
         spec = make_job_spec(self.config, command, tenant=chosen, gpus=gpus, kind=kind, workdir=workdir, env=env,
                              memory_bytes=memory, name=name, expected_steps=steps, expected_duration_s=duration,
                              requested_share=share, restartable=restartable, now=self.daemon.clock())
         given = {k for k, _ in spec.env}
         extra = tuple((k, _checked_value(k, v)) for k, v in session.items() if k not in given)
-        _check_workdir(who, spec.workdir)
         spec = dataclasses.replace(spec, env=spec.env + extra, uid=who.uid, user=who.user)
         record = submit_job(self.daemon.storage, spec)
         log.info("%s submitted by %s (uid %d) to tenant %s", record.id, who.user, who.uid, record.tenant)
@@ -330,8 +380,8 @@ class Server:
         if not isinstance(stderr, bool):
             raise RequestError(f"stderr {stderr!r} is invalid: accepted true or false")
         offset = _int(args, "offset", default=0)
-        if offset < 0:
-            raise RequestError(f"offset {offset} is invalid: accepted an integer >= 0")
+        if not 0 <= offset <= MAX_LOG_OFFSET:
+            raise RequestError(f"offset {_short(offset)} is invalid: accepted an integer in [0, {MAX_LOG_OFFSET}]")
         if not record.job_dir:
             return {"data": "", "offset": offset, "done": record.state.done, "started": False,
                     "state": str(record.state)}
@@ -411,15 +461,18 @@ def _string(args: Mapping[str, Any], key: str, max_len: int, required: bool = Fa
     return value
 
 
-def _strings(args: Mapping[str, Any], key: str, max_items: int, required: bool = False) -> list[str] | None:
+def _strings(args: Mapping[str, Any], key: str, max_items: int, required: bool = False,
+             empty_after_first: bool = False) -> list[str] | None:
+    """A list of strings; `empty_after_first`: a command's arguments may be "" (its program not)."""
     value = args.get(key)
     if value is None and not required:
         return None
     ok = isinstance(value, list) and 0 < len(value) <= max_items and all(
-        isinstance(v, str) and v and len(v) <= MAX_STRING and "\0" not in v for v in value)
+        isinstance(v, str) and (v or (empty_after_first and i > 0)) and len(v) <= MAX_STRING and "\0" not in v
+        for i, v in enumerate(value))
     if not ok:
-        raise RequestError(f"{key} {_short(value)} is invalid: accepted a list of 1-{max_items} non-empty strings "
-                           "without NUL")
+        what = "strings, the first non-empty," if empty_after_first else "non-empty strings"
+        raise RequestError(f"{key} {_short(value)} is invalid: accepted a list of 1-{max_items} {what} without NUL")
     return list(value)  # type: ignore[arg-type]
 
 
@@ -427,9 +480,9 @@ def _int(args: Mapping[str, Any], key: str, default: int | None = None) -> Any:
     value = args.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**62:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"{key} {_short(value)} is invalid: accepted an integer")
-    return value
+    return value  # its range is the caller's to check, with the user's name for the field
 
 
 def _pairs(args: Mapping[str, Any], key: str) -> list[tuple[str, str]]:
@@ -490,8 +543,8 @@ def plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["MAX_REQUEST_BYTES", "PROTOCOL_VERSION", "RequestError", "Server", "access_policy", "job_dict", "plain",
-           "secure_state_dir"]
+__all__ = ["MAX_REQUEST_BYTES", "PROTOCOL_VERSION", "RequestError", "Server", "access_policy", "check_state_dir",
+           "job_dict", "plain", "secure_state_dir"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,6 +557,7 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
     from scheduler_lite.storage import SqliteStorage
 
     multi_user = os.geteuid() == 0
+    check_state_dir(config)
     lock = lock_state_dir(config.state_dir)
     try:
         secure_state_dir(config, multi_user)

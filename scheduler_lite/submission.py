@@ -57,7 +57,8 @@ def make_job_spec(
     now: float | None = None,
 ) -> JobSpec:
     """Validate a submission against the config; SubmitError (one line) when it cannot run here."""
-    if not command or not all(isinstance(c, str) and c for c in command):
+    # Arguments may be empty (`--suffix ""`); the program may not.
+    if not command or not all(isinstance(c, str) for c in command) or not command[0]:
         raise SubmitError("the command is empty: give it after '--', e.g. submit -- python train.py")
     if tenant is None:
         if len(config.tenants) != 1:

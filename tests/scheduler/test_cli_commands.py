@@ -167,6 +167,15 @@ def test_serve_runs_jobs_until_sigterm(cfg_file: str, capsys: pytest.CaptureFixt
         assert rc == 0 and out.splitlines()[0] == "env emulated 0 0" and out.splitlines()[-1] == "done 3"
         rc, out, _ = run(capsys, "--config", cfg, "logs", job, "--stderr", "--follow")
         assert rc == 0 and out == "to stderr\n"
+        # `logs job | head`: a reader that went away is not an error (no message, the SIGPIPE status).
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            piped = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", cfg, "logs", job], cwd=REPO,
+                                   stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+        finally:
+            os.close(write_end)
+        assert (piped.returncode, piped.stderr) == (141, "")
         rc, _, err = run(capsys, "--config", cfg, "serve")  # one daemon per state directory
         assert rc == 2 and "another scheduler-lite daemon" in err
     finally:
@@ -174,6 +183,25 @@ def test_serve_runs_jobs_until_sigterm(cfg_file: str, capsys: pytest.CaptureFixt
         _, log = serve.communicate(timeout=30)
     assert serve.returncode == 0, log
     assert "stopped" in log and "Traceback" not in log
+
+
+def test_serve_refuses_a_shared_state_dir_and_leaves_it_alone(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`state_dir = "/tmp"` must not make /tmp 0755 (serve sets its state directory's mode)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    cfg = tmp_path / "sl.toml"
+    cfg.write_text(to_toml(scheduler_config(["1GiB"], {"A": 1}, state_dir=str(shared))))
+    rc, _, err = run(capsys, "--config", str(cfg), "serve")
+    assert rc == 2 and "paths.state_dir=" in err and "not a shared one (mode 1777)" in err, err
+    assert os.stat(shared).st_mode & 0o7777 == 0o1777 and list(shared.iterdir()) == []
+    os.chmod(shared, 0o755)
+    if os.geteuid() == 0:  # another user's directory
+        os.chown(shared, 65534, 65534)
+        rc, _, err = run(capsys, "--config", str(cfg), "serve")
+        assert rc == 2 and "owned by the daemon's user (uid 0), not by uid 65534" in err, err
+        assert list(shared.iterdir()) == []
 
 
 def test_status_warns_about_a_job_that_never_reports(capsys: pytest.CaptureFixture[str]) -> None:

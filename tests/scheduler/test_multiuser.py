@@ -284,6 +284,16 @@ def test_submit_needs_a_tenant_of_one_s_own_and_a_workdir_one_can_enter(site: Si
     _one_error_line(site.cli("a", "submit", "--tenant", "nope", "--", "/bin/true"), "unknown tenant")
     done = site.cli("a", "submit", "--workdir", str(site.users["b"].workdir), "--", "/bin/true")
     _one_error_line(done, "cannot enter")
+    # The daemon (root) must not tell A whether a path it cannot reach exists, or where a link
+    # points: the same answer, naming only the path A gave.
+    hidden = site.base / "root-only"
+    (hidden / "inner").mkdir(parents=True)
+    os.chmod(hidden, 0o700)
+    link = site.base / "link-a"
+    link.symlink_to(hidden / "inner")
+    for workdir in (hidden / "inner", hidden / "absent", link):
+        done = site.cli("a", "submit", "--workdir", str(workdir), "--", "/bin/true")
+        _one_error_line(done, f"--workdir '{workdir}': user '{site.users['a'].name}' cannot enter it")
     # Only tenant of A: --tenant may be left out.
     done = site.cli("a", "submit", "--", "/bin/true")
     assert done.returncode == 0, done.stderr

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
+from scheduler_lite import server as server_module
 from scheduler_lite.auth import AccessPolicy, Identity, TenantMembers, identity_of_uid
 from scheduler_lite.client import ClientError, call_socket
 from scheduler_lite.daemon import Daemon
-from scheduler_lite.server import MAX_REQUEST_BYTES, Server
+from scheduler_lite.server import MAX_REQUEST_BYTES, Server, _Pending
 from scheduler_lite.storage import MemoryStorage
 from tests.scheduler.test_daemon_fakes import make_config
 
@@ -37,8 +38,13 @@ def submit_args(**changes: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (submit_args(command="true"), "command 'true' is invalid: accepted a list of 1-4096 non-empty strings"),
+    (submit_args(command="true"), "command 'true' is invalid: accepted a list of 1-4096 strings, the first "
+                                  "non-empty, without NUL"),
     (submit_args(command=[]), "command [] is invalid"),
+    (submit_args(command=["", "x"]), "command ['', 'x'] is invalid"),
+    (submit_args(memory_bytes=10**23), "--memory 100000000000000000000000 is invalid: accepted a size in [1, "),
+    (submit_args(gpus=10**20), "--gpus 100000000000000000000 is invalid: accepted an integer in [1, 1]"),
+    (submit_args(steps=10**20), "--steps 100000000000000000000 is invalid: accepted an integer in [1, "),
     (submit_args(command=["a\0b"]), "without NUL"),
     (submit_args(workdir="relative"), "workdir 'relative' is invalid: accepted an absolute path"),
     (submit_args(gpus=True), "gpus True is invalid: accepted an integer"),
@@ -63,6 +69,31 @@ def test_a_refused_submission_names_the_field_and_writes_nothing(server: Server,
     assert answer["ok"] is False and message in answer["error"], answer
     assert "\n" not in answer["error"]
     assert server.daemon.storage.list_jobs() == []
+
+
+def test_a_command_s_arguments_may_be_empty(server: Server) -> None:
+    answer = server.handle(ME, "submit", submit_args(command=["/bin/echo", "a", "", "b"]))
+    assert answer["ok"], answer
+    record = server.daemon.storage.get_job(answer["result"]["id"])
+    assert record is not None and record.command == ("/bin/echo", "a", "", "b")
+
+
+def test_a_request_the_client_gave_up_on_is_never_carried_out(server: Server,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client was told "nothing was done": the daemon's thread must then skip the request
+    (a retried submit would otherwise run twice); one it already took is answered instead."""
+    monkeypatch.setattr(server_module, "ANSWER_TIMEOUT_S", 0.2)
+    server.config.state_dir.mkdir(parents=True, exist_ok=True)
+    server.start()
+    try:
+        with pytest.raises(ClientError, match="did not take the request within 0.2 s .busy.: nothing was done"):
+            call_socket(server.path, "submit", submit_args())  # the daemon is busy: nobody serves requests
+        server.serve_requests(0.3)  # now it serves: the abandoned submit is skipped
+        assert server.daemon.storage.list_jobs() == []
+    finally:
+        server.close()
+    taken = _Pending(ME, "submit", {})
+    assert taken.take() and not taken.drop()
 
 
 def test_a_tenant_of_others_is_refused_before_anything_else(server: Server) -> None:
