@@ -40,6 +40,7 @@ MAX_DEVICE_ID: Final = 1023  # ANTMAN_DEVICE_ID's upper bound
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 C = TypeVar("C")
 SOCKET_FILE: Final = "scheduler.sock"
+MAX_SOCKET_PATH_BYTES: Final = 107  # sockaddr_un.sun_path is 108 bytes with its NUL (Linux)
 PRIORITIES: Final = ("low", "normal")  # jobs.opportunistic_priority
 # POSIX portable user and group names (useradd's default NAME_REGEX, without the trailing '$').
 _ACCOUNT_RE: Final = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
@@ -132,6 +133,8 @@ def load_config(path: Path) -> Config:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(str(path), "<file>", f"valid TOML ({err})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(str(path), "<file>", f"UTF-8 text (byte {err.start} is not)") from None
     return parse_config(data, base_dir=path.resolve().parent, source=str(path))
 
 
@@ -158,9 +161,16 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
 
     paths = root.table("paths")
     state = paths.take("state_dir", required=True)
-    if not isinstance(state, str) or not state.strip():
+    if not isinstance(state, str) or not state.strip() or "\0" in state:
         raise ConfigError(paths.path("state_dir"), state, "a directory path (relative to the config file)")
     state_dir = (base_dir / Path(state).expanduser()).resolve()
+    # The socket lives there: a Unix socket's path is at most 107 bytes, else every command
+    # would fail later with "AF_UNIX path too long", naming no setting.
+    socket_bytes = len(os.fsencode(state_dir / SOCKET_FILE))
+    if socket_bytes > MAX_SOCKET_PATH_BYTES:
+        raise ConfigError(paths.path("state_dir"), state,
+                          f"a directory whose path (here {state_dir}) leaves room for the socket "
+                          f"{SOCKET_FILE!r}: at most {MAX_SOCKET_PATH_BYTES - len(SOCKET_FILE) - 1} bytes")
     paths.finish()
 
     devices = _devices(root.table("devices"))

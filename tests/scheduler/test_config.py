@@ -75,6 +75,9 @@ def test_passes_policy_sections_through() -> None:
         (("coordinator", "min_memory_bytes"), "-1", "coordinator.min_memory_bytes", "bytes"),
         (("coordinator", "round_interval"), 1, "coordinator.round_interval", "round_interval_s"),
         (("colour",), "red", "colour", "one of version"),
+        (("paths", "state_dir"), "st\0ate", "paths.state_dir", "a directory path"),
+        (("paths", "state_dir"), "s" * 100, "paths.state_dir", "room for the socket 'scheduler.sock': at most 92"),
+        (("devices", "emulated", 0, "memory"), "1e999", "devices.emulated[0].memory", "a size such as"),
     ],
 )
 def test_rejections_name_the_key_and_the_accepted_range(path: tuple, value: object, field: str,
@@ -119,6 +122,9 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("version = = 1\n")
     with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(bad)
+    bad.write_bytes(b"version = 1\n# \xff\n")  # not UTF-8: an error naming the file, no traceback
+    with pytest.raises(ConfigError, match="bad.toml.*UTF-8 text .byte 14"):
         load_config(bad)
 
 
