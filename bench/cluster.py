@@ -201,9 +201,13 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="3 repeats of each mode")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="3 repeats of each mode (instead of --repeats)")
+    p.add_argument("--repeats", type=int, default=10, help="alternated runs of each mode, 1-100 (default 10)")
     args = p.parse_args()
+    if not 1 <= args.repeats <= 100:
+        p.error(f"--repeats {args.repeats} is invalid: accepted an integer in [1, 100]")
+    if args.quick and "--repeats" in sys.argv[1:]:
+        p.error("--quick sets the repeats (3): give one of --quick and --repeats")
     repeats = 3 if args.quick else args.repeats
     os.environ["PYTHONPATH"] = str(REPO)
     import ray

@@ -39,8 +39,9 @@ AUTO_FRACTIONS = (0.5, 1.0)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="300 jobs per load-curve run instead of 500, and no Alibaba replay")
     args = ap.parse_args()
     perf = load_perf_model()
     figures: dict[str, float | bool] = {}

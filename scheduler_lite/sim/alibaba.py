@@ -23,11 +23,12 @@ from __future__ import annotations
 import csv
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 from scheduler_lite.model import GIB, Gpu, JobKind
 from scheduler_lite.model import Tenant as _Tenant
-from scheduler_lite.policy.validation import ConfigError, check_range
+from scheduler_lite.policy.validation import ConfigError, check_int, check_range
 from scheduler_lite.sim.perf import PerfModel
 from scheduler_lite.sim.workload import TraceJob, Workload
 
@@ -38,27 +39,53 @@ DEMAND_REFERENCE_GIB = 16  # gpu_milli is a share of this much memory (the small
 GUARANTEE_QOS = ("LS", "Burstable", "Guaranteed")
 OPPORTUNISTIC_QOS = ("BE",)
 SKIPPED_PHASES = ("Pending",)
+POD_COLUMNS = ("num_gpu", "gpu_milli", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
+NODE_COLUMNS = ("gpu",)
+# The 2023 trace's longest run is ~1.3e7 s (5 months). A pod's CPU phases are listed up front
+# (one evaluation per perf_model cpu_phases.evaluation_every_s of work): a bound on the run time
+# keeps a stray value from building millions of them.
+MAX_RUNTIME_S = 1e8
 
 
-def _num(row: dict[str, str], field: str, where: str, low: float, high: float) -> float:
+def _num(row: dict[str, str], field: str, where: str, low: float, high: float, whole: bool = False) -> float:
     raw = row.get(field)
     try:
         value = float(raw) if raw not in (None, "") else math.nan
     except ValueError:
         value = math.nan
-    if not low <= value <= high:
-        raise ConfigError(f"{where} {field}", raw, f"a number in [{low:g}, {high:g}]")
+    if not low <= value <= high or (whole and not value.is_integer()):
+        kind = "a whole number" if whole else "a number"
+        raise ConfigError(f"{where} {field}", raw, f"{kind} in [{low:g}, {high:g}]")
     return value
+
+
+def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line, row) of a CSV file with a header naming `required`; ConfigError naming the file
+    for anything else (not UTF-8, not CSV, a column missing). Header names are stripped (the
+    trace's README writes them with spaces after the commas); a byte-order mark is skipped."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f, skipinitialspace=True)
+            header = [h.strip() for h in reader.fieldnames or ()]
+            missing = [c for c in required if c not in header]
+            if missing:
+                raise ConfigError(f"{path}", f"columns {header}", "a header row with " + ", ".join(required)
+                                  + f" (missing: {', '.join(missing)})")
+            reader.fieldnames = header
+            yield from enumerate(reader, start=2)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}", f"byte {e.start}", "UTF-8 text") from None
+    except csv.Error as e:
+        raise ConfigError(f"{path}", "<file>", f"CSV ({e})") from None
 
 
 def read_nodes(path: Path) -> list[tuple[str, int, str]]:
     """(serial number, GPUs, GPU model) of every node with at least one GPU."""
     nodes = []
-    with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), start=2):
-            count = int(_num(row, "gpu", f"{path}:{i}", 0, 64))
-            if count:
-                nodes.append((row.get("sn") or f"node-{i}", count, row.get("model") or ""))
+    for i, row in _rows(path, NODE_COLUMNS):
+        count = int(_num(row, "gpu", f"{path}:{i}", 0, 64, whole=True))
+        if count:
+            nodes.append((row.get("sn") or f"node-{i}", count, row.get("model") or ""))
     if not nodes:
         raise ConfigError(f"{path}", "no GPU node", "at least one row with gpu > 0")
     return nodes
@@ -105,43 +132,57 @@ def load_alibaba(
         raise ConfigError("gpus/peak_ratio", (gpus, peak_ratio), "at most one of the two")
     if peak_ratio is not None:
         check_range("peak_ratio", peak_ratio, 0.0, 1000.0, low_open=True)
-    generic = perf.models["generic"]
+    generic = perf.models.get("generic")
+    if generic is None:
+        raise ConfigError("perf_model.models.generic", None, "a model named generic (the Alibaba replay's pods)")
     rng = random.Random(seed)
     jobs: list[TraceJob] = []
     skipped = 0
-    with open(pods, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), start=2):
-            where = f"{pods}:{i}"
-            num = int(_num(row, "num_gpu", where, 0, 64))
-            phase = row.get("pod_phase", "")
-            if num == 0 or phase in SKIPPED_PHASES or not row.get("scheduled_time"):
-                skipped += 1  # CPU-only, or never ran: no run time to replay
-                continue
-            qos = row.get("qos", "")
-            if qos not in GUARANTEE_QOS + OPPORTUNISTIC_QOS:
-                raise ConfigError(f"{where} qos", qos, "one of " + ", ".join(GUARANTEE_QOS + OPPORTUNISTIC_QOS))
-            created = _num(row, "creation_time", where, 0, 1e12)
-            started = _num(row, "scheduled_time", where, created, 1e12)
-            deleted = _num(row, "deletion_time", where, started, 1e12)
-            share = _num(row, "gpu_milli", where, 0, 1000) / 1000 if num == 1 else 1.0
-            share = max(share, 0.001)
-            surge = rng.random() < perf.surge_probability
-            runtime = max(1.0, deleted - started)
-            jobs.append(TraceJob(
-                id=row.get("name") or f"pod-{i}", tenant="alibaba",
-                kind=JobKind.OPPORTUNISTIC if qos in OPPORTUNISTIC_QOS else JobKind.GUARANTEE,
-                submit_time=created / time_compression, num_gpus=num, runtime_s=runtime, model="generic",
-                memory_demand_bytes=int(share * DEMAND_REFERENCE_GIB * GIB), utilisation=share,
-                step_time_s=generic.step_time_s, predicted_runtime_s=runtime,
-                surge_at_fraction=perf.surge_at_fraction if surge else None,
-                surge_growth=perf.surge_growth, requested_share=share,
-                cpu_phases=perf.cpu_phases(runtime),
-            ))
+    seen: dict[str, int] = {}
+    for i, row in _rows(pods, POD_COLUMNS):
+        where = f"{pods}:{i}"
+        num = int(_num(row, "num_gpu", where, 0, 64, whole=True))
+        phase = row.get("pod_phase", "")
+        if num == 0 or phase in SKIPPED_PHASES or not row.get("scheduled_time"):
+            skipped += 1  # CPU-only, or never ran: no run time to replay
+            continue
+        qos = row.get("qos", "")
+        if qos not in GUARANTEE_QOS + OPPORTUNISTIC_QOS:
+            raise ConfigError(f"{where} qos", qos, "one of " + ", ".join(GUARANTEE_QOS + OPPORTUNISTIC_QOS))
+        created = _num(row, "creation_time", where, 0, 1e12)
+        started = _num(row, "scheduled_time", where, created, 1e12)
+        deleted = _num(row, "deletion_time", where, started, started + MAX_RUNTIME_S)
+        share = _num(row, "gpu_milli", where, 0, 1000) / 1000 if num == 1 else 1.0
+        share = max(share, 0.001)
+        surge = rng.random() < perf.surge_probability
+        runtime = max(1.0, deleted - started)
+        name = row.get("name") or f"pod-{i}"
+        if name in seen:
+            raise ConfigError(f"{where} name", name, f"a name used once (line {seen[name]} has it)")
+        seen[name] = i
+        jobs.append(TraceJob(
+            id=name, tenant="alibaba",
+            kind=JobKind.OPPORTUNISTIC if qos in OPPORTUNISTIC_QOS else JobKind.GUARANTEE,
+            submit_time=created / time_compression, num_gpus=num, runtime_s=runtime, model="generic",
+            memory_demand_bytes=int(share * DEMAND_REFERENCE_GIB * GIB), utilisation=share,
+            step_time_s=generic.step_time_s, predicted_runtime_s=runtime,
+            surge_at_fraction=perf.surge_at_fraction if surge else None,
+            surge_growth=perf.surge_growth, requested_share=share,
+            cpu_phases=perf.cpu_phases(runtime),
+        ))
     if not jobs:
-        raise ConfigError(f"{pods}", "no GPU pod that ran", "at least one")
+        raise ConfigError(f"{pods}", "no GPU pod that ran", "at least one row with num_gpu > 0, "
+                          "a scheduled_time and a pod_phase other than Pending")
     jobs.sort(key=lambda j: (j.submit_time, j.id))
     all_nodes = read_nodes(nodes)
     largest = max(j.num_gpus for j in jobs)
+    if gpus is not None:
+        check_int("cluster_gpus", gpus, 1, 10_000_000)
+    capacity = sum(n[1] for n in all_nodes)
+    if largest > capacity:
+        pod = next(j for j in jobs if j.num_gpus == largest)
+        raise ConfigError(f"{pods} pod {pod.id} num_gpu", largest,
+                          f"at most the node list's {capacity} GPUs ({nodes}): it could never run")
     if peak_ratio is not None:
         gpus = max(largest, math.ceil(peak_demand(jobs) / peak_ratio))
     chosen = all_nodes if gpus is None else _pick_nodes(all_nodes, max(gpus, largest))

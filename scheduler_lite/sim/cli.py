@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from scheduler_lite.sim.alibaba import load_alibaba
 from scheduler_lite.sim.engine import ROUND_MODES, simulate
 from scheduler_lite.sim.output import plot, write_jobs_csv, write_summary
 from scheduler_lite.sim.perf import load_perf_model
-from scheduler_lite.sim.workload import alibaba_v2023, default_trace_dir, paper_recipe
+from scheduler_lite.sim.workload import default_trace_dir, paper_recipe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,15 +23,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", choices=sorted(POLICIES),
                    help="repeat for several; default: all")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=400, help="paper workload: number of jobs")
-    p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory-gib", type=float, default=32.0)
-    p.add_argument("--quota-a", type=int, default=64, help="paper workload: tenant A's quota")
-    p.add_argument("--load", type=float, default=1.5,
-                   help="paper workload: offered load (1.5: the bench's calibrated load)")
-    p.add_argument("--auto-fraction", type=float, default=0.0,
-                   help="paper workload: share of tenant A's jobs submitted as auto (upgradable)")
+    # The paper workload's options default to None, so that one given with --workload alibaba is
+    # an error rather than silently ignored (PAPER_DEFAULTS fills them in).
+    p.add_argument("--jobs", type=int, help="paper workload: number of jobs (default 400)")
+    p.add_argument("--nodes", type=int, help="paper workload: nodes (default 8)")
+    p.add_argument("--gpus-per-node", type=int, help="paper workload: GPUs per node (default 8)")
+    p.add_argument("--gpu-memory-gib", type=float, help="paper workload: GiB per GPU (default 32)")
+    p.add_argument("--quota-a", type=int, help="paper workload: tenant A's quota (default 64)")
+    p.add_argument("--load", type=float,
+                   help="paper workload: offered load (default 1.5: the bench's calibrated load)")
+    p.add_argument("--auto-fraction", type=float,
+                   help="paper workload: share of tenant A's jobs submitted as auto (upgradable; default 0)")
     p.add_argument("--trace-dir", type=Path, default=None, help="default: <repo>/../shared/traces")
     p.add_argument("--pods", type=Path, default=None,
                    help="alibaba workload: a pod list in the cluster-trace-gpu-v2023 format "
@@ -38,59 +41,111 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-list", type=Path, default=None,
                    help="alibaba workload: its node list (default: openb_node_list_gpu_node.csv)")
     p.add_argument("--cluster-gpus", type=int, default=None,
-                   help="alibaba workload: keep nodes spread over the node list up to this many GPUs")
+                   help="alibaba workload: keep the fewest nodes, spread over the node list, with at "
+                        "least this many GPUs (and at least the largest pod's)")
     p.add_argument("--peak-ratio", type=float, default=None,
                    help="alibaba workload: size the cluster so the trace's peak demand is this "
                         "many times its GPUs (e.g. 1.25)")
-    p.add_argument("--time-compression", type=float, default=1.0,
-                   help="alibaba workload: divide arrival times by this (run times kept)")
+    p.add_argument("--time-compression", type=float, default=None,
+                   help="alibaba workload: divide arrival times by this (run times kept; default 1)")
     p.add_argument("--perf-model", type=Path, default=None,
                    help="a scheduler_lite.perf_model JSON file, version 3 or 4 (v3: no CPU phases; "
                         "docs/simulator.md); default: the shipped one")
     p.add_argument("--rounds", choices=ROUND_MODES, default="event",
                    help="event: coordinator rounds when asked or inputs changed; periodic: every "
                         "GPU with jobs every round_interval_s (slow; same results without noise)")
-    p.add_argument("--out", type=Path, default=None, help="directory for CSV, summary, plots")
-    p.add_argument("--plots", action="store_true")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for jobs-<policy>.csv, summary.json and plots (created if absent)")
+    p.add_argument("--plots", action="store_true", help="also jct_cdf.png and utilisation.png in --out "
+                   "(needs matplotlib)")
     p.add_argument("--progress", action="store_true", help="progress bar on stderr")
     return p
+
+
+PAPER_DEFAULTS = {"jobs": 400, "nodes": 8, "gpus_per_node": 8, "gpu_memory_gib": 32.0, "quota_a": 64,
+                  "load": 1.5, "auto_fraction": 0.0}
+ALIBABA_OPTIONS = ("pods", "node_list", "cluster_gpus", "peak_ratio", "time_compression")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Options of the other workload are an error, not silently ignored."""
+    given, foreign = (PAPER_DEFAULTS, "alibaba") if args.workload == "alibaba" else (ALIBABA_OPTIONS, "paper")
+    for name in given:
+        if getattr(args, name) is not None:
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name),
+                              f"an option of the {'paper' if foreign == 'alibaba' else 'alibaba'} workload "
+                              f"(this run is --workload {args.workload})")
+    if args.workload == "paper":
+        for name, default in PAPER_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+    if args.plots:
+        if args.out is None:
+            raise ConfigError("--plots", True, "together with --out DIR (where the plots go)")
+        try:
+            import matplotlib  # noqa: F401 - only whether it is there
+        except ImportError:
+            raise ConfigError("--plots", True, "matplotlib installed (pip install matplotlib)") from None
+    if args.out is not None:  # before hours of simulation, not after
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+
+
+class _Console:
+    """Prints the table; a reader that went away (`| head`) stops the printing, not the run:
+    the files in --out are still written."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def say(self, text: str) -> None:
+        if self.closed:
+            return
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:
+            self.closed = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no complaint at exit
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_options(args)
         perf = load_perf_model(args.perf_model)
         if args.workload == "paper":
             wl = paper_recipe(perf, num_jobs=args.jobs, seed=args.seed, nodes=args.nodes,
                               gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib,
                               quota_a=args.quota_a, load=args.load, auto_fraction=args.auto_fraction)
-        elif args.pods or args.node_list:
+        else:
+            compression = 1.0 if args.time_compression is None else args.time_compression
             base = (args.trace_dir or default_trace_dir()) / "alibaba-gpu-v2023"
             wl = load_alibaba(perf, args.pods or base / "openb_pod_list_default.csv",
                               args.node_list or base / "openb_node_list_gpu_node.csv",
                               gpus=args.cluster_gpus, peak_ratio=args.peak_ratio,
-                              time_compression=args.time_compression, seed=args.seed)
-        else:
-            wl = alibaba_v2023(perf, args.trace_dir, seed=args.seed, gpus=args.cluster_gpus,
-                               peak_ratio=args.peak_ratio, time_compression=args.time_compression)
+                              time_compression=compression, seed=args.seed)
         policies = [get_policy(n) for n in (args.policy or list(POLICIES))]
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    out = _Console()
     results = []
-    print(f"{wl.name}: {len(wl.jobs)} jobs ({wl.skipped} skipped), {len(wl.gpus)} GPUs")
-    print(f"{'policy':16s} {'avg JCT h':>9s} {'median h':>8s} {'p95 h':>7s} {'makespan h':>10s} {'guar JCT h':>10s} "
-          f"{'failed':>6s} {'preempt':>7s} {'util':>5s} {'wall s':>6s}")
+    out.say(f"{wl.name}: {len(wl.jobs)} jobs ({wl.skipped} skipped), {len(wl.gpus)} GPUs")
+    out.say(f"{'policy':16s} {'avg JCT h':>9s} {'median h':>8s} {'p95 h':>7s} {'makespan h':>10s} "
+            f"{'guar JCT h':>10s} {'failed':>6s} {'preempt':>7s} {'util':>5s} {'wall s':>6s}")
     for spec in policies:
         r = simulate(wl, spec, perf, seed=args.seed, progress=args.progress, rounds=args.rounds)
         s = r.summary
-        print(f"{spec.name:16s} {s['avg_jct_s'] / 3600:9.2f} {s['median_jct_s'] / 3600:8.2f} "
-              f"{s['p95_jct_s'] / 3600:7.2f} "
-              f"{s['makespan_s'] / 3600:10.2f} {s['guarantee_avg_jct_s'] / 3600:10.2f} "
-              f"{s['failed']:6.0f} {s['preemptions']:7.0f} {s['gpu_compute_util']:5.2f} {s['wall_s']:6.1f}")
+        out.say(f"{spec.name:16s} {s['avg_jct_s'] / 3600:9.2f} {s['median_jct_s'] / 3600:8.2f} "
+                f"{s['p95_jct_s'] / 3600:7.2f} "
+                f"{s['makespan_s'] / 3600:10.2f} {s['guarantee_avg_jct_s'] / 3600:10.2f} "
+                f"{s['failed']:6.0f} {s['preemptions']:7.0f} {s['gpu_compute_util']:5.2f} {s['wall_s']:6.1f}")
+        if s.get("unfinished"):
+            out.say(f"{'':16s} {s['unfinished']:.0f} job(s) never finished (nan: no finished job to average)")
         results.append(r)
         if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
             write_jobs_csv(r, args.out / f"jobs-{spec.name}.csv")
     if args.out:
         write_summary(results, args.out / "summary.json")

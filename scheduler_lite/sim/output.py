@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 from scheduler_lite.sim.result import SimResult
@@ -23,9 +24,11 @@ def write_jobs_csv(result: SimResult, path: Path) -> None:
 
 
 def write_summary(results: list[SimResult], path: Path) -> None:
-    path.write_text(json.dumps(
-        [{"policy": r.policy, "workload": r.workload, "seed": r.seed, **r.summary} for r in results],
-        indent=1))
+    """Strict JSON: a figure without a value (NaN: no finished guarantee job to average) is null."""
+    rows = [{"policy": r.policy, "workload": r.workload, "seed": r.seed,
+             **{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.summary.items()}}
+            for r in results]
+    path.write_text(json.dumps(rows, indent=1, allow_nan=False))
 
 
 def plot(results: list[SimResult], out_dir: Path) -> list[Path]:

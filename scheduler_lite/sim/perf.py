@@ -110,11 +110,29 @@ class PerfModel:
 
 
 def load_perf_model(path: Path | None = None) -> PerfModel:
-    if path is None:
-        text = resources.files("scheduler_lite.data").joinpath("perf_model.json").read_text()
-    else:
-        text = Path(path).read_text()
-    raw = json.loads(text)
+    """The shipped model, or the file at `path`; ConfigError naming the field for anything off."""
+    where = "<shipped perf_model.json>" if path is None else str(path)
+    try:
+        if path is None:
+            text = resources.files("scheduler_lite.data").joinpath("perf_model.json").read_text(encoding="utf-8")
+        else:
+            text = Path(path).read_text(encoding="utf-8")
+        raw = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(where, "<file>", f"a JSON object, {FORMAT!r} (docs/simulator.md): {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(where, type(raw).__name__, "a JSON object")
+    try:
+        return _perf_model(raw)
+    except KeyError as e:  # a required field is missing
+        raise ConfigError(f"{where} {e.args[0]}", None, "a value (required; docs/simulator.md)") from None
+    except (TypeError, AttributeError, IndexError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(where, "<structure>", f"the documented structure (docs/simulator.md): {e}") from None
+
+
+def _perf_model(raw: dict) -> PerfModel:
     if raw.get("format") != FORMAT or raw.get("version") not in READABLE:
         raise ConfigError("perf_model.format/version", (raw.get("format"), raw.get("version")),
                           f"({FORMAT!r}, one of {READABLE})")
@@ -124,6 +142,8 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
         check_range(f"models.{name}.utilisation", m["utilisation"], 0.0, 1.0, low_open=True)
         check_range(f"models.{name}.step_time_s", m["step_time_s"], 0.0, 3600.0, low_open=True)
         points = sorted((float(x), float(y)) for x, y in m["memory_curve"])
+        if not points:
+            raise ConfigError(f"models.{name}.memory_curve", [], "points [fraction, slowdown], the last [1.0, 1.0]")
         for x, y in points:
             check_range(f"models.{name}.memory_curve.fraction", x, 0.0, 1.0)
             check_range(f"models.{name}.memory_curve.slowdown", y, 1.0, 1000.0)
@@ -158,6 +178,7 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
                      evaluation_s=phases.get("evaluation_s", 0.0))
 
 
+MIN_EVALUATION_EVERY_S = 60.0
 PHASE_FIELDS = {"input_s": (0.0, 86400.0), "input_max_fraction": (0.0, 1.0),
                 "evaluation_every_s": (0.0, 1e7), "evaluation_s": (0.0, 86400.0)}
 
@@ -173,6 +194,11 @@ def _cpu_phases(phases: object) -> dict[str, float]:
         if key not in phases:
             raise ConfigError(f"cpu_phases.{key}", None, f"a number in [{low}, {high}]")
         check_range(f"cpu_phases.{key}", phases[key], low, high)
+    # Each evaluation is two events of the job; listed up front for its whole run (cpu_phases).
+    if 0 < phases["evaluation_every_s"] < MIN_EVALUATION_EVERY_S:
+        raise ConfigError("cpu_phases.evaluation_every_s", phases["evaluation_every_s"],
+                          f"0 (no evaluations) or a number in [{MIN_EVALUATION_EVERY_S:g}, "
+                          f"{PHASE_FIELDS['evaluation_every_s'][1]:g}]")
     if phases["evaluation_every_s"] > 0 and phases["evaluation_s"] >= phases["evaluation_every_s"]:
         raise ConfigError("cpu_phases.evaluation_s", phases["evaluation_s"],
                           f"below cpu_phases.evaluation_every_s ({phases['evaluation_every_s']})")

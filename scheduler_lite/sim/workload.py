@@ -105,6 +105,7 @@ def paper_recipe(
     from its own random stream, so 0 gives exactly the workload without it.
     """
     check_int("num_jobs", num_jobs, 1, 10_000_000)
+    check_int("quota_a", quota_a, 0, 10_000_000)
     check_range("auto_fraction", auto_fraction, 0.0, 1.0)
     check_range("load", load, 0.0, 100.0, low_open=True)
     check_range("max_runtime_s", max_runtime_s, min_runtime_s, 1e9)
