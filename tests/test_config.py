@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
 from tf_antman import config
+from tf_antman.protocol.schema import MAX_DEVICE_INDEX
 from tf_antman.units import GiB, MiB, format_bytes, parse_bytes
 
 
@@ -31,8 +34,10 @@ def test_any_variable_implies_enable_unless_disabled() -> None:
 @pytest.mark.parametrize(("name", "value", "accepted"), [
     ("ANTMAN_ENABLE", "maybe", "0/1"),
     ("ANTMAN_DEVICE", "tpu", "auto, emulated or cuda"),
-    ("ANTMAN_DEVICE_ID", "-1", "0..1023"),
-    ("ANTMAN_DEVICE_ID", "1.5", "0..1023"),
+    ("ANTMAN_DEVICE_ID", "-1", "0..63"),
+    ("ANTMAN_DEVICE_ID", "1.5", "0..63"),
+    ("ANTMAN_DEVICE_ID", "64", "0..63"),  # the protocol's device index: 100 made every stats.json invalid
+    ("ANTMAN_DEVICE_ID", "1023", "0..63"),
     ("ANTMAN_DEVICE_MEMORY", "10MiB", "64MiB..1PiB"),
     ("ANTMAN_DEVICE_MEMORY", "lots", "64MiB..1PiB"),
     ("ANTMAN_MEMORY_LIMIT", "8GiB", "ANTMAN_DEVICE_MEMORY"),
@@ -42,7 +47,10 @@ def test_any_variable_implies_enable_unless_disabled() -> None:
     ("ANTMAN_STATS_INTERVAL_MS", "0", "1..60000"),
     ("ANTMAN_CONTROL_FALLBACK_MS", "5", "10..600000"),
     ("ANTMAN_CONTROL_FALLBACK_MS", "1e3", "10..600000"),
-    ("ANTMAN_JOB_DIR", "  ", "a directory path"),
+    ("ANTMAN_JOB_DIR", "  ", "an existing directory this process can write to"),
+    ("ANTMAN_JOB_DIR", "/nonexistent/job", "an existing directory this process can write to"),
+    ("ANTMAN_JOB_DIR", "/etc/hostname", "an existing directory this process can write to"),
+    ("ANTMAN_JOB_DIR", "/proc/self", "an existing directory this process can write to"),
     ("ANTMAN_DEVICE_PRIORITY", "idle", "normal or low"),
     ("ANTMAN_MEMROY_LIMIT", "1GiB", "no such variable"),
 ])
@@ -58,6 +66,12 @@ def test_sizes() -> None:
     assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("1073741824") == GiB
     with pytest.raises(ValueError, match="KiB, MiB, GiB"):
         parse_bytes("4 gigs")
+    for ambiguous in ("512m", "4g", "1k"):  # MiB to Docker, MB to others: refused, not guessed
+        with pytest.raises(ValueError, match="KiB, MiB, GiB"):
+            parse_bytes(ambiguous)
+    for huge in ("1e999", "1e308GiB", "9" * 400):  # float overflow: an error, not OverflowError
+        with pytest.raises(ValueError, match="too large"):
+            parse_bytes(huge)
     assert format_bytes(1536 * MiB) == "1.5 GiB"
 
 
@@ -80,11 +94,27 @@ def test_documented_type_default_and_range_match_the_code() -> None:
         assert rows.get(var.name) == [var.kind, var.default, var.accepted], var.name
 
 
-def test_enable_options_override_the_environment_and_turn_tf_antman_on() -> None:
-    environ = {"ANTMAN_COMPUTE_SHARE": "0.5", "ANTMAN_ENABLE": "0", "ANTMAN_JOB_DIR": "/j", "PATH": "/bin"}
+def test_device_id_range_is_the_protocols() -> None:
+    # The id is reported in stats.json, whose device index is 0..MAX_DEVICE_INDEX.
+    assert config.load({"ANTMAN_DEVICE_ID": str(MAX_DEVICE_INDEX)}).device_id == MAX_DEVICE_INDEX == 63
+
+
+def test_job_dir_is_an_existing_writable_directory(tmp_path: Path) -> None:
+    assert config.load({"ANTMAN_JOB_DIR": str(tmp_path)}).job_dir == str(tmp_path)
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o500)
+    if os.access(read_only, os.W_OK):  # root writes anywhere: the mode cannot show it here
+        pytest.skip("running as root")
+    with pytest.raises(config.ConfigError, match="ANTMAN_JOB_DIR=.*accepted an existing directory"):
+        config.load({"ANTMAN_JOB_DIR": str(read_only)})
+
+
+def test_enable_options_override_the_environment_and_turn_tf_antman_on(tmp_path: Path) -> None:
+    job_dir = str(tmp_path)
+    environ = {"ANTMAN_COMPUTE_SHARE": "0.5", "ANTMAN_ENABLE": "0", "ANTMAN_JOB_DIR": job_dir, "PATH": "/bin"}
     env = config.enable_environment({"compute_share": 0.25, "device_memory": "1GiB"}, environ)
     assert env == {"ANTMAN_COMPUTE_SHARE": "0.25", "ANTMAN_DEVICE_MEMORY": "1GiB", "ANTMAN_ENABLE": "1",
-                   "ANTMAN_JOB_DIR": "/j"}
+                   "ANTMAN_JOB_DIR": job_dir}
     assert config.load(env).compute_share == 0.25
     # Every option sets a variable that load() knows (a typo there would be refused at activation).
     assert set(config.ENABLE_OPTIONS.values()) <= {v.name for v in config.VARIABLES}

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tf_antman.protocol.schema import MAX_DEVICE_INDEX
 from tf_antman.units import GiB, MiB, format_bytes, parse_bytes
 
 PREFIX = "ANTMAN_"
@@ -115,6 +116,17 @@ def _path(v: str) -> str:
     return os.path.abspath(v)
 
 
+def _job_dir(v: str) -> str:
+    # Checked here, at start-up, so that a typo stops the script with a ConfigError naming the
+    # variable instead of a traceback from the job agent's first file operation. What access(2)
+    # cannot foresee (a read-only file system such as /sys) fails when the agent starts: logged
+    # once, the job runs without it (jobside.start_agent).
+    path = _path(v)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(v)
+    return path
+
+
 VARIABLES: tuple[Variable, ...] = (
     Variable("ANTMAN_ENABLE", "bool", "0 (1 if any other ANTMAN_* is set)", "0/1, true/false, yes/no, on/off",
              "Turn tf-antman on for this process; set to 0 to keep it off despite other ANTMAN_* variables.",
@@ -124,9 +136,11 @@ VARIABLES: tuple[Variable, ...] = (
              "GPU with real GPUs hidden from TF (emulated), or cuda when a driver and a GPU are "
              "present, else emulated (auto).",
              _choice("auto", "emulated", "cuda")),
-    Variable("ANTMAN_DEVICE_ID", "int", "0", "0..1023",
+    # The job reports this id in stats.json and takes limits for it from control.json: an id the
+    # protocol cannot carry (schema.MAX_DEVICE_INDEX) would make every stats document invalid.
+    Variable("ANTMAN_DEVICE_ID", "int", "0", f"0..{MAX_DEVICE_INDEX}",
              "Which device this job runs on (the emulated device's id, reported in statistics).",
-             _int_range(0, 1023)),
+             _int_range(0, MAX_DEVICE_INDEX)),
     Variable("ANTMAN_DEVICE_MEMORY", "size", "4GiB (emulated); the GPU's free memory (cuda)",
              "64MiB..1PiB",
              "Emulated: capacity of the device's memory (a budget in host RAM). Cuda: the most of "
@@ -141,9 +155,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ANTMAN_COMPUTE_SHARE", "float", "1.0", "0.0..1.0",
              "Share of the device's compute the job may use; 0 pauses at the next op.",
              _share),
-    Variable("ANTMAN_JOB_DIR", "path", "unset", "a directory path",
+    Variable("ANTMAN_JOB_DIR", "path", "unset", "an existing directory this process can write to",
              "Job directory of the file protocol with the local coordinator (docs/protocol.md).",
-             _path),
+             _job_dir),
     Variable("ANTMAN_STATS_INTERVAL_MS", "int", "50", "1..60000",
              "Least time between two statistics writes (control acknowledgements are written at once).",
              _int_range(1, 60000)),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import re
 
+# Bare "k", "m", "g", "t" are not sizes here: Docker and the JVM read "512m" as MiB, other tools
+# as MB; a limit that is 5% off without a word is worse than a one-line error.
 _UNITS = {
     "": 1,
     "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*$")
@@ -26,7 +28,10 @@ def parse_bytes(text: str) -> int:
         raise ValueError(
             f"{text!r} is not a size: use bytes or a number with KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):  # "1e999": a float overflow, not a size
+        raise ValueError(f"{text!r} is too large to be a size")
+    return int(value)
 
 
 def format_bytes(n: int | float) -> str:
