@@ -34,9 +34,10 @@ from tf_antman.protocol.layout import (
     stats_path,
     temp_dir,
 )
+from tf_antman.protocol.lock import AgentLock
 from tf_antman.protocol.schema import (
+    FINAL_STATES,
     MAX_BYTES,
-    MAX_REASON_CHARS,
     MAX_STEP_MS,
     STEP_WINDOW,
     Control,
@@ -88,7 +89,8 @@ class StatsSource(Protocol):
 
 
 class JobAgent:
-    """One per training process. `step_end` is called from the training thread only."""
+    """One per job directory (it holds the directory's agent lock, lock.py). `step_end` is called from
+    the training thread only."""
 
     def __init__(
         self,
@@ -144,7 +146,11 @@ class JobAgent:
         self._state = "starting"
         self._state_after_pause = "running"
         self._paused = False
-        self.paused_seconds = 0.0  # total time step_end held the training thread paused
+        # Told at exit (exit_report, paused_seconds): one clock for every way the agent holds the
+        # job, so that overlapping holds count once (_sync_hold_clock).
+        self._paused_total = 0.0
+        self._held_since: float | None = None  # time.monotonic() when the current hold began
+        self._waiting_in_step = False  # the training thread waits in step_end for a resume
         self._limits: dict[int, int] = {}
         self._share: float | None = None
         self._step = 0
@@ -167,6 +173,13 @@ class JobAgent:
         self._applied_fallback = 0
         self._last_applied_by: str | None = None
         self._applying_received_at: float | None = None
+        # Last, once nothing else can fail: a directory another process's agent serves raises
+        # JobDirBusy, and this agent stops the one thread it started (lock.py).
+        try:
+            self._dir_lock = AgentLock.acquire(self._job_dir)
+        except BaseException:
+            self._writer.close()
+            raise
 
     @classmethod
     def from_env(cls, actuator: Actuator, stats_source: StatsSource, **kwargs: Any) -> JobAgent:
@@ -233,8 +246,8 @@ class JobAgent:
 
     def close(self, state: str = "finished") -> None:
         """Stop watching, write the final stats and release a step_end blocked by a pause."""
-        if state not in ("finished", "failed"):
-            raise ValueError(f"state must be finished|failed, got {state!r}")
+        if state not in FINAL_STATES:
+            raise ValueError(f"state must be one of {'|'.join(FINAL_STATES)}, got {state!r}")
         with self._lock:
             if self._closed:
                 return
@@ -250,12 +263,22 @@ class JobAgent:
             if self._held_by_share:  # the training loop continues unmanaged, not held at share 0
                 self._held_by_share = False
                 self._guarded("resume", lambda: self._actuator.set_compute_share(self._share_in_force()))
+            self._sync_hold_clock()
             self._write_stats()
         self._writer.close()
+        self._dir_lock.release()  # the final stats are written: another agent may take the directory
 
     def flush_stats(self, timeout: float | None = 5.0) -> bool:
         """Wait until the stats submitted so far are in stats.json (they are written off-thread)."""
         return self._writer.flush(timeout)
+
+    @property
+    def paused_seconds(self) -> float:
+        """Wall-clock seconds the agent held the job: the training thread paused in step_end, or
+        its ops at compute share 0 (a hold still in force counts up to now)."""
+        with self._lock:
+            since = self._held_since
+            return self._paused_total + (0.0 if since is None else time.monotonic() - since)
 
     # ---------------------------------------------------------------------------------------------
 
@@ -277,12 +300,14 @@ class JobAgent:
         # Blocks the training thread between steps; controls keep being applied (a paused job may be
         # asked to shrink its memory) and stats stay fresh so the coordinator sees the job is alive.
         with self._lock:
+            self._waiting_in_step = True
+            self._sync_hold_clock()
             self._write_stats()
-        started = time.monotonic()
         while True:
             with self._lock:
                 if not self._paused or self._closed:
-                    self.paused_seconds += time.monotonic() - started  # told at exit (exit_report)
+                    self._waiting_in_step = False
+                    self._sync_hold_clock()
                     return
             self._wake.wait(self._heartbeat_s)
             self._wake.clear()
@@ -390,10 +415,10 @@ class JobAgent:
                         self._actuator.set_compute_share(share)
         except Exception as err:  # noqa: BLE001 - any actuator failure means "refused", never a crash
             self._undo(undo, control.seq)
-            reason = f"could not be applied: {type(err).__name__}: {err}"[:MAX_REASON_CHARS]
+            rejection = Rejection.clipped(control.seq, where, f"could not be applied: {type(err).__name__}: {err}")
             self._rejected += 1
-            self._last_rejection = Rejection(control.seq, where, reason)
-            log.warning("control refused (seq %s): %s: %s", control.seq, where, reason)
+            self._last_rejection = rejection
+            log.warning("control refused (seq %s): %s: %s", control.seq, rejection.field, rejection.reason)
             return
         for entry in control.memory_limits:
             self._limits[entry.device] = entry.limit_bytes
@@ -407,6 +432,7 @@ class JobAgent:
             self._held_by_share = False
         if control.paused is not None and control.paused != self._paused:
             self._set_paused(control.paused)
+        self._sync_hold_clock()
         self._control_seq_applied = control.seq
         self._applied += 1
         self._last_applied_by = by
@@ -414,6 +440,22 @@ class JobAgent:
             self._applied_fallback += 1
             log.info("control seq %d applied by the fallback: no step boundary within %.3f s",
                      control.seq, self._fallback_s)
+
+    def _sync_hold_clock(self) -> None:
+        """Opens or closes the interval of a hold (call under self._lock after any change).
+
+        Held: the training thread waits in step_end for a resume, or the job's ops are held at
+        compute share 0 (a pause the agent applied away from a step boundary, or a coordinator
+        share of 0), which the op manager does not count as throttling.
+        """
+        at_zero = self._held_by_share or self._share == 0.0
+        held = not self._closed and (self._waiting_in_step or at_zero)
+        now = time.monotonic()
+        if held and self._held_since is None:
+            self._held_since = now
+        elif not held and self._held_since is not None:
+            self._paused_total += now - self._held_since
+            self._held_since = None
 
     def _set_paused(self, paused: bool) -> None:
         self._paused = paused

@@ -48,24 +48,30 @@ def probe_cuda(load: Callable[[str], ctypes.CDLL] = ctypes.CDLL) -> CudaProbe:
     return CudaProbe(count.value, "")
 
 
+def resolve_device(requested: str, environ: Mapping[str, str],
+                   probe: Callable[[], CudaProbe] = probe_cuda) -> str:
+    """"emulated" or "cuda" for ANTMAN_DEVICE=`requested` (auto, emulated or cuda), for either
+    framework. Raises DeviceUnavailable, naming ANTMAN_DEVICE, when cuda cannot be served."""
+    if requested == "emulated":
+        return requested
+    found = probe()
+    if requested == "auto":
+        return "cuda" if found.gpus > 0 and not found.problem else "emulated"
+    if found.problem:
+        raise DeviceUnavailable(f"ANTMAN_DEVICE=cuda refused: {found.problem}; "
+                                "use ANTMAN_DEVICE=emulated or auto")
+    if found.gpus == 0:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" with CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+        raise DeviceUnavailable(f"ANTMAN_DEVICE=cuda refused: the CUDA driver reports no GPU"
+                                f"{where}; use ANTMAN_DEVICE=emulated or auto")
+    return "cuda"
+
+
 def resolve(settings: Settings, environ: Mapping[str, str],
             probe: Callable[[], CudaProbe] = probe_cuda) -> Settings:
-    """Settings with `device` resolved to "emulated" or "cuda". Raises DeviceUnavailable."""
-    if settings.device == "emulated":
-        return settings
-    found = probe()
-    if settings.device == "auto":
-        device = "cuda" if found.gpus > 0 and not found.problem else "emulated"
-    else:
-        device = "cuda"
-        if found.problem:
-            raise DeviceUnavailable(f"ANTMAN_DEVICE=cuda refused: {found.problem}; "
-                                    "use ANTMAN_DEVICE=emulated or auto")
-        if found.gpus == 0:
-            visible = environ.get("CUDA_VISIBLE_DEVICES")
-            where = f" with CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
-            raise DeviceUnavailable(f"ANTMAN_DEVICE=cuda refused: the CUDA driver reports no GPU"
-                                    f"{where}; use ANTMAN_DEVICE=emulated or auto")
+    """TensorFlow's settings with `device` resolved to "emulated" or "cuda". Raises DeviceUnavailable."""
+    device = resolve_device(settings.device, environ, probe)
     if device == "cuda":
         tf_alloc = environ.get("TF_GPU_ALLOCATOR", "")
         if tf_alloc in RESERVING_TF_ALLOCATORS:

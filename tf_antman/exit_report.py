@@ -12,7 +12,8 @@ WARNING when anything slowed the job (host memory, pause, throttling), INFO othe
 Figures: the allocator's peak in use and bytes served from host memory since the start
 (`MemStats.peak_in_use`, `host_bytes_served`, `host_fallbacks`, `host_peak`), the operator
 manager's waiting time (`OpStats.idle_inserted_ns`: ops held back to keep the job within its
-share), and the time the job agent held the training thread paused (`JobAgent.paused_seconds`).
+share), and the time the job agent held the job (`JobAgent.paused_seconds`: the training thread
+paused in a step, or its ops held at compute share 0, which the operator manager does not count).
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@
 
 The patches are installed when the module defining each class has finished importing
 (importhook), and look up tf-antman's state at call time: without it they call straight through.
-Work done inside a marked step (a `fit`, a `train_on_batch`) is not counted again by the Session
-hooks (tf_keras in graph mode runs its batches through a Session).
+Work done inside a marked step (a `fit`, a `train_on_batch`, a `tf_antman.step()`) is not counted
+again by the hooks inside it (tf_keras in graph mode runs its batches through a Session; a user
+may mark a step around `train_on_batch`): steps.marked_step().
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import os
@@ -22,13 +22,13 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from tf_antman import importhook
 from tf_antman._log import log
-from tf_antman.steps import StepTracker
+from tf_antman.steps import StepTracker, inside_marked_step, marked_step
 
 _MARK = "_tf_antman_wrapped"
 _CALLBACK_MARK = "_tf_antman_callback"
@@ -156,24 +156,6 @@ def _depends_on(values: Any, variable: str) -> bool:
     return False
 
 
-# --- Marked work: no double counting -------------------------------------------------------------
-
-_local = threading.local()
-
-
-def _inside_marked_step() -> bool:
-    return getattr(_local, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def _marked_step() -> Iterator[None]:
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-
-
 def _tracker() -> StepTracker | None:
     from tf_antman import activation
 
@@ -234,7 +216,7 @@ def _wrap_fit(fit: Callable[..., Any], callback_base: Callable[[], type]) -> Cal
     @functools.wraps(fit)
     def fit_with_antman(self: Any, *args: Any, **kwargs: Any) -> Any:
         steps = _tracker()
-        if steps is None or _inside_marked_step():
+        if steps is None or inside_marked_step():
             return fit(self, *args, **kwargs)
         try:
             bound = signature.bind(self, *args, **kwargs)
@@ -250,7 +232,7 @@ def _wrap_fit(fit: Callable[..., Any], callback_base: Callable[[], type]) -> Cal
             warned.append(True)
             log.warning("fit() got callbacks=%s, not a list: add tf_antman.keras_callback() to it "
                         "or training steps are not seen", type(callbacks).__name__)
-        with _marked_step():
+        with marked_step():
             return fit(*bound.args, **bound.kwargs)
 
     setattr(fit_with_antman, _MARK, True)
@@ -261,10 +243,10 @@ def _wrap_train_on_batch(train_on_batch: Callable[..., Any]) -> Callable[..., An
     @functools.wraps(train_on_batch)
     def train_on_batch_with_antman(self: Any, *args: Any, **kwargs: Any) -> Any:
         steps = _tracker()
-        if steps is None or _inside_marked_step():
+        if steps is None or inside_marked_step():
             return train_on_batch(self, *args, **kwargs)
         t0 = time.perf_counter()
-        with _marked_step():
+        with marked_step():
             out = train_on_batch(self, *args, **kwargs)
         steps.step_end(time.perf_counter() - t0, training=True)
         return out
@@ -303,7 +285,7 @@ def _patch_session(module: ModuleType) -> None:
     @functools.wraps(run)
     def run_with_antman(self: Any, fetches: Any, *args: Any, **kwargs: Any) -> Any:
         steps = _tracker()
-        if steps is None or _inside_marked_step():
+        if steps is None or inside_marked_step():
             return run(self, fetches, *args, **kwargs)
         t0 = time.perf_counter()
         out = run(self, fetches, *args, **kwargs)
@@ -322,7 +304,7 @@ def _patch_session(module: ModuleType) -> None:
         @functools.wraps(fn)
         def training_callable(*args: Any, **kwargs: Any) -> Any:
             steps = _tracker()
-            if steps is None or _inside_marked_step():
+            if steps is None or inside_marked_step():
                 return fn(*args, **kwargs)
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)

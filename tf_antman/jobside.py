@@ -3,15 +3,16 @@ allocator and operator manager, and stats.json reports what they measure."""
 
 from __future__ import annotations
 
-import atexit
-import sys
-import threading
+import contextlib
+import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from tf_antman import exit_report
 from tf_antman._log import log
 from tf_antman.agent import JobAgent
-from tf_antman.protocol import DeviceStats
+from tf_antman.final_state import FinalState
+from tf_antman.protocol import DeviceStats, JobDirBusy
 
 if TYPE_CHECKING:
     from tf_antman.native import Native
@@ -77,7 +78,31 @@ class NativeStatsSource:
         return None if s.share >= 1.0 else float(s.achieved_share_window)
 
 
-def start_agent(steps: StepTracker) -> Any:
+def start_agent(steps: StepTracker) -> JobAgent | None:
+    """The job agent on ANTMAN_JOB_DIR, or None: the job then runs without one (logged once).
+
+    Never raises: a directory the agent cannot use (read-only, gone since start-up) must not stop
+    training. config.py has refused what it could foresee (ANTMAN_JOB_DIR missing or not
+    writable) with a ConfigError already.
+    """
+    settings = steps.settings
+    try:
+        agent = _new_agent(steps)
+    except JobDirBusy:
+        log.warning("the job agent of %s runs in another process (the pid in its stats.json): this "
+                    "process (pid %d) runs without one: it writes no stats and takes no controls; its "
+                    "device memory is bounded by its start-up settings only", settings.job_dir, os.getpid())
+        return None
+    except Exception as err:  # noqa: BLE001 - OSError, ProtocolError, or anything else: never a traceback
+        log.warning("cannot start the job agent on %s (%s: %s): the job runs without it: no stats.json, "
+                    "no controls", settings.job_dir, type(err).__name__, err)
+        return None
+    log.info("job agent on %s (change detection: %s)", settings.job_dir, agent.watch_mode)
+    FinalState(agent, lambda: exit_report.report(steps.native, agent)).install()
+    return agent
+
+
+def _new_agent(steps: StepTracker) -> JobAgent:
     settings = steps.settings
     device = settings.device_id
     holder: list[JobAgent] = []
@@ -87,27 +112,10 @@ def start_agent(steps: StepTracker) -> Any:
                      min_write_interval_s=settings.stats_interval_ms / 1000.0,
                      control_fallback_s=settings.control_fallback_ms / 1000.0)
     holder.append(agent)
-    agent.start()
-    log.info("job agent on %s (change detection: %s)", settings.job_dir, agent.watch_mode)
-
-    failed = {"flag": False}
-    previous_hook = sys.excepthook
-
-    def mark_failed(*exc: Any) -> None:
-        failed["flag"] = True
-        previous_hook(*exc)
-
-    sys.excepthook = mark_failed
-
-    def close() -> None:
-        agent.close("failed" if failed["flag"] else "finished")
-
-    # Close while threads still run normally: from a plain atexit callback (run after the
-    # interpreter began shutting threads down) stopping watchdog's inotify observer took ~30 s.
-    # threading._register_atexit runs before that, as concurrent.futures relies on.
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(close)
-    else:  # pragma: no cover - every CPython >= 3.9 has it
-        atexit.register(close)
+    try:
+        agent.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            agent.close("failed")  # stops its threads and gives the directory's lock back
+        raise
     return agent

@@ -21,6 +21,26 @@ if TYPE_CHECKING:
 
 WINDOW = 64  # recent training step times kept for the public API
 
+# --- Marked work: no double counting -------------------------------------------------------------
+# A step marked by the user (`tf_antman.step()`) or by a wrapped Keras `fit`/`train_on_batch` counts
+# once: the hooks inside it (train_on_batch, Session.run, a Session callable) do not count again on
+# the thread that marked it (docs/steps.md).
+
+_local = threading.local()
+
+
+def inside_marked_step() -> bool:
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def marked_step() -> Iterator[None]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
 
 class MemoryLimits:
     """The device-memory limit has two writers; the one *received* last wins.
@@ -70,12 +90,15 @@ class StepTracker:
         self.steps = 0
         self.window: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.agent: Any = None
+        self._agent_tried = False
         self._last_end: float | None = None
         self._lock = threading.Lock()  # step_end may come from a Session.run in any thread
 
     def start_agent(self) -> None:
-        if not self.settings.job_dir or self.agent is not None:
+        """Once per process; the agent stays None when it cannot start (jobside logs why)."""
+        if not self.settings.job_dir or self._agent_tried:
             return
+        self._agent_tried = True
         from tf_antman.jobside import start_agent
 
         self.agent = start_agent(self)
@@ -102,6 +125,10 @@ class StepTracker:
 
     @contextlib.contextmanager
     def step(self, training: bool = True) -> Iterator[None]:
+        if inside_marked_step():  # nested in a marked step: the outer one counts this work
+            yield
+            return
         t0 = time.perf_counter()
-        yield
+        with marked_step():
+            yield
         self.step_end(time.perf_counter() - t0, training=training)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import statistics
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from tests.protocol.protocol_helpers import read_stats, wait_for
 from tf_antman.agent import JobAgent
 from tf_antman.protocol import (
     Control,
+    JobDirBusy,
     MemoryLimit,
     ProtocolError,
     Stats,
@@ -25,7 +28,7 @@ from tf_antman.protocol import (
     control_path,
     temp_dir,
 )
-from tf_antman.protocol.schema import MAX_BYTES
+from tf_antman.protocol.schema import MAX_BYTES, MAX_FIELD_CHARS, MAX_REASON_CHARS
 from tf_antman.protocol.simulated import Applied, SimulatedJob
 
 HOUR = 3600.0
@@ -222,6 +225,32 @@ def test_bad_control_is_logged_once_and_reported(tmp_path: Path, agents, caplog:
     assert job.log == []
 
 
+def test_a_rejection_too_long_for_stats_is_clipped_and_stats_keep_flowing(tmp_path: Path, agents) -> None:
+    # The field of a rejection echoes the file: a 300-character unknown key is longer than stats.json
+    # accepts (MAX_FIELD_CHARS). Unclipped, every later stats document was refused, never written.
+    agent = agents(SimulatedJob(), min_write_interval_s=0.0)
+    agent.start()
+    key = "x" * 300
+    write_control(tmp_path, json.dumps({"schema": "tf-antman/control", "version": 1, "seq": 1, key: 1}))
+    stats = step_until(agent, tmp_path, lambda s: s.controls_rejected == 1)
+    assert stats.last_rejected is not None and stats.last_rejected.seq == 1
+    assert len(stats.last_rejected.field) == MAX_FIELD_CHARS
+    assert stats.last_rejected.field == key[: MAX_FIELD_CHARS - 3] + "..."
+    write_control(tmp_path, Control(seq=2, compute_share=0.5))
+    stats = step_until(agent, tmp_path, lambda s: s.control_seq_applied == 2)
+    assert stats.compute_share == 0.5 and stats.controls_rejected == 1
+
+
+def test_an_actuator_refusal_with_a_long_message_is_clipped(tmp_path: Path, agents) -> None:
+    job = SimulatedJob(fail_when=lambda what, _device, _value: "no! " * 400 if what == "compute_share" else None)
+    agent = agents(job)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, compute_share=0.5))
+    stats = step_until(agent, tmp_path, lambda s: s.controls_rejected == 1)
+    assert stats.last_rejected is not None and stats.last_rejected.field == "compute_share"
+    assert len(stats.last_rejected.reason) == MAX_REASON_CHARS and stats.last_rejected.reason.endswith("...")
+
+
 def run_steps(agent: JobAgent, stop: threading.Event, counter: list[int], errors: list[BaseException]) -> None:
     try:
         while not stop.is_set():
@@ -339,6 +368,40 @@ def test_from_env_names_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert caught.value.field == "ANTMAN_JOB_DIR" and "existing directory" in caught.value.reason
 
 
+def test_one_agent_per_job_directory(tmp_path: Path, agents) -> None:
+    # A child process that inherits ANTMAN_JOB_DIR must not start a second agent there: it would
+    # overwrite the job's stats.json and apply the coordinator's controls to itself.
+    first = agents(SimulatedJob())
+    first.start()
+    with pytest.raises(JobDirBusy) as caught:
+        JobAgent(tmp_path, SimulatedJob(), SimulatedJob())
+    assert caught.value.field == "agent.lock" and str(tmp_path) in caught.value.reason
+    # The refused agent stopped the writer thread it had started.
+    assert sum(t.name == "tf_antman-write-stats.json" for t in threading.enumerate()) == 1
+    other = subprocess.run(
+        [sys.executable, "-c", "import sys; from tf_antman.agent import JobAgent; "
+         "from tf_antman.protocol.simulated import SimulatedJob; from tf_antman.protocol import JobDirBusy\n"
+         "try:\n    JobAgent(sys.argv[1], SimulatedJob(), SimulatedJob())\nexcept JobDirBusy:\n    sys.exit(3)",
+         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert other.returncode == 3, other.stderr
+    first.close()  # its final stats are written: the directory is free for the next agent
+    second = agents(SimulatedJob())
+    second.start()
+    assert stats_now(second, tmp_path).pid == first._pid
+
+
+def test_the_lock_file_must_be_a_regular_file(tmp_path: Path) -> None:
+    (tmp_path / "agent.lock").mkdir()
+    with pytest.raises(ProtocolError) as caught:
+        JobAgent(tmp_path, SimulatedJob(), SimulatedJob())
+    assert caught.value.field == "agent.lock" and "regular file" in caught.value.reason
+    (tmp_path / "agent.lock").rmdir()
+    (tmp_path / "agent.lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ProtocolError, match="symbolic link"):
+        JobAgent(tmp_path, SimulatedJob(), SimulatedJob())
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_protocol_and_agent_import_without_tensorflow() -> None:
     code = (
         "import sys, tf_antman.protocol, tf_antman.agent; "
@@ -357,7 +420,7 @@ def test_stats_writes_leave_only_the_protocol_files(tmp_path: Path, agents) -> N
     for _ in range(100):
         agent.step_end(0.001)
     agent.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp", "control.json", "stats.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp", "agent.lock", "control.json", "stats.json"]
     assert list((tmp_path / ".tmp").iterdir()) == []
 
 
@@ -422,6 +485,46 @@ def test_a_step_boundary_before_the_fallback_time_applies_the_control(tmp_path: 
     write_control(tmp_path, Control(seq=2, paused=False))
     thread.join(timeout=10)
     assert returned.is_set() and [a.what for a in job.log] == ["pause", "resume"]
+
+
+def test_holds_at_share_zero_count_as_paused_time(tmp_path: Path, agents) -> None:
+    # The exit report's "paused" figure: a pause put into force as share 0 by the fallback, and a
+    # coordinator share of 0, hold the job as surely as a pause in step_end (the op manager does
+    # not count a wait at share 0 as throttling).
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=0.01, paused_heartbeat_s=0.005)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, paused=True))
+    wait_for(lambda: job.share == 0.0, "held by the fallback")
+    time.sleep(0.3)
+    assert agent.paused_seconds >= 0.3  # a hold in force counts up to now (the report may come first)
+    write_control(tmp_path, Control(seq=2, paused=False))
+    wait_for(lambda: job.share == 1.0, "resumed")
+    held = agent.paused_seconds
+    assert 0.3 <= held < 5.0
+    time.sleep(0.1)
+    assert agent.paused_seconds == held  # running again: the clock stands
+    write_control(tmp_path, Control(seq=3, compute_share=0.0))
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 3, "share 0")
+    time.sleep(0.2)
+    agent.close()
+    assert agent.paused_seconds >= held + 0.2
+
+
+def test_a_step_pause_at_share_zero_is_counted_once(tmp_path: Path, agents) -> None:
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=HOUR, paused_heartbeat_s=0.005)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, compute_share=0.0, paused=True))
+    wait_for(lambda: agent._watcher.version > 0, "control read")
+    thread = threading.Thread(target=agent.step_end, args=(0.01,))
+    started = time.monotonic()
+    thread.start()
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused", "paused at the boundary")
+    time.sleep(0.2)
+    write_control(tmp_path, Control(seq=2, compute_share=1.0, paused=False))
+    thread.join(timeout=10)
+    assert 0.2 <= agent.paused_seconds <= time.monotonic() - started
 
 
 def test_close_releases_a_job_held_by_the_fallback(tmp_path: Path, agents) -> None:

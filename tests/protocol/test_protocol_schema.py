@@ -17,6 +17,8 @@ from tf_antman.protocol import (
 from tf_antman.protocol.schema import (
     MAX_BYTES,
     MAX_CONTROL_BYTES,
+    MAX_FIELD_CHARS,
+    MAX_REASON_CHARS,
     MAX_SEQ,
     STEP_WINDOW,
     parse_control,
@@ -93,7 +95,7 @@ def test_stats_round_trip_keeps_every_field() -> None:
 
 def test_stats_written_by_python_is_plain_json() -> None:
     doc = json.loads(full_stats().to_json())
-    assert doc["schema"] == "tf-antman/stats" and doc["version"] == 2
+    assert doc["schema"] == "tf-antman/stats" and doc["version"] == 3
     assert doc["controls_applied_fallback"] == 1 and doc["last_applied_by"] == "fallback"
     assert doc["devices"][1]["limit_bytes"] is None
     assert doc["last_rejected"] == {
@@ -288,8 +290,31 @@ def test_stats_version_1_still_reads_without_the_fallback_fields() -> None:
     assert err.value.field == "last_applied_by" and "required" in err.value.reason
 
 
+def test_stats_v3_adds_the_terminated_state_only() -> None:
+    # v3: a process ended by SIGTERM (the scheduler's cancel or migration) says so; v1 and v2
+    # documents cannot, their readers would refuse it.
+    doc = json.loads(full_stats().to_json())
+    doc["state"] = "terminated"
+    assert parse_stats(json.dumps(doc)).state == "terminated"
+    assert parse_stats(json.dumps({**doc, "version": 2, "state": "failed"})).state == "failed"
+    with pytest.raises(ProtocolError) as err:
+        parse_stats(json.dumps({**doc, "version": 2}))
+    assert err.value.field == "state" and "starting|running|paused|finished|failed," in err.value.reason
+    with pytest.raises(ProtocolError) as err:
+        parse_stats(json.dumps({**doc, "state": "cancelled"}))
+    assert err.value.field == "state" and "finished|failed|terminated" in err.value.reason
+
+
+def test_a_rejection_is_clipped_to_what_stats_accept() -> None:
+    rejection = Rejection.clipped(3, "x" * 1000, "y" * 1000)
+    assert (len(rejection.field), len(rejection.reason)) == (MAX_FIELD_CHARS, MAX_REASON_CHARS)
+    assert rejection.field.endswith("...") and rejection.reason.endswith("...")
+    assert Rejection.clipped(3, "seq", "short") == Rejection(3, "seq", "short")
+    parse_stats(Stats(seq=1, pid=1, state="running", step=0, last_rejected=rejection).to_json())
+
+
 @pytest.mark.parametrize(("change", "field", "accepted"), [
-    ({"version": 3}, "version", "{1, 2}"),
+    ({"version": 4}, "version", "{1, 2, 3}"),
     ({"last_applied_by": "boundary"}, "last_applied_by", "start|step|fallback or null"),
     ({"last_applied_by": 1}, "last_applied_by", "start|step|fallback or null"),
     ({"controls_applied_fallback": -1}, "controls_applied_fallback", f"[0, {MAX_SEQ}]"),

@@ -4,12 +4,13 @@ controls act on the native allocator and operator manager, stats report what the
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, clean_env
+from tests.conftest import REPO, clean_env, run_py
 from tf_antman.protocol import Control, MemoryLimit, read_stats, write_control
 
 JOB = """
@@ -24,7 +25,9 @@ class Own(tf.keras.callbacks.Callback):  # the job's own, independent timing of 
     def on_train_batch_end(self, b, logs=None): mine.append(1000 * (time.perf_counter() - self.t))
 m.fit(x, y, batch_size=32, epochs=int(sys.argv[1]), verbose=0, validation_split=0.1, callbacks=[Own()])
 print(json.dumps({"own_ms": mine[-32:]}), flush=True)
-if len(sys.argv) > 2: raise SystemExit("boom") if sys.argv[2] == "exit" else RuntimeError("boom")
+if len(sys.argv) > 2 and sys.argv[2] == "sys.exit": sys.exit(3)
+if len(sys.argv) > 2 and sys.argv[2] == "exit": exit(4)  # site's exit(), as quick scripts call it
+if len(sys.argv) > 2: raise RuntimeError("boom")
 """
 
 
@@ -90,3 +93,181 @@ def test_a_crashing_script_is_reported_failed(tmp_path: Path) -> None:
     assert p.returncode != 0
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["state"] == "failed"
+
+
+def test_a_non_zero_exit_is_reported_failed(tmp_path: Path) -> None:
+    # SystemExit does not reach sys.excepthook: sys.exit(3) used to end with state "finished".
+    for mode, status in (("sys.exit", 3), ("exit", 4)):
+        job_dir = tmp_path / mode
+        job_dir.mkdir()
+        p = _start(job_dir, 1, mode)
+        p.communicate(timeout=300)
+        assert p.returncode == status
+        assert json.loads((job_dir / "stats.json").read_text())["state"] == "failed", mode
+
+
+# An unmarked loop of eager ops (no step boundary: a control reaches it through the fallback).
+LOOP = """
+import os, signal, sys, time
+import tensorflow as tf
+if sys.argv[1] == "own-handler":  # the script's own SIGTERM handler, installed after tf-antman's start
+    def own(signum, frame):
+        print("own handler", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, own)
+a = tf.random.normal((64, 64))
+print("ready", flush=True)
+while True:
+    tf.matmul(a, a).numpy()
+"""
+
+
+def _start_loop(job_dir: Path, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", LOOP, mode], cwd=REPO, text=True,
+                            env=clean_env(ANTMAN_JOB_DIR=str(job_dir), ANTMAN_DEVICE="emulated",
+                                          ANTMAN_CONTROL_FALLBACK_MS="50"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_sigterm_writes_the_final_state_and_still_kills(tmp_path: Path) -> None:
+    # scheduler_lite cancels and migrates with SIGTERM: stats stayed "running", no exit report.
+    # Here the job is held at compute share 0 by the fallback (its main thread stuck in an op,
+    # where a Python signal handler cannot run), the hardest moment to end it.
+    p = _start_loop(tmp_path, "plain")
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        write_control(tmp_path, Control(seq=1, paused=True))
+        _wait(tmp_path, lambda s: s.state == "paused")
+        time.sleep(0.5)
+        sent = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == -signal.SIGTERM, err[-3000:]
+    assert time.monotonic() - sent < 10
+    final = read_stats(tmp_path)
+    assert final is not None and final.state == "terminated" and final.control_seq_applied == 1
+    # The exit report, with the time held at share 0 as paused (a warning: it slowed the job).
+    [report] = [line for line in err.splitlines() if "tf-antman: at exit:" in line]
+    paused = float(report.split("paused ")[1].split(" s")[0])
+    assert report.startswith("W") or "WARNING" in report
+    assert paused >= 0.5
+
+
+def test_a_sigterm_handler_of_the_script_is_left_alone(tmp_path: Path) -> None:
+    p = _start_loop(tmp_path, "own-handler")
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and "own handler" in out, err[-3000:]
+    final = read_stats(tmp_path)
+    assert final is not None and final.state == "finished"
+
+
+CHILD_JOB = """
+import json, multiprocessing as mp, os, pathlib, sys
+def work(path):  # a spawn child: inherits ANTMAN_JOB_DIR and imports TensorFlow
+    import tensorflow as tf, tf_antman
+    tf.reduce_sum(tf.ones((10,))).numpy()
+    with open(path, "w") as f:
+        json.dump({"pid": os.getpid(), "active": tf_antman.is_active(), "device": tf_antman.settings().device,
+                   "agent": tf_antman._state().steps.agent is not None}, f)
+if __name__ == "__main__":
+    import tensorflow as tf, tf_antman
+    from tf_antman.protocol import read_stats
+    m = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(1)]); m.compile("sgd", "mse")
+    m.fit(tf.ones((64, 4)), tf.ones((64, 1)), epochs=1, batch_size=8, verbose=0)
+    child = mp.get_context("spawn").Process(target=work, args=(sys.argv[1],))
+    child.start(); child.join()
+    agent = tf_antman._state().steps.agent
+    agent.flush_stats()
+    after_child = read_stats(pathlib.Path(os.environ["ANTMAN_JOB_DIR"]))
+    m.fit(tf.ones((64, 4)), tf.ones((64, 1)), epochs=1, batch_size=8, verbose=0)
+    print(json.dumps({"pid": os.getpid(), "child_rc": child.exitcode, "after_child": [after_child.pid, after_child.state],
+                      "child": json.load(open(sys.argv[1]))}), flush=True)
+"""
+
+
+def test_a_child_process_runs_without_an_agent(tmp_path: Path) -> None:
+    # A second agent on the job directory overwrote the job's stats.json with the child's pid and
+    # state "finished" at the child's exit, and applied controls to the child.
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    script = tmp_path / "job.py"  # spawn re-imports the main module: it must be a file
+    script.write_text(CHILD_JOB)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "child.json")], cwd=REPO, text=True,
+                         env=clean_env(ANTMAN_JOB_DIR=str(job_dir), ANTMAN_DEVICE="emulated"),
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["child_rc"] == 0 and r["child"]["pid"] != r["pid"]
+    assert r["after_child"] == [r["pid"], "running"]
+    # The child still runs on tf-antman's device (stock TF could take a whole GPU), unmanaged.
+    assert r["child"] == {"pid": r["child"]["pid"], "active": True, "device": "emulated", "agent": False}
+    assert out.stderr.count("runs without one: it writes no stats and takes no controls") == 1
+    final = read_stats(job_dir)
+    assert final is not None and (final.pid, final.state, final.step) == (r["pid"], "finished", 16)
+
+
+def test_a_bad_job_directory_is_a_config_error_at_start(tmp_path: Path) -> None:
+    # It crashed `import tensorflow` with a ProtocolError naming "job_dir" (or FileNotFoundError).
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for bad in (tmp_path / "missing", a_file):
+        job = run_py("import tensorflow", timeout=120, ANTMAN_JOB_DIR=str(bad))
+        assert job.rc != 0
+        last = job.stderr.strip().splitlines()[-1]
+        assert last == (f"tf_antman.config.ConfigError: ANTMAN_JOB_DIR={str(bad)!r} is invalid: "
+                        "accepted an existing directory this process can write to")
+
+
+def test_a_job_directory_the_agent_cannot_use_is_logged_once(tmp_path: Path) -> None:
+    # What the start-up check cannot foresee (here: the lock file is a directory; /sys as root is
+    # another) stops the agent, not the job.
+    (tmp_path / "agent.lock").mkdir()
+    job = run_py("""
+        import tensorflow as tf, tf_antman
+        tf.reduce_sum(tf.ones((4,))).numpy()
+        emit({"active": tf_antman.is_active(), "agent": tf_antman._state().steps.agent is not None})
+    """, timeout=120, ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_DEVICE="emulated")
+    assert job.rc == 0, job.stderr[-3000:]
+    assert job.result == {"active": True, "agent": False}
+    lines = [line for line in job.stderr.splitlines() if "tf-antman:" in line]
+    assert len(lines) == 1 and "cannot start the job agent on" in lines[0]
+    assert "agent.lock: is a directory" in lines[0] and "Traceback" not in job.stderr
+    assert not (tmp_path / "stats.json").exists()
+
+
+FORK_JOB = """
+import json, multiprocessing as mp, time
+import tensorflow as tf
+def idle():
+    time.sleep(60)
+if __name__ == "__main__":
+    m = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(1)]); m.compile("sgd", "mse")
+    m.fit(tf.ones((64, 4)), tf.ones((64, 1)), epochs=1, batch_size=8, verbose=0)
+    child = mp.get_context("fork").Process(target=idle)
+    child.start(); time.sleep(0.5)
+    child.terminate(); child.join()  # SIGTERM to the forked child
+    time.sleep(0.5)
+    print(json.dumps({"child_rc": child.exitcode}), flush=True)
+"""
+
+
+def test_terminating_a_forked_child_leaves_the_job_alone(tmp_path: Path) -> None:
+    # A forked child shares the SIGTERM wakeup pipe of the job's process: its SIGTERM must end the
+    # child as by default, not reach the parent's reader (which would terminate the job).
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    script = tmp_path / "job.py"
+    script.write_text(FORK_JOB)
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO, text=True, capture_output=True, timeout=300,
+                         env=clean_env(ANTMAN_JOB_DIR=str(job_dir), ANTMAN_DEVICE="emulated"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"child_rc": -signal.SIGTERM}
+    final = read_stats(job_dir)
+    assert final is not None and final.state == "finished" and final.step == 8

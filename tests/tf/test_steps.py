@@ -240,6 +240,38 @@ def test_custom_loop_marks_steps_and_the_newest_limit_wins(tmp_path: Path) -> No
     assert r["user_newer"] == 96 << 20
 
 
+def test_a_marked_step_around_a_hooked_call_counts_once() -> None:
+    # docs/steps.md: "Work inside a marked step is not counted twice". tf_antman.step() around
+    # train_on_batch or a training Session.run counted each iteration twice (the hook inside too).
+    job = run_py(CONTROL_HELPERS + textwrap.dedent("""
+        import numpy as np
+        import tensorflow as tf
+        x = np.ones((8, 4), "float32"); y = np.ones((8, 1), "float32")
+        m = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+        m.compile(optimizer="sgd", loss="mse")
+        for _ in range(5):
+            with tf_antman.step():
+                m.train_on_batch(x, y)
+        keras = steps()
+        with tf.Graph().as_default():
+            v = tf.compat.v1.get_variable("v", initializer=tf.ones((4,)))
+            train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(v * v))
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for _ in range(3):
+                    with tf_antman.step():
+                        sess.run(train)
+        session = steps() - keras
+        for _ in range(2):
+            with tf_antman.step():
+                with tf_antman.step():  # nested: the outer step counts
+                    m.train_on_batch(x, y)
+        emit({"keras": keras, "session": session, "nested": steps() - keras - session,
+              "native": tf_antman.memory_stats()["steps"]})
+    """), ANTMAN_ENABLE="1", ANTMAN_DEVICE="emulated")
+    assert job.result == {"keras": 5, "session": 3, "nested": 2, "native": 10}, job.stderr[-3000:]
+
+
 def test_a_job_without_step_boundaries_gets_its_controls_from_the_fallback(tmp_path: Path) -> None:
     # Eager ops in a loop that never marks a step (as an unmarked custom loop, or a job stuck
     # before its first step): limits, a pause and its resume still take effect, by the fallback.

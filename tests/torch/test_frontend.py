@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import REPO, run_py
 from tests.torch import stand_in
 from tf_antman import config
+from tf_antman.device_select import CudaProbe, DeviceUnavailable
 from tf_antman.native import NativeError
 from tf_antman.protocol import read_stats, write_control
 from tf_antman.protocol.schema import Control, MemoryLimit
@@ -24,13 +25,39 @@ needs_shim = pytest.mark.skipif(not _shim.shim_path().exists(), reason="libantma
 
 # ---- settings ------------------------------------------------------------------------------
 
+def one_gpu() -> CudaProbe:
+    return CudaProbe(gpus=1, problem="")
+
+
+def no_driver() -> CudaProbe:
+    return CudaProbe(gpus=0, problem="no CUDA driver (libcuda.so.1 cannot be loaded)")
+
+
 def test_cuda_defaults_take_the_free_memory_and_no_limit() -> None:
-    ts = settings.load({"ANTMAN_ENABLE": "1"})
+    ts = settings.load({"ANTMAN_ENABLE": "1"}, probe=one_gpu)
     assert ts.base.device == "cuda" and ts.device_capacity == 0 and ts.memory_limit == 0
-    ts = settings.load({"ANTMAN_MEMORY_LIMIT": "20GiB"})  # above the TF default capacity: fine here
+    ts = settings.load({"ANTMAN_MEMORY_LIMIT": "20GiB"}, probe=one_gpu)  # above the TF default capacity: fine here
     assert ts.memory_limit == 20 << 30 and ts.device_capacity == 0
-    ts = settings.load({"ANTMAN_DEVICE_MEMORY": "40GiB", "ANTMAN_MEMORY_LIMIT": "8GiB"})
+    ts = settings.load({"ANTMAN_DEVICE_MEMORY": "40GiB", "ANTMAN_MEMORY_LIMIT": "8GiB"}, probe=one_gpu)
     assert (ts.device_capacity, ts.memory_limit) == (40 << 30, 8 << 30)
+
+
+def test_auto_is_resolved_as_for_tensorflow() -> None:
+    # auto used to reach the memory core unresolved: _shim.BACKENDS["auto"] raised KeyError.
+    ts = settings.load({"ANTMAN_DEVICE": "auto"}, probe=one_gpu)
+    assert ts.base.device == "cuda" and ts.device_capacity == 0  # cuda's defaults: the free memory
+    ts = settings.load({"ANTMAN_DEVICE": "auto", "ANTMAN_DEVICE_MEMORY": "64MiB"}, probe=no_driver)
+    assert ts.base.device == "emulated" and ts.device_capacity == ts.memory_limit == 64 * MiB
+    assert ts.base.device in _shim.BACKENDS
+
+
+def test_cuda_without_a_gpu_is_refused_naming_antman_device() -> None:
+    with pytest.raises(DeviceUnavailable, match=r"^ANTMAN_DEVICE=cuda refused: no CUDA driver.*ANTMAN_DEVICE=emulated"):
+        settings.load({"ANTMAN_ENABLE": "1"}, probe=no_driver)  # cuda: the PyTorch default
+    with pytest.raises(DeviceUnavailable, match="ANTMAN_DEVICE=cuda refused: the CUDA driver reports no GPU"):
+        settings.load({"ANTMAN_DEVICE": "cuda"}, probe=lambda: CudaProbe(gpus=0, problem=""))
+    # Not enabled: nothing runs, so nothing is probed or refused.
+    assert settings.load({"ANTMAN_ENABLE": "0"}, probe=no_driver).base.device == "cuda"
 
 
 def test_emulated_and_bad_values_are_refused_like_for_tensorflow() -> None:
@@ -152,6 +179,20 @@ def test_unchanged_script_is_activated_at_import_torch(tmp_path: Path) -> None:
     assert stats.state == "finished" and stats.step == 6 and stats.control_seq_applied == 1
     assert stats.devices[0].limit_bytes == 16 * MiB and stats.devices[0].host_fallbacks == 2
     assert stats.compute_share == 1.0 and stats.achieved_share is None
+
+
+@needs_shim
+def test_an_unchanged_script_with_device_auto_runs_on_the_emulated_device_here(tmp_path: Path) -> None:
+    # No GPU on this machine: auto is the emulated device (it raised KeyError at `import torch`).
+    site = stand_in.write(tmp_path / "site")
+    job = run_py("""
+        import torch, tf_antman
+        torch.optim.optimizer.Optimizer().step()
+        emit({"device": tf_antman.settings().device, "steps": tf_antman._state().steps.steps})
+    """, timeout=120, PYTHONPATH=f"{site}{os.pathsep}{REPO}", ANTMAN_DEVICE="auto",
+                 ANTMAN_DEVICE_MEMORY="64MiB", ANTMAN_HOST_MEMORY="64MiB")
+    assert job.rc == 0, job.stderr
+    assert job.result == {"device": "emulated", "steps": 1}
 
 
 @needs_shim

@@ -12,15 +12,18 @@ from tf_antman.protocol.files import (
     write_control,
 )
 from tf_antman.protocol.layout import (
+    AGENT_LOCK_FILE,
     CONTROL_FILE,
     JOB_DIR_ENV,
     STATS_FILE,
     TMP_DIR,
+    agent_lock_path,
     control_path,
     job_dir_from_env,
     stats_path,
     temp_dir,
 )
+from tf_antman.protocol.lock import AgentLock, JobDirBusy
 from tf_antman.protocol.schema import (
     CONTROL_SCHEMA,
     CONTROL_VERSION,
@@ -38,6 +41,7 @@ from tf_antman.protocol.schema import (
 from tf_antman.protocol.watch import ControlUpdate, ControlWatcher
 
 __all__ = [
+    "AGENT_LOCK_FILE",
     "CONTROL_FILE",
     "CONTROL_SCHEMA",
     "CONTROL_VERSION",
@@ -47,14 +51,17 @@ __all__ = [
     "STATS_VERSION",
     "TMP_DIR",
     "VERSION",
+    "AgentLock",
     "Control",
     "ControlUpdate",
     "ControlWatcher",
     "DeviceStats",
+    "JobDirBusy",
     "MemoryLimit",
     "ProtocolError",
     "Rejection",
     "Stats",
+    "agent_lock_path",
     "atomic_write_text",
     "control_path",
     "job_dir_from_env",

@@ -17,6 +17,9 @@ STATS_FILE: Final = "stats.json"  # written by the job, read by the coordinator
 # IN_MOVED_TO, stalling every event behind it. A rename from an unwatched subdirectory is a lone
 # IN_MOVED_TO, delivered at once.
 TMP_DIR: Final = ".tmp"
+# Locked (flock, exclusive) by the process whose job agent serves the directory, for its life: a
+# child process that inherits ANTMAN_JOB_DIR finds it taken and runs without an agent (lock.py).
+AGENT_LOCK_FILE: Final = "agent.lock"
 
 
 def control_path(job_dir: Path) -> Path:
@@ -25,6 +28,10 @@ def control_path(job_dir: Path) -> Path:
 
 def stats_path(job_dir: Path) -> Path:
     return job_dir / STATS_FILE
+
+
+def agent_lock_path(job_dir: Path) -> Path:
+    return job_dir / AGENT_LOCK_FILE
 
 
 def temp_dir(job_dir: Path) -> Path:

@@ -20,10 +20,11 @@ CONTROL_SCHEMA: Final = "tf-antman/control"
 # guessing (unknown fields are refused as well, so every change to a document needs a new version).
 CONTROL_VERSION: Final = 1
 CONTROL_VERSIONS: Final = frozenset({1})
-# Stats v2 (adds controls_applied_fallback, last_applied_by). Written: 2; read: 1 and 2, a v1
-# document reads as "no control applied by the fallback, origin unknown".
-STATS_VERSION: Final = 2
-STATS_VERSIONS: Final = frozenset({1, 2})
+# Stats v2 (adds controls_applied_fallback, last_applied_by). v3 adds the state "terminated".
+# Written: 3; read: 1, 2 and 3. A v1 document reads as "no control applied by the fallback,
+# origin unknown"; a v1 or v2 document cannot say "terminated".
+STATS_VERSION: Final = 3
+STATS_VERSIONS: Final = frozenset({1, 2, 3})
 VERSION: Final = CONTROL_VERSION  # the name before the documents were versioned separately
 
 MAX_SEQ: Final = 2**53 - 1  # the largest integer that every JSON implementation holds exactly
@@ -41,7 +42,11 @@ MAX_CONTROL_BYTES: Final = 64 * 1024
 MAX_STATS_BYTES: Final = 256 * 1024
 MAX_INT_DIGITS: Final = 20  # longer integer literals are refused before Python converts them
 
-STATES: Final = ("starting", "running", "paused", "finished", "failed")
+STATES_V2: Final = ("starting", "running", "paused", "finished", "failed")
+# v3: "terminated", the process ended by SIGTERM (the scheduler's cancel or migration sends it),
+# told apart from "failed" (an exception or a non-zero exit status).
+STATES: Final = (*STATES_V2, "terminated")
+FINAL_STATES: Final = ("finished", "failed", "terminated")
 # Where the last applied control was put into force: at the agent's start, at a step boundary, or
 # by the fallback from the agent's own thread when no step boundary came in time.
 APPLIED_BY: Final = ("start", "step", "fallback")
@@ -109,11 +114,30 @@ class DeviceStats:
 
 @dataclass(frozen=True)
 class Rejection:
-    """The last control the job refused. seq is None when the file held no readable seq."""
+    """The last control the job refused. seq is None when the file held no readable seq.
+
+    Build one with `Rejection.clipped()` from anything a control file can put in it: field and
+    reason echo that file (an unknown key of any length), and stats.json refuses more than
+    MAX_FIELD_CHARS / MAX_REASON_CHARS, which would stop every later stats document.
+    """
 
     seq: int | None
     field: str
     reason: str
+
+    @classmethod
+    def clipped(cls, seq: int | None, field: str, reason: str) -> Rejection:
+        return cls(seq, _clip(field, MAX_FIELD_CHARS), _clip(reason, MAX_REASON_CHARS))
+
+
+_ELLIPSIS: Final = "..."
+
+
+def _clip(text: str, max_chars: int) -> str:
+    """`text` cut to `max_chars` characters, ending in "..." when it was cut."""
+    if len(text) <= max_chars:
+        return text
+    return text[: max_chars - len(_ELLIPSIS)] + _ELLIPSIS
 
 
 @dataclass(frozen=True)
@@ -233,7 +257,7 @@ def _stats_fields(data: object) -> dict[str, Any]:
     out: dict[str, Any] = {
         "seq": doc.int("seq", 1, MAX_SEQ),
         "pid": doc.int("pid", 1, MAX_PID),
-        "state": doc.choice("state", STATES),
+        "state": doc.choice("state", STATES if version >= 3 else STATES_V2),
         "step": doc.int("step", 0, MAX_COUNT),
         "last_step_ms": doc.number("last_step_ms", 0.0, MAX_STEP_MS, nullable=True),
     }

@@ -174,17 +174,18 @@ class ControlWatcher:
                 return False  # absent (settings in force stay) or the file already handled
             self._last_identity = snapshot.identity
             if snapshot.error is not None:
-                self._publish_rejection(Rejection(None, snapshot.error.field, snapshot.error.reason))
+                self._publish_rejection(Rejection.clipped(None, snapshot.error.field, snapshot.error.reason))
                 return True
             assert snapshot.text is not None
             try:
                 control = parse_control(snapshot.text)
             except ProtocolError as err:
-                self._publish_rejection(Rejection(seq_hint(snapshot.text), err.field, err.reason))
+                self._publish_rejection(Rejection.clipped(seq_hint(snapshot.text), err.field, err.reason))
                 return True
             if control.seq <= self._max_seq:
                 self._publish_rejection(
-                    Rejection(control.seq, "seq", f"must be greater than {self._max_seq}, the last seq received")
+                    Rejection.clipped(control.seq, "seq",
+                                      f"must be greater than {self._max_seq}, the last seq received")
                 )
                 return True
             self._max_seq = control.seq

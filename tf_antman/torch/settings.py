@@ -12,9 +12,10 @@ Differences from a TensorFlow job (docs/pytorch.md):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from tf_antman import config
+from tf_antman.device_select import CudaProbe, probe_cuda, resolve_device
 from tf_antman.units import format_bytes
 
 
@@ -33,11 +34,24 @@ class TorchSettings:
                 f"compute_share={b.compute_share:g} job_dir={b.job_dir or '-'}")
 
 
-def load(environ: Mapping[str, str]) -> TorchSettings:
-    """Validates like config.load (ConfigError names the variable and the accepted range)."""
+def load(environ: Mapping[str, str], probe: Callable[[], CudaProbe] = probe_cuda) -> TorchSettings:
+    """Validates like config.load (ConfigError names the variable and the accepted range), then
+    resolves ANTMAN_DEVICE as for TensorFlow (device_select.resolve_device): auto becomes cuda
+    when the CUDA driver reports a GPU, else emulated; cuda that cannot be served raises
+    DeviceUnavailable naming ANTMAN_DEVICE. The memory defaults follow the resolved device."""
     env = {k: v for k, v in environ.items() if k.startswith(config.PREFIX)}
-    env.setdefault("ANTMAN_DEVICE", "cuda")
-    device = config.load({"ANTMAN_DEVICE": env["ANTMAN_DEVICE"]}).device
+    requested = config.load({"ANTMAN_DEVICE": env.get("ANTMAN_DEVICE", "cuda")}).device
+    # Every value first, as the device asked for would take it (auto: as cuda, the loosest), so
+    # that a bad value is a ConfigError on any machine, before the driver is asked anything.
+    checked = _settings(env, "cuda" if requested == "auto" else requested)
+    if not checked.base.enabled:
+        return _settings(env, requested)  # nothing runs: nothing to probe or refuse
+    device = resolve_device(requested, environ, probe)
+    return checked if device == checked.base.device else _settings(env, device)
+
+
+def _settings(antman_env: Mapping[str, str], device: str) -> TorchSettings:
+    env = {**antman_env, "ANTMAN_DEVICE": device}
     capacity_set = "ANTMAN_DEVICE_MEMORY" in env
     limit_set = "ANTMAN_MEMORY_LIMIT" in env
     if device == "cuda" and not capacity_set:
