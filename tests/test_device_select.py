@@ -91,3 +91,19 @@ def test_cuda_memory_defaults_to_the_gpu_not_the_emulated_budget() -> None:
     assert device_select.native_memory(capped, env) == (8 * GiB, 2 * GiB)
     emulated = settings("emulated")
     assert device_select.native_memory(emulated, {}) == (4 * GiB, 4 * GiB)
+
+
+def test_a_limit_above_the_emulated_default_is_for_the_gpu_to_judge() -> None:
+    """On cuda an unset ANTMAN_DEVICE_MEMORY is the GPU's free memory: an 8GiB limit must not be
+    refused against the emulated device's 4GiB default; auto that ends up emulated still is."""
+    for device in ("cuda", "auto"):
+        env = {"ANTMAN_DEVICE": device, "ANTMAN_MEMORY_LIMIT": "8GiB"}
+        on_gpu = device_select.resolve(config.load(env), env, lambda: CudaProbe(1, ""))
+        assert device_select.native_memory(on_gpu, env) == (0, 8 * GiB)
+    env = {"ANTMAN_DEVICE": "auto", "ANTMAN_MEMORY_LIMIT": "8GiB"}
+    refused = r"ANTMAN_MEMORY_LIMIT='8GiB' is invalid: accepted 1MiB\.\.ANTMAN_DEVICE_MEMORY \(4\.0 GiB\)"
+    with pytest.raises(config.ConfigError, match=refused):
+        device_select.resolve(config.load(env), env, lambda: CudaProbe(0, ""))
+    env = {"ANTMAN_DEVICE": "emulated", "ANTMAN_MEMORY_LIMIT": "8GiB"}
+    with pytest.raises(config.ConfigError, match="ANTMAN_MEMORY_LIMIT"):
+        config.load(env)

@@ -220,6 +220,13 @@ def _get(env: Mapping[str, str], name: str, default: Any) -> Any:
         raise ConfigError(name, env[name], var.accepted) from None
 
 
+def check_limit(limit: int, device_memory: int, env: Mapping[str, str]) -> None:
+    """ANTMAN_MEMORY_LIMIT within the device's memory (ConfigError naming both otherwise)."""
+    if limit > device_memory:
+        raise ConfigError("ANTMAN_MEMORY_LIMIT", env.get("ANTMAN_MEMORY_LIMIT", format_bytes(limit)),
+                          f"1MiB..ANTMAN_DEVICE_MEMORY ({format_bytes(device_memory)})")
+
+
 def load(environ: Mapping[str, str] | None = None) -> Settings:
     """Reads and validates every ANTMAN_* variable. Unknown ANTMAN_* names are errors too:
     a typo would otherwise silently run with defaults."""
@@ -230,9 +237,12 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError(key, env[key], f"no such variable; known: {known}")
     device_memory = _get(env, "ANTMAN_DEVICE_MEMORY", 4 * GiB)
     limit = _get(env, "ANTMAN_MEMORY_LIMIT", device_memory)
-    if limit > device_memory:
-        raise ConfigError("ANTMAN_MEMORY_LIMIT", env["ANTMAN_MEMORY_LIMIT"],
-                          f"1MiB..ANTMAN_DEVICE_MEMORY ({format_bytes(device_memory)})")
+    # On a GPU (cuda, or auto that may become cuda) an unset ANTMAN_DEVICE_MEMORY means the GPU's
+    # free memory, unknown here: the 4GiB default is the emulated device's budget and says
+    # nothing about an 80 GiB GPU, so the limit is only held to its own range here. Auto that
+    # becomes emulated is checked against the budget by check_limit once resolved (device_select).
+    if "ANTMAN_DEVICE_MEMORY" in env or _get(env, "ANTMAN_DEVICE", "auto") == "emulated":
+        check_limit(limit, device_memory, env)
     return Settings(
         enabled=_get(env, "ANTMAN_ENABLE", requested(env)),
         device=_get(env, "ANTMAN_DEVICE", "auto"),

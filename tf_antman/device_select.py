@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 from collections.abc import Callable, Mapping
 
+from tf_antman import config
 from tf_antman.config import Settings
 
 # TF_GPU_ALLOCATOR values whose allocator reserves GPU memory when TF creates a device, outside
@@ -72,6 +73,8 @@ def resolve(settings: Settings, environ: Mapping[str, str],
             probe: Callable[[], CudaProbe] = probe_cuda) -> Settings:
     """TensorFlow's settings with `device` resolved to "emulated" or "cuda". Raises DeviceUnavailable."""
     device = resolve_device(settings.device, environ, probe)
+    if device == "emulated":  # config.load left this to us for auto (it might have been cuda)
+        config.check_limit(settings.memory_limit, settings.device_memory, environ)
     if device == "cuda":
         tf_alloc = environ.get("TF_GPU_ALLOCATOR", "")
         if tf_alloc in RESERVING_TF_ALLOCATORS:
