@@ -33,6 +33,7 @@ def test_any_variable_implies_enable_unless_disabled() -> None:
 
 @pytest.mark.parametrize(("name", "value", "accepted"), [
     ("ANTMAN_ENABLE", "maybe", "0/1"),
+    ("ANTMAN_ENABLE", "", "0/1"),  # was read as off, silently, with other ANTMAN_* set
     ("ANTMAN_DEVICE", "tpu", "auto, emulated or cuda"),
     ("ANTMAN_DEVICE_ID", "-1", "0..63"),
     ("ANTMAN_DEVICE_ID", "1.5", "0..63"),

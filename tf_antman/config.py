@@ -69,7 +69,7 @@ def _bool(v: str) -> bool:
     low = v.strip().lower()
     if low in ("1", "true", "yes", "on"):
         return True
-    if low in ("0", "false", "no", "off", ""):
+    if low in ("0", "false", "no", "off"):  # not "": an empty value says neither, and is refused
         return False
     raise ValueError(v)
 
