@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from scheduler_lite.auth import TenantMembers
-from scheduler_lite.cluster.config import ClusterConfig, parse_cluster
+from scheduler_lite.cluster.config import ClusterConfig, check_fencing, parse_cluster
 from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
@@ -188,6 +188,7 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
         ids = ([(f"devices.emulated[{i}].id", d.id) for i, d in enumerate(devices.emulated)]
                + [(f"devices.ids[{i}]", d) for i, d in enumerate(devices.nvml_ids or ())])
         cluster = parse_cluster(cluster_value, base_dir, [t.name for t in tenants], ids)
+        check_fencing(cluster, daemon.tick_interval_s)
     migration = _pass_through(root.table("migration", required=False), MigrationConfig, sizes=())
     root.finish()
     return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source, access,

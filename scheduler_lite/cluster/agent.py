@@ -28,8 +28,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
 
+from scheduler_lite.cluster.config import FENCE_FRACTION
 from scheduler_lite.cluster.tasks import RELEASED_FILE, TASK_CLAIM_TIMEOUT_S, is_ray_task, task_env
 from scheduler_lite.config import Config
 from scheduler_lite.devices import open_devices
@@ -64,7 +64,6 @@ from tf_antman.protocol import Control, ProtocolError, Stats, control_path, pars
 
 log = logging.getLogger("scheduler_lite.cluster")
 
-FENCE_FRACTION: Final = 0.5  # of node_timeout_s: the agent stops its jobs before the global requeues them
 
 
 def part_token(token: str, rank: int) -> str:
@@ -86,6 +85,10 @@ class NodeReport:
     agent_pid: int
     parts: dict[str, PartReport] = field(default_factory=dict)  # job id -> its part here
     utilisation: dict[int, float] | None = None  # local GPU id -> reading (NVML); None: emulated
+    # Jobs whose part this agent killed because the global scheduler fell silent (fencing): lost
+    # with their node as far as the scheduler is concerned (requeued or failed, cluster.on_node_loss),
+    # not ended with an unknown status.
+    fenced: tuple[str, ...] = ()
 
 
 @dataclass
@@ -120,6 +123,7 @@ class NodeAgent:
         self._contact = time.monotonic()
         self._lock = threading.Lock()
         self._fenced = False
+        self._fenced_jobs: list[str] = []  # killed by fencing, not reported yet
         if fence:
             threading.Thread(target=self._fence_loop, name="fence", daemon=True).start()
 
@@ -236,7 +240,8 @@ class NodeAgent:
             util = None
             if self.devices.kind != "emulated":
                 util = self.devices.utilisation({})
-            return NodeReport(self.node, os.getpid(), out, util)
+            fenced, self._fenced_jobs = tuple(self._fenced_jobs), []
+            return NodeReport(self.node, os.getpid(), out, util, fenced)
 
     def signal(self, job_id: str, sig: int) -> bool:
         with self._lock:
@@ -389,6 +394,7 @@ class NodeAgent:
                     elif part.handle is not None:
                         self.launcher.signal(part.handle, signal.SIGKILL)
                         self.launcher.cleanup(part.handle)
+                self._fenced_jobs.extend(self.parts)
                 self.parts.clear()
 
 

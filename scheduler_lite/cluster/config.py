@@ -27,6 +27,8 @@ ON_NODE_LOSS: Final = ("requeue", "fail")
 GPU_ID_STRIDE: Final = 100  # node i holds global GPU ids [i * 100, i * 100 + 99]
 MAX_NODES: Final = 64
 NODE_RESOURCE_PREFIX: Final = "antman_node_"
+FENCE_FRACTION: Final = 0.5  # of node_timeout_s: an agent stops its jobs before the global requeues them
+REPORT_WAIT_S: Final = 2.0  # a tick waits this long at most for the nodes' reports
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 NAME_RULE: Final = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
 _KEYS: Final = ("kind", "address", "namespace", "nodes", "span_tenants", "on_node_loss", "jobs_dir",
@@ -67,6 +69,18 @@ class ClusterConfig:
         return NODE_RESOURCE_PREFIX + node
 
 
+def check_fencing(cluster: ClusterConfig, tick_interval_s: float) -> None:
+    """An agent fences (kills its jobs) after node_timeout_s x FENCE_FRACTION without a report
+    call; a tick reaches each agent once per tick_interval_s plus up to REPORT_WAIT_S of waiting
+    for a slow node's report, so a shorter fence would kill healthy jobs as a matter of course."""
+    least = (tick_interval_s + REPORT_WAIT_S) / FENCE_FRACTION
+    if cluster.node_timeout_s < least:
+        raise ConfigError("cluster.node_timeout_s", cluster.node_timeout_s,
+                          f"at least {least:g} s with daemon.tick_interval_s = {tick_interval_s:g}: an agent stops "
+                          f"its jobs after {FENCE_FRACTION:g} x node_timeout_s without a tick, which must outlast "
+                          f"one tick (tick_interval_s + up to {REPORT_WAIT_S:g} s waiting for the nodes' reports)")
+
+
 def parse_cluster(data: object, base_dir: Path, tenants: Sequence[str],
                   device_ids: Sequence[tuple[str, int]]) -> ClusterConfig:
     """Validate the `[cluster]` table; ConfigError names the field (`cluster.nodes[2]`) and range."""
@@ -104,7 +118,7 @@ def parse_cluster(data: object, base_dir: Path, tenants: Sequence[str],
     jobs_dir_value = data.get("jobs_dir")
     jobs_dir = None
     if jobs_dir_value is not None:
-        if not isinstance(jobs_dir_value, str) or not jobs_dir_value.strip():
+        if not isinstance(jobs_dir_value, str) or not jobs_dir_value.strip() or "\0" in jobs_dir_value:
             raise ConfigError("cluster.jobs_dir", jobs_dir_value, "a directory path (the same on every node)")
         jobs_dir = (base_dir / Path(jobs_dir_value).expanduser()).resolve()
     timeout = data.get("node_timeout_s", 10.0)

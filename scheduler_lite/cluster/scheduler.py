@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from scheduler_lite.cluster.agent import NodeReport, actor_class
-from scheduler_lite.cluster.config import ClusterConfig
+from scheduler_lite.cluster.config import GPU_ID_STRIDE, REPORT_WAIT_S, ClusterConfig
 from scheduler_lite.cluster.tasks import is_ray_task
 from scheduler_lite.config import Config
 from scheduler_lite.daemon import Daemon
@@ -52,6 +52,7 @@ from scheduler_lite.driver import Driver, Launch, SchedulePolicy
 from scheduler_lite.launcher import ExitInfo, Launcher, LaunchError, ProcessHandle
 from scheduler_lite.model import ClusterState, GlobalDecision, Gpu, JobState, Place, Reserve, Role
 from scheduler_lite.policy.global_scheduler import schedule
+from scheduler_lite.policy.validation import ConfigError
 from scheduler_lite.storage import JobRecord, JobStatus, Storage
 from scheduler_lite.tick import LiveJob, TickLog, TickReport
 from tf_antman.protocol import Control, MemoryLimit, Stats
@@ -59,7 +60,6 @@ from tf_antman.protocol import Control, MemoryLimit, Stats
 log = logging.getLogger("scheduler_lite.cluster")
 
 CALL_TIMEOUT_S: Final = 10.0  # one agent call (start, stop, adopt...) must answer within this
-REPORT_WAIT_S: Final = 2.0  # a tick waits this long at most for the nodes' reports
 JOIN_EVERY_S: Final = 5.0  # how often nodes not connected are looked for
 
 
@@ -106,7 +106,11 @@ class Nodes:
         self.config = config
         self.cc: ClusterConfig = config.cluster
         if not ray.is_initialized():
-            ray.init(address=self.cc.address, namespace=self.cc.namespace, log_to_driver=False)
+            try:
+                ray.init(address=self.cc.address, namespace=self.cc.namespace, log_to_driver=False)
+            except (ValueError, ConnectionError) as e:  # a malformed address, no cluster there
+                raise ConfigError("cluster.address", self.cc.address,
+                                  f"the address of a running Ray cluster ({_cause(e)})") from None
         self.agents: dict[str, Any] = {}
         self.gpus: dict[str, tuple[Gpu, ...]] = {}  # node -> its GPUs, global ids
         self.hostnames: dict[str, str] = {}
@@ -150,7 +154,8 @@ class Nodes:
         try:
             info = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - dead or broken: not connected this time
-            log.warning("node %s: agent not available (%s)", node, type(e).__name__)
+            # The agent's own error (e.g. it cannot create cluster.jobs_dir on its node), not just its type.
+            log.warning("node %s: agent not available: %s", node, _cause(e))
             return False
         self.agents[node] = agent
         self.hostnames[node] = str(info["hostname"])
@@ -202,6 +207,13 @@ class Nodes:
             if node not in self.reports and node not in lost and now - self._answered[node] > self.cc.node_timeout_s:
                 lost.append(node)
         return lost
+
+    def stop_later(self, node: str, job_id: str) -> None:
+        """Queue a stop of the job's part on the node's agent, without waiting for it."""
+        agent = self.agents.get(node)
+        if agent is not None:
+            with contextlib.suppress(Exception):
+                agent.stop.remote(job_id, 0.0)
 
     def call(self, node: str, method: str, *args: object, timeout: float = CALL_TIMEOUT_S) -> Any:
         return self.ray.get(getattr(self.agents[node], method).remote(*args), timeout=timeout)
@@ -294,8 +306,12 @@ def _combined_exit(exits: Sequence[ExitInfo]) -> ExitInfo:
 
 
 def job_nodes(cc: ClusterConfig, gpus: Sequence[int]) -> tuple[str, ...]:
-    """The nodes of a placement, in order of first GPU (rank 0 holds the first GPU)."""
-    return tuple(dict.fromkeys(cc.node_of(g) for g in gpus))
+    """The nodes of a placement, in order of first GPU (rank 0 holds the first GPU). A GPU id of a
+    node no longer in cluster.nodes (the config changed across a restart) names a node that is
+    never connected, so the job counts as lost with it (requeued or failed), not as a crash."""
+    return tuple(dict.fromkeys(
+        cc.node_of(g) if g // GPU_ID_STRIDE < len(cc.nodes) else f"<node {g // GPU_ID_STRIDE} not configured>"
+        for g in gpus))
 
 
 class ClusterDevices(EmulatedDevices):
@@ -378,6 +394,15 @@ class ClusterDaemon(Daemon):
         now = self.clock() if now is None else now
         for node in self.nodes.poll(now):
             self._node_lost(node, now)
+        for node, report in list(self.nodes.reports.items()):
+            for job_id in report.fenced:  # the agent stopped them: lost with the node, not ended
+                if job_id in self._live:
+                    log.error("node %s fenced %s (the global scheduler was silent too long): it is %s", node,
+                              job_id, "requeued" if self.cc.on_node_loss == "requeue" else "failed")
+                    self._lose_job(job_id, node, now, reason=f"node {node} stopped it: no word from the "
+                                   "global scheduler for half of cluster.node_timeout_s (fencing)")
+            if report.fenced:
+                self._set_gpus(now)
         if now - self._last_join >= JOIN_EVERY_S:
             self._last_join = now
             missing = sorted(self.nodes.alive_with_resource() - set(self.nodes.agents))
@@ -394,15 +419,8 @@ class ClusterDaemon(Daemon):
         self.storage.add_event(now, "node_lost", None, node=node)
         for job_id, live in list(self._live.items()):
             assert isinstance(live.handle, ClusterHandle)
-            if node not in live.handle.nodes:
-                continue
-            others = [n for n in live.handle.nodes if n != node and n in self.nodes.agents]
-            for other in others:  # a gang's surviving parts: stopped before the job runs anywhere else
-                with contextlib.suppress(Exception):
-                    self.nodes.call(other, "stop", job_id, 0.0)
-            del self._live[job_id]
-            self._record_loss(job_id, node, now)
-            self._driver_loss(job_id, now)
+            if node in live.handle.nodes:
+                self._lose_job(job_id, node, now)
         for launch in list(self._booked):  # booked this tick, not started: never ran
             if node in job_nodes(self.cc, launch.gpus):
                 self._booked.remove(launch)
@@ -410,9 +428,20 @@ class ClusterDaemon(Daemon):
                 self._driver_loss(launch.job_id, now)
         self._set_gpus(now)
 
-    def _record_loss(self, job_id: str, node: str, now: float) -> None:
+    def _lose_job(self, job_id: str, node: str, now: float, reason: str | None = None) -> None:
+        """A running job's part on `node` is gone: its other parts stopped, then requeued or failed."""
+        live = self._live.pop(job_id)
+        assert isinstance(live.handle, ClusterHandle)
+        others = [n for n in live.handle.nodes if n != node and n in self.nodes.agents]
+        for other in others:  # a gang's surviving parts: stopped before the job runs anywhere else
+            with contextlib.suppress(Exception):
+                self.nodes.call(other, "stop", job_id, 0.0)
+        self._record_loss(job_id, node, now, reason)
+        self._driver_loss(job_id, now)
+
+    def _record_loss(self, job_id: str, node: str, now: float, reason: str | None = None) -> None:
         """In the store: the job back in its queue (no placement, no token: it never ran) or failed."""
-        reason = f"node {node} lost"
+        reason = reason or f"node {node} lost"
         with self.storage.transaction():
             if self.cc.on_node_loss == "requeue":
                 self.storage.update_job(job_id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
@@ -506,6 +535,9 @@ class ClusterDaemon(Daemon):
             except Exception as e:  # noqa: BLE001 - node gone, bad workdir...: the job did not start
                 if started:
                     self.ray_launcher.stop(replace(handle, nodes=tuple(started)), 0.0)
+                # A call that timed out may still run on its agent (a frozen agent resumes): a stop
+                # queued behind it on the same actor (calls run in order) ends it there, unwaited.
+                self.nodes.stop_later(node, launch.job_id)
                 raise LaunchError(f"cannot start {launch.job_id} on node {node}: {_cause(e)}") from None
             started.append(node)
             if rank == 0:

@@ -31,17 +31,21 @@ def alive(agent: NodeAgent) -> list[str]:
 
 
 def test_agent_fences_its_jobs_when_the_global_scheduler_goes_silent(tmp_path: Path) -> None:
-    config = cluster_config(tmp_path, "ns", cluster={"node_timeout_s": 1.0})  # fences after 0.5 s
+    config = cluster_config(tmp_path, "ns")
     agent = NodeAgent("n0", config)
+    agent.fence_s = 0.5  # a config refuses so short a fence for its tick (check_fencing): the agent alone
     try:
         start(agent, "job-1")
         assert wait_for(lambda: (agent.report().parts["job-1"].stats or None) is not None, timeout=20)
         for _ in range(10):  # heard from every 0.2 s: the job keeps running
             time.sleep(0.2)
             assert agent.report().parts["job-1"].exit is None
-        # Silent for longer than half of node_timeout_s: the job is stopped and forgotten.
+        # Silent for longer than the fence: the job is stopped, and the next report says so
+        # (the global scheduler then requeues or fails it as for a lost node).
         assert wait_for(lambda: alive(agent) == [], timeout=10)
-        assert agent.report().parts == {}
+        report = agent.report()
+        assert report.parts == {} and report.fenced == ("job-1",)
+        assert agent.report().fenced == ()  # said once
     finally:
         agent.sweep([])
 

@@ -35,6 +35,9 @@ def test_cluster_table_parsed(tmp_path: Path) -> None:
     ({"span_tenants": ["Z"]}, "cluster.span_tenants[0]", "one of the configured tenants: A, B, C"),
     ({"on_node_loss": "retry"}, "cluster.on_node_loss", "one of requeue, fail"),
     ({"node_timeout_s": 0.1}, "cluster.node_timeout_s", "a number in [0.5, 3600.0]"),
+    # The reviewer's case: an agent fenced its healthy jobs at every tick (tests: tick 0.1 s).
+    ({"node_timeout_s": 0.5}, "cluster.node_timeout_s", "at least 4.2 s with daemon.tick_interval_s = 0.1"),
+    ({"jobs_dir": "a\0b"}, "cluster.jobs_dir", "a directory path"),
     ({"address": ""}, "cluster.address", "a Ray address"),
     ({"colour": "red"}, "cluster.colour", "one of kind, address"),
 ])

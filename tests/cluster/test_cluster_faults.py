@@ -208,3 +208,24 @@ def test_node_lost_with_on_node_loss_fail(ray_cluster: RayCluster, namespace: st
     d.run_until(lambda d: False, timeout=1.5, interval=0.1)
     assert runs(log).count(gang) == 2 and wrappers(tmp_path, "n0") == [b]
     assert d.storage.get_job(gang).state is JobStatus.FAILED  # type: ignore[union-attr]
+
+
+def test_jobs_fenced_by_a_silent_global_scheduler_are_requeued(ray_cluster: RayCluster, namespace: str,
+                                                               tmp_path: Path) -> None:
+    """The global scheduler stalls (a VM hiccup, a blocked call) for longer than the agents' fence
+    (node_timeout_s / 2) but less than node_timeout_s: the agent kills its jobs (nothing may run
+    twice), and they are requeued as for a lost node (cluster.on_node_loss), not recorded as
+    ended with an unknown status."""
+    log = tmp_path / "runs.log"
+    config = cluster_config(tmp_path, namespace, cluster={"node_timeout_s": 6})  # fences after 3 s
+    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    ray_cluster.made.append(d)
+    job = d.submit(fake_command(), tenant="A", kind="guarantee", env={**JOB_ENV, "FAKE_RUNS_LOG": str(log)})
+    assert d.run_until(lambda d: runs(log) == [job], timeout=60, interval=0.1)
+    node = d.cc.node_of(d.book.jobs[job].placement[0])
+    assert wait_for(lambda: wrappers(tmp_path, node) == [], timeout=20, interval=0.2)  # the stall: no ticks
+    d.tick()  # requeued, and (the same tick) placed again
+    [requeued] = [e for e in d.storage.events(job) if e.kind == "requeued"]
+    assert "(fencing)" in requeued.detail["reason"]
+    assert d.run_until(lambda d: runs(log) == [job, job], timeout=60, interval=0.1)  # runs again, once
+    assert not any(e.kind == "exited" for e in d.storage.events(job))
