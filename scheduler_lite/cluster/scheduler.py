@@ -484,6 +484,18 @@ class ClusterDaemon(Daemon):
         self._util_samples = {g: self._util_samples.get(g, deque()) for g in self.gpus}
         self._round_sig = {}
         self._dirty = True
+        if set(self.cc.nodes) <= set(self.nodes.agents):
+            self._reject_what_cannot_run(now)
+
+    def _reject_what_cannot_run(self, now: float) -> None:
+        """Every node is here: queued jobs that waited for the cluster's size (_cannot_run lets
+        them wait while a node is away) and can never run on it fail now, with the reason."""
+        for job in [j for j in self.book.jobs.values() if j.state is JobState.PENDING]:
+            record = self.storage.get_job(job.id)
+            problem = self._cannot_run(record) if record is not None else None
+            if problem is not None:
+                self._reject(job.id, problem, now, None)
+                self.driver.finish(job.id, now, failed=True)
 
     # -- hooks of the daemon ----------------------------------------------------------------------
 
@@ -502,6 +514,12 @@ class ClusterDaemon(Daemon):
         largest = max((len(gs) for gs in self.nodes.gpus.values()), default=0)
         if is_ray_task(record.command) and record.num_gpus != 1:
             return f"a Ray task's booking is one GPU, not {record.num_gpus} (docs/cluster.md, \"Ray users\")"
+        if not set(self.cc.nodes) <= set(self.nodes.agents):
+            # A node is away (lost, restarting, not up yet): the cluster's size is not known, so a
+            # job too big for the nodes here waits for it (a requeued gang must not fail for it).
+            if record.tenant not in self.book.tenants:
+                return f"tenant {record.tenant!r} is not configured"
+            return None
         if record.tenant not in self.cc.span_tenants and record.num_gpus > largest:
             return (f"needs {record.num_gpus} GPUs; the largest node has {largest} and tenant "
                     f"{record.tenant!r} may not span nodes (cluster.span_tenants)")

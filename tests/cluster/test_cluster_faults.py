@@ -229,3 +229,28 @@ def test_jobs_fenced_by_a_silent_global_scheduler_are_requeued(ray_cluster: RayC
     assert "(fencing)" in requeued.detail["reason"]
     assert d.run_until(lambda d: runs(log) == [job, job], timeout=60, interval=0.1)  # runs again, once
     assert not any(e.kind == "exited" for e in d.storage.events(job))
+
+
+def test_a_job_too_big_for_the_nodes_left_waits_for_the_node_away(ray_cluster: RayCluster, namespace: str,
+                                                                  tmp_path: Path) -> None:
+    """n2 is away: the cluster's size is unknown, so a gang bigger than n0 + n1 waits instead of
+    failing at pick-up; when n2 joins it runs, and a job that can never run on the whole cluster
+    fails then, with the reason."""
+    config = cluster_config(tmp_path, namespace)
+    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    ray_cluster.made.append(d)
+    if "n2" in d.nodes.agents:  # run alone (the tests above leave it removed)
+        ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
+        assert d.run_until(lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
+    assert "n2" not in d.nodes.agents and sorted(d.gpus) == [0, 1, 100, 101]
+    big = d.submit(fake_command(), tenant="A", kind="opportunistic", gpus=5, env=JOB_ENV)  # A may span
+    never = d.submit(fake_command(), tenant="B", kind="opportunistic", gpus=3, env=JOB_ENV)  # B may not
+    d.run_until(lambda d: False, timeout=1.0, interval=0.1)
+    assert d.storage.get_job(big).state is JobStatus.QUEUED  # type: ignore[union-attr]
+    assert d.storage.get_job(never).state is JobStatus.QUEUED  # type: ignore[union-attr]
+    ray_cluster.nodes["n2"] = ray_cluster.cluster.add_node(num_cpus=1, object_store_memory=STORE,
+                                                           resources={"antman_node_n2": 1})
+    assert d.run_until(lambda d: d.storage.get_job(big).state is JobStatus.RUNNING, timeout=90, interval=0.2)
+    record = d.storage.get_job(never)
+    assert record is not None and record.state is JobStatus.FAILED
+    assert record.reason == "needs 3 GPUs; the largest node has 2 and tenant 'B' may not span nodes (cluster.span_tenants)"
