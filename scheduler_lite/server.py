@@ -88,23 +88,24 @@ class _Pending:
     args: Mapping[str, Any]
     done: threading.Event = field(default_factory=threading.Event)
     answer: dict[str, Any] | None = None
-    # Who got it first: the daemon's thread (taken) or the connection giving up on it (dropped).
-    # Under the lock, so a request the client was told failed is never carried out later.
+    # Who got it first: the daemon's thread ("taken") or the connection giving up on it
+    # ("dropped"). Under the lock, so a request the client was told failed is never carried out.
     lock: threading.Lock = field(default_factory=threading.Lock)
-    taken: bool = False
-    dropped: bool = False
+    claimed: str | None = None
 
     def take(self) -> bool:
         """The daemon's thread starts on it; False if the client was already told it timed out."""
-        with self.lock:
-            self.taken = not self.dropped
-            return self.taken
+        return self._claim("taken")
 
     def drop(self) -> bool:
         """The connection gives up; False if the daemon's thread is already carrying it out."""
+        return self._claim("dropped")
+
+    def _claim(self, by: str) -> bool:
         with self.lock:
-            self.dropped = not self.taken
-            return self.dropped
+            if self.claimed is None:
+                self.claimed = by
+            return self.claimed == by
 
 
 # ----------------------------------------------------------------------------------------------

@@ -107,3 +107,10 @@ def test_a_limit_above_the_emulated_default_is_for_the_gpu_to_judge() -> None:
     env = {"ANTMAN_DEVICE": "emulated", "ANTMAN_MEMORY_LIMIT": "8GiB"}
     with pytest.raises(config.ConfigError, match="ANTMAN_MEMORY_LIMIT"):
         config.load(env)
+    # The PyTorch front-end follows the same rule (config.load is the one place that holds it).
+    from tf_antman.torch import settings as torch_settings
+
+    on_gpu = torch_settings.load({"ANTMAN_DEVICE": "cuda", "ANTMAN_MEMORY_LIMIT": "8GiB"}, lambda: CudaProbe(1, ""))
+    assert (on_gpu.device_capacity, on_gpu.memory_limit) == (0, 8 * GiB)
+    with pytest.raises(config.ConfigError, match=refused):
+        torch_settings.load({"ANTMAN_DEVICE": "auto", "ANTMAN_MEMORY_LIMIT": "8GiB"}, lambda: CudaProbe(0, ""))

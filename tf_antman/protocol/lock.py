@@ -39,9 +39,8 @@ class JobDirBusy(ProtocolError):
 class AgentLock:
     """The exclusive lock on `<job_dir>/agent.lock`, held until `release()` or the process ends."""
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
-        self.path = path
 
     @classmethod
     def acquire(cls, job_dir: Path) -> AgentLock:
@@ -66,11 +65,7 @@ class AgentLock:
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, path)
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
+        return cls(fd)
 
     def release(self) -> None:
         """Closes the descriptor (the lock goes with it). Idempotent."""

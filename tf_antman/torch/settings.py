@@ -54,10 +54,8 @@ def _settings(antman_env: Mapping[str, str], device: str) -> TorchSettings:
     env = {**antman_env, "ANTMAN_DEVICE": device}
     capacity_set = "ANTMAN_DEVICE_MEMORY" in env
     limit_set = "ANTMAN_MEMORY_LIMIT" in env
-    if device == "cuda" and not capacity_set:
-        # Validate the limit against the largest size accepted; the real capacity is known only
-        # once the driver reports the free memory (the core then caps the limit to it).
-        env["ANTMAN_DEVICE_MEMORY"] = str(config.MAX_BYTES)
+    # On cuda with ANTMAN_DEVICE_MEMORY unset, config.load does not hold the limit to the emulated
+    # default: the capacity is the GPU's free memory, known once the driver reports it.
     base = config.load(env)
     if device == "cuda":
         capacity = base.device_memory if capacity_set else 0
