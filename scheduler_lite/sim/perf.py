@@ -124,11 +124,11 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
         raise ConfigError(where, type(raw).__name__, "a JSON object")
     try:
         return _perf_model(raw)
+    except ConfigError:
+        raise  # already names its field
     except KeyError as e:  # a required field is missing
         raise ConfigError(f"{where} {e.args[0]}", None, "a value (required; docs/simulator.md)") from None
     except (TypeError, AttributeError, IndexError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
         raise ConfigError(where, "<structure>", f"the documented structure (docs/simulator.md): {e}") from None
 
 
