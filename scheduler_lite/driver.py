@@ -291,10 +291,7 @@ class Driver:
                 del held[job_id]
             if held:
                 return False
-        if self.book.gpus[gpu].utilisation == value:
-            return False
-        self.book.set_utilisation(gpu, value)
-        return True
+        return self.book.set_utilisation(gpu, value)
 
     def held(self, gpu: int) -> tuple[str, ...]:
         return tuple(self._held.get(gpu, ()))

@@ -276,10 +276,11 @@ class ClusterBook:
             self._memory_committed[gpu] += demand_bytes - job.memory_demand_bytes
         self.jobs[job_id] = _evolve(job, memory_demand_bytes=demand_bytes)
 
-    def set_utilisation(self, gpu: int, utilisation: float) -> None:
+    def set_utilisation(self, gpu: int, utilisation: float) -> bool:
+        """True if the reading changed the GPU's utilisation."""
         g = self.gpus[gpu]
         if g.utilisation == utilisation:
-            return
+            return False
         self.gpus[gpu] = Gpu(g.id, g.node, g.memory_bytes, g.nvlink_group, utilisation)
         b = _bucket(utilisation)
         old = self._bucket_of[gpu]
@@ -290,6 +291,7 @@ class ClusterBook:
             rung = self._rung_of[gpu]
             self._rung_counts[old][rung] -= 1
             self._rung_counts[b][rung] += 1
+        return True
 
     def finish(self, job_id: str, failed: bool = False) -> None:
         """The job ended on its own: release everything it held."""
@@ -478,9 +480,12 @@ _evolve = _make_evolve()
 
 
 def _bucket(utilisation: float) -> int:
-    return min(max(int(utilisation * UTILISATION_BUCKETS), 0), UTILISATION_BUCKETS - 1)
+    # Comparisons, not min(max()): two builtin calls fewer on every utilisation reading.
+    b = int(utilisation * UTILISATION_BUCKETS)
+    return UTILISATION_BUCKETS - 1 if b >= UTILISATION_BUCKETS else (b if b > 0 else 0)
 
 
 def _rung(share: float) -> int:
     """Monotone in `share` (a float residue below 0 counts as 0, anything above 1 as 1)."""
-    return min(max(int(share * SHARE_RUNGS), 0), SHARE_RUNGS)
+    r = int(share * SHARE_RUNGS)
+    return SHARE_RUNGS if r > SHARE_RUNGS else (r if r > 0 else 0)

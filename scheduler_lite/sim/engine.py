@@ -234,9 +234,10 @@ class Simulator(CoordinatorRounds):
             if self.phased:
                 changed = dirty | self.phased
                 self.phased = set()
-            if coordinated:
-                changed = set(changed)
-                for gpu in sorted(dirty | rounds):
+            if coordinated and (dirty or rounds):
+                if changed is dirty:
+                    changed = set(dirty)  # a copy: `gpu in dirty` below must not see the additions
+                for gpu in sorted(dirty | rounds if rounds else dirty):
                     if self._round(gpu, gpu in dirty):
                         changed.add(gpu)
             if changed:
@@ -272,9 +273,10 @@ class Simulator(CoordinatorRounds):
         """Hand the book the utilisation of the GPUs that changed; True if any did."""
         self.refresh_at = None
         changed = False
+        observe, util, now = self.driver.observe_utilisation, self.gpu_util, self.now
         for g in sorted(self.util_stale):
             # The model's utilisation is instantaneous: a reading at `now` covers now.
-            if self.driver.observe_utilisation(g, self.gpu_util[g], self.now):
+            if observe(g, util[g], now):
                 changed = True
         self.util_stale.clear()
         return changed
@@ -527,6 +529,8 @@ class Simulator(CoordinatorRounds):
         k = perf.contention_slowdown
         c = perf.colocation_interference
         opp = Role.OPPORTUNISTIC
+        # _gpu_totals' no-change test, inlined below: most recomputations change no total.
+        gpu_util, gpu_mem, gpu_busy = self.gpu_util, self.gpu_mem, self.gpu_busy
         for g in gpus:
             jobs = self.on_gpu[g]
             n = len(jobs)
@@ -543,7 +547,11 @@ class Simulator(CoordinatorRounds):
                     mem_used = want
                 sj.gpu_speed[g] = s
                 touched[jid] = sj
-                self._gpu_totals(g, min(sj.u * s, 1.0), mem_used, True)
+                u = sj.u * s
+                if u > 1.0:
+                    u = 1.0
+                if u != gpu_util[g] or mem_used != gpu_mem[g] or not gpu_busy[g]:
+                    self._gpu_totals(g, u, mem_used, True)
                 continue
             capped = isolated and n > 1
             demand = 0.0
@@ -581,7 +589,10 @@ class Simulator(CoordinatorRounds):
                 sj.gpu_speed[g] = s
                 util += u * s
                 touched[jid] = sj
-            self._gpu_totals(g, min(util, 1.0), mem_used, n > 0)
+            if util > 1.0:
+                util = 1.0
+            if util != gpu_util[g] or mem_used != gpu_mem[g] or gpu_busy[g] != (n > 0):
+                self._gpu_totals(g, util, mem_used, n > 0)
         watch = self.policy.coordinated and not self.periodic
         for sj in touched.values():
             if len(sj.gpus) == 1:
