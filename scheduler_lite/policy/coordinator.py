@@ -256,7 +256,7 @@ def _with_guarantee(
             # The guarantee job is measured: its peak plus headroom, the opportunistic jobs the rest.
             g_limit = _measured_limit(g, cfg, mem, len(opps))
             _limit(out, gid, g, g_limit)
-            _fit_opportunistic(out, gid, opps, mem - g_limit)
+            _fit_opportunistic(out, gid, opps, mem - g_limit, cfg.min_memory_bytes)
             _shares(out, gid, opps, memo.level)
             return out, _evolve(
                 memo, opportunistic=ids, since=now, phase=Phase.GROWING, next_round_at=now + cfg.round_interval_s
@@ -292,7 +292,7 @@ def _with_guarantee(
         # opportunistic jobs (here, or when the first one arrives).
         g_limit = _measured_limit(g, cfg, mem, len(opps)) if opps else g.memory_limit_bytes
         _limit(out, gid, g, g_limit)
-        _fit_opportunistic(out, gid, opps, mem - g_limit)
+        _fit_opportunistic(out, gid, opps, mem - g_limit, cfg.min_memory_bytes)
         anchor = baseline if memo.anchor_s is None else memo.anchor_s
         return out, _evolve(
             memo, phase=Phase.GROWING, baseline_s=baseline, anchor_s=anchor, since=now, next_round_at=tick
@@ -304,7 +304,7 @@ def _with_guarantee(
         new_limit = min(g.memory_limit_bytes + g.host_spill_bytes, room)
         if new_limit > g.memory_limit_bytes:
             _limit(out, gid, g, new_limit)
-            _fit_opportunistic(out, gid, opps, mem - new_limit)
+            _fit_opportunistic(out, gid, opps, mem - new_limit, cfg.min_memory_bytes)
             return out, _evolve(memo, since=now, next_round_at=tick)
     if not opps:
         return out, _evolve(memo, phase=Phase.STEADY, next_round_at=None)
@@ -365,7 +365,7 @@ def _opportunistic_only(
             _limit(out, gid, job, job.memory_demand_bytes + (mem - demand) // len(opps))
         return out, CoordinatorMemo(opportunistic=ids)
     if ids != memo.opportunistic or memo.guarantee_job is not None:
-        for job, limit in zip(opps, _proportional(mem, opps), strict=True):
+        for job, limit in zip(opps, _share_out(mem, [j.memory_demand_bytes for j in opps]), strict=True):
             _limit(out, gid, job, limit)
         return out, CoordinatorMemo(opportunistic=ids, since=now, next_round_at=now + cfg.round_interval_s)
 
@@ -447,28 +447,43 @@ def _shares_each(out: list[LocalDecision], gpu: int, opps: Sequence[LocalJob], s
             out.append(SetComputeShare(job.job_id, gpu, share, job.compute_share))
 
 
-def _fit_opportunistic(out: list[LocalDecision], gpu: int, opps: list[LocalJob], room: int) -> None:
-    for job, limit in zip(opps, _proportional(max(0, room), opps), strict=True):
-        _limit(out, gpu, job, limit)
+def _fit_opportunistic(out: list[LocalDecision], gpu: int, opps: list[LocalJob], room: int,
+                       min_bytes: int) -> None:
+    """The opportunistic jobs next to a guarantee job share `room`: each gets at least
+    `min_bytes` (an even split of the room when that is less), then up to its demand, then an
+    even part of what no demand takes. A measured demand is a peak so far: a job limited to it
+    spills to host memory as soon as its use grows, while the rest of the GPU serves nobody."""
+    if not opps:
+        return
+    room = max(0, room)
+    floor = min(min_bytes, room // len(opps))
+    extra = _share_out(room - floor * len(opps), [max(0, j.memory_demand_bytes - floor) for j in opps])
+    for job, add in zip(opps, extra, strict=True):
+        _limit(out, gpu, job, floor + add)
 
 
-def _proportional(total: int, jobs: Sequence[LocalJob]) -> list[int]:
-    """Water-filling: each job gets at most its demand; what is left is shared evenly."""
-    limits = [0] * len(jobs)
+def _share_out(total: int, demands: Sequence[int]) -> list[int]:
+    """Water-filling: each share at most its demand, the smallest demands met first; then what is
+    left (every demand met) evenly over all."""
+    limits = [0] * len(demands)
     left = total
-    open_ = [i for i, j in enumerate(jobs) if j.memory_demand_bytes > 0]
+    open_ = [i for i, d in enumerate(demands) if d > 0]
     while open_ and left >= len(open_):
         each = left // len(open_)
         still = []
         for i in open_:
-            give = min(each, jobs[i].memory_demand_bytes - limits[i])
+            give = min(each, demands[i] - limits[i])
             limits[i] += give
             left -= give
-            if limits[i] < jobs[i].memory_demand_bytes:
+            if limits[i] < demands[i]:
                 still.append(i)
         if len(still) == len(open_):
             break
         open_ = still
+    if left > 0 and demands and not open_:
+        each, odd = divmod(left, len(demands))
+        for i in range(len(demands)):
+            limits[i] += each + (1 if i < odd else 0)
     return limits
 
 

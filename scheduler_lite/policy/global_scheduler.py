@@ -11,8 +11,9 @@ One pass, in this order:
 3. The tenant's guarantee queue, oldest first (no overtaking, so large gangs are not starved):
    Algorithm 1 lines 1, 4-8. `findNodes(job.gpu, topo)` picks GPUs held by no guarantee job and
    reserved for nobody, inside one NVLink group when the gang fits one (best fit), else whole
-   groups first. All found and quota free: Place. Otherwise Reserve what was found and stop
-   this tenant's queue; reserved GPUs still take opportunistic jobs, never guarantee ones.
+   groups first. A job beyond its tenant's free quota waits and reserves nothing (it stops the
+   tenant's queue). All found: Place. Otherwise Reserve what was found and stop this tenant's
+   queue; reserved GPUs still take opportunistic jobs, never guarantee ones.
    An `auto` job goes this way unless its estimated queueing delay exceeds
    `auto_opportunistic_after_s`, in which case it is scheduled as an opportunistic job.
 4. Opportunistic jobs (Algorithm 1 lines 2-3, 9-10): `findNodes(job.gpu, M)` keeps GPUs whose
@@ -99,7 +100,11 @@ class _Pass:
         self.idx = state.index
         self.cfg = config
         self.out: list[GlobalDecision] = []
-        self.taken: set[int] = set()  # GPUs granted to guarantee jobs or upgraded this pass
+        # GPUs closed to guarantee jobs by this pass: granted to one, upgraded, or reserved.
+        self.taken: set[int] = set()
+        # Of those, the ones closed to opportunistic jobs too: reserved GPUs still take them
+        # (paper §3.3: "they can be utilized by opportunistic jobs").
+        self.granted: set[int] = set()
         self.opp_taken: set[int] = set()  # GPUs that got a new opportunistic job this pass
         self.quota_used = {t: self.idx.quota_used(t) for t in state.tenants}
         self.routed: list[Job] = []  # auto jobs sent to the opportunistic path
@@ -128,6 +133,7 @@ class _Pass:
             if all(self._guarantee_free(g, job_id) for g in job.placement):
                 self.out.append(Upgrade(job_id))
                 self.taken.update(job.placement)
+                self.granted.update(job.placement)
                 headroom -= job.num_gpus
                 self.quota_used[tenant] += job.num_gpus
 
@@ -162,12 +168,21 @@ class _Pass:
                     continue
             if blocked_gpus:
                 continue  # no overtaking: only auto jobs may leave the queue behind a blocked gang
+            if self.quota_used[tenant] + job.num_gpus > quota:
+                # Blocked by its own tenant's quota, not by the cluster: it holds nothing. A
+                # reservation would keep other tenants within their quota (and, before they took
+                # reserved GPUs, opportunistic jobs) off GPUs this job cannot use until its
+                # tenant's running jobs end and free GPUs of their own.
+                if job_id in self.s.reservations:
+                    self.out.append(Unreserve(job_id))
+                blocked_gpus += job.num_gpus
+                continue
             gpus, complete = self._find_guarantee_gpus(job)
-            quota_ok = self.quota_used[tenant] + job.num_gpus <= quota
-            if complete and quota_ok:
+            if complete:
                 self.out.append(Place(job_id, tuple(gpus), Role.GUARANTEE))
                 self.quota_used[tenant] += job.num_gpus
                 self.taken.update(gpus)
+                self.granted.update(gpus)
                 continue
             # Algorithm 1 line 8: hold what is there so no other gang takes it.
             if gpus and tuple(sorted(gpus)) != tuple(sorted(self.s.reservations.get(job_id, ()))):
@@ -290,7 +305,7 @@ class _Pass:
             if not self.idx.may_have_room(below, share, job.num_gpus):
                 return  # the scan would read every GPU below M and find too few with room
             fits, tight = self.idx.first_with_room(below, share, unstated, job.memory_demand_bytes,
-                                                   job.num_gpus, self.taken, self.opp_taken)
+                                                   job.num_gpus, self.granted, self.opp_taken)
             chosen = (fits + tight)[: job.num_gpus]
             if len(chosen) == job.num_gpus:
                 self.out.append(Place(job.id, tuple(chosen), Role.OPPORTUNISTIC))
@@ -302,7 +317,7 @@ class _Pass:
         exhausted = False
         failed: list[tuple[int, float]] = []  # (GPUs, share) of jobs that found no GPU
         # Hoisted out of the loops below: this pass runs after most events of a 20k-job run.
-        taken, opp_taken, memory_free = self.taken, self.opp_taken, self.idx.memory_free
+        taken, opp_taken, memory_free = self.granted, self.opp_taken, self.idx.memory_free
         for job in jobs:
             n, share = job.num_gpus, self._request(job)
             # A job asking at least as much as one that found no GPU finds none either.
@@ -359,7 +374,7 @@ class _Pass:
             gpu = next(self.opp_gpus, None)
             if gpu is None:
                 self.opp_exhausted = True
-            elif gpu not in self.taken and gpu not in self.opp_taken:
+            elif gpu not in self.granted and gpu not in self.opp_taken:
                 self.opp_buffer.append(gpu)
 
     def _request(self, job: Job) -> float:

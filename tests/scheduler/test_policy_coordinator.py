@@ -64,7 +64,7 @@ def test_guarantee_arrival_shrinks_opportunistic_first_then_grows_step_by_step()
     view = GpuView(GPU, (g_job(st=steps(0, 10, 1.0)), o_job(limit=CFG.min_memory_bytes, share=CFG.floor_share)))
     d, memo = round(11.0, view, CFG, memo)
     assert memo.phase is Phase.GROWING and memo.baseline_s == 1.0
-    assert limits_after(view, d)["o"] == 10 * GIB
+    assert limits_after(view, d)["o"] == GPU.memory_bytes - 20 * GIB  # all the guarantee job leaves
     # undisturbed: share rises by one step
     view = GpuView(GPU, (g_job(st=steps(11, 10, 1.01)), o_job(share=CFG.floor_share)))
     d, memo = round(22.0, view, CFG, memo)
@@ -163,8 +163,26 @@ def test_guarantee_limit_follows_measured_peak_plus_headroom_and_opportunistic_j
     lim = limits_after(view, d)
     wanted = int(4 * GIB * (1 + CFG.demand_headroom)) + 1
     assert abs(lim["g"] - wanted) <= 1
-    assert lim["o"] == min(10 * GIB, GPU.memory_bytes - lim["g"])  # its demand fits in the rest
+    assert lim["o"] == GPU.memory_bytes - lim["g"]  # the rest: more than its 10 GiB demand
     assert memo.anchor_s == memo.baseline_s == 1.0
+
+
+def test_opportunistic_jobs_measured_small_share_the_whole_rest_and_never_drop_below_the_minimum():
+    # The README demo's shape: a guarantee job measured at 6.5 MiB, two opportunistic jobs whose
+    # peaks so far are 1.8 MiB and 3 GiB. Limited to their peaks, 25+ GiB would serve nobody and
+    # the small one would spill to host memory as soon as its use grew.
+    g = LocalJob("g", Role.GUARANTEE, 6 * MIB + MIB // 2, GPU.memory_bytes - 2 * CFG.min_memory_bytes, 0, 1.0,
+                 steps(0, 10, 1.0))
+    small = LocalJob("s", Role.OPPORTUNISTIC, 1887436, CFG.min_memory_bytes, 0, CFG.floor_share)
+    big = LocalJob("b", Role.OPPORTUNISTIC, 3 * GIB, CFG.min_memory_bytes, 0, CFG.floor_share)
+    memo = CoordinatorMemo(guarantee_job="g", phase=Phase.SETTLING, since=0.0, level=CFG.floor_share,
+                           opportunistic=frozenset({"s", "b"}))
+    view = GpuView(GPU, (g, small, big))
+    d, _ = round(11.0, view, CFG, memo)
+    lim = limits_after(view, d)
+    assert sum(lim.values()) == GPU.memory_bytes
+    assert lim["s"] >= CFG.min_memory_bytes and lim["b"] >= 3 * GIB
+    assert abs(lim["s"] - (lim["b"] - (3 * GIB - CFG.min_memory_bytes))) <= 1  # the rest split evenly
 
 
 def test_a_small_guarantee_job_keeps_at_least_min_memory_of_headroom():

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_lite.model import JobKind, Place, Reject, Reserve, Role, Upgrade
+from scheduler_lite.model import JobKind, Place, Reject, Reserve, Role, Unreserve, Upgrade
 from scheduler_lite.policy.global_scheduler import SchedulerConfig, schedule
 from scheduler_lite.policy.validation import ConfigError
 from tests.scheduler.builders import book, job
@@ -46,7 +46,7 @@ def test_guarantee_gang_stays_inside_one_nvlink_group(busy, gang, expect_group, 
 
 
 def test_reserved_gpus_take_opportunistic_but_not_guarantee_jobs():
-    b = book(nodes=1, per_node=4)
+    b = book(nodes=1, per_node=4, quotas={"A": 8, "B": 0})  # the gang waits for GPUs, not quota
     b.submit(job("x"))
     b.apply(Place("x", (0,), Role.GUARANTEE))
     b.submit(job("gang", gpus=4, t=1))
@@ -57,6 +57,41 @@ def test_reserved_gpus_take_opportunistic_but_not_guarantee_jobs():
     placed = {x.job_id: x for x in d if isinstance(x, Place)}
     assert "small" not in placed  # no overtaking, and reserved GPUs refuse other guarantee jobs
     assert placed["opp"].role is Role.OPPORTUNISTIC
+
+
+def test_reserved_gpus_take_opportunistic_jobs_in_later_passes():
+    # GPU 0 runs a guarantee job above M: the only GPUs an opportunistic job may use are the
+    # three reserved for the gang (the paper: reserved GPUs "can be utilized by opportunistic jobs").
+    b = book(nodes=1, per_node=4, quotas={"A": 8, "B": 0})
+    b.submit(job("x"))
+    b.apply(Place("x", (0,), Role.GUARANTEE))
+    b.set_utilisation(0, 0.95)
+    b.submit(job("gang", gpus=4, t=1))
+    assert run(b) == [Reserve("gang", (1, 2, 3))]
+    b.submit(job("opp", tenant="B", kind=JobKind.OPPORTUNISTIC, t=2))
+    d = run(b)
+    assert [x.gpus[0] in (1, 2, 3) for x in d if isinstance(x, Place) and x.job_id == "opp"] == [True]
+    assert b.reservations == {"gang": (1, 2, 3)}  # the gang keeps them
+
+
+def test_a_job_blocked_by_its_own_quota_reserves_nothing():
+    # A is at its quota on GPU 0; its next job waits for A's quota, not for GPUs, so it must not
+    # keep GPU 1 from tenant C (within its quota) or from opportunistic jobs.
+    b = book(nodes=1, per_node=2, quotas={"A": 1, "B": 0, "C": 1})
+    b.submit(job("a1"))
+    run(b)
+    b.submit(job("a2", t=1))
+    b.submit(job("c1", tenant="C", t=2))
+    d = run(b)
+    assert not any(isinstance(x, Reserve) for x in d)
+    assert [(x.job_id, x.gpus) for x in d if isinstance(x, Place)] == [("c1", (1,))]
+    # A reservation made before A reached its quota is dropped.
+    b.finish("c1")
+    b.apply(Reserve("a2", (1,)))
+    b.submit(job("o", tenant="B", kind=JobKind.OPPORTUNISTIC, t=3))
+    d = run(b)
+    assert Unreserve("a2") in d and not any(isinstance(x, Place) and x.job_id == "a2" for x in d)
+    assert b.reservations == {}
 
 
 def test_opportunistic_only_on_gpus_below_threshold_least_loaded_first():
