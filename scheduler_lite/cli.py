@@ -17,17 +17,19 @@ import os
 import shutil
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from scheduler_lite.client import ClientError, call, cluster_status, job_record
 from scheduler_lite.config import CONFIG_ENV, Config, resolve_config
 from scheduler_lite.devices import DeviceError
 from scheduler_lite.isolation import SESSION_VARIABLES
 from scheduler_lite.launcher import describe_exit
-from scheduler_lite.model import JobKind
+from scheduler_lite.model import JobKind, Tenant
 from scheduler_lite.policy.validation import ConfigError
+from scheduler_lite.server import UNPRINTABLE
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
 from scheduler_lite.submission import SubmitError, quota_warning
@@ -36,7 +38,8 @@ from tf_antman.units import format_bytes, parse_bytes
 PROG = "scheduler-lite"
 EXAMPLES = f"""\
 examples:
-  {PROG} --config examples/scheduler.toml serve
+  export {CONFIG_ENV}=examples/scheduler.toml   # every command below, `serve` included, reads it
+  {PROG} serve &
   {PROG} submit --tenant research --type guarantee -- python examples/colocate_job.py --steps 500
   {PROG} submit --tenant batch --type opportunistic --memory 1GiB --env SEED=3 -- python train.py
   {PROG} list --state running
@@ -54,6 +57,22 @@ class UserError(Exception):
     """A mistake the user can fix: printed as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes read like every other one: one line `scheduler-lite: error: ...`,
+    exit status 2, instead of the usage block and `scheduler-lite submit: error: ...`. The
+    sub-commands' parsers are of this class too (add_subparsers passes it on)."""
+
+    def error(self, message: str) -> NoReturn:
+        _usage_error(self.prog, message)
+
+
+def _usage_error(prog: str, message: str) -> NoReturn:
+    """argparse's exit (SystemExit(2)); `prog` is the command whose --help explains the options."""
+    # `unrecognized arguments` quotes the argv as given: a newline in it must not break the line.
+    print(f"{PROG}: error: {_printable(message)} (see '{prog} --help')", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     forwarded = _sim_argv(args_list)
@@ -63,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return sim_main(forwarded)
     parser = build_parser()
     config_path, as_json, rest = _global_options(args_list)
-    args = parser.parse_args(rest)
+    args, unknown = parser.parse_known_args(rest)
+    if unknown:  # the sub-command's options are the ones to read about, not the top level's
+        _usage_error(f"{PROG} {args.command}" if args.command else PROG, "unrecognized arguments: " + " ".join(unknown))
     args.config = config_path or args.config
     args.json = as_json or args.json
     if args.command is None:
@@ -148,7 +169,7 @@ GLOBAL_OPTIONS = "options of every command: --config FILE (TOML config), --json 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=PROG, description="AntMan-style GPU sharing for the GPUs of one workstation.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -305,7 +326,7 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
                        f"limit {format_bytes(p['memory_limit_bytes'])}, share {p['compute_share']:.2f}"))
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
-        print(f"{key:<{width}}  {value}")
+        print(f"{key:<{width}}  {_printable(value)}")
     if found["events"]:
         print("\nevents:")
         _table(["TIME", "EVENT", "DETAIL"],
@@ -330,12 +351,16 @@ def cmd_status(config: Config, args: argparse.Namespace) -> int:
         _print_json(found)
         return 0
     _print_status(cluster_status(found))
-    _print_quota_warning(config)
+    _print_quota_warning(config, found["tenants"], len(found["gpus"]))
     return 0
 
 
 def cmd_logs(config: Config, args: argparse.Namespace) -> int:
     offset = 0
+    # The log's bytes as the job wrote them: the daemon's chunks end at arbitrary byte offsets
+    # (mid-character in UTF-8), and a job's output need not be text at all.
+    out = sys.stdout.buffer
+    sys.stdout.flush()
     while True:
         chunk = call(config, "logs", job=args.job, stderr=args.stderr, offset=offset)
         if not chunk["started"]:
@@ -343,8 +368,8 @@ def cmd_logs(config: Config, args: argparse.Namespace) -> int:
                 raise UserError(f"{args.job} has not started yet ({chunk['state']}): no logs")
         else:
             data = base64.b64decode(chunk["data"])
-            sys.stdout.write(data.decode("utf-8", errors="replace"))
-            sys.stdout.flush()
+            out.write(data)
+            out.flush()
             offset = chunk["offset"]
             if data:
                 continue  # more may be there already
@@ -354,20 +379,26 @@ def cmd_logs(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_tenants(config: Config, args: argparse.Namespace) -> int:
-    found = call(config, "tenants")
+    # The `status` op, not `tenants`: its answer has the same tenants and the daemon's GPUs, which
+    # the quota warning needs, and every daemon version gives both (the `tenants` op's answer, a
+    # list, stays as it was for the scripts that read it).
+    found = call(config, "status")
+    tenants = found["tenants"]
     if args.json:
-        _print_json(found)
+        _print_json(tenants)
         return 0
     _table(["TENANT", "GPU QUOTA", "QUOTA USED", "RUNNING", "QUEUED"],
            [[t["name"], str(t["gpu_quota"]), str(t["quota_used"]), str(t["running"]), str(t["queued"])]
-            for t in found])
-    _print_quota_warning(config)
+            for t in tenants])
+    _print_quota_warning(config, tenants, len(found["gpus"]))
     return 0
 
 
-def _print_quota_warning(config: Config) -> None:
-    gpus = len(config.devices.emulated) if config.devices.kind == "emulated" else None
-    warning = None if gpus is None else quota_warning(config, gpus)
+def _print_quota_warning(config: Config, tenants: Sequence[dict[str, Any]], gpu_count: int) -> None:
+    """The quotas and GPUs of the daemon's answer, not of this client's config file: the file may
+    have been edited since the daemon started, and with nvml devices only the daemon knows its GPUs."""
+    served = dataclasses.replace(config, tenants=tuple(Tenant(t["name"], t["gpu_quota"]) for t in tenants))
+    warning = quota_warning(served, gpu_count)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
 
@@ -412,13 +443,23 @@ def _command(command: Sequence[str], width: int = 50) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _printable(text: str) -> str:
+    """`text` on one line, control characters as Python escapes (\\n, \\t, \\x1b, \\u202e): a job's
+    command may hold a newline, and no text a user gave may move the terminal's cursor or colour it."""
+    if text.isprintable():  # the common case (False also for spaces but ' ', which stay as they are)
+        return text
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in UNPRINTABLE else c
+                   for c in text)
+
+
 def _table(header: list[str], rows: list[list[str]]) -> None:
     if not rows:
         print("(none)")
         return
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    cells = [[_printable(str(c)) for c in row] for row in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 # A job that has not written stats.json this long after its start is taken to run without
@@ -458,7 +499,7 @@ def _print_status(status: ClusterStatus) -> None:
     for g in status.gpus:
         for j in g.jobs:
             if j.stats_error:
-                print(f"warning: {j.job_id}: stats.json refused: {j.stats_error}")
+                print(f"warning: {j.job_id}: stats.json refused: {_printable(j.stats_error)}")
             elif j.compute_share is None and j.running_s is not None and j.running_s >= SILENT_JOB_S:
                 print(f"warning: {j.job_id} has run {j.running_s:.0f} s without writing stats.json: no limit "
                       "or share reaches it until it does. Either tf-antman is not active in it (is tf-antman "

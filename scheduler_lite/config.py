@@ -131,6 +131,10 @@ def load_config(path: Path) -> Config:
     """Read and validate a config file; ConfigError for a bad value, OSError if unreadable."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        # Say which file it is: "No such file or directory: nope.toml" does not (same errno, so
+        # the same exception class: callers catching FileNotFoundError still do).
+        raise OSError(err.errno, f"config file {path}: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(str(path), "<file>", f"valid TOML ({err})") from None
     except UnicodeDecodeError as err:

@@ -32,6 +32,7 @@ import struct
 import subprocess
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,10 @@ MAX_COMMAND_WORDS: Final = 4096
 MAX_STRING: Final = 65536
 MAX_ENV_PAIRS: Final = 256
 MAX_NAME: Final = 256
+# Unicode categories refused in a job's name (and escaped by the CLI's tables): control (Cc:
+# newline, tab, ESC), format (Cf: the right-to-left override), lone surrogates (Cs), line and
+# paragraph separators (Zl, Zp).
+UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 MAX_JOBS_PER_CANCEL: Final = 1024
 REDACTED: Final = "<hidden>"
 _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -309,7 +314,7 @@ class Server:
         if not isinstance(session, dict) or not all(k in SESSION_VARIABLES for k in session):
             raise RequestError("session_env is invalid: accepted an object with keys among " + ", ".join(SESSION_VARIABLES))
         memory = _int(args, "memory_bytes")
-        name = _string(args, "name", MAX_NAME) or ""
+        name = _label(args, "name", MAX_NAME) or ""
         steps = _int(args, "steps")
         duration = args.get("duration_s")
         if duration is not None and (isinstance(duration, bool) or not isinstance(duration, int | float)):
@@ -462,6 +467,17 @@ def _string(args: Mapping[str, Any], key: str, max_len: int, required: bool = Fa
     return value
 
 
+def _label(args: Mapping[str, Any], key: str, max_len: int) -> str | None:
+    """A string shown in `list`'s columns: no control characters (a newline or a tab would forge
+    a row; ESC would drive the reader's terminal). The CLI escapes them in any cell too, for the
+    commands, which may hold them legitimately, and for jobs stored before this check."""
+    value = _string(args, key, max_len)
+    if value is not None and any(unicodedata.category(c) in UNPRINTABLE for c in value):
+        raise RequestError(f"{key} {_short(value)} is invalid: accepted a string of at most {max_len} characters "
+                           "without control characters (newline, tab, escape, bidirectional overrides...)")
+    return value
+
+
 def _strings(args: Mapping[str, Any], key: str, max_items: int, required: bool = False,
              empty_after_first: bool = False) -> list[str] | None:
     """A list of strings; `empty_after_first`: a command's arguments may be "" (its program not)."""
@@ -544,8 +560,8 @@ def plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["MAX_REQUEST_BYTES", "PROTOCOL_VERSION", "RequestError", "Server", "access_policy", "check_state_dir",
-           "job_dict", "plain", "secure_state_dir"]
+__all__ = ["MAX_REQUEST_BYTES", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError", "Server", "access_policy",
+           "check_state_dir", "job_dict", "plain", "secure_state_dir"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -559,8 +575,17 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
 
     multi_user = os.geteuid() == 0
     check_state_dir(config)
-    lock = lock_state_dir(config.state_dir)
+    lock = lock_state_dir(config.state_dir)  # first: a second `serve` is told another daemon runs
+    stop_metrics = None
     try:
+        # The metrics endpoint before the daemon: constructing it takes over the store's jobs
+        # (re-adopts, requeues, stops), which a bad --metrics-port or --metrics-address must not
+        # do before it is refused. Scrapes find no snapshot until the server below publishes one.
+        served: list[Server] = []
+        if metrics_port is not None:
+            stop_metrics = start_metrics_server(metrics_port, metrics_address,
+                                                lambda: served[0].snapshot if served else None)
+            log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
         secure_state_dir(config, multi_user)
         storage = SqliteStorage(config.db_path)
         secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
@@ -571,18 +596,15 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
             else:
                 daemon = Daemon(config, storage)
             server = Server(daemon, config)
-            stop_metrics = None
-            if metrics_port is not None:
-                stop_metrics = start_metrics_server(metrics_port, metrics_address, lambda: server.snapshot)
-                log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
+            served.append(server)
             server.start()
             try:
                 daemon.serve(between_ticks=server.serve_requests)
             finally:
                 server.close()
-                if stop_metrics is not None:
-                    stop_metrics()
         finally:
             storage.close()
     finally:
+        if stop_metrics is not None:
+            stop_metrics()
         os.close(lock)

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                               time_compression=compression, seed=args.seed)
         policies = [get_policy(n) for n in (args.policy or list(POLICIES))]
     except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"scheduler-lite sim: error: {e}", file=sys.stderr)
         return 2
     out = _Console()
     results = []

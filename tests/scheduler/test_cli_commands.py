@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -13,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_lite.cli import main
+from scheduler_lite.cli import EXAMPLES, _global_options, main
+from scheduler_lite.config import CONFIG_ENV, load_config
 from scheduler_lite.isolation import SESSION_VARIABLES
+from scheduler_lite.storage import SqliteStorage
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.serving import serving
 from tests.scheduler.test_daemon_fakes import REPO, fake_command, wait_for
@@ -123,7 +128,32 @@ def test_a_bad_config_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
     rc, _, err = run(capsys, "--config", str(path), "list")
     assert rc == 2 and "tenants[1].users=['Not A Name'] is invalid: accepted a list of user or group names" in err
     rc, _, err = run(capsys, "--config", str(tmp_path / "missing.toml"), "list")
-    assert rc == 1 and "missing.toml" in err and "Traceback" not in err
+    assert rc == 1 and err == f"scheduler-lite: error: config file {tmp_path / 'missing.toml'}: No such file or directory\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message", "command"),
+    [
+        (["submit", "--type", "foo", "--", "true"], "argument --type: invalid choice: 'foo' (choose from", "submit"),
+        (["submit", "--gpus", "abc", "--", "true"], "argument --gpus: invalid int value: 'abc'", "submit"),
+        (["submit", "--steps", "1.5", "--", "true"], "argument --steps: invalid int value: '1.5'", "submit"),
+        (["list", "--state", "bogus"], "argument --state: invalid choice: 'bogus'", "list"),
+        (["list", "--bogus", "a\nb"], "unrecognized arguments: --bogus a\\nb", "list"),  # the newline escaped
+        (["status", "extra"], "unrecognized arguments: extra", "status"),
+        (["bogus"], "argument COMMAND: invalid choice: 'bogus'", None),
+        (["--config"], "argument --config: expected one argument", None),
+    ],
+)
+def test_option_mistakes_are_one_line_naming_the_help_to_read(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                              message: str, command: str | None) -> None:
+    """argparse's own errors read like every other mistake: no usage block, the docs' prefix."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    out = capsys.readouterr()
+    help_of = f"scheduler-lite {command}" if command else "scheduler-lite"
+    assert done.value.code == 2 and out.out == ""
+    assert out.err.count("\n") == 1 and out.err.startswith(f"scheduler-lite: error: {message}"), out.err
+    assert out.err.endswith(f" (see '{help_of} --help')\n"), out.err
 
 
 def test_sim_is_forwarded_to_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,6 +168,35 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     out = capsys.readouterr().out
     assert "examples:" in out and "submit --tenant" in out
+
+
+def test_usage_examples_reach_the_daemon_they_start() -> None:
+    """The docs' usage block and --help's examples, run as written, line after line: every client
+    line reads the config its `serve` line started the daemon with (else it would look for the
+    packaged default's daemon), and the tenants it submits to are that config's."""
+    doc = (REPO / "docs" / "scheduler.md").read_text()
+    usage = next(b for b in re.findall(r"```\n(.*?)```", doc, re.S) if "scheduler-lite serve" in b
+                 or "scheduler-lite --config" in b)
+    examples = EXAMPLES.split("examples:\n", 1)[1].split("\n\n", 1)[0]
+    for block in (usage, examples):
+        env: dict[str, str] = {}
+        configs: list[tuple[str, str | None]] = []
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["export"]:
+                key, _, value = words[1].partition("=")
+                env[key] = value
+            elif words[:1] == ["scheduler-lite"]:
+                config, _, rest = _global_options(words[1:])
+                if rest[0] == "sim":
+                    continue  # the simulator reads no config
+                configs.append((rest[0], config or env.get(CONFIG_ENV)))
+                if rest[0] == "submit":
+                    tenant = rest[rest.index("--tenant") + 1]
+                    assert tenant in {t.name for t in load_config(REPO / str(configs[0][1])).tenants}, line
+        assert configs[0][0] == "serve" and configs[0][1] is not None, block
+        assert all(config == configs[0][1] for _, config in configs), (block, configs)
+        assert len(configs) >= 4
 
 
 def test_without_a_daemon_commands_say_so(cfg_file: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,6 +242,92 @@ def test_serve_runs_jobs_until_sigterm(cfg_file: str, capsys: pytest.CaptureFixt
         _, log = serve.communicate(timeout=30)
     assert serve.returncode == 0, log
     assert "stopped" in log and "Traceback" not in log
+
+
+def test_logs_print_the_job_s_bytes_unchanged(cfg_file: str, capsysbinary: pytest.CaptureFixture[bytes]) -> None:
+    """Past the daemon's 1 MiB answers, a character cut by a chunk's end comes out whole, and
+    output that is not UTF-8 at all as the job wrote it (docs: `logs` prints the log itself)."""
+    wrote = "\u20ac".encode() * 400_000 + b"\xff\xfe not UTF-8\n"  # 1.2 MB: 1 MiB ends inside a '\u20ac'
+    assert (1 << 20) % 3 != 0
+    code = "import sys; sys.stdout.buffer.write('\\u20ac'.encode() * 400_000 + b'\\xff\\xfe not UTF-8\\n')"
+    with serving(cfg_file, ticks=True):
+        assert main(["--config", cfg_file, "submit", "--tenant", "A", "--", sys.executable, "-c", code]) == 0
+        job = capsysbinary.readouterr().out.decode().strip()
+
+        def finished() -> bool:
+            main(["--config", cfg_file, "show", job, "--json"])
+            return json.loads(capsysbinary.readouterr().out)["job"]["state"] == "finished"
+
+        assert wait_for(finished, timeout=60, interval=0.1)
+        for follow in ([], ["--follow"]):
+            rc = main(["--config", cfg_file, "logs", job, *follow])
+            out = capsysbinary.readouterr()
+            assert (rc, out.err) == (0, b"")
+            assert out.out == wrote, (len(out.out), out.out.count("\ufffd".encode()))
+
+
+def test_control_characters_are_escaped_in_tables(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A command may hold a newline or an escape sequence: `list` keeps one line per job and `show`
+    one per field, and the terminal gets no ESC; a name may not hold them at all."""
+    rc, out, _ = run(capsys, "--config", cfg, "submit", "--tenant", "A", "--name", "ok", "--", "/bin/echo", "a\nb",
+                     "\x1b[31mred\tx")
+    assert rc == 0
+    rc, out, _ = run(capsys, "--config", cfg, "list")
+    assert rc == 0 and len(out.splitlines()) == 2 and "\x1b" not in out and "\t" not in out
+    assert out.splitlines()[1].endswith("/bin/echo a\\nb \\x1b[31mred\\tx")
+    rc, out, _ = run(capsys, "--config", cfg, "show", "job-1")
+    assert rc == 0 and "command    /bin/echo a\\nb \\x1b[31mred\\tx\n" in out and "\x1b" not in out
+    rc, out, err = run(capsys, "--config", cfg, "submit", "--tenant", "A", "--name", "evil\nname\tX", "--", "true")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("scheduler-lite: error: name 'evil\\nname\\tX' is invalid"), err
+
+
+def test_a_bad_metrics_option_stops_serve_before_it_takes_over_a_job(cfg_file: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Starting takes over the store's jobs (re-adopts, requeues, stops them): a --metrics-port or
+    --metrics-address that is refused must be refused before, not after."""
+    cfg = cfg_file
+    serve = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", cfg, "serve"], cwd=REPO,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (Path(cfg).parent / "state" / "scheduler.sock").exists(), timeout=60)
+        rc, out, _ = run(capsys, "--config", cfg, "submit", "--tenant", "A", "--", "sleep", "600")
+        job = out.strip()
+
+        def running() -> bool:
+            main(["--config", cfg, "show", job, "--json"])
+            return json.loads(capsys.readouterr().out)["job"]["pid"] is not None
+
+        assert rc == 0 and wait_for(running, timeout=30, interval=0.1)
+    finally:
+        serve.send_signal(signal.SIGTERM)  # the job keeps running, for the next start to re-adopt
+        _, log = serve.communicate(timeout=30)
+    assert serve.returncode == 0, log
+
+    def events() -> list[str]:
+        store = SqliteStorage(Path(cfg).parent / "state" / "scheduler.db")
+        try:
+            return [e.kind for e in store.events(job)]
+        finally:
+            store.close()
+
+    before = events()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        for options in (["--metrics-port", "-1"], ["--metrics-port", "0"], ["--metrics-port", "70000"],
+                        ["--metrics-port", str(taken.getsockname()[1])],  # in use
+                        ["--metrics-port", "9", "--metrics-address", "192.0.2.1"]):  # not this machine's
+            rc, out, err = run(capsys, "--config", cfg, "serve", *options)
+            assert rc == 2 and out == "" and err.count("\n") == 1, (options, err)
+            assert err.startswith("scheduler-lite: error: --metrics-port "), (options, err)
+            assert events() == before, options  # no "adopted" (nor requeued, stopping) event
+    finally:
+        taken.close()
+        with serving(cfg):  # a start that is not refused re-adopts the job (and, ending, stops it)
+            adopted = events()[len(before):]
+    assert adopted == ["adopted"]
 
 
 def test_serve_refuses_a_shared_state_dir_and_leaves_it_alone(tmp_path: Path,

@@ -105,6 +105,23 @@ def test_quotas_above_the_gpu_count_are_reported(tmp_path: Path, capsys: pytest.
         assert rc == 0 and "tenant quotas sum to 3 GPUs" in err
 
 
+def test_the_quota_warning_is_the_running_daemon_s(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The quotas and GPUs of the daemon's answer, not of the client's config file edited since
+    the daemon started (it still runs with the quotas it read)."""
+    path = tmp_path / "sl.toml"
+    path.write_text(cli_config(quotas={"A": 1, "B": 2}))
+    with serving(path):
+        path.write_text(cli_config(quotas={"A": 1, "B": 0}))  # edited, the daemon not restarted
+        for command in ("tenants", "status"):
+            rc, _, err = run(capsys, "--config", str(path), command)
+            assert rc == 0 and err.startswith("warning: tenant quotas sum to 3 GPUs but 1 GPU(s) are configured"), err
+    with serving(path):  # restarted: quotas 1 + 0
+        path.write_text(cli_config(quotas={"A": 1, "B": 2}))
+        for command in ("tenants", "status"):
+            rc, _, err = run(capsys, "--config", str(path), command)
+            assert (rc, err) == (0, "")
+
+
 def test_concurrent_submit_processes_each_record_one_job(tmp_path: Path, cfg: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 

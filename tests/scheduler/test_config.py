@@ -128,6 +128,15 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
         load_config(bad)
 
 
+def test_a_missing_config_file_is_named_as_the_config_file(tmp_path: Path) -> None:
+    """Not a bare "No such file or directory: nope.toml": which file it is, and still the same
+    exception class for callers that catch it."""
+    with pytest.raises(FileNotFoundError, match=r"^\[Errno 2\] config file .*nope\.toml: No such file or directory$"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(IsADirectoryError, match="config file .*: Is a directory"):
+        load_config(tmp_path)
+
+
 def test_every_key_of_the_example_is_documented() -> None:
     doc = (REPO / "docs" / "scheduler.md").read_text()
     keys: set[str] = set()

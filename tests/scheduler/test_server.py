@@ -62,6 +62,12 @@ def submit_args(**changes: Any) -> dict[str, Any]:
     (submit_args(kind="urgent"), "--type 'urgent' is invalid"),
     (submit_args(memory_bytes=0), "--memory 0 is invalid"),
     (submit_args(name="n" * 300), "name 'nnnn"),
+    # A name is a column of `list`: a newline or a tab would forge rows, ESC drive the terminal.
+    (submit_args(name="evil\nname\tX"), "name 'evil\\nname\\tX' is invalid: accepted a string of at most 256 "
+                                         "characters without control characters"),
+    (submit_args(name="\x1b[2J"), "name '\\x1b[2J' is invalid"),
+    (submit_args(name="abc\u202efdp.exe"), "name 'abc\\u202efdp.exe' is invalid"),  # right-to-left override
+    (submit_args(name="a\u2028b"), "name 'a\\u2028b' is invalid"),  # line separator
 ])
 def test_a_refused_submission_names_the_field_and_writes_nothing(server: Server, args: dict[str, Any],
                                                                  message: str) -> None:
@@ -69,6 +75,13 @@ def test_a_refused_submission_names_the_field_and_writes_nothing(server: Server,
     assert answer["ok"] is False and message in answer["error"], answer
     assert "\n" not in answer["error"]
     assert server.daemon.storage.list_jobs() == []
+
+
+def test_a_name_may_be_any_printable_text(server: Server) -> None:
+    answer = server.handle(ME, "submit", submit_args(name="résumé 漢字 run #3 (lr=0.1)"))
+    assert answer["ok"], answer
+    record = server.daemon.storage.get_job(answer["result"]["id"])
+    assert record is not None and record.name == "résumé 漢字 run #3 (lr=0.1)"
 
 
 def test_a_command_s_arguments_may_be_empty(server: Server) -> None:

@@ -28,7 +28,7 @@ def files(tmp_path: Path, *pods: str, header: str = HEADER, encoding: str = "utf
 def one_error(capsys: pytest.CaptureFixture[str], argv: list[str], *words: str) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert err.count("\n") == 1 and err.startswith("scheduler-lite sim: error: "), err
     for w in words:
         assert w in err, (w, err)
 
