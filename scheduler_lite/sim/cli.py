@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from scheduler_lite.policy.registry import POLICIES, get_policy
 from scheduler_lite.policy.validation import ConfigError
@@ -16,8 +17,16 @@ from scheduler_lite.sim.perf import load_perf_model
 from scheduler_lite.sim.workload import default_trace_dir, paper_recipe
 
 
+class _Parser(argparse.ArgumentParser):
+    """Option mistakes as one line, like every other error of the command (not the usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scheduler-lite sim", description=__doc__)
+    p = _Parser(prog="scheduler-lite sim", description=__doc__)
     p.add_argument("--workload", choices=("paper", "alibaba"), default="paper",
                    help="paper: AntMan §5.2 recipe; alibaba: cluster-trace-gpu-v2023")
     p.add_argument("--policy", action="append", choices=sorted(POLICIES),

@@ -118,3 +118,13 @@ def test_a_closed_pipe_stops_the_printing_not_the_run(tmp_path: Path) -> None:
         os.close(write_end)
     assert (done.returncode, done.stderr) == (0, "")
     assert len(json.loads((tmp_path / "o" / "summary.json").read_text())) == 2
+
+
+@pytest.mark.parametrize("argv", [["--workload", "foo"], ["--seed", "x"], ["--no-such-option"]])
+def test_option_mistakes_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("scheduler-lite sim: error: "), err
+    assert "scheduler-lite sim --help" in err
