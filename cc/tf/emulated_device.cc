@@ -2,6 +2,8 @@
 // served by the universal memory of the C core (device budget in host RAM plus
 // a separately counted host arena), and every op it runs passes the operator
 // manager, so the same memory and compute mechanisms as on a GPU run in TF here.
+// Every CPU device TF creates in the process (several logical CPUs included) is
+// such a device on the one allocator and the one manager: one budget, one share.
 //
 // Installed as the "CPU" device factory at a priority above TF's own (60 for
 // ThreadPoolDeviceFactory, 70 for GPUCompatibleCPUDeviceFactory in the
@@ -18,7 +20,6 @@
 #include "cc/tf/op_classes.h"
 #include "cc/tf/runtime.h"
 #include "tensorflow/core/common_runtime/device_factory.h"
-#include "tensorflow/core/common_runtime/process_state.h"
 #include "tensorflow/core/common_runtime/threadpool_device.h"
 #include "tensorflow/core/public/session_options.h"
 
@@ -90,22 +91,28 @@ class EmulatedDeviceFactory : public tensorflow::DeviceFactory {
     auto it = options.config.device_count().find("CPU");
     if (it != options.config.device_count().end()) n = it->second;
     Runtime& rt = Runtime::Get();
+    if (n <= 0) return absl::OkStatus();  // device_count {"CPU": 0}: none, as TF's own factory
+    if (!rt.configured() || rt.mem() == nullptr || rt.op_manager() == nullptr) {
+      // Cannot happen (the factory is registered by Configure, after the memory and the manager
+      // exist); if it did, a CPU device outside the budget must not appear silently.
+      return absl::InternalError(
+          "tf-antman: the emulated device factory ran before the runtime was configured");
+    }
+    // The job's emulated GPU is one device with one budget and one compute share, whatever
+    // number of logical CPU devices TF is asked for (device_count {"CPU": n} in a Session's
+    // ConfigProto, or tf.config.set_logical_device_configuration on the CPU, which the eager
+    // context turns into the same device_count): every one of them is an EmulatedDevice on
+    // the same allocator object and the same operator manager. The allocator is one object for
+    // the process, so every device instance (eager context, each Session) draws on the same
+    // budget and the limit bounds the job's total; the manager's busy time is the union of all
+    // their ops, so the share holds for the job.
+    static UniversalTfAllocator* allocator = new UniversalTfAllocator(rt.mem());
     for (int i = 0; i < n; ++i) {
       std::string name = name_prefix + "/device:CPU:" + std::to_string(i);
-      if (i == 0 && rt.configured()) {
-        // One allocator object for the process: every device instance (eager
-        // context, each Session) draws on the same budget.
-        static UniversalTfAllocator* allocator = new UniversalTfAllocator(rt.mem());
-        devices->push_back(std::make_unique<EmulatedDevice>(
-            options, name, static_cast<int64_t>(rt.config().device_capacity), allocator,
-            rt.op_manager()));
-        rt.MarkDeviceCreated();
-      } else {
-        // Further CPU devices (device_count > 1) stay plain CPU devices.
-        devices->push_back(std::make_unique<tensorflow::ThreadPoolDevice>(
-            options, name, tensorflow::Bytes(256 << 20), tensorflow::DeviceLocality(),
-            tensorflow::ProcessState::singleton()->GetCPUAllocator(tsl::port::kNUMANoAffinity)));
-      }
+      devices->push_back(std::make_unique<EmulatedDevice>(
+          options, name, static_cast<int64_t>(rt.config().device_capacity), allocator,
+          rt.op_manager()));
+      rt.MarkDeviceCreated();
     }
     return absl::OkStatus();
   }
