@@ -121,3 +121,25 @@ def test_enable_options_override_the_environment_and_turn_tf_antman_on(tmp_path:
     assert set(config.ENABLE_OPTIONS.values()) <= {v.name for v in config.VARIABLES}
     with pytest.raises(TypeError, match=r"unknown option 'memroy_limit'; known: \['compute_share'"):
         config.enable_environment({"memroy_limit": "1GiB"}, {})
+
+
+def test_enable_0_keeps_tf_antman_off_whatever_the_other_variables_say() -> None:
+    # ANTMAN_ENABLE=0 with a bad ANTMAN_COMPUTE_SHARE or a missing job directory raised ConfigError.
+    for other in ({"ANTMAN_COMPUTE_SHARE": "abc"}, {"ANTMAN_JOB_DIR": "/nonexistent/job"},
+                  {"ANTMAN_MEMORY_LIMIT": "8GiB"}, {"ANTMAN_MEMROY_LIMIT": "1GiB"}):
+        for off in ("0", "false", "off"):
+            assert not config.load({"ANTMAN_ENABLE": off, **other}).enabled
+    with pytest.raises(config.ConfigError, match="ANTMAN_ENABLE='nope'"):  # its own value still checked
+        config.load({"ANTMAN_ENABLE": "nope", "ANTMAN_COMPUTE_SHARE": "abc"})
+    with pytest.raises(config.ConfigError, match="ANTMAN_COMPUTE_SHARE"):
+        config.load({"ANTMAN_ENABLE": "1", "ANTMAN_COMPUTE_SHARE": "abc"})
+
+
+def test_pib_is_a_unit_so_the_documented_ranges_hold() -> None:
+    # The ranges read 64MiB..1PiB and 0..1PiB, but "1PiB" was not a size.
+    assert parse_bytes("1PiB") == config.MAX_BYTES == 1 << 50 and parse_bytes("1PB") == 10**15
+    assert config.load({"ANTMAN_DEVICE_MEMORY": "1PiB", "ANTMAN_HOST_MEMORY": "1PiB"}).device_memory == 1 << 50
+    with pytest.raises(config.ConfigError, match="64MiB..1PiB"):
+        config.load({"ANTMAN_DEVICE_MEMORY": "1.5PiB"})
+    with pytest.raises(ValueError, match="TiB, PiB"):
+        parse_bytes("1EiB")

@@ -8,6 +8,8 @@ TensorFlow by itself.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,11 +65,26 @@ def compute_stats() -> dict[str, Any]:
 
 def set_memory_limit(limit: int | str) -> None:
     """Requests a device-memory limit; it takes effect at the next step boundary, unless a
-    coordinator limit received after this request replaces it (the newer one wins)."""
-    n = units.parse_bytes(limit) if isinstance(limit, str) else int(limit)
-    if not config.MiB <= n <= config.MAX_BYTES:
-        raise ValueError(f"memory limit {n} out of range 1MiB..1PiB")
-    _state().steps.limits.request(n)
+    coordinator limit received after this request replaces it (the newer one wins).
+
+    `limit`: bytes (an int) or a size string ("2GiB", docs/configuration.md), from 1MiB to the
+    device's memory (ANTMAN_DEVICE_MEMORY; on cuda the GPU memory the job may use)."""
+    state = _state()
+    if isinstance(limit, str):
+        try:
+            n = units.parse_bytes(limit)
+        except ValueError as err:
+            raise ValueError(f"set_memory_limit: limit {err}") from None
+    elif isinstance(limit, int) and not isinstance(limit, bool):
+        n = limit
+    else:
+        raise TypeError(f"set_memory_limit: limit must be an int (bytes) or a size string such as "
+                        f"'2GiB', got {type(limit).__name__} {limit!r}")
+    capacity = int(state.native.mem_stats().device_capacity)
+    if not config.MiB <= n <= capacity:
+        raise ValueError(f"set_memory_limit: limit {limit!r} ({n} bytes) is out of range: accepted 1MiB.."
+                         f"{units.format_bytes(capacity)} (the device's memory, {capacity} bytes)")
+    state.steps.limits.request(n)
 
 
 def release_cached() -> int:
@@ -76,29 +93,54 @@ def release_cached() -> int:
 
 
 def set_compute_share(share: float) -> None:
-    """Holds the job to a share (0..1) of its device's compute from the next op on."""
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"compute share {share!r} out of range 0.0..1.0")
-    _state().native.set_share(share)
+    """Holds the job to a share (0..1) of its device's compute from the next op on; 0 holds its
+    ops until a larger share is set (or Ctrl-C, which releases them: docs/configuration.md)."""
+    _check_real("set_compute_share", "share", share, "a number in 0.0..1.0")
+    if not 0.0 <= share <= 1.0:  # also NaN
+        raise ValueError(f"set_compute_share: share {share!r} is out of range: accepted 0.0..1.0")
+    _state().native.set_share(float(share))
 
 
 def step_end(seconds: float | None = None, training: bool = True) -> None:
-    """Marks a mini-batch boundary in a custom loop (duration: time since the last call)."""
-    _state().steps.step_end(seconds, training)
+    """Marks a mini-batch boundary in a custom loop. `seconds`: the step's duration, a finite
+    number >= 0, or None for the time since the previous call (the first call is not timed).
+    `training`: False for an evaluation step (a boundary, not counted)."""
+    if seconds is not None:
+        _check_real("step_end", "seconds", seconds, "a number of seconds >= 0, or None")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"step_end: seconds {seconds!r} is out of range: accepted a finite "
+                             "number >= 0, or None")
+    _check_bool("step_end", training)
+    _state().steps.step_end(None if seconds is None else float(seconds), training)
 
 
 @contextlib.contextmanager
 def step(training: bool = True) -> Iterator[None]:
     """`with tf_antman.step(): train_step(x, y)` times the block as one mini-batch."""
+    _check_bool("step", training)
     with _state().steps.step(training):
         yield
 
 
-def keras_callback() -> Any:
-    """The callback Model.fit gets automatically; for code that builds its own callback list."""
+def _check_real(fn: str, name: str, value: object, accepted: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{fn}: {name} must be {accepted}, got {type(value).__name__} {value!r}")
+
+
+def _check_bool(fn: str, training: object) -> None:
+    if not isinstance(training, bool):
+        raise TypeError(f"{fn}: training must be True or False, got {type(training).__name__} {training!r}")
+
+
+def keras_callback(model: Any = None) -> Any:
+    """The callback Model.fit gets automatically; for code that builds its own callback list.
+
+    `model`: the model it will train, whose Keras (Keras 3 or tf_keras) gives the callback's base
+    class; without it, tf_keras when `tf.keras` is tf_keras (TF_USE_LEGACY_KERAS=1) or when only
+    tf_keras was imported, else Keras 3 (docs/steps.md). Either works in either Keras's fit."""
     from tf_antman import hooks
 
-    return hooks.keras_callback(_state().steps)
+    return hooks.keras_callback(_state().steps, model=model)
 
 
 def device_info() -> dict[str, str]:

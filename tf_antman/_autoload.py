@@ -3,9 +3,10 @@ set (the .pth line checks os.environ itself, so without ANTMAN_* not even this p
 imported and TensorFlow behaves as stock). Arranges for tf-antman to be activated around the
 first `import tensorflow` of an unchanged user script."""
 
+import os
 from types import ModuleType
 
-from tf_antman import importhook
+from tf_antman import exit_status, importhook
 
 
 def _after_torch(torch: ModuleType) -> None:
@@ -14,6 +15,9 @@ def _after_torch(torch: ModuleType) -> None:
     activation.after_torch(torch)
 
 
+if os.environ.get("ANTMAN_ENABLE", "").strip().lower() not in ("0", "false", "no", "off"):
+    # Before the script runs, so that `from sys import exit` binds the wrapper (exit_status.py).
+    exit_status.watch_exit_calls()
 importhook.install()
 importhook.on_import("torch", after=_after_torch)  # PyTorch jobs: tf_antman/torch, docs/pytorch.md
 

@@ -98,6 +98,7 @@ def before_tensorflow() -> None:
 def after_tensorflow(_tf: ModuleType) -> None:
     if _active is None:
         return
+    _active.native.start_hold_clock()  # ANTMAN_COMPUTE_SHARE=0 holds the job from here (exit report)
     _active.steps.start_agent()
     from tf_antman import exit_report
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from tf_antman._log import log
+from tf_antman.holds import PAUSED_IN_STEP, HoldClock
 from tf_antman.protocol.files import LatestTextWriter
 from tf_antman.protocol.layout import (
     checked_job_dir,
@@ -110,6 +111,7 @@ class JobAgent:
         pid: int | None = None,
         fsync_stats: bool = False,
         control_fallback_s: float | None = DEFAULT_CONTROL_FALLBACK_S,
+        hold_clock: HoldClock | None = None,
     ) -> None:
         if control_fallback_s is not None and not (math.isfinite(control_fallback_s) and control_fallback_s > 0):
             raise ValueError(f"control_fallback_s must be a number of seconds > 0 or None, got {control_fallback_s!r}")
@@ -151,6 +153,9 @@ class JobAgent:
         self._paused_total = 0.0
         self._held_since: float | None = None  # time.monotonic() when the current hold began
         self._waiting_in_step = False  # the training thread waits in step_end for a resume
+        # The job's clock of every hold (holds.py: the native runtime's, which also counts share 0
+        # set by the environment or the user): told when the training thread waits in a step.
+        self._hold_clock = hold_clock
         self._limits: dict[int, int] = {}
         self._share: float | None = None
         self._step = 0
@@ -214,8 +219,9 @@ class JobAgent:
                 target=self._fallback_loop, name="tf_antman-control-fallback", daemon=True)
             self._fallback_thread.start()
 
-    def step_end(self, step_seconds: float, training: bool = True) -> None:
-        """Called after every step; only training steps count and enter the step-time window."""
+    def step_end(self, step_seconds: float | None, training: bool = True) -> None:
+        """Called after every step; only training steps count and enter the step-time window.
+        `step_seconds` None: a step that was not timed (counted, kept out of the window)."""
         if self._closed:
             return
         try:
@@ -282,9 +288,9 @@ class JobAgent:
 
     # ---------------------------------------------------------------------------------------------
 
-    def _record_step(self, step_seconds: float) -> None:
-        ms = step_seconds * 1000.0
-        if not (math.isfinite(ms) and 0.0 <= ms <= MAX_STEP_MS):
+    def _record_step(self, step_seconds: float | None) -> None:
+        ms = None if step_seconds is None else step_seconds * 1000.0
+        if ms is not None and not (math.isfinite(ms) and 0.0 <= ms <= MAX_STEP_MS):
             self._warn_once("step_seconds", "step time %r s is not recorded", step_seconds)
             ms = min(max(ms, 0.0), MAX_STEP_MS) if math.isfinite(ms) else None
         self._step += 1
@@ -450,6 +456,8 @@ class JobAgent:
         """
         at_zero = self._held_by_share or self._share == 0.0
         held = not self._closed and (self._waiting_in_step or at_zero)
+        if self._hold_clock is not None:
+            self._hold_clock.set(PAUSED_IN_STEP, not self._closed and self._waiting_in_step)
         now = time.monotonic()
         if held and self._held_since is None:
             self._held_since = now

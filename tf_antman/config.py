@@ -227,10 +227,19 @@ def check_limit(limit: int, device_memory: int, env: Mapping[str, str]) -> None:
                           f"1MiB..ANTMAN_DEVICE_MEMORY ({format_bytes(device_memory)})")
 
 
+# What load() returns when tf-antman is off: the defaults, nothing read.
+_DISABLED = Settings(enabled=False, device="auto", device_id=0, device_memory=4 * GiB, memory_limit=4 * GiB,
+                     host_memory=8 * GiB, compute_share=1.0, job_dir=None, stats_interval_ms=50)
+
+
 def load(environ: Mapping[str, str] | None = None) -> Settings:
     """Reads and validates every ANTMAN_* variable. Unknown ANTMAN_* names are errors too:
     a typo would otherwise silently run with defaults."""
     env = os.environ if environ is None else environ
+    # ANTMAN_ENABLE first: 0 keeps tf-antman off whatever the other variables say, so nothing
+    # else is validated (its own value still is).
+    if not _get(env, "ANTMAN_ENABLE", requested(env)):
+        return _DISABLED
     for key in env:
         if key.startswith(PREFIX) and key not in _BY_NAME:
             known = ", ".join(sorted(_BY_NAME))
@@ -244,7 +253,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     if "ANTMAN_DEVICE_MEMORY" in env or _get(env, "ANTMAN_DEVICE", "auto") == "emulated":
         check_limit(limit, device_memory, env)
     return Settings(
-        enabled=_get(env, "ANTMAN_ENABLE", requested(env)),
+        enabled=True,
         device=_get(env, "ANTMAN_DEVICE", "auto"),
         device_id=_get(env, "ANTMAN_DEVICE_ID", 0),
         device_memory=device_memory,

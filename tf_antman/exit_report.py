@@ -1,25 +1,27 @@
 """What tf-antman did to this job, told once in the job's own log when it exits.
 
 A job that ran past its memory limit keeps training, slower, with tensors in host memory; without
-this line nothing in its log says so. At interpreter exit (before threads are stopped) the
-job logs, through absl (docs/configuration.md, "Logging"), to its stderr:
+this line nothing in its log says so. At interpreter exit (after the non-daemon threads have
+ended) the job logs, through absl (docs/configuration.md, "What a job's log says at exit"), to its
+stderr; in a plain script (Python's logging prints absl's lines):
 
-    W... exit_report.py:NN] tf-antman: at exit: peak device memory 1.9 GiB (limit 2.0 GiB); 312.0 MiB served from
-    host memory past the limit (4021 allocations, peak 96.0 MiB at once): those steps ran slower;
-    paused 0.0 s; throttled 12.4 s (waiting for a compute share below 100%)
+    WARNING:absl:tf-antman: at exit: peak device memory 1.9 GiB (limit 2.0 GiB); 312.0 MiB served
+    from host memory past the limit (4021 allocations, peak 96.0 MiB at once): those steps ran
+    slower; paused 0.0 s; throttled 12.4 s (waiting for a compute share below 100%)
+
+and with absl's handler (absl.app.run): `W0514 10:21:07.123456 139872 exit_report.py:87] tf-antman: at exit: ...`.
 
 WARNING when anything slowed the job (host memory, pause, throttling), INFO otherwise.
 Figures: the allocator's peak in use and bytes served from host memory since the start
 (`MemStats.peak_in_use`, `host_bytes_served`, `host_fallbacks`, `host_peak`), the operator
 manager's waiting time (`OpStats.idle_inserted_ns`: ops held back to keep the job within its
-share), and the time the job agent held the job (`JobAgent.paused_seconds`: the training thread
-paused in a step, or its ops held at compute share 0, which the operator manager does not count).
+share), and the time the job was held (`Native.holds`, holds.py: its ops at compute share 0,
+whoever set it, which the operator manager does not count, or the training thread paused in a step).
 """
 
 from __future__ import annotations
 
 import atexit
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +55,18 @@ def figures(native: Any, agent: Any | None) -> ExitFigures:
         host_bytes_served=int(m.host_bytes_served),
         host_fallbacks=int(m.host_fallbacks),
         host_peak_bytes=int(m.host_peak),
-        paused_s=float(getattr(agent, "paused_seconds", 0.0) or 0.0),
+        paused_s=_paused_seconds(native, agent),
         throttled_s=max(0, int(ops.idle_inserted_ns)) / 1e9,
     )
+
+
+def _paused_seconds(native: Any, agent: Any | None) -> float:
+    """Every hold of the job (holds.py): at compute share 0, whoever set it, and in a step waiting
+    for a resume. A runtime without that clock: the agent's own (its holds only)."""
+    holds = getattr(native, "holds", None)
+    if holds is not None:
+        return float(holds.seconds)
+    return float(getattr(agent, "paused_seconds", 0.0) or 0.0)
 
 
 def describe(f: ExitFigures) -> str:
@@ -85,12 +96,12 @@ _registered: list[Any] = []  # the natives already reported for (activation may 
 
 
 def register(native: Any, agent: Callable[[], Any | None]) -> None:
-    """Report at exit, once per process. threading's exit hooks run before threads are stopped."""
+    """Report at exit, once per process: a plain atexit callback, run after the interpreter has
+    joined the non-daemon threads (a script that trains in one is still training before that)."""
     if any(n is native for n in _registered):
         return
     _registered.append(native)
-    hook = getattr(threading, "_register_atexit", None)
-    (hook or atexit.register)(lambda: report(native, agent()))
+    atexit.register(lambda: report(native, agent()))
 
 
 __all__ = ["ExitFigures", "describe", "figures", "register", "report"]

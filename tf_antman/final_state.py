@@ -1,125 +1,104 @@
 """The last state a job writes to stats.json, from how its process ends (docs/protocol.md).
 
 - `finished`: the interpreter exits normally, or through `sys.exit(0)` / `sys.exit()`;
-- `failed`: an exception nobody caught (`sys.excepthook`, KeyboardInterrupt included), or a
+- `failed`: an exception nobody caught in the main thread (KeyboardInterrupt included), or a
   non-zero `sys.exit(n)` / `exit(n)` / `quit(n)` (absl's `app.run` and argparse exit that way);
 - `terminated`: SIGTERM, which scheduler_lite sends to cancel or migrate a job.
 
-What cannot be seen from Python: `raise SystemExit(n)` written directly (the interpreter turns it
-into the exit status in C, after the last Python code ran: it ends "finished"), and `os._exit()`
-or SIGKILL (no final document at all). The exit status stays the authority; scheduler_lite
-records it.
+When: from a plain `atexit` callback, which the interpreter runs after it has joined every
+non-daemon thread: a script that trains in a thread of its own ends when that thread does, not
+when its main thread returns. An uncaught exception is read there from `sys.last_value`, which
+the interpreter sets before it prints the traceback (whatever `sys.excepthook` the script
+installed); a non-zero exit status from the `sys.exit` / `exit` / `quit` wrappers of
+`exit_status.py`, installed at interpreter start by the .pth hook (so that `from sys import exit`
+gets them too).
 
-SIGTERM: only when its disposition is the default (SIG_DFL) at start-up; a script with its own
-handler (or SIG_IGN) keeps it, and a handler the script installs later replaces this one. The
-handler writes the final stats and the exit report, then restores SIG_DFL and raises SIGTERM
-again, so the process still dies of it (exit status -15, or 143 from a shell). The work is done
-on a thread of its own: the main thread may be interrupted while it holds a lock the work needs,
-or be stuck in a TensorFlow op that a pause holds at compute share 0, where a Python handler
-would not run until the op returns. For that second case Python's signal wakeup fd wakes the
-thread as the signal arrives (unless the process already uses the wakeup fd, e.g. asyncio).
+What cannot be seen from Python: `raise SystemExit(n)` written directly (the interpreter turns
+it into the exit status in C, after the last Python code ran: it ends "finished"), an exit
+function bound before tf-antman started without the .pth hook (`from sys import exit` before
+`tf_antman.enable()`), and `os._exit()` or SIGKILL (no final document at all). The exit status
+stays the authority; scheduler_lite records it.
+
+Signals, on every active job (with or without a job agent):
+
+- SIGTERM: only when its disposition is the default (SIG_DFL) at start-up; a script with its own
+  handler (or SIG_IGN) keeps it, and a handler the script installs later replaces this one. The
+  handler writes the final stats (when there is an agent) and the exit report, then restores
+  SIG_DFL and raises SIGTERM again, so the process still dies of it (exit status -15, or 143 from
+  a shell).
+- SIGINT (Ctrl-C): Python's handler raises KeyboardInterrupt in the main thread, but only once
+  that thread runs Python again; one whose op is held at compute share 0 never would. When SIGINT
+  arrives while the share is 0, the hold is released (`release_hold`, share 1.0) so that the op
+  returns and KeyboardInterrupt is raised as in stock TensorFlow.
+
+The work is done on a thread of its own, woken through Python's signal wakeup fd as the signal
+arrives (the main thread may be interrupted while it holds a lock the work needs, or be stuck in
+an op, where a Python handler would not run until the op returns). If the process already has a
+wakeup fd (asyncio), only the SIGTERM handler is installed.
 """
 
 from __future__ import annotations
 
-import builtins
+import atexit
 import contextlib
 import ctypes
-import functools
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from tf_antman import exit_status
 from tf_antman._log import log
 
 # How long the process may take to die of the re-raised SIGTERM before it exits by itself.
 _DIE_TIMEOUT_S = 5.0
 
-
-def is_failure(status: object) -> bool:
-    """Whether SystemExit(status) ends the process with a non-zero exit status (Python's rule:
-    None and 0 are success, another integer is the status, anything else prints and exits 1)."""
-    return status is not None and status != 0
-
+is_failure = exit_status.is_failure  # kept for callers of the former location
 
 class FinalState:
     """Watches how the process ends and closes `agent` with the matching state.
 
-    `agent` is a JobAgent (its `close(state)`); `report()` logs the exit report, called on
-    SIGTERM only (at a normal exit exit_report.py's own hook logs it).
+    `agent` is a JobAgent (its `close(state)`), or None for a job without one (no job directory,
+    or another process's agent serves it): then only the signals are watched. `report()` logs the
+    exit report, called on SIGTERM only (at a normal exit exit_report.py's own hook logs it).
+    `release_hold()` lets ops held at compute share 0 run again (SIGINT, above).
     """
 
-    def __init__(self, agent: Any, report: Callable[[], None]) -> None:
+    def __init__(self, agent: Any | None, report: Callable[[], None],
+                 release_hold: Callable[[], None] | None = None) -> None:
         self._agent = agent
         self._report = report
-        self._failed = False
+        self._release_hold = release_hold
         self._ending = threading.Lock()
         self._ended = False
         self._handler: Callable[[int, Any], None] | None = None
         self._wakeup_fds: tuple[int, int] | None = None  # (read, write) of signal.set_wakeup_fd
 
     def install(self) -> None:
-        self._watch_exceptions()
-        self._watch_exit_calls()
-        self._watch_sigterm()
-        # Close while threads still run normally: from a plain atexit callback (run after the
-        # interpreter began shutting threads down) stopping watchdog's inotify observer took
-        # ~30 s. threading._register_atexit runs before that, as concurrent.futures relies on.
-        register = getattr(threading, "_register_atexit", None)
-        (register or _atexit_register)(self._close_at_exit)
+        exit_status.watch_exit_calls()  # done at interpreter start already by the .pth hook
+        self._watch_signals()
+        # A plain atexit callback: the interpreter runs them after threading._shutdown() has
+        # joined the non-daemon threads (threading._register_atexit's run before that join, while
+        # a script's training thread may still be training).
+        atexit.register(self._close_at_exit)
         os.register_at_fork(after_in_child=self._forked)
 
-    # --- exceptions and exit calls --------------------------------------------------------------
-
-    def _watch_exceptions(self) -> None:
-        previous = sys.excepthook
-
-        def mark_failed(*exc: Any) -> None:
-            self._failed = True
-            previous(*exc)
-
-        sys.excepthook = mark_failed
-
-    def _watch_exit_calls(self) -> None:
-        """sys.exit, and the exit/quit that site.py puts in builtins, note a failing status."""
-        sys.exit = self._noting(sys.exit)
-        for name in ("exit", "quit"):
-            quitter = getattr(builtins, name, None)
-            if quitter is not None:
-                setattr(builtins, name, _NotingQuitter(quitter, self._note_exit))
-
-    def _noting(self, exit_fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(exit_fn)
-        def exit_noting_status(status: object = None) -> Any:
-            self._note_exit(status)
-            return exit_fn(status)
-
-        return exit_noting_status
-
-    def _note_exit(self, status: object) -> None:
-        # A SystemExit the script catches and survives still counts: nothing in Python says
-        # whether it will be caught.
-        if is_failure(status):
-            self._failed = True
-
     def _close_at_exit(self) -> None:
-        self._end("failed" if self._failed else "finished", report=False)
+        self._end("failed" if exit_status.failed() else "finished", report=False)
 
-    # --- SIGTERM --------------------------------------------------------------------------------
+    # --- signals --------------------------------------------------------------------------------
 
-    def _watch_sigterm(self) -> None:
+    def _watch_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             # signal.signal() works on the main thread only (TensorFlow imported from another).
-            log.debug("started off the main thread: SIGTERM is not watched")
+            log.debug("started off the main thread: SIGTERM and SIGINT are not watched")
             return
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return  # the script's own handler, or SIG_IGN: theirs to keep
-        self._handler = self._on_sigterm
-        signal.signal(signal.SIGTERM, self._handler)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._handler = self._on_sigterm
+            signal.signal(signal.SIGTERM, self._handler)
+        # else: the script's own handler, or SIG_IGN: theirs to keep
         self._start_wakeup_reader()
 
     def _on_sigterm(self, signum: int, _frame: Any) -> None:
@@ -141,7 +120,7 @@ class FinalState:
             os.close(write_fd)
             return
         self._wakeup_fds = (read_fd, write_fd)
-        threading.Thread(target=self._read_wakeups, args=(read_fd,), name="tf_antman-sigterm-wakeup",
+        threading.Thread(target=self._read_wakeups, args=(read_fd,), name="tf_antman-signal-wakeup",
                          daemon=True).start()
 
     def _read_wakeups(self, read_fd: int) -> None:
@@ -156,8 +135,21 @@ class FinalState:
                 return
             if not data:
                 return
-            if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) is self._handler:
+            if signal.SIGINT in data:
+                self._interrupted()
+            if (signal.SIGTERM in data and self._handler is not None
+                    and signal.getsignal(signal.SIGTERM) is self._handler):
                 self._terminate()
+
+    def _interrupted(self) -> None:
+        """SIGINT with a Python handler: let an op held at share 0 return, so that the handler
+        runs (KeyboardInterrupt by default) in the main thread."""
+        if self._release_hold is None or self._ended:
+            return
+        try:
+            self._release_hold()
+        except Exception:  # noqa: BLE001 - the interrupt must not fail in this thread
+            log.debug("releasing ops held at share 0 on SIGINT failed", exc_info=True)
 
     def _forked(self) -> None:
         """In a forked child (multiprocessing's default start method on Linux): it shares the
@@ -166,10 +158,8 @@ class FinalState:
         wakeup reader through the pipe they share."""
         self._ending = threading.Lock()  # another thread may have held it at the fork
         self._ended = True
-        if self._handler is None:
-            return
         with contextlib.suppress(ValueError, OSError):
-            if signal.getsignal(signal.SIGTERM) is self._handler:
+            if self._handler is not None and signal.getsignal(signal.SIGTERM) is self._handler:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if self._wakeup_fds is not None:
                 previous = signal.set_wakeup_fd(-1)
@@ -195,26 +185,12 @@ class FinalState:
                 return
             self._ended = True
             try:
-                self._agent.close(state)
+                if self._agent is not None:
+                    self._agent.close(state)
                 if report:
                     self._report()
             except Exception:  # noqa: BLE001 - the job is ending: never change how
                 log.warning("writing the final stats (%s) failed", state, exc_info=True)
-
-
-class _NotingQuitter:
-    """site.Quitter (`exit`, `quit`) that notes the status first; repr unchanged for the REPL."""
-
-    def __init__(self, quitter: Any, note: Callable[[object], None]) -> None:
-        self._quitter = quitter
-        self._note = note
-
-    def __repr__(self) -> str:
-        return repr(self._quitter)
-
-    def __call__(self, code: object = None) -> Any:
-        self._note(code)
-        return self._quitter(code)
 
 
 def _die_of(signum: int) -> None:
@@ -232,9 +208,3 @@ def _die_of(signum: int) -> None:
         os.kill(os.getpid(), signum)
     time.sleep(_DIE_TIMEOUT_S)
     os._exit(128 + signum)
-
-
-def _atexit_register(fn: Callable[[], None]) -> None:  # pragma: no cover - CPython >= 3.9 has the other
-    import atexit
-
-    atexit.register(fn)

@@ -19,6 +19,7 @@ import functools
 import inspect
 import os
 import re
+import sys
 import threading
 import time
 import weakref
@@ -183,6 +184,17 @@ def _callback_class(base: type) -> type:
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             self._steps.step_end(time.perf_counter() - self._t0, training=True)
 
+        # What tf_keras's CallbackList asks of every callback (Keras 3's Callback has none of
+        # these): with them, either class works in either Keras's fit.
+        def _implements_train_batch_hooks(self) -> bool:
+            return True
+
+        def _implements_test_batch_hooks(self) -> bool:
+            return False
+
+        def _implements_predict_batch_hooks(self) -> bool:
+            return False
+
     return AntmanCallback
 
 
@@ -203,9 +215,26 @@ def legacy_keras() -> bool:
     return os.environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes")
 
 
-def keras_callback(steps: StepTracker, legacy: bool | None = None) -> Any:
-    """The callback `fit` gets automatically, for `tf.keras` (tf_keras when legacy)."""
-    base = _tf_keras_callback_base() if (legacy_keras() if legacy is None else legacy) else _keras3_callback_base()
+def _is_tf_keras_model(model: Any) -> bool:
+    return any(c.__module__.split(".")[0] == "tf_keras" for c in type(model).__mro__)
+
+
+def keras_callback(steps: StepTracker, legacy: bool | None = None, model: Any = None) -> Any:
+    """The callback `fit` gets automatically, for code that builds its own callback list.
+
+    Its base class is the Callback of the Keras it will be used with: `model`'s Keras when given;
+    else `legacy` (True: tf_keras); else tf_keras when `tf.keras` is tf_keras
+    (TF_USE_LEGACY_KERAS=1) or when the script imported tf_keras and not Keras 3. Either class
+    also works in the other Keras's fit (`AntmanCallback` carries what tf_keras asks of a callback).
+    """
+    if model is not None:
+        use_tf_keras = _is_tf_keras_model(model)
+    elif legacy is not None:
+        use_tf_keras = legacy
+    else:
+        use_tf_keras = legacy_keras() or (
+            "tf_keras" in sys.modules and KERAS3_TRAINER[0] not in sys.modules)
+    base = _tf_keras_callback_base() if use_tf_keras else _keras3_callback_base()
     return _callback_class(base)(steps)
 
 

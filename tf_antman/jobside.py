@@ -30,10 +30,21 @@ class NativeActuator:
         self.device_id = device_id
         self.limits = limits
         self.received_at = received_at  # when the control being applied was read
+        self._clipped_from: int | None = None  # the last limit clipped to the capacity (logged once)
 
     def set_memory_limit(self, device: int, limit_bytes: int) -> None:
         if device != self.device_id:
             raise ValueError(f"this job runs on device {self.device_id}, not {device}")
+        capacity = int(self.native.mem_stats().device_capacity)
+        if limit_bytes > capacity:
+            # Clipped, as ANTMAN_MEMORY_LIMIT is held to ANTMAN_DEVICE_MEMORY: a limit above the
+            # device's memory means "the whole device" (docs/protocol.md); stats.json then reports
+            # the capacity as the limit in force.
+            if limit_bytes != self._clipped_from:
+                log.warning("control memory limit %d bytes for device %d is above the device's memory "
+                            "(%d bytes): clipped to it", limit_bytes, device, capacity)
+            self._clipped_from = limit_bytes
+            limit_bytes = capacity
         self.limits.coordinator(limit_bytes, self.received_at())
 
     def set_compute_share(self, share: float) -> None:
@@ -79,12 +90,32 @@ class NativeStatsSource:
 
 
 def start_agent(steps: StepTracker) -> JobAgent | None:
-    """The job agent on ANTMAN_JOB_DIR, or None: the job then runs without one (logged once).
+    """The job agent on ANTMAN_JOB_DIR, or None: without a job directory, or when the agent cannot
+    start (logged once), the job runs without one. Either way the process's end is watched
+    (final_state.py): the final state when there is an agent, the exit report on SIGTERM, Ctrl-C
+    while ops are held at share 0.
 
     Never raises: a directory the agent cannot use (read-only, gone since start-up) must not stop
     training. config.py has refused what it could foresee (ANTMAN_JOB_DIR missing or not
     writable) with a ConfigError already.
     """
+    agent = _try_agent(steps) if steps.settings.job_dir else None
+    native = steps.native
+    FinalState(agent, lambda: exit_report.report(native, agent),
+               release_hold=lambda: release_hold(native)).install()
+    return agent
+
+
+def release_hold(native: Native) -> None:
+    """Ctrl-C while ops are held at compute share 0: let them run (share 1.0), so that the main
+    thread returns to Python and raises KeyboardInterrupt (final_state.py)."""
+    if float(native.op_stats().share) == 0.0:
+        log.warning("interrupted (SIGINT) while ops are held at compute share 0: releasing them "
+                    "(share 1.0) so that the interrupt is raised")
+        native.set_share(1.0)
+
+
+def _try_agent(steps: StepTracker) -> JobAgent | None:
     settings = steps.settings
     try:
         agent = _new_agent(steps)
@@ -98,7 +129,6 @@ def start_agent(steps: StepTracker) -> JobAgent | None:
                     "no controls", settings.job_dir, type(err).__name__, err)
         return None
     log.info("job agent on %s (change detection: %s)", settings.job_dir, agent.watch_mode)
-    FinalState(agent, lambda: exit_report.report(steps.native, agent)).install()
     return agent
 
 
@@ -110,7 +140,8 @@ def _new_agent(steps: StepTracker) -> JobAgent:
                               lambda: holder[0].control_received_at if holder else None)
     agent = JobAgent(settings.job_dir or "", actuator, NativeStatsSource(steps.native, device),
                      min_write_interval_s=settings.stats_interval_ms / 1000.0,
-                     control_fallback_s=settings.control_fallback_ms / 1000.0)
+                     control_fallback_s=settings.control_fallback_ms / 1000.0,
+                     hold_clock=getattr(steps.native, "holds", None))
     holder.append(agent)
     try:
         agent.start()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 # One mirror of antman_mem_stats and of antman_opm_stats, shared with the core binding.
 from tf_antman.core import MemStats, OpmStats
+from tf_antman.holds import SHARE_ZERO, HoldClock
 
 LIB_DIR = Path(__file__).resolve().parent / "_native"
 MAIN_LIB = "libtf_antman.so"
@@ -43,6 +44,8 @@ class OpStats(OpmStats):
 class Native:
     lib: ctypes.CDLL
     path: Path
+    # Time at compute share 0, whoever set it (exit report); the agent adds its step pauses.
+    holds: HoldClock = dataclasses.field(default_factory=HoldClock)
 
     def configure(self, backend: str, device_id: int, device_capacity: int, limit: int,
                   host_capacity: int, compute_share: float) -> None:
@@ -51,6 +54,10 @@ class Native:
                                           host_capacity, compute_share, err, len(err))
         if rc != 0:
             raise NativeError(err.value.decode(errors="replace"))
+
+    def start_hold_clock(self) -> None:
+        """Once TensorFlow is imported (no op is held before): a start-up share of 0 holds from now."""
+        self.holds.set(SHARE_ZERO, float(self.op_stats().share) == 0.0)
 
     def devices_created(self) -> int:
         return int(self.lib.antman_rt_devices_created())
@@ -97,6 +104,7 @@ class Native:
     def set_share(self, share: float) -> None:
         if self.lib.antman_rt_set_share(share) != 0:
             raise NativeError(f"compute share {share!r} refused: accepted 0.0..1.0")
+        self.holds.set(SHARE_ZERO, share == 0.0)
 
     def waiting_op_types(self) -> list[str]:
         """Op types the manager lets through uncharged (cc/tf/op_classes.cc)."""

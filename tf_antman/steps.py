@@ -95,8 +95,10 @@ class StepTracker:
         self._lock = threading.Lock()  # step_end may come from a Session.run in any thread
 
     def start_agent(self) -> None:
-        """Once per process; the agent stays None when it cannot start (jobside logs why)."""
-        if not self.settings.job_dir or self._agent_tried:
+        """Once per process: the agent on ANTMAN_JOB_DIR, and the watch of the process's end
+        (jobside.start_agent); the agent stays None without a job directory or when it cannot
+        start (jobside logs why)."""
+        if self._agent_tried:
             return
         self._agent_tried = True
         from tf_antman.jobside import start_agent
@@ -118,7 +120,8 @@ class StepTracker:
                 self.window.append(seconds)
             if self.agent is not None:
                 try:
-                    self.agent.step_end(seconds if seconds is not None else 0.0, training=True)
+                    # None: the first step, not timed; counted, kept out of the window.
+                    self.agent.step_end(seconds, training=True)
                 except Exception:  # noqa: BLE001 - the coordinator link must never stop training
                     log.exception("job agent failed at a step boundary; training goes on")
             self.limits.boundary()

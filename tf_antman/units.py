@@ -10,8 +10,8 @@ import re
 _UNITS = {
     "": 1,
     "b": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "pb": 1000**5,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*$")
 
@@ -26,7 +26,7 @@ def parse_bytes(text: str) -> int:
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise ValueError(
-            f"{text!r} is not a size: use bytes or a number with KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
+            f"{text!r} is not a size: use bytes or a number with KiB, MiB, GiB, TiB, PiB (or KB, MB, GB, TB, PB)"
         )
     value = float(m.group(1)) * _UNITS[unit]
     if not math.isfinite(value):  # "1e999": a float overflow, not a size

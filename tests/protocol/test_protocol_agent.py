@@ -537,3 +537,15 @@ def test_close_releases_a_job_held_by_the_fallback(tmp_path: Path, agents) -> No
     assert job.share == 1.0  # the loop goes on unmanaged, not frozen at share 0
     with pytest.raises(ValueError, match="control_fallback_s"):
         JobAgent(tmp_path, job, job, control_fallback_s=0.0)
+
+
+def test_an_untimed_step_counts_but_stays_out_of_the_window(tmp_path: Path) -> None:
+    # tf_antman.step_end()'s first call is not timed: it entered the window as a 0.0 ms step.
+    job = SimulatedJob()
+    agent = JobAgent(tmp_path, job, job, control_fallback_s=None)
+    agent.start()
+    agent.step_end(None)
+    agent.step_end(0.010)
+    agent.close()
+    s = read_stats(tmp_path)
+    assert s is not None and s.step == 2 and s.step_ms_window == (10.0,) and s.step_ms_mean == 10.0

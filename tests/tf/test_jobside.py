@@ -271,3 +271,148 @@ def test_terminating_a_forked_child_leaves_the_job_alone(tmp_path: Path) -> None
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"child_rc": -signal.SIGTERM}
     final = read_stats(job_dir)
     assert final is not None and final.state == "finished" and final.step == 8
+
+
+VERBOSE_LOG = "from absl import logging as absl_logging\nabsl_logging.set_verbosity(absl_logging.INFO)\n"
+
+THREAD_JOB = """
+import json, sys, threading, time
+import numpy as np, tensorflow as tf, keras
+m = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(4)]); m.compile("sgd", "mse")
+x = np.ones((8, 8), "float32"); y = np.ones((8, 4), "float32")
+def train():  # a non-daemon thread that trains on after the main thread has returned
+    time.sleep(1.0)
+    n = 0
+    while n < 200:
+        m.train_on_batch(x, y); n += 1
+    print(json.dumps({"steps": n}), flush=True)
+threading.Thread(target=train).start()
+"""
+
+
+def test_a_job_that_trains_in_a_thread_ends_when_the_thread_does(tmp_path: Path) -> None:
+    # The final state, the agent's close and the exit report ran when the main thread returned
+    # (threading's exit hooks run before the interpreter joins non-daemon threads): "finished" at
+    # step 0 while the thread trained on, unmanaged.
+    out = subprocess.run([sys.executable, "-c", VERBOSE_LOG + THREAD_JOB], cwd=REPO, text=True,
+                         capture_output=True, timeout=300,
+                         env=clean_env(ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_DEVICE="emulated"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"steps": 200}
+    final = read_stats(tmp_path)
+    assert final is not None and (final.state, final.step) == ("finished", 200)
+    assert len([line for line in out.stderr.splitlines() if "tf-antman: at exit:" in line]) == 1
+
+
+ENDINGS = """
+import sys
+if sys.argv[1] == "from-sys-exit":
+    from sys import exit  # bound before tf-antman starts (at `import tensorflow`)
+import tensorflow as tf
+tf.reduce_sum(tf.ones((3,))).numpy()
+if sys.argv[1] == "from-sys-exit":
+    exit(5)
+if sys.argv[1] == "own-excepthook":  # the script's own hook, installed after tf-antman's start
+    sys.excepthook = lambda t, v, tb: print("own hook:", v, file=sys.stderr)
+raise RuntimeError("boom")
+"""
+
+
+def test_a_crash_or_exit_status_is_seen_whatever_hooks_and_names_the_script_uses(tmp_path: Path) -> None:
+    # An excepthook installed after start-up replaced the wrapped one: a crash ended "finished";
+    # `from sys import exit` before the import escaped the sys.exit wrapper.
+    for mode, status in (("from-sys-exit", 5), ("own-excepthook", 1)):
+        job_dir = tmp_path / mode
+        job_dir.mkdir()
+        out = subprocess.run([sys.executable, "-c", ENDINGS, mode], cwd=REPO, text=True, capture_output=True,
+                             timeout=300, env=clean_env(ANTMAN_JOB_DIR=str(job_dir), ANTMAN_DEVICE="emulated"))
+        assert out.returncode == status, out.stderr[-3000:]
+        assert json.loads((job_dir / "stats.json").read_text())["state"] == "failed", mode
+        assert ("own hook: boom" in out.stderr) == (mode == "own-excepthook")
+
+
+HELD = """
+import sys, threading, time
+import tensorflow as tf, tf_antman
+print("holding", flush=True)
+tf.reduce_sum(tf.ones((3,))).numpy()  # held: ANTMAN_COMPUTE_SHARE=0
+print("released", flush=True)
+if sys.argv[1] == "interrupt":
+    time.sleep(60)  # not reached: the interrupt is raised as the op returns
+# Held again, by the user this time, for about 1 s.
+tf_antman.set_compute_share(0.0)
+threading.Timer(1.0, tf_antman.set_compute_share, args=(1.0,)).start()
+tf.reduce_sum(tf.ones((3,))).numpy()
+print("done", flush=True)
+"""
+
+
+def _start_held(job_dir: Path, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", HELD, mode], cwd=REPO, text=True,
+                            env=clean_env(ANTMAN_JOB_DIR=str(job_dir), ANTMAN_DEVICE="emulated",
+                                          ANTMAN_COMPUTE_SHARE="0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_ctrl_c_ends_a_job_held_at_compute_share_0(tmp_path: Path) -> None:
+    # The main thread waited in the op manager with the GIL released: Python's SIGINT handler
+    # never ran, and Ctrl-C was ignored until SIGTERM.
+    p = _start_held(tmp_path, "interrupt")
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "holding\n", p.communicate()[1][-3000:]
+        time.sleep(1.5)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == -signal.SIGINT, err[-3000:]  # as an uncaught KeyboardInterrupt ends Python
+    assert "KeyboardInterrupt" in err and "interrupted (SIGINT) while ops are held at compute share 0" in err
+    final = read_stats(tmp_path)
+    assert final is not None and final.state == "failed"
+
+
+def test_every_hold_at_compute_share_0_counts_as_paused(tmp_path: Path) -> None:
+    # The start-up share 0 and the user's set_compute_share(0) were not counted: "paused 0.0 s",
+    # at INFO, hidden by default.
+    p = _start_held(tmp_path, "release")
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "holding\n", p.communicate()[1][-3000:]
+        time.sleep(2.0)
+        write_control(tmp_path, Control(seq=1, compute_share=1.0))
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and out.endswith("done\n"), err[-3000:]
+    [report] = [line for line in err.splitlines() if "tf-antman: at exit:" in line]
+    assert report.startswith("WARNING:absl:"), report  # it slowed the job: shown by default
+    paused = float(report.split("paused ")[1].split(" s")[0])
+    assert 2.5 <= paused < 10, report
+
+
+def test_sigterm_logs_the_exit_report_without_a_job_directory(tmp_path: Path) -> None:
+    p = subprocess.Popen([sys.executable, "-c", VERBOSE_LOG + LOOP, "plain"], cwd=REPO, text=True,
+                         env=clean_env(ANTMAN_DEVICE="emulated"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == -signal.SIGTERM, err[-3000:]
+    assert len([line for line in err.splitlines() if "tf-antman: at exit:" in line]) == 1, err[-3000:]
+
+
+def test_a_control_limit_above_the_device_memory_is_clipped_to_it(tmp_path: Path) -> None:
+    # A 1 TiB limit on a 1 GiB device was put into force and echoed as 1 TiB in stats.json,
+    # while the exit report said "limit: the whole device".
+    p = _start(tmp_path, 40)
+    try:
+        _wait(tmp_path, lambda s: s.state == "running" and s.step >= 5)
+        write_control(tmp_path, Control(seq=1, memory_limits=(MemoryLimit(device=3, limit_bytes=1 << 40),)))
+        s = _wait(tmp_path, lambda s: s.control_seq_applied == 1)
+        assert s.devices[0].limit_bytes == 1 << 30 and s.last_rejected is None
+    finally:
+        p.kill()
+        _, err = p.communicate(timeout=60)
+    assert "control memory limit 1099511627776 bytes for device 3 is above the device's memory " \
+           "(1073741824 bytes): clipped to it" in err

@@ -326,3 +326,92 @@ def test_a_job_without_step_boundaries_gets_its_controls_from_the_fallback(tmp_p
     assert r["paused"] == ["paused", 1.0, "fallback"]  # held by share 0; the share in force is reported
     assert r["moved_while_paused"] <= 1  # at most the op that was running when the share went to 0
     assert r["final"] == ["starting", 0, 3, 3, "fallback", 3]
+
+
+def test_the_first_step_end_is_not_timed_and_stays_out_of_the_agents_window() -> None:
+    # StepTracker passed 0.0 for the untimed first tf_antman.step_end(): a 0.0 ms step in
+    # stats.json's step_ms_window and in the mean the coordinator reads.
+    from types import SimpleNamespace
+
+    from tf_antman.steps import StepTracker
+
+    native = SimpleNamespace(step_boundary=lambda: None, request_limit=lambda n: None,
+                             set_limit_now=lambda n: (0, 0))
+    seen: list[float | None] = []
+    tracker = StepTracker(native, SimpleNamespace(job_dir=None))  # type: ignore[arg-type]
+    tracker.agent = SimpleNamespace(step_end=lambda seconds, training: seen.append(seconds))
+    tracker.step_end()
+    tracker.step_end()
+    tracker.step_end(0.25)
+    assert tracker.steps == 3 and seen[0] is None and seen[1] is not None and seen[2] == 0.25
+    assert len(tracker.window) == 2
+
+
+API = """
+import math, numpy as np, tensorflow as tf, keras, tf_keras, tf_antman
+def error(f):
+    try:
+        f()
+    except Exception as e:
+        return [type(e).__name__, str(e)]
+    return None
+km = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(4)]); km.compile("sgd", "mse")
+tm = tf_keras.Sequential([tf_keras.Input(shape=(8,)), tf_keras.layers.Dense(4)]); tm.compile("sgd", "mse")
+x = np.ones((32, 8), "float32"); y = np.ones((32, 4), "float32")
+steps = lambda: tf_antman._state().steps.steps
+out = {"fit": {}}
+for name, model in (("keras3", km), ("tf_keras", tm)):
+    for how, cb in (("auto", lambda m: tf_antman.keras_callback()), ("model", tf_antman.keras_callback)):
+        before = steps()
+        err = error(lambda: model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[cb(model)]))
+        out["fit"][name + "/" + how] = [err, steps() - before]
+out["bases"] = [type(tf_antman.keras_callback(m)).__mro__[1].__module__.split(".")[0] for m in (km, tm)]
+bad = {
+    "limit_above_device": lambda: tf_antman.set_memory_limit("1GiB"),
+    "limit_below_1MiB": lambda: tf_antman.set_memory_limit(1000),
+    "limit_none": lambda: tf_antman.set_memory_limit(None),
+    "limit_float": lambda: tf_antman.set_memory_limit(1.5e6),
+    "limit_bool": lambda: tf_antman.set_memory_limit(True),
+    "limit_text": lambda: tf_antman.set_memory_limit("lots"),
+    "share_str": lambda: tf_antman.set_compute_share("0.5"),
+    "share_none": lambda: tf_antman.set_compute_share(None),
+    "share_nan": lambda: tf_antman.set_compute_share(float("nan")),
+    "share_2": lambda: tf_antman.set_compute_share(2),
+    "step_nan": lambda: tf_antman.step_end(float("nan")),
+    "step_negative": lambda: tf_antman.step_end(-1),
+    "step_str": lambda: tf_antman.step_end("a"),
+    "step_training": lambda: tf_antman.step_end(0.1, training="yes"),
+}
+out["bad"] = {k: error(f) for k, f in bad.items()}
+before = steps()
+out["good"] = [error(lambda: tf_antman.set_memory_limit("32MiB")), error(lambda: tf_antman.set_memory_limit(64 << 20)),
+               error(lambda: tf_antman.set_compute_share(1)), error(lambda: tf_antman.step_end(0)),
+               error(lambda: tf_antman.step_end(np.float64(0.5))), steps() - before]
+emit(out)
+"""
+
+
+def test_keras_callback_and_the_api_arguments() -> None:
+    # keras_callback() built on Keras 3's Callback crashed tf_keras's fit (no
+    # '_implements_train_batch_hooks'); a limit above the device was accepted; bad arguments were
+    # accepted silently or failed with unrelated errors.
+    job = run_py(API, ANTMAN_DEVICE="emulated", ANTMAN_DEVICE_MEMORY="64MiB")
+    r = job.result
+    assert r["fit"] == {k: [None, 4] for k in ("keras3/auto", "keras3/model", "tf_keras/auto", "tf_keras/model")}
+    assert r["bases"] == ["keras", "tf_keras"]
+    bad = r["bad"]
+    assert bad["limit_above_device"] == ["ValueError", "set_memory_limit: limit '1GiB' (1073741824 bytes) is out of "
+                                         "range: accepted 1MiB..64.0 MiB (the device's memory, 67108864 bytes)"]
+    assert bad["limit_below_1MiB"][0] == "ValueError" and "accepted 1MiB..64.0 MiB" in bad["limit_below_1MiB"][1]
+    for key in ("limit_none", "limit_float", "limit_bool"):
+        assert bad[key][0] == "TypeError" and bad[key][1].startswith("set_memory_limit: limit must be an int"), key
+    assert bad["limit_text"][0] == "ValueError" and "set_memory_limit: limit 'lots' is not a size" in bad["limit_text"][1]
+    for key in ("share_str", "share_none"):
+        assert bad[key][0] == "TypeError" and bad[key][1].startswith("set_compute_share: share must be a number"), key
+    for key in ("share_nan", "share_2"):
+        assert bad[key][0] == "ValueError" and "accepted 0.0..1.0" in bad[key][1], key
+    for key in ("step_nan", "step_negative"):
+        assert bad[key][0] == "ValueError" and bad[key][1].startswith("step_end: seconds") and ">= 0" in bad[key][1]
+    assert bad["step_str"][0] == "TypeError" and bad["step_str"][1].startswith("step_end: seconds must be")
+    assert bad["step_training"] == ["TypeError", "step_end: training must be True or False, got str 'yes'"]
+    assert r["good"] == [None, None, None, None, None, 2]
