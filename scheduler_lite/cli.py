@@ -318,7 +318,8 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
         ("restart", "allowed (--restartable)" if job.restartable else "no"),
         ("env", " ".join(f"{k}={v}" for k, v in job.env) or "-"), ("submitted", _clock(job.submit_time)),
         ("started", _clock(job.started_at)), ("ended", _clock(job.ended_at)), ("runtime", _duration(job)),
-        ("pid", str(job.pid) if job.pid else "-"), ("exit", describe_exit(job.exit_code) if job.state.done else "-"),
+        ("pid", str(job.pid) if job.pid else "-"),
+        ("exit", describe_exit(job.exit_code, ran=job.started_at is not None) if job.state.done else "-"),
         ("reason", job.reason or "-"), ("job dir", job.job_dir or "-"),
     ]
     for p in found["placements"]:

@@ -33,6 +33,7 @@ tests' fault points: scheduler_lite.faults.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import math
@@ -70,6 +71,7 @@ from scheduler_lite.launcher import (
     LaunchError,
     LaunchSpec,
     ProcessHandle,
+    after_sigkill,
     describe_exit,
 )
 from scheduler_lite.model import (
@@ -122,6 +124,11 @@ PRUNE_EVERY_TICKS: Final = 1000  # events beyond MAX_EVENTS are deleted this oft
 
 class DaemonLockedError(RuntimeError):
     pass
+
+
+class StateDirLostError(OSError):
+    """`serve` stopped: a file of its state directory was removed or replaced (an OSError: the
+    CLI prints one line naming the file and exits with status 1)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,14 +267,28 @@ class Daemon(Recovery):
         `between_ticks(seconds)`, if given, replaces the sleep between ticks: the socket server
         (scheduler_lite.server) answers clients on this thread then, so requests and ticks never
         run at the same time.
+
+        Before each tick the state directory's lock file, socket and store (those there at the
+        start) must still be the files this daemon started with: one removed or replaced (the
+        directory deleted, another daemon started on it) leaves this daemon unreachable, and a
+        second daemon would manage the same jobs. It then stops as for SIGTERM (jobs keep
+        running) and raises StateDirLostError naming the file.
         """
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, lambda signum, frame: self._stop.set())
         log.info("serving %d GPU(s) from %s", len(self.gpus), self.config.state_dir)
+        held = {path: found for path in self._state_files() if (found := file_identity(path)) is not None}
+        lost = None
         try:
             while not self._stop.is_set():
+                lost = next((path for path, was in held.items() if file_identity(path) != was), None)
+                if lost is not None:
+                    log.error("%s was removed or replaced while this daemon served it: clients no longer reach "
+                              "this daemon and another could start on the same store; stopping (jobs keep running)",
+                              lost)
+                    break
                 try:
                     self.tick()
                 except Exception:  # one bad tick must not take the jobs' scheduler down
@@ -280,6 +301,13 @@ class Daemon(Recovery):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             log.info("stopped; %d running job(s) left running for the next start", len(self._live))
+        if lost is not None:
+            raise StateDirLostError(errno.ENOENT, "the daemon's state file was removed or replaced while it served; "
+                                    "it stopped, its jobs keep running", str(lost))
+
+    def _state_files(self) -> list[Path]:
+        """The state directory's files that make this daemon the one serving it (checked each tick)."""
+        return [self.config.state_dir / LOCK_FILE, self.config.socket_path, self.config.db_path]
 
     def stop(self) -> None:
         self._stop.set()
@@ -344,7 +372,9 @@ class Daemon(Recovery):
     def _cannot_run(self, record: JobRecord) -> str | None:
         """Why the job can never run here (the reason it fails with), or None. Cluster mode adds its own."""
         largest = max((g.memory_bytes for g in self.gpus.values()), default=0)
-        if record.tenant not in self.book.tenants:
+        # The config, not the book: the book also holds tenants dropped from the config while a
+        # job of theirs ran (quota 0, until it ends); their queued jobs must not run.
+        if self.config.tenant(record.tenant) is None:
             return f"tenant {record.tenant!r} is not configured"
         if record.num_gpus > len(self.gpus):
             return f"needs {record.num_gpus} GPUs; this machine has {len(self.gpus)}"
@@ -367,6 +397,7 @@ class Daemon(Recovery):
         for job_id, live in list(self._stopping.items()):
             ended = self.launcher.poll(live.handle)
             if ended is not None:
+                ended = after_sigkill(ended, live.killed)
                 del self._stopping[job_id]
                 self.launcher.cleanup(live.handle)  # the rest of its group: nothing of it may outlive it
                 self._restart_moved(job_id, self._moves.pop(job_id), ended, now, out)
@@ -378,7 +409,8 @@ class Daemon(Recovery):
             ended = self.launcher.poll(live.handle)
             if ended is not None:
                 self._faults.at("ended")
-                self._finish(job_id, ended, now, out)
+                # An adopted job (not our child) killed by our SIGKILL has no status of its own.
+                self._finish(job_id, after_sigkill(ended, live.killed), now, out)
             elif (live.stop_sent_at is not None and not live.killed
                   and now - live.stop_sent_at >= self.config.jobs.cancel_grace_s):
                 live.killed = True
@@ -404,7 +436,8 @@ class Daemon(Recovery):
             state = JobStatus.FAILED
         reason = describe_exit(ended.exit_code) + (f" ({note})" if note else "")
         with self.storage.transaction():
-            self.storage.update_job(record.id, state=state, ended_at=now, exit_code=ended.exit_code, reason=reason)
+            self.storage.update_job(record.id, state=state, ended_at=end_time(record, ended, now),
+                                    exit_code=ended.exit_code, reason=reason)
             self.storage.clear_placements(record.id)
             self.storage.add_event(now, "exited", record.id, state=str(state), exit_code=ended.exit_code,
                                    reason=reason)
@@ -561,13 +594,14 @@ class Daemon(Recovery):
     def _book_launch(self, launch: Launch, now: float, started_at: float | None = None) -> None:
         """Record the launch (with its token) before any process exists: a crash now requeues it.
 
-        `started_at`: kept from the first launch when a migrated job starts again."""
+        `started_at`: kept from the first launch when a migrated job starts again (its runtime);
+        `launched_at` is this launch's (how long the process now running has run)."""
         booked = self.storage.get_job(launch.job_id)
         job_dir = self._prepare_job_dir(launch, None if booked is None else booked.uid)
         with self.storage.transaction():
             self.storage.update_job(launch.job_id, state=JobStatus.RUNNING, role=launch.role, placement=launch.gpus,
                                     job_dir=str(job_dir), started_at=now if started_at is None else started_at,
-                                    pid=None, pid_start=None, launch_token=uuid.uuid4().hex,
+                                    launched_at=now, pid=None, pid_start=None, launch_token=uuid.uuid4().hex,
                                     control_seq=INITIAL_CONTROL_SEQ, migrating=False)
             for g in launch.gpus:
                 self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
@@ -708,6 +742,24 @@ class Daemon(Recovery):
 # ----------------------------------------------------------------------------------------------
 
 
+def end_time(record: JobRecord, ended: ExitInfo, now: float) -> float:
+    """When a job ended: as its wrapper recorded it (a job that ended while no daemon watched it),
+    else `now`; never before its launch nor after `now` (a file's clock is not the daemon's)."""
+    if ended.ended_at is None:
+        return now
+    launched = record.launched_at if record.launched_at is not None else record.started_at
+    return min(now, max(ended.ended_at, -math.inf if launched is None else launched))
+
+
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`; None if there is none (or it cannot be reached)."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def lock_state_dir(state_dir: Path) -> int:
     """Hold the state directory for this process (one daemon per store); returns the lock's fd."""
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -726,6 +778,6 @@ def lock_state_dir(state_dir: Path) -> int:
 # Names kept importable from here for library users (the CLI imports their own modules).
 __all__ = [
     "RESERVED_ENV", "USER_ANTMAN_VARIABLES", "ClusterStatus", "ControlWrite", "Daemon", "DaemonLockedError",
-    "GpuStatus", "JobOnGpu", "SubmitError", "TenantStatus", "TickReport", "build_status", "job_environment",
-    "lock_state_dir", "make_job_spec", "read_job_stats", "request_cancel", "submit_job",
+    "GpuStatus", "JobOnGpu", "StateDirLostError", "SubmitError", "TenantStatus", "TickReport", "build_status",
+    "job_environment", "lock_state_dir", "make_job_spec", "read_job_stats", "request_cancel", "submit_job",
 ]

@@ -1,15 +1,31 @@
 """Starts job processes, notices their exits, stops them; finds them again after a daemon restart.
 
 Each job runs in its own session and process group (a Ctrl-C on the daemon's terminal does not
-reach it, and a cancel reaches all of its children), under a small /bin/sh wrapper that writes the
-command's exit status to `<job dir>/exit_status`: a job that ends while the daemon is down still
-leaves its status behind. stdout and stderr go to `stdout.log` / `stderr.log` in the job directory.
+reach it, and a cancel reaches all of its children), under a small wrapper that records how the
+command ended in `<job dir>/exit_status` (format below): a job that ends while the daemon is down
+still leaves its status, and the time it ended, behind. stdout and stderr go to `stdout.log` /
+`stderr.log` in the job directory.
+
+The wrapper is a few lines of Python (`-I -S`: nothing of the job's environment or site-packages
+changes it) run by the daemon's interpreter, or by /usr/bin/python3 when the job's user cannot run
+that one (a virtualenv under /root); it waits for the command with waitpid, so a command killed by
+signal N and one that exited with status 128+N are told apart. When no interpreter the user can
+run is found, a /bin/sh wrapper does the same job but cannot tell those two apart (`$?` is 128+N
+for both): it writes the legacy format and re-raises the signal for 129..159.
+
+`exit_status` holds one line: `exit N` (the command exited with status N) or `signal N` (it was
+killed by signal N). A bare number `N` is the legacy format (the /bin/sh wrapper, wrappers started
+before an upgrade, cluster mode's worker tasks): 129..159 reads as signal N - 128, as the shell
+reports a signal. Its modification time is when the job ended.
 
 A process is identified by (pid, start time in clock ticks since boot, from /proc/<pid>/stat), so a
 pid reused by an unrelated process after a reboot or a long outage is not mistaken for the job,
 and by the launch token in the wrapper's command line (`scheduler-lite:<job id>:<token>`), which
 the daemon records before it starts the process: a restart that finds no pid recorded and no pid
-file yet can still find the process (`find`), so it never starts the job a second time.
+file yet can still find the process (`find`), so it never starts the job a second time. The
+processes a job leaves behind carry its job directory in their environment
+(`SCHEDULER_LITE_JOB_DIR`): what is left of a job that ended while the daemon was down is found by
+that and by its process group (`kill_leftovers`), never by a group id alone.
 """
 
 from __future__ import annotations
@@ -17,26 +33,93 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from scheduler_lite.isolation import JobUser, read_small_int
+from scheduler_lite.isolation import JobUser
 
 EXIT_STATUS_FILE: Final = "exit_status"
 PID_FILE: Final = "pid"  # the wrapper's pid, written first: found again if the daemon dies mid-launch
 STDOUT_FILE: Final = "stdout.log"
 STDERR_FILE: Final = "stderr.log"
 PROGRAM_PREFIX: Final = "scheduler-lite:"  # every wrapper's $0 starts with it (process_name)
-# "$@" runs the command without a shell parsing it. The wrapper catches SIGTERM/SIGINT/SIGHUP (the
-# command still gets them: a cancel signals the whole group, and caught signals are reset to their
-# default in the child) so that it outlives the command, records its status and then dies of the
-# same signal, which its parent sees as usual. The status goes to a temporary file first and is
-# renamed, so a reader never sees a half-written number.
-_WRAPPER: Final = (
+JOB_DIR_VARIABLE: Final = "SCHEDULER_LITE_JOB_DIR"  # in the environment of every process of a job
+# Interpreters tried for the wrapper of a job that runs as another user (the first it can run).
+WRAPPER_PYTHONS: Final = (sys.executable, "/usr/bin/python3")
+_MAX_EXIT_FILE_BYTES: Final = 64
+
+# The wrapper (Python 3.6+: /usr/bin/python3 may be old). argv: -c, its name, the command. It
+# catches SIGTERM/SIGINT/SIGHUP (the command still gets them: a cancel signals the whole group;
+# caught signals are reset to their default by exec) so that it outlives the command, records how
+# it ended and then ends the same way (dies of the same signal, without a core dump of its own),
+# which its parent sees as usual. The command gets the environment the wrapper was started with
+# (/proc/self/environ: Python may have added LC_CTYPE to its own, PEP 538), SIGPIPE and SIGXFSZ at
+# their defaults (Python ignores them; exec would keep that), and enters SCHEDULER_LITE_WORKDIR
+# (set for a job of another user: see Launcher.start) as its user; if it cannot, it fails as a
+# shell would (2: no such directory, 127: no such command, 126: not executable). The status goes
+# to a temporary file first and is renamed, so a reader never sees a half-written line. No
+# comments inside: the code is the wrapper's command line, shown by `ps`.
+_PY_WRAPPER: Final = r"""
+import errno, os, signal, sys
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda *_: None)
+d = os.environ["SCHEDULER_LITE_JOB_DIR"]
+def put(name, text):
+    try:
+        with open(os.path.join(d, "." + name + ".tmp"), "w") as f:
+            f.write(text)
+        os.rename(os.path.join(d, "." + name + ".tmp"), os.path.join(d, name))
+    except OSError:
+        pass
+put("pid", "%d\n" % os.getpid())
+try:
+    with open("/proc/self/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+except OSError:
+    env = os.environ
+argv, work = sys.argv[2:], os.environ.get("SCHEDULER_LITE_WORKDIR")
+child = os.fork()
+if child == 0:
+    code = 2
+    try:
+        for s in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(s, signal.SIG_DFL)
+        if work:
+            os.chdir(work)
+        code = 127
+        os.execvpe(argv[0], argv, env)
+    except BaseException as e:
+        code = 126 if code == 127 and getattr(e, "errno", None) != errno.ENOENT else code
+        what = "run %s" % argv[0] if code > 2 else "enter %s" % work
+        sys.stderr.write("scheduler-lite: cannot %s: %s\n" % (what, getattr(e, "strerror", None) or e))
+        sys.stderr.flush()
+    os._exit(code)
+while True:
+    try:
+        status = os.waitpid(child, 0)[1]
+        break
+    except InterruptedError:
+        pass
+sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+put("exit_status", "signal %d\n" % sig if sig else "exit %d\n" % os.WEXITSTATUS(status))
+if sig:
+    import resource
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        signal.signal(sig, signal.SIG_DFL)
+    except (OSError, ValueError):
+        pass
+    os.kill(os.getpid(), sig)
+os._exit(128 + sig if sig else os.WEXITSTATUS(status))
+"""
+# The fallback: "$@" runs the command without a shell parsing it; the legacy exit_status format.
+_SH_WRAPPER: Final = (
     'echo "$$" > "$SCHEDULER_LITE_JOB_DIR/pid"; '
     'trap : TERM INT HUP; '
     # Jobs of other users enter their working directory as themselves (see Launcher.start).
@@ -46,6 +129,8 @@ _WRAPPER: Final = (
     'if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ]; then trap - TERM INT HUP; kill -"$((rc - 128))" "$$"; fi; '
     'exit "$rc"'
 )
+# Which interpreter each job user's wrapper runs with (None: the /bin/sh wrapper), found once.
+_usable_python: dict[int, str | None] = {}
 
 
 class LaunchError(RuntimeError):
@@ -75,12 +160,18 @@ class ProcessHandle:
 class ExitInfo:
     exit_code: int | None  # None: it ended, but nobody could tell how
     # Negative: killed by that signal (as subprocess reports it).
+    # When it ended, where the wrapper's exit_status file tells (its modification time); None:
+    # when the daemon noticed (it watched the job end).
+    ended_at: float | None = None
 
     def describe(self) -> str:
         return describe_exit(self.exit_code)
 
 
-def describe_exit(code: int | None) -> str:
+def describe_exit(code: int | None, *, ran: bool = True) -> str:
+    """How a job ended, for people; `ran=False`: it never ran (cancelled while queued, rejected)."""
+    if not ran:
+        return "never ran"
     if code is None:
         return "exit status unknown"
     if code < 0:
@@ -156,7 +247,7 @@ class Launcher:
             with contextlib.suppress(FileNotFoundError):
                 (spec.job_dir / stale).unlink()
         env = dict(spec.env)
-        env["SCHEDULER_LITE_JOB_DIR"] = str(spec.job_dir)
+        env[JOB_DIR_VARIABLE] = str(spec.job_dir)
         cwd, switch = spec.workdir, {}
         if spec.user is not None:
             # All of the account (extra_groups too: else root's groups stay). The wrapper changes
@@ -169,7 +260,7 @@ class Launcher:
         try:
             with open(spec.job_dir / STDOUT_FILE, "ab") as out, open(spec.job_dir / STDERR_FILE, "ab") as err:
                 popen = subprocess.Popen(
-                    ["/bin/sh", "-c", _WRAPPER, process_name(spec.job_id, spec.token), *spec.command],
+                    [*wrapper_command(spec.user), process_name(spec.job_id, spec.token), *spec.command],
                     cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                     start_new_session=True, close_fds=True, **switch,  # type: ignore[call-overload]
                 )
@@ -187,12 +278,12 @@ class Launcher:
         """
         if token and start_ticks is None:
             if not _has_name(pid, process_name(job_id, token)):
-                return ExitInfo(self._status_file(job_dir, None))
+                return _recorded_or_unknown(job_dir)
             start_ticks = process_start_ticks(pid)
         handle = ProcessHandle(pid, start_ticks, job_dir)
         ended = self.poll(handle)
         if ended is None and token and not _has_name(pid, process_name(job_id, token)):
-            return ExitInfo(self._status_file(job_dir, None))
+            return _recorded_or_unknown(job_dir)
         return handle if ended is None else ended
 
     @staticmethod
@@ -210,17 +301,22 @@ class Launcher:
             code = handle.popen.poll()
             if code is None:
                 return None
-            return ExitInfo(code if code < 0 else self._status_file(handle.job_dir, code))
+            # Our child: the daemon watched it end (now), its status is exact.
+            return ExitInfo(code if code < 0 else read_exit_status(handle.job_dir, code))
         fields = _proc_stat(handle.pid)
         if fields is not None and (handle.start_ticks is None or int(fields[19]) == handle.start_ticks):
             if fields[0] != "Z":
                 return None
-            # A zombie: our child from an earlier Launcher of this process (tests, library use).
+            # A zombie: our child from an earlier Launcher of this process (tests, library use),
+            # which no one watched end: when, its exit_status file tells.
             with contextlib.suppress(ChildProcessError):
                 _, status = os.waitpid(handle.pid, os.WNOHANG)
                 code = os.waitstatus_to_exitcode(status)
-                return ExitInfo(code if code < 0 else self._status_file(handle.job_dir, code))
-        return ExitInfo(self._status_file(handle.job_dir, None))
+                recorded = _recorded_or_unknown(handle.job_dir)
+                if code >= 0 and recorded.exit_code is not None:
+                    code = recorded.exit_code
+                return ExitInfo(code, recorded.ended_at)
+        return _recorded_or_unknown(handle.job_dir)
 
     def signal(self, handle: ProcessHandle, sig: int) -> bool:
         """Send `sig` to the job's whole process group; False if it is gone."""
@@ -236,13 +332,14 @@ class Launcher:
         """SIGTERM, then SIGKILL after `grace_s`; blocks until the process has ended."""
         self.signal(handle, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
+        killed = False
         while (ended := self.poll(handle)) is None:
             if time.monotonic() >= deadline:
-                self.signal(handle, signal.SIGKILL)
+                killed = self.signal(handle, signal.SIGKILL)
                 deadline = float("inf")
             time.sleep(poll_s)
         self.cleanup(handle)
-        return ended
+        return after_sigkill(ended, killed)
 
     @staticmethod
     def cleanup(handle: ProcessHandle) -> None:
@@ -254,18 +351,151 @@ class Launcher:
             os.killpg(handle.pid, signal.SIGKILL)
 
     @staticmethod
-    def _status_file(job_dir: Path, fallback: int | None) -> int | None:
-        return read_exit_status(job_dir, fallback)
+    def kill_leftovers(job_dir: Path, pgid: int | None, not_before_ticks: int | None) -> list[int]:
+        """SIGKILL what is left of a job that ended while no daemon watched it; returns the pids.
+
+        `cleanup` kills a watched job's group right after its leader ended. Here the group may
+        have emptied since and the kernel given its id to an unrelated process: the group id is
+        not enough. A process is the job's if it carries the job's directory in its environment
+        (JOB_DIR_VARIABLE, set for the wrapper and inherited by what it starts), is in the job's
+        group `pgid` (any group when the wrapper's pid is unknown) and started no earlier than
+        the wrapper (`not_before_ticks`, its start time, when known). One that cleared its
+        environment is not found.
+        """
+        return [pid for pid, start in job_processes(job_dir, pgid, not_before_ticks) if _kill_if_same(pid, start)]
 
 
-def read_exit_status(job_dir: Path, fallback: int | None = None) -> int | None:
-    """The status the wrapper recorded in `exit_status`, or `fallback` when there is none.
+def wrapper_command(user: JobUser | None) -> list[str]:
+    """The wrapper's argv up to its name: Python where the job's user can run an interpreter,
+    else /bin/sh (which cannot tell a signal from an exit status 128+N; module docstring)."""
+    python = sys.executable if user is None else _python_for(user)
+    return ["/bin/sh", "-c", _SH_WRAPPER] if not python else [python, "-ISc", _PY_WRAPPER]
+
+
+def _python_for(user: JobUser) -> str | None:
+    """The first of WRAPPER_PYTHONS that `user` can run (tried once per user: an interpreter in
+    a virtualenv under /root is not reachable by other users)."""
+    if user.uid not in _usable_python:
+        _usable_python[user.uid] = next((p for p in WRAPPER_PYTHONS if p and _runs_as(p, user)), None)
+    return _usable_python[user.uid]
+
+
+def _runs_as(python: str, user: JobUser) -> bool:
+    try:
+        done = subprocess.run([python, "-ISc", "pass"], cwd="/", env={"PATH": "/usr/bin:/bin"},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              user=user.uid, group=user.gid, extra_groups=list(user.gids), timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def after_sigkill(ended: ExitInfo, sigkill_sent: bool) -> ExitInfo:
+    """`ended`, an unknown status read as SIGKILL where SIGKILL went to the job's group: the
+    wrapper records every end it outlives (it catches SIGTERM, SIGINT, SIGHUP), SIGKILL kills it
+    too. Without this a job the daemon killed after a restart (not its child) read as unknown."""
+    return ExitInfo(-signal.SIGKILL, ended.ended_at) if sigkill_sent and ended.exit_code is None else ended
+
+
+def job_processes(job_dir: Path, pgid: int | None, not_before_ticks: int | None) -> list[tuple[int, int]]:
+    """(pid, start ticks) of the live processes of a job (see Launcher.kill_leftovers); scans /proc."""
+    marker = f"{JOB_DIR_VARIABLE}={job_dir}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _proc_stat(int(entry.name))  # fields[2]: the process group
+        if fields is None or fields[0] == "Z" or (pgid is not None and int(fields[2]) != pgid):
+            continue
+        start = int(fields[19])
+        if not_before_ticks is not None and start < not_before_ticks:
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in environ:
+            found.append((int(entry.name), start))
+    return found
+
+
+def _kill_if_same(pid: int, start_ticks: int) -> bool:
+    """SIGKILL `pid` if it is still the process started at `start_ticks`. A pidfd holds on to the
+    process between the check and the kill: a pid reused meanwhile is never hit."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except OSError:  # no pidfd (Linux < 5.3): check, then kill
+        if process_start_ticks(pid) != start_ticks:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            return True
+        return False
+    try:
+        if process_start_ticks(pid) != start_ticks:
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_exit(job_dir: Path) -> ExitInfo | None:
+    """How the wrapper recorded the job's end in `exit_status`, with when (the file's modification
+    time); None when there is no such file, an unknown status when it cannot be read or parsed.
 
     The job's user writes the file: it is read without following a link or blocking on a FIFO.
     """
-    code = read_small_int(job_dir / EXIT_STATUS_FILE)
-    if code is None:
-        return fallback
-    # The shell's 128+N for a command killed by signal N: as a signal, the way a job the daemon
-    # still watches as its child reports it (the wrapper re-raises the signal; Popen gives -N).
-    return -(code - 128) if 128 < code < 160 else code
+    try:
+        fd = os.open(job_dir / EXIT_STATUS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ExitInfo(None)  # a link or worse, planted: it ended, how is not told
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_EXIT_FILE_BYTES:
+            return ExitInfo(None)
+        text = os.read(fd, _MAX_EXIT_FILE_BYTES).decode("ascii", errors="replace")
+    except OSError:
+        return ExitInfo(None)
+    finally:
+        os.close(fd)
+    return ExitInfo(parse_exit_status(text), info.st_mtime)
+
+
+def parse_exit_status(text: str) -> int | None:
+    """The exit code an `exit_status` line records (negative: killed by that signal); None if
+    it is none of the formats in the module docstring."""
+    match text.split():
+        case ["exit", code] if (n := _small_int(code)) is not None and 0 <= n <= 255:
+            return n
+        case ["signal", number] if (n := _small_int(number)) is not None and 0 < n < 128:
+            return -n
+        case [legacy] if (n := _small_int(legacy)) is not None:
+            # The shell's 128+N for a command killed by signal N, as the /bin/sh wrapper wrote
+            # it: as a signal, the way Popen reports the wrapper that re-raised it (-N).
+            return -(n - 128) if 128 < n < 160 else n
+    return None
+
+
+def _small_int(word: str) -> int | None:
+    try:
+        return int(word) if len(word) <= 12 else None
+    except ValueError:
+        return None
+
+
+def _recorded_or_unknown(job_dir: Path) -> ExitInfo:
+    """How a job that is gone ended, from its exit_status file; unknown without one."""
+    return read_exit(job_dir) or ExitInfo(None)
+
+
+def read_exit_status(job_dir: Path, fallback: int | None = None) -> int | None:
+    """The status the wrapper recorded in `exit_status` (read_exit), or `fallback` when there is none."""
+    found = read_exit(job_dir)
+    return fallback if found is None or found.exit_code is None else found.exit_code

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Final
 
 from scheduler_lite.driver import Driver, Launch, Settings
 from scheduler_lite.isolation import process_uid, read_small_int
-from scheduler_lite.launcher import EXIT_STATUS_FILE, PID_FILE, ExitInfo, Launcher, ProcessHandle, read_exit_status
+from scheduler_lite.launcher import PID_FILE, ExitInfo, Launcher, ProcessHandle, read_exit
 from scheduler_lite.model import Gpu, Job, Place
 from scheduler_lite.storage import JobRecord, JobStatus, Storage
 from scheduler_lite.tick import LiveJob, TickLog
@@ -115,8 +115,17 @@ class Recovery:
         return None
 
     def _recorded_exit(self, job_dir: Path) -> ExitInfo | None:
-        """How the job ended if its wrapper recorded it (hook: on the job's node in a cluster)."""
-        return ExitInfo(read_exit_status(job_dir)) if (job_dir / EXIT_STATUS_FILE).exists() else None
+        """How (and when) the job ended if its wrapper recorded it (hook: on the job's node in a cluster)."""
+        return read_exit(job_dir)
+
+    def _kill_leftovers(self, record: JobRecord, job_dir: Path, pid: int | None, start: int | None) -> None:
+        """SIGKILL what is left of a job that ended while the daemon was down, as the daemon does
+        for an end it watches: its processes, told by the launcher (never by a group id alone,
+        which may be another's by now). `pid`/`start`: its wrapper's, the group's id, if known.
+        A hook: on the job's node in a cluster."""
+        killed = self.launcher.kill_leftovers(job_dir, pid, start)
+        if killed:
+            log.info("%s ended while the daemon was down; killed what it left running: pid(s) %s", record.id, killed)
 
     def _control_seq_on_disk(self, job_id: str, job_dir: Path) -> int:
         """The seq of the job's control.json, 0 if none (hook: on the job's node in a cluster)."""
@@ -132,16 +141,19 @@ class Recovery:
         if pid is None:
             ended = self._recorded_exit(job_dir)
             if ended is not None:  # ran and ended, pid file lost: not again
+                self._kill_leftovers(record, job_dir, None, None)
                 self._record_end(record, ended, now, "ended while the daemon was down")
                 return
             # No process carries its token and it never wrote a pid: the command never ran.
             with self.storage.transaction():
                 self.storage.update_job(record.id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
-                                        started_at=None, launch_token=None)
+                                        started_at=None, launched_at=None, launch_token=None)
                 self.storage.clear_placements(record.id)
                 self.storage.add_event(now, "requeued", record.id, reason="never started")
             return
         found = self.launcher.adopt(pid, start, job_dir, record.launch_token, record.id)
+        if isinstance(found, ExitInfo):  # ended unwatched: nothing of it may outlive it (migrating or not)
+            self._kill_leftovers(record, job_dir, pid, start)
         if record.migrating and not missing and record.role is not None:
             self._resume_migration(record, found, now)
             return

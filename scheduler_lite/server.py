@@ -171,6 +171,7 @@ class Server:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = threading.Event()
         self._sock: socket.socket | None = None
+        self._socket_id: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._handlers: dict[str, Callable[[Identity, Mapping[str, Any]], Any]] = {
             "ping": self._ping, "submit": self._submit, "cancel": self._cancel, "list": self._list,
@@ -184,6 +185,7 @@ class Server:
             os.unlink(self.path)  # a stale socket: the state directory lock says no daemon uses it
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(self.path))
+        self._socket_id = _file_id(self.path)  # close() unlinks the path only while it is still this socket
         # Anyone may connect when the daemon serves every user; the caller's uid decides the rest.
         os.chmod(self.path, 0o666 if self.policy.multi_user else 0o600)
         sock.listen(256)
@@ -204,8 +206,11 @@ class Server:
             self._thread.join(2)
         if self._sock is not None:
             self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        # A daemon that lost its state directory (Daemon.serve stops) must not delete the socket
+        # of a daemon started since on the same path.
+        if self._socket_id is not None and _file_id(self.path) == self._socket_id:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -465,6 +470,15 @@ def _string(args: Mapping[str, Any], key: str, max_len: int, required: bool = Fa
         raise RequestError(f"{key} {_short(value)} is invalid: accepted a string of at most {max_len} characters "
                            "without NUL" + (" (required)" if required else ""))
     return value
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the path, None if it is gone."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def _label(args: Mapping[str, Any], key: str, max_len: int) -> str | None:

@@ -39,7 +39,9 @@ class JobOnGpu:
     step_ms_median: float | None = None
     achieved_share: float | None = None
     stats_error: str | None = None  # why the last stats.json was refused
-    running_s: float | None = None  # since the job started (None: start time unknown)
+    # Since its process now running was launched (None: not known): a migrated job's new process
+    # counts from its new launch (how long it has run without stats.json), not from its first.
+    running_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +128,7 @@ def build_status(
                 step_ms_median=None if found is None else found.step_ms_median,
                 achieved_share=None if found is None else found.achieved_share,
                 stats_error=error,
-                running_s=None if record.started_at is None else max(0.0, now - record.started_at),
+                running_s=_running_s(record, now),
             ))
     gpu_status = tuple(
         GpuStatus(g.id, g.memory_bytes, g.nvlink_group, None if utilisation is None else utilisation.get(g.id),
@@ -144,6 +146,11 @@ def build_status(
             len(mine), sum(1 for r in queued if r.tenant == name),
         ))
     return ClusterStatus(now, gpu_status, tuple(tenants), tuple(r.id for r in queued), tuple(r.id for r in running))
+
+
+def _running_s(record: JobRecord, now: float) -> float | None:
+    launched = record.launched_at if record.launched_at is not None else record.started_at  # before schema 5
+    return None if launched is None else max(0.0, now - launched)
 
 
 __all__ = ["ClusterStatus", "GpuStatus", "JobOnGpu", "TenantStatus", "build_status", "read_job_stats"]

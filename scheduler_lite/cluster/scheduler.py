@@ -517,7 +517,8 @@ class ClusterDaemon(Daemon):
         if not set(self.cc.nodes) <= set(self.nodes.agents):
             # A node is away (lost, restarting, not up yet): the cluster's size is not known, so a
             # job too big for the nodes here waits for it (a requeued gang must not fail for it).
-            if record.tenant not in self.book.tenants:
+            # The config, not the book (which keeps a dropped tenant while a job of theirs runs).
+            if self.config.tenant(record.tenant) is None:
                 return f"tenant {record.tenant!r} is not configured"
             return None
         if record.tenant not in self.cc.span_tenants and record.num_gpus > largest:

@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol
 
 from scheduler_lite.model import JobKind, Role
 
-SCHEMA_VERSION: Final = 4  # PRAGMA user_version of a current SQLite database
+SCHEMA_VERSION: Final = 5  # PRAGMA user_version of a current SQLite database
 MAX_EVENTS: Final = 100_000  # events kept; older ones are pruned (prune_events) so the table stays bounded
 
 
@@ -89,7 +89,7 @@ class JobRecord:
     pid: int | None = None  # the job's process group leader
     pid_start: int | None = None  # its start time in clock ticks since boot: tells pid reuse apart
     job_dir: str | None = None
-    started_at: float | None = None
+    started_at: float | None = None  # when its first launch was booked: the job's start for its user
     ended_at: float | None = None
     exit_code: int | None = None  # negative: killed by that signal
     reason: str | None = None
@@ -108,12 +108,16 @@ class JobRecord:
     # Being stopped to be started again on `placement` (migration): set with the new placement
     # while the old process still runs; cleared when the new launch is booked.
     migrating: bool = False
+    # When the launch now running was booked: `started_at` but for a migrated job, which keeps
+    # its first start (its runtime) and starts a new process. None: before schema 5 (read
+    # `started_at`) or not booked.
+    launched_at: float | None = None
 
 
 # Columns update_job() may set; the others are fixed at submission.
 UPDATABLE: Final = frozenset({
     "state", "role", "placement", "pid", "pid_start", "job_dir", "started_at", "ended_at",
-    "exit_code", "reason", "cancel_requested", "control_seq", "launch_token", "migrating",
+    "exit_code", "reason", "cancel_requested", "control_seq", "launch_token", "migrating", "launched_at",
 })
 
 

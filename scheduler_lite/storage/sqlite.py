@@ -100,6 +100,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ALTER TABLE jobs ADD COLUMN restartable INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE jobs ADD COLUMN migrating INTEGER NOT NULL DEFAULT 0
     """,
+    # 4 -> 5: when the current launch was booked (a migrated job keeps its first started_at)
+    """
+    ALTER TABLE jobs ADD COLUMN launched_at REAL
+    """,
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -107,7 +111,7 @@ _JOB_COLUMNS: Final = (
     "seq, id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state, "
     "role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, "
     "cancel_requested, control_seq, expected_steps, expected_duration_s, launch_token, uid, user, "
-    "requested_share, restartable, migrating"
+    "requested_share, restartable, migrating, launched_at"
 )
 _JSON_COLUMNS: Final = frozenset({"placement"})
 
@@ -320,7 +324,8 @@ def _retry_locked(call: Callable[[], object]) -> None:
 def _job(row: tuple[Any, ...]) -> JobRecord:
     (seq, job_id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state,
      role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, cancel, control_seq,
-     expected_steps, expected_duration_s, launch_token, uid, user, requested_share, restartable, migrating) = row
+     expected_steps, expected_duration_s, launch_token, uid, user, requested_share, restartable, migrating,
+     launched_at) = row
     return JobRecord(
         id=job_id, seq=seq, tenant=tenant, kind=JobKind(kind), num_gpus=num_gpus,
         command=tuple(json.loads(command)), workdir=workdir, submit_time=submit_time,
@@ -331,4 +336,5 @@ def _job(row: tuple[Any, ...]) -> JobRecord:
         cancel_requested=bool(cancel), control_seq=control_seq, expected_steps=expected_steps,
         expected_duration_s=expected_duration_s, launch_token=launch_token, uid=uid, user=user,
         requested_share=requested_share, restartable=bool(restartable), migrating=bool(migrating),
+        launched_at=launched_at,
     )

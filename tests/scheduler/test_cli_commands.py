@@ -95,6 +95,23 @@ def test_submit_list_show_cancel_tenants(cfg: str, capsys: pytest.CaptureFixture
     assert status["queued"] == ["job-1", "job-2"]
 
 
+def test_show_says_a_job_cancelled_while_queued_never_ran(cfg_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with serving(cfg_file, ticks=True):
+        # Tenant A's quota is one GPU: its second guarantee job stays queued until cancelled.
+        run(capsys, "--config", cfg_file, "submit", "--tenant", "A", "--type", "guarantee", "--", "sleep", "60")
+        rc, out, _ = run(capsys, "--config", cfg_file, "submit", "--tenant", "A", "--type", "guarantee", "--", "true")
+        job = out.strip()
+        run(capsys, "--config", cfg_file, "cancel", job)
+
+        def shown() -> str:
+            main(["--config", cfg_file, "show", job])
+            return capsys.readouterr().out
+
+        assert wait_for(lambda: "cancelled" in shown().split("events:")[0], timeout=30, interval=0.1)
+        exit_line = [line for line in shown().splitlines() if line.startswith("exit")]
+        assert exit_line == ["exit       never ran"], exit_line
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -12,20 +12,25 @@ finished exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from scheduler_lite.faults import FAULT_AFTER_ENV, FAULT_ENV, FAULT_POINTS
-from scheduler_lite.launcher import wrappers_under
+from scheduler_lite.launcher import EXIT_STATUS_FILE, process_running, wrappers_under
 from scheduler_lite.model import JobKind, Role
-from scheduler_lite.storage import JobSpec, JobStatus, SqliteStorage
-from scheduler_lite.submission import submit_job
+from scheduler_lite.storage import JobRecord, JobSpec, JobStatus, SqliteStorage
+from scheduler_lite.submission import request_cancel, submit_job
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import JOB_ENV, REPO, fake_command, wait_for
 
@@ -213,3 +218,136 @@ def test_a_pid_file_naming_another_process_is_not_adopted(tmp_path: Path) -> Non
     finally:
         other.kill()
         other.wait()
+
+
+# -- what a daemon killed with -9 (or left without its state directory) leaves to the next -----------
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path) -> Iterator[tuple[SqliteStorage, Path]]:
+    """This test's store, its config written, the daemon not started yet; at the end every job
+    process of this store is killed and the store closed."""
+    config = tmp_path / "scheduler.toml"
+    config.write_text(CONFIG)
+    store = SqliteStorage(tmp_path / "state" / "scheduler.db")
+    try:
+        yield store, config
+    finally:
+        for record in store.list_jobs():
+            if record.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(record.pid, signal.SIGKILL)
+        for pid in job_processes(tmp_path / "state").values():
+            os.killpg(pid, signal.SIGKILL)
+        store.close()
+
+
+def queue(store: SqliteStorage, tmp_path: Path, *command: str) -> str:
+    spec = JobSpec(tenant="B", kind=JobKind.OPPORTUNISTIC, num_gpus=1, command=command, workdir=str(tmp_path),
+                   submit_time=time.time())
+    return submit_job(store, spec).id
+
+
+def kill_9(daemon: subprocess.Popen[bytes]) -> None:
+    os.killpg(daemon.pid, signal.SIGKILL)  # the daemon's own session: its jobs have theirs
+    daemon.wait()
+
+
+def stop(daemon: subprocess.Popen[bytes]) -> None:
+    daemon.send_signal(signal.SIGTERM)
+    daemon.wait(timeout=20)
+
+
+def record_of(store: SqliteStorage, job: str) -> JobRecord:
+    record = store.get_job(job)
+    assert record is not None
+    return record
+
+
+def test_a_job_that_ends_while_the_daemon_is_down_leaves_nothing_running_and_ends_when_it_did(
+        tmp_path: Path) -> None:
+    """Its main process ends while no daemon runs and leaves a child behind in its group. The
+    next daemon kills that child (as it does when it watches an end) and records the end at the
+    time the wrapper wrote it down, not at the restart."""
+    with serving(tmp_path) as (store, config):
+        job = queue(store, tmp_path, "/bin/sh", "-c", "sleep 60 & echo $! > left; sleep 1")
+        log = tmp_path / "daemon.log"
+        daemon = start_daemon(config, log, None, 0)
+        try:
+            assert wait_for(lambda: (tmp_path / "left").exists() and (tmp_path / "left").read_text().endswith("\n"))
+            assert wait_for(lambda: record_of(store, job).pid is not None)
+        finally:
+            kill_9(daemon)
+        left = int((tmp_path / "left").read_text())
+        try:
+            exit_file = Path(record_of(store, job).job_dir or "") / EXIT_STATUS_FILE
+            assert wait_for(lambda: exit_file.exists())
+            time.sleep(2.0)  # down for a while after the end
+            restarted_at = time.time()
+            daemon = start_daemon(config, log, None, 0)
+            try:
+                assert wait_for(lambda: record_of(store, job).state.done, timeout=30), log.read_text()[-2000:]
+                assert wait_for(lambda: not process_running(left, None), timeout=10), "the child outlived its job"
+            finally:
+                stop(daemon)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(left, signal.SIGKILL)
+        record = record_of(store, job)
+        assert record.state is JobStatus.FINISHED and "while the daemon was down" in (record.reason or "")
+        assert record.ended_at == pytest.approx(exit_file.stat().st_mtime, abs=0.01)
+        assert record.ended_at is not None and record.ended_at < restarted_at - 1.5
+
+
+def test_a_job_the_restarted_daemon_kills_reads_as_killed_by_sigkill(tmp_path: Path) -> None:
+    """Cancelled, it ignores SIGTERM; the daemon dies within the grace period. The next one sends
+    the SIGKILL: the job is not its child and its wrapper dies with it (no exit_status), yet it
+    reads -9 as it would have without the restart, not 'exit status unknown'."""
+    with serving(tmp_path) as (store, config):
+        job = queue(store, tmp_path, "/bin/sh", "-c", "trap '' TERM; echo up > up; while :; do sleep 0.05; done")
+        log = tmp_path / "daemon.log"
+        daemon = start_daemon(config, log, None, 0)
+        try:
+            assert wait_for(lambda: (tmp_path / "up").exists())
+            request_cancel(store, job, time.time())
+            assert wait_for(lambda: "stopping" in [e.kind for e in store.events(job)])
+        finally:
+            kill_9(daemon)
+        daemon = start_daemon(config, log, None, 0)
+        try:
+            assert wait_for(lambda: record_of(store, job).state.done, timeout=30), log.read_text()[-2000:]
+        finally:
+            stop(daemon)
+        record = record_of(store, job)
+        assert record.state is JobStatus.CANCELLED
+        assert (record.exit_code, record.reason) == (-signal.SIGKILL, "killed by SIGKILL")
+        assert [e.detail["signal"] for e in store.events(job) if e.kind == "stopping"] == ["SIGTERM", "SIGKILL"]
+
+
+def test_a_daemon_whose_state_directory_is_deleted_stops_and_leaves_its_jobs_running(tmp_path: Path) -> None:
+    """Unreachable (its socket is gone) and no longer holding the lock a second daemon would
+    meet, it must not go on managing jobs: it logs the file it lost and exits with status 1,
+    its jobs left running as on SIGTERM."""
+    with serving(tmp_path) as (store, config):
+        job = queue(store, tmp_path, "sleep", "60")
+        log = tmp_path / "daemon.log"
+        daemon = start_daemon(config, log, None, 0)
+        try:
+            assert wait_for(lambda: record_of(store, job).pid is not None)
+            pid = record_of(store, job).pid
+            assert pid is not None
+            # rm -rf, again while the daemon and the job write into it meanwhile
+            assert wait_for(lambda: shutil.rmtree(tmp_path / "state", ignore_errors=True) or
+                            not (tmp_path / "state").exists())
+            assert daemon.wait(timeout=20) == 1
+        finally:
+            if daemon.poll() is None:
+                kill_9(daemon)
+        try:
+            lines = log.read_text().splitlines()
+            lock = str(tmp_path / "state" / "daemon.lock")
+            assert any("ERROR" in line and lock in line and "removed or replaced" in line for line in lines), lines
+            assert lines[-1].startswith("scheduler-lite: error: ") and lines[-1].endswith(lock), lines[-1]
+            assert process_running(pid, None)  # left running, as a normal shutdown leaves it
+        finally:
+            os.killpg(pid, signal.SIGKILL)

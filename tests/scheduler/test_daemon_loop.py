@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_lite.config import Config, parse_config
-from scheduler_lite.daemon import Daemon, job_environment
+from scheduler_lite.daemon import LOCK_FILE, Daemon, StateDirLostError, job_environment, lock_state_dir
 from scheduler_lite.launcher import EXIT_STATUS_FILE
 from scheduler_lite.model import Place, Reject, Role, SetComputeShare, SetMemoryLimit
 from scheduler_lite.storage import JobStatus, SqliteStorage
@@ -288,6 +290,72 @@ def test_jobs_that_can_never_run_here_fail_once_with_the_reason(tmp_path: Path, 
         assert record.pid is None and record.ended_at is not None
         assert [(e.kind, e.detail.get("reason")) for e in d.storage.events(job)][1:] == [("rejected", reason)]
     assert d.tick().ended == () and d.book.jobs_on(0) == () and d.book.jobs_on(1) == ()
+
+
+def test_queued_jobs_of_a_tenant_removed_from_the_config_fail_while_its_running_job_runs_on(
+        tmp_path: Path, daemons: list[Daemon]) -> None:
+    """Tenant B is dropped from the config while one job of its runs and others wait. The running
+    one is re-adopted (it keeps its GPU until it ends); the waiting ones must not run: each fails
+    once with the reason any job of an unknown tenant gets."""
+    d1 = new_daemon(daemons, tmp_path)
+    running = d1.submit(fake_command(), tenant="B", kind="opportunistic", env=JOB_ENV)
+    d1.tick()
+    assert d1.job(running).state is JobStatus.RUNNING  # type: ignore[union-attr]
+    waiting = [d1.submit(fake_command(), tenant="B", kind=kind, env=JOB_ENV) for kind in ("opportunistic", "auto")]
+    daemons.remove(d1)  # the daemon stops before it picks them up
+    del d1
+
+    d2 = new_daemon(daemons, tmp_path, quotas={"A": 1})
+    later = submit_job(d2.storage, make_job_spec(make_config(tmp_path), ["true"], tenant="B",  # an old CLI's
+                                                 kind="opportunistic")).id
+    report = d2.tick()
+    for job in [*waiting, later]:
+        record = d2.job(job)
+        assert record is not None and record.state is JobStatus.FAILED, job
+        assert record.reason == "tenant 'B' is not configured" and record.started_at is None
+    assert report.launched == () and d2.book.jobs_on(0) == (running,)
+    assert d2.job(running).state is JobStatus.RUNNING and "adopted" in [e.kind for e in d2.storage.events(running)]  # type: ignore[union-attr]
+
+
+def test_an_exit_status_above_128_is_recorded_as_an_exit_status(tmp_path: Path, daemons: list[Daemon]) -> None:
+    """`exit 137` is not a SIGKILL: the record (and so `list`, `show`) says which one it was."""
+    d = new_daemon(daemons, tmp_path)
+    exited = d.submit(["/bin/sh", "-c", "exit 137"], tenant="A", kind="guarantee")
+    killed = d.submit(["/bin/sh", "-c", "kill -KILL $$"], tenant="B", kind="opportunistic")
+    assert d.run_until(lambda d: all(d.job(j).state.done for j in (exited, killed)),  # type: ignore[union-attr]
+                       timeout=20, interval=0.02)
+    records = [d.job(exited), d.job(killed)]
+    assert [(r.state, r.exit_code, r.reason) for r in records if r is not None] == [
+        (JobStatus.FAILED, 137, "exit status 137"), (JobStatus.FAILED, -signal.SIGKILL, "killed by SIGKILL")]
+
+
+def test_serve_stops_when_its_lock_file_is_replaced(tmp_path: Path, daemons: list[Daemon],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Another `serve` on a re-created state directory locks a new daemon.lock: this daemon no
+    longer keeps others out. It stops as on SIGTERM (its job runs on) and says which file."""
+    d = new_daemon(daemons, tmp_path)
+    lock = tmp_path / LOCK_FILE
+    held = lock_state_dir(tmp_path)
+    job = d.submit(fake_command(), tenant="A", kind="guarantee", env=JOB_ENV)
+
+    def replace_the_lock() -> None:
+        if wait_for(lambda: (tmp_path / "jobs" / job / "stats.json").exists()):
+            lock.unlink()
+            lock.write_text("")  # a new inode: the old one is still open (held)
+        time.sleep(10)
+        d.stop()  # a daemon that did not notice: the test fails instead of hanging
+
+    thread = threading.Thread(target=replace_the_lock, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(StateDirLostError) as lost:
+            d.serve()
+    finally:
+        os.close(held)
+    assert lost.value.filename == str(lock)
+    assert any(r.levelname == "ERROR" and str(lock) in r.getMessage() for r in caplog.records)
+    assert d.job(job).state is JobStatus.RUNNING and job in d._live  # type: ignore[union-attr]
+    assert d.launcher.poll(d._live[job].handle) is None  # not stopped
 
 
 def test_run_until_gives_up_after_the_timeout(tmp_path: Path, daemons: list[Daemon]) -> None:

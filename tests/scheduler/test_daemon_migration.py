@@ -95,6 +95,23 @@ def test_a_stranded_restartable_job_moves_to_the_gpu_that_idles(tmp_path: Path, 
     assert ticking(d, lambda d: d.driver.settings[m].shares[1] == 1.0, m)
 
 
+def test_a_migrated_job_s_new_process_counts_its_running_time_from_its_own_launch(
+        tmp_path: Path, daemons: list[Daemon]) -> None:
+    """`status` warns about a job that has run SILENT_JOB_S without stats.json: the process just
+    started on the new GPU has run for well under a second, whatever the job's first start (kept:
+    the job's runtime)."""
+    d = new_daemon(daemons, tmp_path)
+    m, _ = stranded_setup(d, tmp_path, restartable=True)
+    first = d.storage.get_job(m)
+    assert ticking(d, lambda d: m in d._live and d.storage.get_job(m).placement == (1,), m)
+    record = d.storage.get_job(m)
+    assert record.started_at == first.started_at and record.launched_at is not None
+    assert record.launched_at - record.started_at >= 2.0  # the move waited for GPU 1 (about 3 s)
+    view = d.status().gpu(1).job(m)
+    assert view is not None and view.running_s is not None
+    assert view.running_s <= d.clock() - record.launched_at < d.clock() - record.started_at - 2.0
+
+
 def test_a_job_not_declared_restartable_is_never_moved(tmp_path: Path, daemons: list[Daemon]) -> None:
     d = new_daemon(daemons, tmp_path)
     m, f = stranded_setup(d, tmp_path, restartable=False)

@@ -203,3 +203,22 @@ def test_malformed_requests_get_one_line(listening: Server, data: bytes, message
 def test_a_client_without_a_daemon_gets_one_line(tmp_path: Path) -> None:
     with pytest.raises(ClientError, match="no scheduler-lite daemon is serving .* start it with 'scheduler-lite serve'"):
         call_socket(tmp_path / "scheduler.sock", "ping", {}, state_dir=tmp_path)
+
+
+def test_close_leaves_a_socket_that_is_no_longer_its_own(server: Server) -> None:
+    # A daemon that lost its state directory stops; a daemon started since on the same path
+    # must keep its socket.
+    server.config.state_dir.mkdir(parents=True, exist_ok=True)
+    server.start()
+    os.unlink(server.path)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        other.bind(str(server.path))
+        server.close()
+        assert server.path.exists()
+    finally:
+        other.close()
+    os.unlink(server.path)
+    server.start()
+    server.close()
+    assert not server.path.exists()  # its own socket it removes

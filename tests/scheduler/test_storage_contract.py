@@ -48,11 +48,13 @@ def test_update_job_sets_only_given_columns(storage: Storage) -> None:
     job = storage.add_job(spec())
     storage.update_job(job.id, cancel_requested=True)
     updated = storage.update_job(job.id, state=JobStatus.RUNNING, role=Role.OPPORTUNISTIC, placement=(2, 3),
-                                 pid=1234, pid_start=99, job_dir="/x", started_at=3.5)
+                                 pid=1234, pid_start=99, job_dir="/x", started_at=3.5, launched_at=3.5)
     assert updated.cancel_requested  # an earlier write of another column survives
+    assert (updated.started_at, updated.launched_at) == (3.5, 3.5)
     assert updated.state is JobStatus.RUNNING and updated.role is Role.OPPORTUNISTIC
     assert updated.placement == (2, 3) and updated.pid == 1234 and updated.pid_start == 99
     assert storage.get_job(job.id) == updated
+    assert storage.update_job(job.id, launched_at=9.0).started_at == 3.5  # a migrated job's new launch
     done = storage.update_job(job.id, state="finished", exit_code=0, ended_at=4.0, role=None)
     assert done.state is JobStatus.FINISHED and done.role is None and done.exit_code == 0
 

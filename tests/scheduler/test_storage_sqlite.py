@@ -105,10 +105,11 @@ def test_a_version_1_store_is_migrated_and_keeps_its_jobs(tmp_path: Path) -> Non
     raw.commit()
     raw.close()
     store = SqliteStorage(db)
-    assert store.schema_version() == SCHEMA_VERSION == 4
+    assert store.schema_version() == SCHEMA_VERSION == 5
     job = store.get_job("job-1")
     assert job is not None and (job.launch_token, job.expected_steps, job.expected_duration_s) == (None, None, None)
     assert (job.uid, job.user) == (None, "")  # 2 -> 3: submitted before users were known
     # 3 -> 4: no share stated, not restartable, not being migrated
     assert (job.requested_share, job.restartable, job.migrating) == (None, False, False)
+    assert job.launched_at is None  # 4 -> 5: its launch's time is started_at (status reads that)
     store.close()
