@@ -55,7 +55,6 @@ from tf_antman._log import log
 # How long the process may take to die of the re-raised SIGTERM before it exits by itself.
 _DIE_TIMEOUT_S = 5.0
 
-is_failure = exit_status.is_failure  # kept for callers of the former location
 
 class FinalState:
     """Watches how the process ends and closes `agent` with the matching state.
