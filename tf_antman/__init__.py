@@ -104,7 +104,8 @@ def set_compute_share(share: float) -> None:
 def step_end(seconds: float | None = None, training: bool = True) -> None:
     """Marks a mini-batch boundary in a custom loop. `seconds`: the step's duration, a finite
     number >= 0, or None for the time since the previous call (the first call is not timed).
-    `training`: False for an evaluation step (a boundary, not counted)."""
+    `training`: False for an evaluation step: not counted, not timed and not a boundary (a
+    control waits for the next training step, docs/steps.md)."""
     if seconds is not None:
         _check_real("step_end", "seconds", seconds, "a number of seconds >= 0, or None")
         if not (math.isfinite(seconds) and seconds >= 0):
