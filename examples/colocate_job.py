@@ -1,7 +1,7 @@
 """A small Keras training job to co-locate under scheduler_lite; nothing in it knows about tf-antman.
 
-    python examples/colocate_job.py --width 512 --steps 300 --batch 64
-    scheduler-lite submit --tenant research --type guarantee -- python examples/colocate_job.py --steps 2000
+    .venv/bin/python examples/colocate_job.py --width 512 --steps 300 --batch 64
+    scheduler-lite submit --tenant research --type guarantee -- .venv/bin/python examples/colocate_job.py --steps 2000
 
 Synthetic data (no downloads). Memory grows with --width (two hidden layers of width x width
 weights) and --batch; run time with --steps. One progress line every --print-every steps
@@ -18,7 +18,6 @@ import os
 import time
 
 import numpy as np
-import tensorflow as tf
 
 
 def main() -> None:
@@ -32,6 +31,7 @@ def main() -> None:
     for name in ("width", "steps", "batch", "print_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    import tensorflow as tf  # after the arguments: --help and a usage error need no TensorFlow
 
     tf.keras.utils.set_random_seed(args.seed)
     rng = np.random.default_rng(args.seed)

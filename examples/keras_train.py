@@ -1,17 +1,20 @@
 """A plain Keras training script: nothing in it knows about tf-antman.
 
-    python examples/keras_train.py                      # stock TensorFlow
-    ANTMAN_ENABLE=1 python examples/keras_train.py      # the same script under tf-antman
-    ANTMAN_MEMORY_LIMIT=64MiB python examples/keras_train.py --width 2048   # over its limit
+    .venv/bin/python examples/keras_train.py                   # stock TensorFlow
+    ANTMAN_ENABLE=1 .venv/bin/python examples/keras_train.py   # the same script under tf-antman
+    ANTMAN_ENABLE=1 .venv/bin/python examples/keras_train.py --verbose   # which it says: "tf-antman: active ..."
+    ANTMAN_MEMORY_LIMIT=64MiB .venv/bin/python examples/keras_train.py --width 2048   # over its limit
 
 Synthetic data (no downloads): a classification task a small MLP learns in a few epochs.
+tf-antman logs through absl: its warnings (such as the exit report of a job it slowed) show by
+default, its INFO lines (the activation line, the exit report of a job it did not slow) only at
+absl's INFO verbosity, which --verbose sets before TensorFlow is imported (docs/steps.md, "Logging").
 """
 
 import argparse
 import time
 
 import numpy as np
-import tensorflow as tf
 
 
 def main() -> None:
@@ -21,7 +24,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--width", type=int, default=256, help="hidden layer width (memory grows with it)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--verbose", action="store_true",
+                   help="absl INFO logging, set before TensorFlow is imported (tf-antman's activation line)")
     args = p.parse_args()
+    if args.verbose:
+        from absl import logging
+
+        logging.set_verbosity(logging.INFO)
+    import tensorflow as tf  # after the arguments: --help is quick, --verbose is in force at import
 
     tf.keras.utils.set_random_seed(args.seed)
     rng = np.random.default_rng(args.seed)

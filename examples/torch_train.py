@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-
-import torch
 
 
 def main() -> None:
@@ -35,6 +34,14 @@ def main() -> None:
     for name in ("width", "steps", "batch", "print_every", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:  # after the arguments: --help works without PyTorch
+        import torch
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        sys.exit(f"torch_train.py: PyTorch is not installed in {sys.executable}; run it with a Python "
+                 "that has PyTorch (and the tf-antman wheel under scheduler_lite), e.g. "
+                 "/path/to/torch-venv/bin/python examples/torch_train.py (docs/pytorch.md)")
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
