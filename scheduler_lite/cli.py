@@ -40,7 +40,7 @@ EXAMPLES = f"""\
 examples:
   export {CONFIG_ENV}=examples/scheduler.toml   # every command below, `serve` included, reads it
   {PROG} serve &
-  {PROG} submit --tenant research --type guarantee -- python examples/colocate_job.py --steps 500
+  {PROG} submit --tenant research --type guarantee -- .venv/bin/python examples/colocate_job.py --steps 500
   {PROG} submit --tenant batch --type opportunistic --memory 1GiB --env SEED=3 -- python train.py
   {PROG} list --state running
   {PROG} status --json

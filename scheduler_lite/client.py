@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import socket
 from pathlib import Path
 from typing import Any, Final
@@ -28,10 +29,14 @@ class ClientError(Exception):
 
 
 def call(config: Config, op: str, **args: Any) -> Any:
-    return call_socket(config.socket_path, op, args, state_dir=config.state_dir)
+    # The command that starts this config's daemon: a bare `serve` would start one on the default
+    # config, in another state directory, and the next command would fail again.
+    serve = "scheduler-lite serve" if config.source.startswith("<") else f"scheduler-lite --config {shlex.quote(config.source)} serve"
+    return call_socket(config.socket_path, op, args, state_dir=config.state_dir, serve=serve)
 
 
-def call_socket(path: Path, op: str, args: dict[str, Any], state_dir: Path | None = None) -> Any:
+def call_socket(path: Path, op: str, args: dict[str, Any], state_dir: Path | None = None,
+                serve: str = "scheduler-lite serve") -> Any:
     request = json.dumps({"version": PROTOCOL_VERSION, "op": op, "args": args}).encode() + b"\n"
     if len(request) > MAX_REQUEST_BYTES:
         raise ClientError(f"the request is larger than {MAX_REQUEST_BYTES} bytes (a very long command or --env?)")
@@ -43,7 +48,7 @@ def call_socket(path: Path, op: str, args: dict[str, Any], state_dir: Path | Non
         except (FileNotFoundError, ConnectionRefusedError):
             where = state_dir if state_dir is not None else path.parent
             raise ClientError(f"no scheduler-lite daemon is serving {where} (no socket at {path}); start it with "
-                              "'scheduler-lite serve' (docs/scheduler.md)") from None
+                              f"'{serve}' (docs/scheduler.md)") from None
         except PermissionError:
             raise ClientError(f"cannot connect to {path}: permission denied (that daemon serves only its own "
                               "user)") from None

@@ -220,7 +220,8 @@ def test_without_a_daemon_commands_say_so(cfg_file: str, capsys: pytest.CaptureF
     for argv in (["list"], ["submit", "--tenant", "A", "--", "true"], ["status"], ["cancel", "job-1"]):
         rc, out, err = run(capsys, "--config", cfg_file, *argv)
         assert rc == 2 and out == "" and err.count("\n") == 1
-        assert err.startswith("scheduler-lite: error: no scheduler-lite daemon is serving") and "serve" in err
+        assert err.startswith("scheduler-lite: error: no scheduler-lite daemon is serving")
+        assert f"start it with 'scheduler-lite --config {cfg_file} serve'" in err  # this config's daemon
     assert not (Path(cfg_file).parent / "state" / "scheduler.db").exists()  # the client never opens the store
 
 
