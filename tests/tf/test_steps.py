@@ -301,15 +301,16 @@ def test_a_job_without_step_boundaries_gets_its_controls_from_the_fallback(tmp_p
         send(memory_limits=(MemoryLimit(0, 200 * MiB),))
         wait(lambda: limit() == 200 * MiB)
         limit_after_s = time.monotonic() - t0
+        job_dir = pathlib.Path(os.environ["ANTMAN_JOB_DIR"])
         send(paused=True)
-        wait(lambda: share() == 0.0)
-        agent.flush_stats()
-        paused_stats = read_stats(pathlib.Path(os.environ["ANTMAN_JOB_DIR"]))
+        # The fallback thread sets the share, then the state, then submits the stats: a share of 0
+        # says nothing about the stats yet (CI once read "starting" here).
+        wait(lambda: share() == 0.0 and agent.flush_stats() and read_stats(job_dir).control_seq_applied == 2)
+        paused_stats = read_stats(job_dir)
         frozen = count[0]
         time.sleep(0.5)
         moved_while_paused = count[0] - frozen
         send(paused=False)
-        job_dir = pathlib.Path(os.environ["ANTMAN_JOB_DIR"])
         # The share is back before the fallback thread has finished writing its stats: wait for both.
         wait(lambda: share() == 1.0 and count[0] > frozen + 10 and agent.flush_stats()
              and read_stats(job_dir).control_seq_applied == 3)
