@@ -122,14 +122,14 @@ while True:
 """
 
 
-def _start(script: str, job_dir: Path, mode: str, **env: str) -> subprocess.Popen[str]:
+def _spawn(script: str, job_dir: Path, mode: str, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", script, mode], cwd=REPO, text=True,
                             env=clean_env(ANTMAN_JOB_DIR=str(job_dir), ANTMAN_DEVICE="emulated", **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _start_loop(job_dir: Path, mode: str) -> subprocess.Popen[str]:
-    return _start(LOOP, job_dir, mode, ANTMAN_CONTROL_FALLBACK_MS="50")
+    return _spawn(LOOP, job_dir, mode, ANTMAN_CONTROL_FALLBACK_MS="50")
 
 
 def test_sigterm_writes_the_final_state_and_still_kills(tmp_path: Path) -> None:
@@ -351,7 +351,7 @@ print("done", flush=True)
 
 
 def _start_held(job_dir: Path, mode: str) -> subprocess.Popen[str]:
-    return _start(HELD, job_dir, mode, ANTMAN_COMPUTE_SHARE="0")
+    return _spawn(HELD, job_dir, mode, ANTMAN_COMPUTE_SHARE="0")
 
 
 def test_ctrl_c_ends_a_job_held_at_compute_share_0(tmp_path: Path) -> None:

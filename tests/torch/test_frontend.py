@@ -56,8 +56,9 @@ def test_cuda_without_a_gpu_is_refused_naming_antman_device() -> None:
         settings.load({"ANTMAN_ENABLE": "1"}, probe=no_driver)  # cuda: the PyTorch default
     with pytest.raises(DeviceUnavailable, match="ANTMAN_DEVICE=cuda refused: the CUDA driver reports no GPU"):
         settings.load({"ANTMAN_DEVICE": "cuda"}, probe=lambda: CudaProbe(gpus=0, problem=""))
-    # Not enabled: nothing runs, so nothing is probed or refused.
-    assert settings.load({"ANTMAN_ENABLE": "0"}, probe=no_driver).base.device == "cuda"
+    # Not enabled: nothing runs, so nothing is probed or refused (no_driver would be refused),
+    # and no other variable is read (config.load: ANTMAN_ENABLE=0 wins).
+    assert not settings.load({"ANTMAN_ENABLE": "0", "ANTMAN_DEVICE": "cuda"}, probe=no_driver).base.enabled
 
 
 def test_emulated_and_bad_values_are_refused_like_for_tensorflow() -> None:
