@@ -151,6 +151,17 @@ def load_default_config() -> Config:
     return parse_config(tomllib.loads(default_config_text()), base_dir=Path.home(), source="<default>")
 
 
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, None if there is none (or it cannot be reached): the
+    daemon checks that its state directory's files are still the ones it started with, and the
+    server removes its socket only while the path is still that socket."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def resolve_config(path: str | None) -> Config:
     """--config FILE, else $SCHEDULER_LITE_CONFIG, else the packaged default."""
     chosen = path or os.environ.get(CONFIG_ENV)

@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-from scheduler_lite.config import Config
+from scheduler_lite.config import Config, file_identity
 from scheduler_lite.devices import DeviceBackend, JobLoad, job_load, open_devices
 from scheduler_lite.driver import Driver, Launch, Reading, estimate_remaining_s
 from scheduler_lite.faults import Faults
@@ -749,15 +749,6 @@ def end_time(record: JobRecord, ended: ExitInfo, now: float) -> float:
         return now
     launched = record.launched_at if record.launched_at is not None else record.started_at
     return min(now, max(ended.ended_at, -math.inf if launched is None else launched))
-
-
-def file_identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of the file at `path`; None if there is none (or it cannot be reached)."""
-    try:
-        found = os.stat(path)
-    except OSError:
-        return None
-    return found.st_dev, found.st_ino
 
 
 def lock_state_dir(state_dir: Path) -> int:

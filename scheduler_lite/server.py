@@ -51,7 +51,7 @@ from scheduler_lite.auth import (
     policy_from_config,
     tenants_of,
 )
-from scheduler_lite.config import Config
+from scheduler_lite.config import Config, file_identity
 from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user
 from scheduler_lite.model import JobKind
 from scheduler_lite.policy.validation import ConfigError
@@ -185,7 +185,7 @@ class Server:
             os.unlink(self.path)  # a stale socket: the state directory lock says no daemon uses it
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(self.path))
-        self._socket_id = _file_id(self.path)  # close() unlinks the path only while it is still this socket
+        self._socket_id = file_identity(self.path)  # close() unlinks the path only while it is still this socket
         # Anyone may connect when the daemon serves every user; the caller's uid decides the rest.
         os.chmod(self.path, 0o666 if self.policy.multi_user else 0o600)
         sock.listen(256)
@@ -208,7 +208,7 @@ class Server:
             self._sock.close()
         # A daemon that lost its state directory (Daemon.serve stops) must not delete the socket
         # of a daemon started since on the same path.
-        if self._socket_id is not None and _file_id(self.path) == self._socket_id:
+        if self._socket_id is not None and file_identity(self.path) == self._socket_id:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
@@ -470,15 +470,6 @@ def _string(args: Mapping[str, Any], key: str, max_len: int, required: bool = Fa
         raise RequestError(f"{key} {_short(value)} is invalid: accepted a string of at most {max_len} characters "
                            "without NUL" + (" (required)" if required else ""))
     return value
-
-
-def _file_id(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of the path, None if it is gone."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 def _label(args: Mapping[str, Any], key: str, max_len: int) -> str | None:
