@@ -128,6 +128,16 @@ def _spawn(script: str, job_dir: Path, mode: str, **env: str) -> subprocess.Pope
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def _sigterm_when_ready(p: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGTERM once the script says "ready"; its (stdout, stderr) after it ended."""
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        return p.communicate(timeout=60)
+    finally:
+        p.kill()
+
+
 def _start_loop(job_dir: Path, mode: str) -> subprocess.Popen[str]:
     return _spawn(LOOP, job_dir, mode, ANTMAN_CONTROL_FALLBACK_MS="50")
 
@@ -160,12 +170,7 @@ def test_sigterm_writes_the_final_state_and_still_kills(tmp_path: Path) -> None:
 
 def test_a_sigterm_handler_of_the_script_is_left_alone(tmp_path: Path) -> None:
     p = _start_loop(tmp_path, "own-handler")
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
+    out, err = _sigterm_when_ready(p)
     assert p.returncode == 0 and "own handler" in out, err[-3000:]
     final = read_stats(tmp_path)
     assert final is not None and final.state == "finished"
@@ -392,12 +397,7 @@ def test_every_hold_at_compute_share_0_counts_as_paused(tmp_path: Path) -> None:
 def test_sigterm_logs_the_exit_report_without_a_job_directory(tmp_path: Path) -> None:
     p = subprocess.Popen([sys.executable, "-c", VERBOSE_LOG + LOOP, "plain"], cwd=REPO, text=True,
                          env=clean_env(ANTMAN_DEVICE="emulated"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
+    _, err = _sigterm_when_ready(p)
     assert p.returncode == -signal.SIGTERM, err[-3000:]
     assert len([line for line in err.splitlines() if "tf-antman: at exit:" in line]) == 1, err[-3000:]
 
