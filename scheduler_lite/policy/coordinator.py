@@ -359,14 +359,14 @@ def _opportunistic_only(
     if len(opps) == 1:
         _limit(out, gid, opps[0], mem)
         return out, CoordinatorMemo(opportunistic=ids)
-    demand = sum(j.memory_demand_bytes for j in opps)
-    if demand <= mem:
-        for job in opps:
-            _limit(out, gid, job, job.memory_demand_bytes + (mem - demand) // len(opps))
-        return out, CoordinatorMemo(opportunistic=ids)
-    if ids != memo.opportunistic or memo.guarantee_job is not None:
+    fits = sum(j.memory_demand_bytes for j in opps) <= mem
+    if fits or ids != memo.opportunistic or memo.guarantee_job is not None:
+        # Every demand met and the rest split evenly, or (too little for all) the smallest
+        # demands met first; then, if not all fit, trials move memory between them.
         for job, limit in zip(opps, _share_out(mem, [j.memory_demand_bytes for j in opps]), strict=True):
             _limit(out, gid, job, limit)
+        if fits:
+            return out, CoordinatorMemo(opportunistic=ids)
         return out, CoordinatorMemo(opportunistic=ids, since=now, next_round_at=now + cfg.round_interval_s)
 
     tick = now + cfg.round_interval_s

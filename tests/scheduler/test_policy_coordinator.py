@@ -101,6 +101,23 @@ def test_opportunistic_only_gpu_trial_is_undone_when_progress_falls():
     assert memo.failed_trials == 1
 
 
+def test_opportunistic_jobs_alone_get_their_demands_and_the_whole_rest_when_all_fit():
+    # Three jobs on a GPU with nobody to protect, all demands fitting (one not measured yet): each
+    # gets its demand plus an even part of the rest, the odd bytes too, and no trial follows.
+    gpu = Gpu(0, "n0", 10 * GIB + 1, "n0")  # 4 GiB + 1 left: 2 odd bytes over three jobs
+    jobs = (LocalJob("a", Role.OPPORTUNISTIC, 4 * GIB, GIB, 0, 1.0),
+            LocalJob("b", Role.OPPORTUNISTIC, 0, GIB, 0, 1.0),
+            LocalJob("c", Role.OPPORTUNISTIC, 2 * GIB, GIB, 0, 1.0))
+    view = GpuView(gpu, jobs)
+    d, memo = round(0.0, view, CFG, CoordinatorMemo())
+    lim = limits_after(view, d)
+    assert sum(lim.values()) == gpu.memory_bytes  # no byte of the GPU left to nobody
+    rest = (gpu.memory_bytes - 6 * GIB) // 3
+    assert lim["a"] - 4 * GIB in (rest, rest + 1) and lim["b"] in (rest, rest + 1)
+    assert lim["c"] - 2 * GIB in (rest, rest + 1)
+    assert memo.next_round_at is None and memo.trial is None  # all fit: nothing to trade
+
+
 def _series():
     if not TRACES.is_dir():
         pytest.skip("traces absent")
