@@ -102,5 +102,4 @@ def after_tensorflow(_tf: ModuleType) -> None:
     _active.steps.start_agent()
     from tf_antman import exit_report
 
-    active = _active
-    exit_report.register(active.native, lambda: active.steps.agent)
+    exit_report.register(_active.native)

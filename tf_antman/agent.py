@@ -148,14 +148,10 @@ class JobAgent:
         self._state = "starting"
         self._state_after_pause = "running"
         self._paused = False
-        # Told at exit (exit_report, paused_seconds): one clock for every way the agent holds the
-        # job, so that overlapping holds count once (_sync_hold_clock).
-        self._paused_total = 0.0
-        self._held_since: float | None = None  # time.monotonic() when the current hold began
         self._waiting_in_step = False  # the training thread waits in step_end for a resume
-        # The job's clock of every hold (holds.py: the native runtime's, which also counts share 0
-        # set by the environment or the user): told when the training thread waits in a step.
-        self._hold_clock = hold_clock
+        # The job's one clock of every hold (holds.py, told at exit): the runtime's, or, for a
+        # runtime without one (a stand-in), the agent's own, which counts its pauses in a step only.
+        self._hold_clock = HoldClock() if hold_clock is None else hold_clock
         self._limits: dict[int, int] = {}
         self._share: float | None = None
         self._step = 0
@@ -259,6 +255,7 @@ class JobAgent:
                 return
             self._closed = True
             self._state = state
+            self._sync_hold_clock()  # a training thread still blocked in step_end is held no more
         self._wake.set()
         with self._fallback_cv:
             self._fallback_cv.notify_all()
@@ -269,7 +266,6 @@ class JobAgent:
             if self._held_by_share:  # the training loop continues unmanaged, not held at share 0
                 self._held_by_share = False
                 self._guarded("resume", lambda: self._actuator.set_compute_share(self._share_in_force()))
-            self._sync_hold_clock()
             self._write_stats()
         self._writer.close()
         self._dir_lock.release()  # the final stats are written: another agent may take the directory
@@ -279,12 +275,9 @@ class JobAgent:
         return self._writer.flush(timeout)
 
     @property
-    def paused_seconds(self) -> float:
-        """Wall-clock seconds the agent held the job: the training thread paused in step_end, or
-        its ops at compute share 0 (a hold still in force counts up to now)."""
-        with self._lock:
-            since = self._held_since
-            return self._paused_total + (0.0 if since is None else time.monotonic() - since)
+    def hold_clock(self) -> HoldClock:
+        """The clock the agent's pauses in a step are counted on (the one it was given, or its own)."""
+        return self._hold_clock
 
     # ---------------------------------------------------------------------------------------------
 
@@ -438,7 +431,6 @@ class JobAgent:
             self._held_by_share = False
         if control.paused is not None and control.paused != self._paused:
             self._set_paused(control.paused)
-        self._sync_hold_clock()
         self._control_seq_applied = control.seq
         self._applied += 1
         self._last_applied_by = by
@@ -448,22 +440,14 @@ class JobAgent:
                      control.seq, self._fallback_s)
 
     def _sync_hold_clock(self) -> None:
-        """Opens or closes the interval of a hold (call under self._lock after any change).
+        """Tells the hold clock whether the training thread waits in step_end for a resume (call
+        under self._lock when that or `_closed` changes): once closed, the agent holds it no more.
 
-        Held: the training thread waits in step_end for a resume, or the job's ops are held at
-        compute share 0 (a pause the agent applied away from a step boundary, or a coordinator
-        share of 0), which the op manager does not count as throttling.
+        The agent's other holds are at compute share 0 (a pause applied away from a step boundary,
+        a coordinator share of 0), put in force by `actuator.set_compute_share(0.0)`: the runtime
+        counts those on the same clock (Native.set_share, TorchRuntime.set_share).
         """
-        at_zero = self._held_by_share or self._share == 0.0
-        held = not self._closed and (self._waiting_in_step or at_zero)
-        if self._hold_clock is not None:
-            self._hold_clock.set(PAUSED_IN_STEP, not self._closed and self._waiting_in_step)
-        now = time.monotonic()
-        if held and self._held_since is None:
-            self._held_since = now
-        elif not held and self._held_since is not None:
-            self._paused_total += now - self._held_since
-            self._held_since = None
+        self._hold_clock.set(PAUSED_IN_STEP, self._waiting_in_step and not self._closed)
 
     def _set_paused(self, paused: bool) -> None:
         self._paused = paused

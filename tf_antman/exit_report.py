@@ -9,20 +9,20 @@ stderr; in a plain script (Python's logging prints absl's lines):
     from host memory past the limit (4021 allocations, peak 96.0 MiB at once): those steps ran
     slower; paused 0.0 s; throttled 12.4 s (waiting for a compute share below 100%)
 
-and with absl's handler (absl.app.run): `W0514 10:21:07.123456 139872 exit_report.py:87] tf-antman: at exit: ...`.
+and with absl's handler (absl.app.run): `W0514 10:21:07.123456 139872 exit_report.py:<line>] tf-antman: at exit: ...`.
 
 WARNING when anything slowed the job (host memory, pause, throttling), INFO otherwise.
 Figures: the allocator's peak in use and bytes served from host memory since the start
 (`MemStats.peak_in_use`, `host_bytes_served`, `host_fallbacks`, `host_peak`), the operator
 manager's waiting time (`OpStats.idle_inserted_ns`: ops held back to keep the job within its
-share), and the time the job was held (`Native.holds`, holds.py: its ops at compute share 0,
-whoever set it, which the operator manager does not count, or the training thread paused in a step).
+share), and the time the job was held (`holds` of the runtime, Native or TorchRuntime, holds.py:
+its ops at compute share 0, whoever set it, which the operator manager does not count, or the
+training thread paused in a step, which the job agent counts on that same clock).
 """
 
 from __future__ import annotations
 
 import atexit
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ class ExitFigures:
         return self.host_fallbacks > 0 or self.paused_s > 0 or self.throttled_s > 0
 
 
-def figures(native: Any, agent: Any | None) -> ExitFigures:
+def figures(native: Any) -> ExitFigures:
     m = native.mem_stats()
     ops = native.op_stats()
     limit = int(m.limit)
@@ -55,18 +55,9 @@ def figures(native: Any, agent: Any | None) -> ExitFigures:
         host_bytes_served=int(m.host_bytes_served),
         host_fallbacks=int(m.host_fallbacks),
         host_peak_bytes=int(m.host_peak),
-        paused_s=_paused_seconds(native, agent),
+        paused_s=float(native.holds.seconds),
         throttled_s=max(0, int(ops.idle_inserted_ns)) / 1e9,
     )
-
-
-def _paused_seconds(native: Any, agent: Any | None) -> float:
-    """Every hold of the job (holds.py): at compute share 0, whoever set it, and in a step waiting
-    for a resume. A runtime without that clock: the agent's own (its holds only)."""
-    holds = getattr(native, "holds", None)
-    if holds is not None:
-        return float(holds.seconds)
-    return float(getattr(agent, "paused_seconds", 0.0) or 0.0)
 
 
 def describe(f: ExitFigures) -> str:
@@ -83,10 +74,10 @@ def describe(f: ExitFigures) -> str:
     return "at exit: " + "; ".join(parts)
 
 
-def report(native: Any, agent: Any | None) -> None:
+def report(native: Any) -> None:
     """Log the line; never raises (the job is exiting)."""
     try:
-        f = figures(native, agent)
+        f = figures(native)
         (log.warning if f.slowed else log.info)("%s", describe(f))
     except Exception:  # noqa: BLE001 - a failing report must not change how the job exits
         log.debug("exit report failed", exc_info=True)
@@ -95,13 +86,13 @@ def report(native: Any, agent: Any | None) -> None:
 _registered: list[Any] = []  # the natives already reported for (activation may run its hooks twice)
 
 
-def register(native: Any, agent: Callable[[], Any | None]) -> None:
+def register(native: Any) -> None:
     """Report at exit, once per process: a plain atexit callback, run after the interpreter has
     joined the non-daemon threads (a script that trains in one is still training before that)."""
     if any(n is native for n in _registered):
         return
     _registered.append(native)
-    atexit.register(lambda: report(native, agent()))
+    atexit.register(lambda: report(native))
 
 
 __all__ = ["ExitFigures", "describe", "figures", "register", "report"]

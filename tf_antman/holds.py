@@ -4,7 +4,8 @@ Two things hold a job: its ops at compute share 0 (the start-up ANTMAN_COMPUTE_S
 `tf_antman.set_compute_share(0)`, a coordinator share of 0, a pause the job agent applied away
 from a step boundary), and the training thread waiting in a step for a resume (a pause applied at a
 step boundary). Each is a *reason*; the job is held while at least one reason is, so overlapping
-holds count once.
+holds count once. The job's one clock is its runtime's (`Native.holds`, `TorchRuntime.holds`), which
+counts SHARE_ZERO in its set_share; the job agent is given it and counts PAUSED_IN_STEP there.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def start_agent(steps: StepTracker) -> JobAgent | None:
     """
     agent = _try_agent(steps) if steps.settings.job_dir else None
     native = steps.native
-    FinalState(agent, lambda: exit_report.report(native, agent),
+    FinalState(agent, lambda: exit_report.report(native),
                release_hold=lambda: release_hold(native)).install()
     return agent
 

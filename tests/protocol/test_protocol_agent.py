@@ -18,6 +18,7 @@ import pytest
 
 from tests.protocol.protocol_helpers import read_stats, wait_for
 from tf_antman.agent import JobAgent
+from tf_antman.holds import SHARE_ZERO, HoldClock
 from tf_antman.protocol import (
     Control,
     JobDirBusy,
@@ -487,33 +488,48 @@ def test_a_step_boundary_before_the_fallback_time_applies_the_control(tmp_path: 
     assert returned.is_set() and [a.what for a in job.log] == ["pause", "resume"]
 
 
+class CountingJob(SimulatedJob):
+    """A runtime with the job's hold clock: it counts share 0 in force, as Native.set_share and
+    TorchRuntime.set_share do (their own tests check that); the agent is given the clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holds = HoldClock()
+
+    def set_compute_share(self, share: float) -> None:
+        super().set_compute_share(share)
+        self.holds.set(SHARE_ZERO, share == 0.0)
+
+
 def test_holds_at_share_zero_count_as_paused_time(tmp_path: Path, agents) -> None:
     # The exit report's "paused" figure: a pause put into force as share 0 by the fallback, and a
     # coordinator share of 0, hold the job as surely as a pause in step_end (the op manager does
-    # not count a wait at share 0 as throttling).
-    job = SimulatedJob()
-    agent = agents(job, control_fallback_s=0.01, paused_heartbeat_s=0.005)
+    # not count a wait at share 0 as throttling). The agent puts both in force through the
+    # actuator, whose runtime counts them on the clock the agent was given.
+    job = CountingJob()
+    agent = agents(job, control_fallback_s=0.01, paused_heartbeat_s=0.005, hold_clock=job.holds)
+    assert agent.hold_clock is job.holds
     agent.start()
     write_control(tmp_path, Control(seq=1, paused=True))
     wait_for(lambda: job.share == 0.0, "held by the fallback")
     time.sleep(0.3)
-    assert agent.paused_seconds >= 0.3  # a hold in force counts up to now (the report may come first)
+    assert job.holds.seconds >= 0.3  # a hold in force counts up to now (the report may come first)
     write_control(tmp_path, Control(seq=2, paused=False))
     wait_for(lambda: job.share == 1.0, "resumed")
-    held = agent.paused_seconds
+    held = job.holds.seconds
     assert 0.3 <= held < 5.0
     time.sleep(0.1)
-    assert agent.paused_seconds == held  # running again: the clock stands
+    assert job.holds.seconds == held  # running again: the clock stands
     write_control(tmp_path, Control(seq=3, compute_share=0.0))
     wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 3, "share 0")
     time.sleep(0.2)
     agent.close()
-    assert agent.paused_seconds >= held + 0.2
+    assert job.holds.seconds >= held + 0.2
 
 
 def test_a_step_pause_at_share_zero_is_counted_once(tmp_path: Path, agents) -> None:
-    job = SimulatedJob()
-    agent = agents(job, control_fallback_s=HOUR, paused_heartbeat_s=0.005)
+    job = CountingJob()
+    agent = agents(job, control_fallback_s=HOUR, paused_heartbeat_s=0.005, hold_clock=job.holds)
     agent.start()
     write_control(tmp_path, Control(seq=1, compute_share=0.0, paused=True))
     wait_for(lambda: agent._watcher.version > 0, "control read")
@@ -524,7 +540,28 @@ def test_a_step_pause_at_share_zero_is_counted_once(tmp_path: Path, agents) -> N
     time.sleep(0.2)
     write_control(tmp_path, Control(seq=2, compute_share=1.0, paused=False))
     thread.join(timeout=10)
-    assert 0.2 <= agent.paused_seconds <= time.monotonic() - started
+    assert 0.2 <= job.holds.seconds <= time.monotonic() - started
+
+
+def test_an_agent_without_a_clock_counts_its_step_pauses_on_its_own_until_closed(tmp_path: Path, agents) -> None:
+    # A runtime without a hold clock (a stand-in): the agent's own clock counts the training
+    # thread held in step_end; closing the agent releases the thread and stops the clock.
+    agent = agents(SimulatedJob(), control_fallback_s=HOUR, paused_heartbeat_s=0.005)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, paused=True))
+    wait_for(lambda: agent._watcher.version > 0, "control read")
+    thread = threading.Thread(target=agent.step_end, args=(0.01,))
+    started = time.monotonic()
+    thread.start()
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused", "paused at the boundary")
+    time.sleep(0.2)
+    assert agent.hold_clock.seconds >= 0.2  # in force: counts up to now
+    agent.close()
+    thread.join(timeout=10)
+    held = agent.hold_clock.seconds
+    assert 0.2 <= held <= time.monotonic() - started
+    time.sleep(0.1)
+    assert agent.hold_clock.seconds == held
 
 
 def test_close_releases_a_job_held_by_the_fallback(tmp_path: Path, agents) -> None:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from tests.conftest import run_py
 from tests.tf.test_memory import KERAS_RUN
 from tf_antman import exit_report
+from tf_antman.holds import SHARE_ZERO, HoldClock
 from tf_antman.units import format_bytes
 
 ONE_EPOCH = KERAS_RUN.replace("epochs=2", "epochs=1")
@@ -54,8 +55,13 @@ def test_a_job_within_its_limit_says_so_quietly() -> None:
 def test_paused_and_throttled_time_are_reported() -> None:
     mem = SimpleNamespace(limit=1 << 30, device_capacity=1 << 30, peak_in_use=5 << 20, host_bytes_served=0,
                           host_fallbacks=0, host_peak=0)
-    native = SimpleNamespace(mem_stats=lambda: mem, op_stats=lambda: SimpleNamespace(idle_inserted_ns=2_500_000_000))
-    f = exit_report.figures(native, SimpleNamespace(paused_seconds=3.25))
+    now = [100.0]
+    holds = HoldClock(clock=lambda: now[0])  # the runtime's clock of every hold (holds.py)
+    holds.set(SHARE_ZERO, True)
+    now[0] += 3.25  # still held at exit: counted up to now
+    native = SimpleNamespace(mem_stats=lambda: mem, op_stats=lambda: SimpleNamespace(idle_inserted_ns=2_500_000_000),
+                             holds=holds)
+    f = exit_report.figures(native)
     assert (f.paused_s, f.throttled_s, f.limit_bytes, f.slowed) == (3.25, 2.5, None, True)
     assert exit_report.describe(f) == ("at exit: peak device memory 5.0 MiB (limit: the whole device); nothing "
                                        "served from host memory; paused 3.2 s; throttled 2.5 s (waiting for a "

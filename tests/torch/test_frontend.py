@@ -5,7 +5,9 @@ runtime behind the job agent, and activation of an unchanged script at `import t
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +15,7 @@ from tests.conftest import REPO, run_py
 from tests.torch import stand_in
 from tf_antman import config
 from tf_antman.device_select import CudaProbe, DeviceUnavailable
+from tf_antman.holds import HoldClock
 from tf_antman.native import NativeError
 from tf_antman.protocol import read_stats, write_control
 from tf_antman.protocol.schema import Control, MemoryLimit
@@ -140,6 +143,46 @@ def test_share_below_one_is_refused_without_compute_scaling() -> None:
         assert rt.op_stats().share == 1.0
     finally:
         lib.antman_torch_reset_for_tests()
+
+
+class ShareOnly:
+    """Compute's share calls, without an op manager or hook (the runtime's hold clock only)."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+
+    def set_share(self, share: float) -> None:
+        self.share = share
+
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(share=self.share)
+
+
+def test_time_at_share_zero_is_counted_on_the_runtime_hold_clock() -> None:
+    now = [10.0]
+    rt = TorchRuntime(None, ShareOnly(1.0), holds=HoldClock(clock=lambda: now[0]))  # type: ignore[arg-type]
+    rt.set_share(0.0)
+    now[0] = 12.5
+    assert rt.holds.seconds == 2.5  # in force: counts up to now (the exit report may come first)
+    rt.set_share(0.5)
+    now[0] = 20.0
+    assert rt.holds.seconds == 2.5  # throttled is not held (the op manager counts that)
+    rt.set_share(0.0)
+    now[0] = 21.0
+    rt.set_share(1.0)
+    now[0] = 30.0
+    assert rt.holds.seconds == 3.5
+
+
+def test_a_start_up_share_of_zero_is_held_from_the_runtime_start() -> None:
+    now = [10.0]
+    rt = TorchRuntime(None, ShareOnly(0.0), holds=HoldClock(clock=lambda: now[0]))  # type: ignore[arg-type]
+    now[0] = 14.0
+    rt.set_share(0.25)
+    now[0] = 20.0
+    assert rt.holds.seconds == 4.0
+    # Without compute scaling the share is 1 and can be nothing else: never held.
+    assert TorchRuntime(None, None, "no core").holds.seconds == 0.0  # type: ignore[arg-type]
 
 
 # ---- an unchanged script, activated at `import torch` --------------------------------------
@@ -321,3 +364,42 @@ def test_a_find_spec_probe_before_import_does_not_use_up_the_hook(tmp_path: Path
                  timeout=120, PYTHONPATH=f"{site}{os.pathsep}{REPO}", ANTMAN_DEVICE="emulated")
     assert job.rc == 0, job.stderr
     assert job.result == {"before": False, "after": True}
+
+
+@needs_shim
+def test_a_torch_job_started_at_share_zero_reports_the_hold_at_exit(tmp_path: Path) -> None:
+    # ANTMAN_COMPUTE_SHARE=0: the job's ops are held from the start until a larger share; the
+    # agent counts on the runtime's clock and the exit report reads it. The real op manager with
+    # a hook that gates nothing (no op runs here), through activate()'s compute_factory.
+    _core_or_skip()
+    site = stand_in.write(tmp_path / "site")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    job = run_py(f"""
+        import time
+        import torch  # the stand-in; no ANTMAN_* variable is set: nothing is activated here
+        import tf_antman
+        from tf_antman import core
+        from tf_antman.torch import activation
+        from tf_antman.torch.compute import Compute
+
+        class Hook:
+            def install(self, *args): pass
+            def set_enabled(self, enabled): pass
+
+        env = {{"ANTMAN_DEVICE": "emulated", "ANTMAN_DEVICE_MEMORY": "64MiB", "ANTMAN_HOST_MEMORY": "64MiB",
+               "ANTMAN_COMPUTE_SHARE": "0", "ANTMAN_JOB_DIR": {str(job_dir)!r}}}
+        state = activation.activate(env, torch=torch, compute_factory=lambda ts: Compute(
+            core.load(), ts.base.compute_share, 0, on_cuda=False, hook_module=Hook()))
+        time.sleep(0.3)
+        tf_antman.set_compute_share(1.0)
+        emit({{"one_clock": state.steps.agent.hold_clock is state.native.holds,
+              "held": state.native.holds.seconds}})
+        time.sleep(0.3)  # running at share 1 until exit: not held
+    """, timeout=120, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
+    assert job.rc == 0, job.stderr
+    out = job.result
+    assert out["one_clock"] and 0.3 <= out["held"] < 5.0
+    paused = re.search(r"at exit: .*; paused (\d+\.\d) s;", job.stderr)
+    assert paused is not None, job.stderr
+    assert float(paused.group(1)) == round(out["held"], 1)  # the hold ended before exit: it stands

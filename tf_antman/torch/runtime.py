@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tf_antman.holds import SHARE_ZERO, HoldClock
 from tf_antman.native import MemStats, NativeError
 from tf_antman.torch._shim import TorchMemory
 from tf_antman.torch.compute import Compute
@@ -26,10 +27,15 @@ class FixedShareStats:
 
 class TorchRuntime:
     def __init__(self, memory: TorchMemory, compute: Compute | None,
-                 compute_unavailable: str = "") -> None:
+                 compute_unavailable: str = "", holds: HoldClock | None = None) -> None:
         self.memory = memory
         self.compute = compute
         self.compute_unavailable = compute_unavailable  # why there is no compute scaling
+        # Time at compute share 0, whoever set it (exit report), as Native.holds; the agent adds
+        # its step pauses. Compute holds ops from its creation (the hook is installed and enabled
+        # below 1), so a start-up share of 0 (ANTMAN_COMPUTE_SHARE=0) holds from here.
+        self.holds = HoldClock() if holds is None else holds
+        self.holds.set(SHARE_ZERO, float(self.op_stats().share) == 0.0)
 
     def mem_stats(self) -> MemStats:
         return self.memory.mem_stats()
@@ -58,6 +64,7 @@ class TorchRuntime:
                 raise NativeError(f"compute scaling is unavailable in this job: {self.compute_unavailable}")
             return
         self.compute.set_share(share)
+        self.holds.set(SHARE_ZERO, share == 0.0)
 
     def check_invariants(self) -> str:
         return self.memory.check_invariants()
