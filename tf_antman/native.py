@@ -78,8 +78,17 @@ class Native:
     def mem_stats(self) -> MemStats:
         s = MemStats()
         if self.lib.antman_rt_get_mem_stats(ctypes.byref(s)) != 0:
-            raise NativeError("tf-antman runtime is not configured")
+            raise NativeError(self._no_device())
         return s
+
+    def _no_device(self) -> str:
+        """Why there is no memory to report: under cuda the devices are TF's to create."""
+        if self.gpu_factory()["kind"] != "cuda":
+            return "tf-antman runtime is not configured"
+        if self.gpu_factory()["create_calls"] == 0:
+            return "no GPU device under tf-antman yet: TensorFlow has not created its devices"
+        return ("no GPU device under tf-antman: TensorFlow created none (the job runs on the CPU, "
+                "unmanaged; docs/gpu-path.md)")
 
     def op_stats(self) -> OpStats:
         s = OpStats()

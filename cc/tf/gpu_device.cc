@@ -54,6 +54,19 @@ std::atomic<int> g_create_calls{0};
 std::atomic<int> g_devices{0};
 tensorflow::DeviceFactory* g_factory = nullptr;  // owned by TF's registry
 
+// ANTMAN_DEVICE=cuda, and TF made no GPU device: TF could not use the GPU (a wheel without its
+// CUDA libraries, a CUDA it cannot load; TF says "Skipping registering GPU devices"), so the job
+// runs on TF's CPU device, which tf-antman does not manage. Said once per process, loudly: the
+// job would otherwise look managed while its limit and share apply to nothing.
+void WarnUnmanaged() {
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) return;
+  LOG(ERROR) << "tf-antman: ANTMAN_DEVICE=cuda, but TensorFlow created no GPU device (see its "
+                "log above: a wheel without its CUDA libraries, e.g. not tensorflow[and-cuda], or "
+                "CUDA libraries it could not load): this job runs on the CPU, and tf-antman's "
+                "memory limit and compute share do not apply to it (docs/gpu-path.md)";
+}
+
 bool IsWaiting(const OpKernel* kernel) {
   absl::string_view type = kernel->type_string_view();
   return IsWaitingOpType(std::string_view(type.data(), type.size()));
@@ -256,7 +269,9 @@ class AntmanGpuDeviceFactory final : public tensorflow::BaseGPUDeviceFactory {
                              const std::string& name_prefix,
                              std::vector<std::unique_ptr<tensorflow::Device>>* devices) override {
     g_create_calls.fetch_add(1);
-    return BaseGPUDeviceFactory::CreateDevices(options, name_prefix, devices);
+    absl::Status status = BaseGPUDeviceFactory::CreateDevices(options, name_prefix, devices);
+    if (status.ok() && g_devices.load() == 0) WarnUnmanaged();
+    return status;
   }
 
  private:

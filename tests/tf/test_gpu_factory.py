@@ -31,10 +31,22 @@ def test_cuda_factory_registers_in_stock_tf_without_gpu_and_cpu_training_runs() 
         lib = native.load()
         lib.configure("cuda", 0, 0, 0, 1 << 30, 1.0)
     """) + TRAIN + textwrap.dedent("""
+        try:
+            lib.mem_stats()
+            no_memory = None
+        except native.NativeError as e:
+            no_memory = str(e)
+        from tf_antman import exit_report
+        exit_report.report(lib)
         emit({"factory": lib.gpu_factory(), "gpus": gpus, "logical": logical, "loss": hist,
-              "antman_devices": lib.device_count()})
+              "antman_devices": lib.device_count(), "no_memory": no_memory})
     """))
     r = job.result
+    # TF made no GPU: the job runs on the CPU, unmanaged, and is told so, once, and at exit.
+    unmanaged = "tf-antman: ANTMAN_DEVICE=cuda, but TensorFlow created no GPU device"
+    assert job.stderr.count(unmanaged) == 1, job.stderr[-3000:]
+    assert r["no_memory"] is not None and "TensorFlow created none" in r["no_memory"]
+    assert "at exit: no figures: no GPU device under tf-antman: TensorFlow created none" in job.stderr
     f = r["factory"]
     assert f["kind"] == "cuda"
     assert f["registered"] == 1, "TF's GPU factory is not ours: registered too late or below 210"
