@@ -14,6 +14,7 @@ from scheduler_lite.submission import RESERVED_ENV
 
 MIB: Final = 1 << 20
 MIN_ENV_LIMIT: Final = MIB  # ANTMAN_MEMORY_LIMIT's lower bound
+CUDA_DEVICE_ORDER: Final = "PCI_BUS_ID"  # NVML's order: what CUDA_VISIBLE_DEVICES' indices mean
 
 
 def job_environment(
@@ -47,6 +48,11 @@ def job_environment(
         # The job sees only its GPUs, renumbered from 0. (Not tested here: no GPU on this machine.)
         env["ANTMAN_DEVICE"] = "cuda"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.id) for g in gpus)
+        # Those are NVML indices, which follow the PCI bus; CUDA numbers devices fastest first
+        # unless told otherwise, so on a host with mixed GPU models index 0 could be another GPU
+        # than the one the scheduler placed and accounts the job on. Ours wins over a value from
+        # the submission's --env or the daemon's environment: the indices are ours.
+        env["CUDA_DEVICE_ORDER"] = CUDA_DEVICE_ORDER
     else:
         env["ANTMAN_DEVICE"] = "emulated"
         # The paper's opportunistic jobs run at a low priority; on an emulated device that is the
@@ -58,4 +64,4 @@ def job_environment(
     return env
 
 
-__all__ = ["MIN_ENV_LIMIT", "job_environment"]
+__all__ = ["CUDA_DEVICE_ORDER", "MIN_ENV_LIMIT", "job_environment"]

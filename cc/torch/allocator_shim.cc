@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdio>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 
 namespace {
@@ -25,13 +26,73 @@ antman_mem* MemFor(int device) {
   return g_mem[device].load(std::memory_order_acquire);
 }
 
-void ReportFailure(const char* what, ssize_t size, int device) {
+void ReportFailure(const char* fn, const char* what, ssize_t size, int device) noexcept {
   const uint64_t n = g_failures.fetch_add(1, std::memory_order_relaxed) + 1;
   if (n > kReportedFailures) return;
-  std::fprintf(stderr,
-               "tf-antman: antman_torch_malloc(%lld bytes, device %d) failed: %s%s\n",
+  std::fprintf(stderr, "tf-antman: %s(%lld bytes, device %d) failed: %s%s\n", fn,
                static_cast<long long>(size), device, what,  // NOLINT(runtime/int)
                n == kReportedFailures ? " (further failures are only counted)" : "");
+}
+
+enum class Refusal { kNone, kNoCore, kOutOfMemory };
+
+// One request (size > 0) of either entry point: the block, or NULL with why (counted, reported).
+// Not noexcept: an exception from inside the core (std::bad_alloc of its own bookkeeping) goes
+// on to PyTorch from antman_torch_malloc; antman_torch_try_malloc turns it into NULL.
+void* Serve(const char* fn, ssize_t size, int device, Refusal* why) {
+  antman_mem* mem = MemFor(device);
+  if (mem == nullptr) {
+    *why = Refusal::kNoCore;
+    ReportFailure(fn, "no tf-antman memory core for this device", size, device);
+    return nullptr;
+  }
+  void* p = antman_mem_alloc(mem, ANTMAN_TORCH_ALIGNMENT, static_cast<size_t>(size));
+  if (p == nullptr) {
+    *why = Refusal::kOutOfMemory;
+    ReportFailure(fn, "neither device memory (at its limit) nor the host fallback could serve it",
+                  size, device);
+    return nullptr;
+  }
+  *why = Refusal::kNone;
+  return p;
+}
+
+std::string Bytes(uint64_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.2f MiB (%llu bytes)", static_cast<double>(n) / (1 << 20),
+                static_cast<unsigned long long>(n));  // NOLINT(runtime/int)
+  return buf;
+}
+
+// The message of the exception antman_torch_malloc throws. It starts as PyTorch's own
+// out-of-memory message does ("CUDA out of memory. Tried to allocate ..."), so code that looks
+// for that text in a RuntimeError recognises it.
+std::string RefusalMessage(Refusal why, ssize_t size, int device) {
+  const uint64_t bytes = static_cast<uint64_t>(size);
+  if (why == Refusal::kNoCore) {
+    std::string served;
+    for (int d = 0; d < ANTMAN_TORCH_MAX_DEVICES; ++d) {
+      if (g_mem[d].load(std::memory_order_acquire) == nullptr) continue;
+      served += (served.empty() ? "" : ", ") + std::to_string(d);
+    }
+    return "tf-antman: no memory core for CUDA device " + std::to_string(device) +
+           ": cannot allocate " + Bytes(bytes) + " there (tf-antman serves device(s) " +
+           (served.empty() ? std::string("none") : served) +
+           " in this process; a job under tf-antman uses the one device it was given)";
+  }
+  std::string msg = "tf-antman: CUDA out of memory. Tried to allocate " + Bytes(bytes) +
+                    " on device " + std::to_string(device) + ": neither device memory nor the "
+                    "host fallback can serve it";
+  antman_mem* mem = MemFor(device);
+  if (mem != nullptr) {
+    antman_mem_stats s{};
+    antman_mem_get_stats(mem, &s);
+    msg += ". Device: limit " + Bytes(s.limit) + ", " + Bytes(s.in_use) + " in use. Host fallback: ";
+    msg += s.host_capacity == 0 ? std::string("none (ANTMAN_HOST_MEMORY=0)")
+                                : "capacity " + Bytes(s.host_capacity) + ", " +
+                                      Bytes(s.host_in_use) + " in use";
+  }
+  return msg + ". Raise the job's memory limit or ANTMAN_HOST_MEMORY, or use smaller batches.";
 }
 
 }  // namespace
@@ -66,19 +127,26 @@ int antman_torch_mem_create(const antman_mem_config* config, char* err, size_t e
 
 antman_mem* antman_torch_mem(int device) { return MemFor(device); }
 
+// Throws through extern "C": the library is built with exceptions (g++'s default; nothing in
+// cc/torch/BUILD, .bazelrc or bench/gpu/build_torch.sh turns them off) and PyTorch calls this
+// through a plain function pointer from C++, so the exception unwinds into PyTorch's frames.
 void* antman_torch_malloc(ssize_t size, int device, void* /*stream*/) {
   if (size <= 0) return nullptr;
-  antman_mem* mem = MemFor(device);
-  if (mem == nullptr) {
-    ReportFailure("no tf-antman memory core for this device", size, device);
+  Refusal why = Refusal::kNone;
+  void* p = Serve("antman_torch_malloc", size, device, &why);
+  if (p == nullptr) throw std::runtime_error(RefusalMessage(why, size, device));
+  return p;
+}
+
+void* antman_torch_try_malloc(ssize_t size, int device, void* /*stream*/) noexcept {
+  if (size <= 0) return nullptr;
+  Refusal why = Refusal::kNone;
+  try {
+    return Serve("antman_torch_try_malloc", size, device, &why);
+  } catch (const std::exception& e) {
+    ReportFailure("antman_torch_try_malloc", e.what(), size, device);
     return nullptr;
   }
-  void* p = antman_mem_alloc(mem, ANTMAN_TORCH_ALIGNMENT, static_cast<size_t>(size));
-  if (p == nullptr) {
-    ReportFailure("neither device memory (at its limit) nor the host fallback could serve it",
-                  size, device);
-  }
-  return p;
 }
 
 void antman_torch_free(void* ptr, ssize_t /*size*/, int device, void* /*stream*/) {

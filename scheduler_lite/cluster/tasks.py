@@ -68,6 +68,8 @@ def task_env(env: Mapping[str, str]) -> dict[str, str]:
     if "CUDA_VISIBLE_DEVICES" in env:
         out["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
         out["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # our GPU, not one Ray assigns
+        if "CUDA_DEVICE_ORDER" in env:  # the indices are NVML's: CUDA must count as it does
+            out["CUDA_DEVICE_ORDER"] = env["CUDA_DEVICE_ORDER"]
     return out
 
 

@@ -157,6 +157,8 @@ def test_request_placement_names_a_bad_argument(tmp_path: Path) -> None:
                     "CUDA_VISIBLE_DEVICES": "3"})
     assert env == {"ANTMAN_JOB_DIR": "/j", "SCHEDULER_LITE_JOB_ID": "job-1", "CUDA_VISIBLE_DEVICES": "3",
                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    ordered = task_env({"CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert ordered["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # NVML's indices, counted NVML's way
     options = RayPlacement("job-1", "n2", 200, "opportunistic", "/j", env).options({"env_vars": {"X": "1"}})
     assert options["resources"] == {"antman_node_n2": 0.001} and options["max_retries"] == 0
     assert options["max_calls"] == 1 and options["runtime_env"]["env_vars"]["X"] == "1"

@@ -386,6 +386,25 @@ def test_job_environment(tmp_path: Path) -> None:
     assert "ANTMAN_DEVICE_PRIORITY" not in env  # not applied on cuda: the job is not told to
 
 
+def test_nvml_indices_are_given_to_cuda_in_pci_bus_order(tmp_path: Path) -> None:
+    """CUDA_VISIBLE_DEVICES holds NVML indices (PCI bus order); CUDA's own default is fastest
+    first, which on a host with mixed GPU models names other GPUs than the ones placed."""
+    config = make_config(tmp_path, gpus=2)
+    nvml = dataclasses.replace(config, devices=dataclasses.replace(config.devices, kind="nvml"))
+    d = Daemon(config, SqliteStorage(config.db_path))
+    plain = d.storage.get_job(d.submit(["x"], tenant="A"))
+    theirs = d.storage.get_job(d.submit(["x"], tenant="A", env={"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}))
+    assert plain is not None and theirs is not None
+    daemon_env = {"PATH": "/bin", "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
+    for job, base in ((plain, {}), (plain, daemon_env), (theirs, {})):  # ours wins: the indices are ours
+        env = job_environment(nvml, job, [d.gpus[1]], 300 * MIB, 1.0, tmp_path, base)
+        assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    # Emulated devices set no CUDA_VISIBLE_DEVICES, so no order either; a job's own is left alone.
+    assert "CUDA_DEVICE_ORDER" not in job_environment(config, plain, [d.gpus[1]], 300 * MIB, 1.0, tmp_path, {})
+    env = job_environment(config, theirs, [d.gpus[1]], 300 * MIB, 1.0, tmp_path, {})
+    assert "CUDA_VISIBLE_DEVICES" not in env and env["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+
+
 def test_only_opportunistic_jobs_get_the_low_device_priority(tmp_path: Path) -> None:
     """`auto` jobs may be upgraded and an unprivileged process cannot leave SCHED_IDLE, so only
     `opportunistic` submissions run at low priority; `jobs.opportunistic_priority` turns it off."""

@@ -12,7 +12,10 @@ from pathlib import Path
 from tf_antman.native import MemStats, NativeError, lib_path
 
 LIB_NAME = "libantman_torch.so"
-ABI_VERSION = 1  # ANTMAN_TORCH_ABI_VERSION
+ABI_VERSION = 2  # ANTMAN_TORCH_ABI_VERSION
+# Given to PyTorch only: it throws a C++ exception when it cannot serve a request (PyTorch raises
+# it as RuntimeError "tf-antman: CUDA out of memory. ..."); called through ctypes, that exception
+# would end the process, so this module calls antman_torch_try_malloc (NULL instead) itself.
 MALLOC_FN = "antman_torch_malloc"
 FREE_FN = "antman_torch_free"
 BACKENDS = {"emulated": 0, "cuda": 1}
@@ -69,9 +72,10 @@ class TorchMemory:
         rc = self.lib.antman_mem_check_invariants(self.handle, buf, len(buf))
         return "" if rc == 0 else buf.value.decode(errors="replace") or f"code {rc}"
 
-    # The two functions PyTorch calls, for tests (PyTorch calls them by address, not through here).
+    # What PyTorch calls, for tests (PyTorch calls them by address, not through here). malloc is
+    # antman_torch_try_malloc: 0 where the PyTorch-facing antman_torch_malloc throws.
     def malloc(self, size: int, stream: int = 0) -> int:
-        return int(self.lib.antman_torch_malloc(size, self.device, stream) or 0)
+        return int(self.lib.antman_torch_try_malloc(size, self.device, stream) or 0)
 
     def free(self, ptr: int, size: int, stream: int = 0) -> None:
         self.lib.antman_torch_free(ptr, size, self.device, stream)
@@ -101,8 +105,9 @@ def load(path: Path | None = None) -> ctypes.CDLL:
     lib.antman_torch_mem_create.restype = i32
     lib.antman_torch_mem.argtypes = [i32]
     lib.antman_torch_mem.restype = vp
-    lib.antman_torch_malloc.argtypes = [sz, i32, vp]
-    lib.antman_torch_malloc.restype = vp
+    # Not antman_torch_malloc: it throws, and a C++ exception through ctypes ends the process.
+    lib.antman_torch_try_malloc.argtypes = [sz, i32, vp]
+    lib.antman_torch_try_malloc.restype = vp
     lib.antman_torch_free.argtypes = [vp, sz, i32, vp]
     lib.antman_torch_free.restype = None
     lib.antman_torch_failures.restype = u64
