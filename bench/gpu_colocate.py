@@ -29,7 +29,9 @@ temporary directory, never to docs/.
    every job that did not finish or was not ended by the bench. Saves
    docs/gpu_colocate_timeline.png.
 2. Table 2: opportunistic job A (ResNet-50, batch sized to ~60% of the GPU's memory) runs; a
-   guarantee job B (batch sized to ~50%) arrives. JCTs under FIFO (B waits for A: A's and B's
+   guarantee job B (batch sized to ~50%) arrives a fixed delay after A's first completed step
+   (A's --log; by then A holds its peak memory, whatever its start-up took; a row whose A makes
+   no step within the profile's first_step_s ends the bench with one line). JCTs under FIFO (B waits for A: A's and B's
    solo runs), Pack (stock PyTorch, both at once, no tf-antman: B runs out of memory), UMem
    (tf-antman memory, no coordinator: B's limit is the memory free at its arrival, the rest in
    host memory) and tf-antman (the daemon shrinks A, B gets its memory). Batch sizes come from a
@@ -49,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -70,6 +73,9 @@ class Profile:
     round_s: float  # coordinator round
     table2: tuple[float, float, float, float]  # part 2: target JCT of A, of B, B's arrival, deadline (s)
     job_args: tuple[str, ...] = ()  # extra arguments of every bench/_torch_job.py run
+    # part 2: the longest A may take from its start to its first completed step (PyTorch import,
+    # op hook load, CUDA/cuDNN init, first step); B's arrival delay counts from that step
+    first_step_s: float = 180.0
 
     @property
     def dry_run(self) -> bool:
@@ -88,7 +94,7 @@ def make_profile(device: str, quick: bool) -> Profile:
         # One thread per job: three jobs and the daemon share a small CPU. --quick: the test's.
         return Profile("cpu", (4, 3, 5, 6) if quick else (6, 4, 8, 10), 1 if quick else 2, 2,
                        (4.0, 3.0, 2.0, 60.0) if quick else (8.0, 6.0, 3.0, 60.0),
-                       ("--device", "cpu", "--tiny", "--image", "32", "--threads", "1"))
+                       ("--device", "cpu", "--tiny", "--image", "32", "--threads", "1"), 120.0)
     if quick:
         return Profile("cuda", (20, 10, 30, 40), 10, 2, (30.0, 20.0, 10.0, 90.0))
     return Profile("cuda", (40, 20, 60, 90), 10, 5, (120.0, 80.0, 40.0, 900.0))
@@ -138,21 +144,43 @@ def env_for(antman: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-def start(prof: Profile, args: list[str], antman: dict[str, str] | None) -> subprocess.Popen[str]:
-    return subprocess.Popen([*JOB, *args, *prof.job_args], env=env_for(antman), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+@dataclasses.dataclass
+class Started:
+    """A job the bench started itself. Its stdout and stderr go to files, not pipes: nothing has
+    to drain them while the bench waits on something else (a full pipe would stall the job)."""
+
+    proc: subprocess.Popen[bytes]
+    out: IO[bytes]
+    err: IO[bytes]
+
+    def output(self) -> tuple[str, str]:
+        texts = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+            f.close()
+        return texts[0], texts[1]
 
 
-def finish(p: subprocess.Popen[str], t0: float, deadline_s: float = 3600.0) -> tuple[float, str, dict]:
+def start(prof: Profile, args: list[str], antman: dict[str, str] | None) -> Started:
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    return Started(subprocess.Popen([*JOB, *args, *prof.job_args], env=env_for(antman), stdout=out, stderr=err),
+                   out, err)
+
+
+def finish(job: Started, t0: float, deadline_s: float = 3600.0) -> tuple[float, str, dict]:
     """JCT, final state and the job's JSON line. A job still running `deadline_s` after t0 is
     killed and reported as unfinished (its JCT is then only a lower bound)."""
+    p = job.proc
     try:
-        out, err = p.communicate(timeout=max(1.0, deadline_s - (time.monotonic() - t0)))
+        p.wait(timeout=max(1.0, deadline_s - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         p.kill()
-        p.communicate()
+        p.wait()
+        job.output()
         return time.monotonic() - t0, f"unfinished after {deadline_s:.0f} s (killed)", {}
     jct = time.monotonic() - t0
+    out, err = job.output()
     result = next((json.loads(x) for x in reversed(out.splitlines()) if x.startswith("{")), {})
     if p.returncode == 0:
         return jct, "finished", result
@@ -160,11 +188,32 @@ def finish(p: subprocess.Popen[str], t0: float, deadline_s: float = 3600.0) -> t
     return jct, "failed (OOM)" if oom else f"failed (rc {p.returncode}: {err.strip().splitlines()[-1:] or ''})", result
 
 
+def wait_first_step(job: Started, log: Path, t0: float, timeout_s: float, what: str) -> float:
+    """Seconds from t0 (the job's start) to its first completed step, the first line of its
+    --log. A job that ends first or makes no step within `timeout_s` ends the bench, loudly (the
+    job is killed): B's arrival assumes A has reached its peak memory."""
+    deadline = t0 + timeout_s
+    while not read_log(log):
+        if job.proc.poll() is not None:
+            _, err = job.output()
+            raise SystemExit(f"gpu_colocate: {what}: A ended (rc {job.proc.returncode}) before its first step: "
+                             f"{err.strip()[-1500:]}")
+        if time.monotonic() >= deadline:
+            job.proc.kill()
+            job.proc.wait()
+            _, err = job.output()
+            raise SystemExit(f"gpu_colocate: {what}: A made no step within {timeout_s:.0f} s of its start "
+                             f"(killed); its stderr: {err.strip()[-1500:]}")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
 def read_log(path: Path) -> list[tuple[float, float]]:
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    # Complete lines only: what follows the last newline may still be being written.
+    for line in path.read_text().split("\n")[:-1]:
         t, ms = line.split()
         rows.append((float(t), float(ms)))
     return rows
@@ -436,26 +485,38 @@ def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
           f"A batch {a_batch}, B batch {b_batch} (needs ~{b_need / GiB:.1f} GiB) on {capacity / GiB:.0f} GiB", flush=True)
     res: dict[str, dict] = {}
 
+    # B arrives `arrival` s after A's first completed step (A has then reached its peak memory),
+    # not after a fixed time from A's start, which A's start-up may exceed. `A_first_step_s`: A's
+    # start to that step; `B_arrival_s`: A's start to B's arrival.
+    def a_log(row: str) -> list[str]:
+        return ["--log", str(tmp / f"table2-{row}-A.log")]
+
     t0 = time.monotonic()
-    a_solo, a_state, _ = finish(start(prof, a_args, cuda), t0, deadline)
+    a = start(prof, [*a_args, *a_log("FIFO")], cuda)
+    a_first = wait_first_step(a, tmp / "table2-FIFO-A.log", t0, prof.first_step_s, "FIFO (A alone)")
+    a_solo, a_state, _ = finish(a, t0, deadline)
     t0 = time.monotonic()
     b_solo, b_state, _ = finish(start(prof, b_args, cuda), t0, deadline)
-    res["FIFO"] = {"A": a_solo, "A_state": a_state, "B": max(0.0, a_solo - arrival) + b_solo,
-                   "B_state": f"{b_state} (waited for A)"}
+    res["FIFO"] = {"A": a_solo, "A_state": a_state, "B": max(0.0, a_solo - (a_first + arrival)) + b_solo,
+                   "B_state": f"{b_state} (waited for A)", "A_first_step_s": a_first,
+                   "B_arrival_s": a_first + arrival}
 
     # Pack: stock PyTorch for both (no ANTMAN_*): B gets what A's caching allocator left.
     t0 = time.monotonic()
-    a = start(prof, a_args, None)
+    a = start(prof, [*a_args, *a_log("Pack")], None)
+    a_first = wait_first_step(a, tmp / "table2-Pack-A.log", t0, prof.first_step_s, "Pack")
     time.sleep(arrival)
     tb = time.monotonic()
     b_jct, b_state, _ = finish(start(prof, b_args, None), tb, deadline)
     a_jct, a_state, _ = finish(a, t0, deadline)
-    res["Pack"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state}
+    res["Pack"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state, "A_first_step_s": a_first,
+                   "B_arrival_s": tb - t0}
 
     # UMem: tf-antman memory for both, no coordinator: B's limit is what is free when it arrives.
     t0 = time.monotonic()
     host = "4GiB" if prof.dry_run else "64GiB"
-    a = start(prof, a_args, {**cuda, "ANTMAN_HOST_MEMORY": host})
+    a = start(prof, [*a_args, *a_log("UMem")], {**cuda, "ANTMAN_HOST_MEMORY": host})
+    a_first = wait_first_step(a, tmp / "table2-UMem-A.log", t0, prof.first_step_s, "UMem")
     time.sleep(arrival)
     free = gpu_free(prof)
     tb = time.monotonic()
@@ -463,13 +524,26 @@ def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
                                                         "ANTMAN_HOST_MEMORY": host}), tb, deadline)
     a_jct, a_state, _ = finish(a, t0, deadline)
     res["UMem"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state,
-                   "B_host_fallbacks": b_out.get("host_fallbacks")}
+                   "B_host_fallbacks": b_out.get("host_fallbacks"), "A_first_step_s": a_first,
+                   "B_arrival_s": tb - t0, "B_limit_bytes": max(free - GiB, 1 << 20)}
 
     # tf-antman: the daemon places both and its coordinator shrinks A for B.
     d = make_daemon(tmp / "table2", prof)
-    a_id = d.submit([*JOB, *a_args, *prof.job_args], tenant="batch", kind="opportunistic", name="A")
-    d.run_until(lambda dd: dd.job(a_id).started_at is not None, timeout=120)
+    a_log_path = tmp / "table2-tf-antman-A.log"
+    t0 = time.monotonic()
+    a_id = d.submit([*JOB, *a_args, *a_log("tf-antman"), *prof.job_args], tenant="batch", kind="opportunistic",
+                    name="A")
+    stepped = d.run_until(lambda dd: bool(read_log(a_log_path)) or dd.job(a_id).state.done, timeout=prof.first_step_s)
+    if not read_log(a_log_path):
+        rec = d.job(a_id)
+        d.stop_all_jobs()
+        raise SystemExit("gpu_colocate: tf-antman: A made no step "
+                         + (f"within {prof.first_step_s:.0f} s of its submission (stopped)" if not stepped
+                            else f"before it ended ({rec.state.value})")
+                         + f"; its job directory is under {tmp / 'table2'}")
+    a_first = time.monotonic() - t0
     d.run_until(lambda dd: False, timeout=arrival)  # the daemon keeps ticking while B has not arrived
+    b_arrival = time.monotonic() - t0
     b_id = d.submit([*JOB, *b_args, *prof.job_args], tenant="research", kind="guarantee", memory_bytes=b_need,
                     name="B")
     d.run_until(lambda dd: dd.job(a_id).state.done and dd.job(b_id).state.done, timeout=deadline)
@@ -483,7 +557,8 @@ def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
 
     a_jct, a_state = outcome(ra, ra.started_at)
     b_jct, b_state = outcome(rb, rb.submit_time)
-    res["tf-antman"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state}
+    res["tf-antman"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state,
+                        "A_first_step_s": a_first, "B_arrival_s": b_arrival}
     return {"table2": {k: {kk: (round(vv, 1) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                        for k, v in res.items()},
             "a_batch": a_batch, "b_batch": b_batch, "capacity_bytes": capacity,

@@ -4,7 +4,8 @@ rows, the JSON line, the timeline) runs end to end on CPU PyTorch, so that a GPU
 spend its time on a broken command. Nothing here judges a figure (those are GPU measurements).
 
 Needs a Python with torch ($TF_ANTMAN_TORCH_PYTHON, tests/torch/test_colocate_e2e.py); skipped
-without one (CI). About 2 minutes per part on 2 shared cores.
+without one (CI). About 2 minutes per part on 2 shared cores. The tests of part 2's wait for A's
+first completed step (B's arrival counts from it) use stand-in jobs and run everywhere.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +76,61 @@ def test_part2_runs_end_to_end_on_cpu() -> None:
     assert out["failed_jobs"] == 0
     assert out["table2"]["tf-antman"]["A_state"] == "finished" and out["table2"]["tf-antman"]["B_state"] == "finished"
     assert out["a_batch"] > 0 and out["b_batch"] > 0
+    # In every row B arrived the profile's delay (2 s, CPU --quick) after A's first completed
+    # step, not 2 s after A's start (values rounded to 0.1 s).
+    for row, v in out["table2"].items():
+        assert v["A_first_step_s"] > 0, row
+        assert v["B_arrival_s"] >= v["A_first_step_s"] + 2.0 - 0.15, (row, v)
+
+
+# wait_first_step, on stand-in jobs (no torch: these run in CI).
+def _stand_in(tmp_path: Path, code: str):  # noqa: ANN202 - gpu_colocate.Started
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    import gpu_colocate
+
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    log = tmp_path / "a.log"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(log)], stdout=out, stderr=err)
+    return gpu_colocate, gpu_colocate.Started(proc, out, err), log
+
+
+def test_b_waits_for_a_first_completed_step(tmp_path: Path) -> None:
+    # Start-up of 1 s, then steps: a half-written line is not a step.
+    gc, job, log = _stand_in(tmp_path, textwrap.dedent("""
+        import sys, time
+        time.sleep(1.0)
+        f = open(sys.argv[1], "a")
+        f.write("1700000000.0 1"); f.flush(); time.sleep(0.5)
+        f.write("2.5\\n"); f.flush()
+        time.sleep(30)
+    """))
+    t0 = time.monotonic()
+    try:
+        first = gc.wait_first_step(job, log, t0, 20.0, "test")
+        assert 1.4 <= first < 15.0
+        assert gc.read_log(log) == [(1700000000.0, 12.5)]
+    finally:
+        job.proc.kill()
+        job.proc.wait()
+
+
+def test_a_that_never_steps_fails_loudly_and_is_killed(tmp_path: Path) -> None:
+    gc, job, log = _stand_in(tmp_path, "import sys, time; sys.stderr.write('loading the op hook\\n'); "
+                                       "sys.stderr.flush(); time.sleep(60)")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SystemExit, match=r"UMem: A made no step within 2 s .*loading the op hook"):
+            gc.wait_first_step(job, log, t0, 2.0, "UMem")
+        assert time.monotonic() - t0 < 15.0
+        assert job.proc.poll() is not None  # killed, not left running
+    finally:
+        if job.proc.poll() is None:  # red: do not leave it behind
+            job.proc.kill()
+            job.proc.wait()
+
+
+def test_a_that_ends_before_a_step_fails_loudly(tmp_path: Path) -> None:
+    gc, job, log = _stand_in(tmp_path, "import sys; sys.stderr.write('CUDA out of memory\\n'); sys.exit(3)")
+    with pytest.raises(SystemExit, match=r"Pack: A ended \(rc 3\) before its first step: CUDA out of memory"):
+        gc.wait_first_step(job, log, time.monotonic(), 30.0, "Pack")
