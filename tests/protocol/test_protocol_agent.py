@@ -527,17 +527,24 @@ def test_holds_at_share_zero_count_as_paused_time(tmp_path: Path, agents) -> Non
     assert job.holds.seconds >= held + 0.2
 
 
-def test_a_step_pause_at_share_zero_is_counted_once(tmp_path: Path, agents) -> None:
-    job = CountingJob()
-    agent = agents(job, control_fallback_s=HOUR, paused_heartbeat_s=0.005, hold_clock=job.holds)
+def _held_in_step(agent, job_dir: Path, control: Control) -> tuple[threading.Thread, float]:
+    """Starts the agent, pauses it with `control`, and holds a training thread in step_end for
+    at least 0.2 s; (that thread, when it entered step_end)."""
     agent.start()
-    write_control(tmp_path, Control(seq=1, compute_share=0.0, paused=True))
+    write_control(job_dir, control)
     wait_for(lambda: agent._watcher.version > 0, "control read")
     thread = threading.Thread(target=agent.step_end, args=(0.01,))
     started = time.monotonic()
     thread.start()
-    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused", "paused at the boundary")
+    wait_for(lambda: (s := read_stats(job_dir)) is not None and s.state == "paused", "paused at the boundary")
     time.sleep(0.2)
+    return thread, started
+
+
+def test_a_step_pause_at_share_zero_is_counted_once(tmp_path: Path, agents) -> None:
+    job = CountingJob()
+    agent = agents(job, control_fallback_s=HOUR, paused_heartbeat_s=0.005, hold_clock=job.holds)
+    thread, started = _held_in_step(agent, tmp_path, Control(seq=1, compute_share=0.0, paused=True))
     write_control(tmp_path, Control(seq=2, compute_share=1.0, paused=False))
     thread.join(timeout=10)
     assert 0.2 <= job.holds.seconds <= time.monotonic() - started
@@ -547,14 +554,7 @@ def test_an_agent_without_a_clock_counts_its_step_pauses_on_its_own_until_closed
     # A runtime without a hold clock (a stand-in): the agent's own clock counts the training
     # thread held in step_end; closing the agent releases the thread and stops the clock.
     agent = agents(SimulatedJob(), control_fallback_s=HOUR, paused_heartbeat_s=0.005)
-    agent.start()
-    write_control(tmp_path, Control(seq=1, paused=True))
-    wait_for(lambda: agent._watcher.version > 0, "control read")
-    thread = threading.Thread(target=agent.step_end, args=(0.01,))
-    started = time.monotonic()
-    thread.start()
-    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused", "paused at the boundary")
-    time.sleep(0.2)
+    thread, started = _held_in_step(agent, tmp_path, Control(seq=1, paused=True))
     assert agent.hold_clock.seconds >= 0.2  # in force: counts up to now
     agent.close()
     thread.join(timeout=10)
