@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tf_antman._log import log
-from tf_antman.native import NativeError
+from tf_antman.native import NativeError, UnmanagedError
 from tf_antman.units import format_bytes
 
 
@@ -80,8 +80,10 @@ def report(native: Any) -> None:
     try:
         f = figures(native)
         (log.warning if f.slowed else log.info)("%s", describe(f))
-    except NativeError as e:  # no device to report on (cuda, and TF made none): the job ran unmanaged
+    except UnmanagedError as e:  # cuda, and TF made no GPU device: the job ran unmanaged
         log.warning("at exit: no figures: %s", e)
+    except NativeError as e:  # e.g. a process that never created its devices: nothing ran here
+        log.info("at exit: no figures: %s", e)
     except Exception:  # noqa: BLE001 - a failing report must not change how the job exits
         log.debug("exit report failed", exc_info=True)
 

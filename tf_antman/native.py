@@ -30,6 +30,11 @@ class NativeError(RuntimeError):
     pass
 
 
+class UnmanagedError(NativeError):
+    """ANTMAN_DEVICE=cuda, and TensorFlow created its devices without a GPU: the job runs on the
+    CPU, unmanaged (cc/tf/gpu_device.cc says why in TF's log)."""
+
+
 class OpStats(OpmStats):
     """antman_opm_stats (cc/core/antman_ops.h) as antman_rt_get_op_stats (cc/tf/c_api.cc) fills
     it: the core binding's one mirror of the struct; `paused` is a bool in as_dict()."""
@@ -78,17 +83,18 @@ class Native:
     def mem_stats(self) -> MemStats:
         s = MemStats()
         if self.lib.antman_rt_get_mem_stats(ctypes.byref(s)) != 0:
-            raise NativeError(self._no_device())
+            raise self._no_device()
         return s
 
-    def _no_device(self) -> str:
+    def _no_device(self) -> NativeError:
         """Why there is no memory to report: under cuda the devices are TF's to create."""
-        if self.gpu_factory()["kind"] != "cuda":
-            return "tf-antman runtime is not configured"
-        if self.gpu_factory()["create_calls"] == 0:
-            return "no GPU device under tf-antman yet: TensorFlow has not created its devices"
-        return ("no GPU device under tf-antman: TensorFlow created none (the job runs on the CPU, "
-                "unmanaged; docs/gpu-path.md)")
+        factory = self.gpu_factory()
+        if factory["kind"] != "cuda":
+            return NativeError("tf-antman runtime is not configured")
+        if factory["create_calls"] == 0:
+            return NativeError("no GPU device under tf-antman yet: TensorFlow has not created its devices")
+        return UnmanagedError("no GPU device under tf-antman: TensorFlow created none (the job runs "
+                              "on the CPU, unmanaged; docs/gpu-path.md)")
 
     def op_stats(self) -> OpStats:
         s = OpStats()

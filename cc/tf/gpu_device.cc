@@ -54,17 +54,28 @@ std::atomic<int> g_create_calls{0};
 std::atomic<int> g_devices{0};
 tensorflow::DeviceFactory* g_factory = nullptr;  // owned by TF's registry
 
-// ANTMAN_DEVICE=cuda, and TF made no GPU device: TF could not use the GPU (a wheel without its
-// CUDA libraries, a CUDA it cannot load; TF says "Skipping registering GPU devices"), so the job
-// runs on TF's CPU device, which tf-antman does not manage. Said once per process, loudly: the
-// job would otherwise look managed while its limit and share apply to nothing.
-void WarnUnmanaged() {
+// ANTMAN_DEVICE=cuda, and TF made no GPU device, so the job runs on TF's CPU device, which
+// tf-antman does not manage. Either TF could not use the GPU (a wheel without its CUDA
+// libraries, a CUDA it cannot load; TF says "Skipping registering GPU devices": it then lists
+// no physical GPU either), or the job's configuration hid the GPUs TF sees
+// (tf.config.set_visible_devices, a session's device_count). Said once per process, loudly:
+// the job would otherwise look managed while its limit and share apply to nothing.
+void WarnUnmanaged(int physical_gpus) {
   static std::atomic<bool> said{false};
   if (said.exchange(true)) return;
-  LOG(ERROR) << "tf-antman: ANTMAN_DEVICE=cuda, but TensorFlow created no GPU device (see its "
-                "log above: a wheel without its CUDA libraries, e.g. not tensorflow[and-cuda], or "
-                "CUDA libraries it could not load): this job runs on the CPU, and tf-antman's "
-                "memory limit and compute share do not apply to it (docs/gpu-path.md)";
+  const char* const tail =
+      ": this job runs on the CPU, and tf-antman's memory limit and compute share do not apply "
+      "to it (docs/gpu-path.md)";
+  if (physical_gpus > 0) {
+    LOG(WARNING) << "tf-antman: ANTMAN_DEVICE=cuda, but TensorFlow created no GPU device: it sees "
+                 << physical_gpus << " GPU(s), which the job's configuration hides "
+                 << "(tf.config.set_visible_devices, a session's device_count)" << tail;
+  } else {
+    LOG(ERROR) << "tf-antman: ANTMAN_DEVICE=cuda, but TensorFlow created no GPU device and sees "
+                  "no GPU (see its log above: a wheel without its CUDA libraries, e.g. not "
+                  "tensorflow[and-cuda], or CUDA libraries it could not load)"
+               << tail;
+  }
 }
 
 bool IsWaiting(const OpKernel* kernel) {
@@ -270,7 +281,11 @@ class AntmanGpuDeviceFactory final : public tensorflow::BaseGPUDeviceFactory {
                              std::vector<std::unique_ptr<tensorflow::Device>>* devices) override {
     g_create_calls.fetch_add(1);
     absl::Status status = BaseGPUDeviceFactory::CreateDevices(options, name_prefix, devices);
-    if (status.ok() && g_devices.load() == 0) WarnUnmanaged();
+    if (status.ok() && g_devices.load() == 0) {
+      std::vector<std::string> physical;  // TF's own listing, not counted as a list call of ours
+      const bool listed = BaseGPUDeviceFactory::ListPhysicalDevices(&physical).ok();
+      WarnUnmanaged(listed ? static_cast<int>(physical.size()) : 0);
+    }
     return status;
   }
 

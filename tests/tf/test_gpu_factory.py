@@ -43,7 +43,7 @@ def test_cuda_factory_registers_in_stock_tf_without_gpu_and_cpu_training_runs() 
     """))
     r = job.result
     # TF made no GPU: the job runs on the CPU, unmanaged, and is told so, once, and at exit.
-    unmanaged = "tf-antman: ANTMAN_DEVICE=cuda, but TensorFlow created no GPU device"
+    unmanaged = "tf-antman: ANTMAN_DEVICE=cuda, but TensorFlow created no GPU device and sees no GPU"
     assert job.stderr.count(unmanaged) == 1, job.stderr[-3000:]
     assert r["no_memory"] is not None and "TensorFlow created none" in r["no_memory"]
     assert "at exit: no figures: no GPU device under tf-antman: TensorFlow created none" in job.stderr
@@ -54,6 +54,26 @@ def test_cuda_factory_registers_in_stock_tf_without_gpu_and_cpu_training_runs() 
     assert f["devices"] == 0 and r["antman_devices"] == 0
     assert r["gpus"] == [] and all("GPU" not in d for d in r["logical"])
     assert r["loss"][-1] < r["loss"][0] / 2
+
+
+def test_cuda_before_tf_created_its_devices_says_so_and_stays_quiet_at_exit() -> None:
+    # Nothing ran (TF imported, no op): no device yet is no news worth a warning at exit.
+    job = run_py(textwrap.dedent("""
+        from tf_antman import exit_report, native
+        lib = native.load()
+        lib.configure("cuda", 0, 0, 0, 1 << 30, 1.0)
+        import tensorflow as tf
+        try:
+            lib.mem_stats()
+            no_memory = None
+        except native.NativeError as e:
+            no_memory = str(e)
+        exit_report.report(lib)
+        emit({"no_memory": no_memory, "creates": lib.gpu_factory()["create_calls"]})
+    """))
+    r = job.result
+    assert r["creates"] == 0 and "TensorFlow has not created its devices" in r["no_memory"]
+    assert "at exit" not in job.stderr and "created no GPU device" not in job.stderr
 
 
 def test_emulated_hides_gpus_from_tf() -> None:
