@@ -3,6 +3,7 @@
     python bench/gpu_colocate.py --part 1 [--quick]    # guarantee job + two opportunistic jobs
     python bench/gpu_colocate.py --part 2 [--quick]    # the paper's Table 2 scenario
     python bench/gpu_colocate.py --part 1|2 --device cpu   # CPU dry run of the whole pipeline
+    ... [--out DIR]   # rows.jsonl there (default: the run's temporary directory)
 
 Needs one NVIDIA GPU (NVML), PyTorch with CUDA, a C++ compiler and ninja for the op hook, and the
 native libraries (tf_antman/_native/libantman_torch.so, libantman_core.so). Without a GPU it
@@ -36,7 +37,9 @@ temporary directory, never to docs/.
    (tf-antman memory, no coordinator: B's limit is the memory free at its arrival, the rest in
    host memory) and tf-antman (the daemon shrinks A, B gets its memory). Batch sizes come from a
    calibration run that measures ResNet-50's memory per sample on this GPU.
-Last line: one JSON object.
+Last line: one JSON object. Each finished part-2 row (and the calibration, and each part-1
+repeat) is also written as soon as it is done, one JSON line in DIR/rows.jsonl (--out) and one
+`gpu_colocate: row ...` line on stderr: a run stopped at a device call's time limit keeps them.
 """
 
 from __future__ import annotations
@@ -406,13 +409,23 @@ def colocate_once(rep: int, prof: Profile, capacity: int, tmp: Path, timeline: l
     return r, failed
 
 
-def part1(prof: Profile, capacity: int, repeats: int, tmp: Path) -> dict:
+def record_row(rows: Path, name: str, value: dict) -> None:
+    """One finished row, at once: a JSON line appended to `rows` (kept if the run is killed
+    later) and the same line on stderr."""
+    line = json.dumps({"row": name, **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in value.items()}})
+    with rows.open("a") as f:
+        f.write(line + "\n")
+    print(f"gpu_colocate: row {line}", file=sys.stderr, flush=True)
+
+
+def part1(prof: Profile, capacity: int, repeats: int, tmp: Path, rows: Path) -> dict:
     failed = 0
     results: list[dict] = []
     timeline: list[dict] = []
     for rep in range(repeats):
         r, f = colocate_once(rep, prof, capacity, tmp, timeline)
         failed += f
+        record_row(rows, f"repeat {rep + 1}", {**r, "failed_jobs": f})
         print(f"   repeat {rep + 1}: RG {r['rg_solo_ms']:.1f} -> {r['rg_colocated_ms']:.1f} ms "
               f"({100 * r['rg_slowdown']:+.1f}%), op progress "
               f"{ {k: round(v, 3) for k, v in r['op_progress_ratio'].items()} }"
@@ -447,7 +460,7 @@ def part1(prof: Profile, capacity: int, repeats: int, tmp: Path) -> dict:
     return out
 
 
-def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
+def part2(prof: Profile, capacity: int, tmp: Path, rows: Path) -> dict:
     cuda = prof.antman_env()
     # Calibration: ResNet-50's peak memory and step time at two batch sizes on this GPU, fitted
     # as fixed + per-sample x batch (fixed: weights, gradients and optimizer state; launch
@@ -483,6 +496,9 @@ def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
     print(f"   calibration: {fixed / (1 << 20):.0f} MiB + {per_sample / (1 << 20):.0f} MiB per sample, "
           f"{ms_fixed:.2f} ms + {ms_per_sample:.2f} ms per sample; "
           f"A batch {a_batch}, B batch {b_batch} (needs ~{b_need / GiB:.1f} GiB) on {capacity / GiB:.0f} GiB", flush=True)
+    record_row(rows, "calibration", {"fixed_bytes": int(fixed), "bytes_per_sample": int(per_sample),
+                                     "fixed_ms": ms_fixed, "ms_per_sample": ms_per_sample,
+                                     "a_batch": a_batch, "b_batch": b_batch, "capacity_bytes": capacity})
     res: dict[str, dict] = {}
 
     # B arrives `arrival` s after A's first completed step (A has then reached its peak memory),
@@ -500,6 +516,7 @@ def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
     res["FIFO"] = {"A": a_solo, "A_state": a_state, "B": max(0.0, a_solo - (a_first + arrival)) + b_solo,
                    "B_state": f"{b_state} (waited for A)", "A_first_step_s": a_first,
                    "B_arrival_s": a_first + arrival}
+    record_row(rows, "FIFO", res["FIFO"])
 
     # Pack: stock PyTorch for both (no ANTMAN_*): B gets what A's caching allocator left.
     t0 = time.monotonic()
@@ -511,6 +528,7 @@ def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
     a_jct, a_state, _ = finish(a, t0, deadline)
     res["Pack"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state, "A_first_step_s": a_first,
                    "B_arrival_s": tb - t0}
+    record_row(rows, "Pack", res["Pack"])
 
     # UMem: tf-antman memory for both, no coordinator: B's limit is what is free when it arrives.
     t0 = time.monotonic()
@@ -526,6 +544,7 @@ def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
     res["UMem"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state,
                    "B_host_fallbacks": b_out.get("host_fallbacks"), "A_first_step_s": a_first,
                    "B_arrival_s": tb - t0, "B_limit_bytes": max(free - GiB, 1 << 20)}
+    record_row(rows, "UMem", res["UMem"])
 
     # tf-antman: the daemon places both and its coordinator shrinks A for B.
     d = make_daemon(tmp / "table2", prof)
@@ -559,6 +578,7 @@ def part2(prof: Profile, capacity: int, tmp: Path) -> dict:
     b_jct, b_state = outcome(rb, rb.submit_time)
     res["tf-antman"] = {"A": a_jct, "A_state": a_state, "B": b_jct, "B_state": b_state,
                         "A_first_step_s": a_first, "B_arrival_s": b_arrival}
+    record_row(rows, "tf-antman", res["tf-antman"])
     return {"table2": {k: {kk: (round(vv, 1) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                        for k, v in res.items()},
             "a_batch": a_batch, "b_batch": b_batch, "capacity_bytes": capacity,
@@ -574,6 +594,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=0, help="part 1 repeats (default 1 quick or cpu, 2 full)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda: the measurement on GPU 0; cpu: a dry run of the pipeline (no GPU figure)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for rows.jsonl, each row as soon as it is done (default: the run's "
+                        "temporary directory; on a lent GPU: $OUT, which comes back after a timeout too)")
     a = p.parse_args()
     if not 0 <= a.repeats <= 20:
         p.error(f"--repeats: {a.repeats} is outside the accepted range [0, 20] (0: the default)")
@@ -586,6 +609,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="tf-antman-gpu-colocate-"))
     print(f"gpu_colocate: {device_name}{' (CPU dry run: nothing here is a GPU figure)' if prof.dry_run else ''}; "
           f"logs and job directories in {tmp}", flush=True)
+    out_dir = a.out or tmp
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = out_dir / "rows.jsonl"
+    rows.write_text("")  # this run's rows only
+    print(f"gpu_colocate: finished rows go to {rows}", flush=True)
     autoload_like_the_wheel(tmp)
     # The op hook is built with the ninja of this Python's environment (an activated venv's PATH).
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -596,10 +624,10 @@ def main() -> None:
     where = "an emulated GPU (CPU dry run)" if prof.dry_run else "one GPU (scheduler_lite, nvml)"
     if a.part == "1":
         print(f"1. guarantee ResNet-50 + two opportunistic jobs on {where}", flush=True)
-        out = part1(prof, capacity, a.repeats or (2 if a.device == "cuda" and not a.quick else 1), tmp)
+        out = part1(prof, capacity, a.repeats or (2 if a.device == "cuda" and not a.quick else 1), tmp, rows)
     else:
         print(f"2. Table 2 on {where}: A (opportunistic) running, B (guarantee) arrives", flush=True)
-        out = part2(prof, capacity, tmp)
+        out = part2(prof, capacity, tmp, rows)
         for k, v in out["table2"].items():
             print(f"   {k:<10} JCT A {v['A']:>8} s  {v['A_state']:<14} JCT B {v['B']:>8} s  {v['B_state']}")
     head = {"bench": "gpu_colocate", "version": 1, "part": int(a.part), "device": device_name,

@@ -20,10 +20,14 @@ A failure does not stop the run: both halves and the RG rounds run whatever the 
 (the RG rounds need the share run's calibration: fma_iters, mean_kernel_ms), and the JSON line is
 printed in every case but a skip, with `ok`, `failures` (one line per failure) and, per part, its
 exit status and error text: memory_rc / memory_error / memory_failed_checks, compute_rc /
-compute_error, rg_error (and build_error, probe_error). A crashed binary's figures are null; a
-binary past --timeout, an opportunist that does not print READY within --ready-timeout, and
-anything past --budget (the whole command's wall time, build included) are killed and recorded
-as errors, so the line comes out before a device call's own time limit.
+compute_error (a failed `compute_bench probe` is told there too), rg_error, and on a build
+failure build_error alone. A crashed binary's figures are null; a binary past --timeout, an
+opportunist that does not print READY within --ready-timeout, and anything past --budget (the
+whole command's wall time, build included; an opportunist that ignores SIGTERM gets what is left
+of it before SIGKILL) are killed and recorded as errors, so the line comes out before a device
+call's own time limit. Killed itself (SIGTERM, SIGINT: the device call's limit, Ctrl-C), the
+command SIGKILLs every process group it started and exits 128 + the signal, without a JSON line;
+it kills what is left at a normal exit too, so no bench process stays on the GPU.
 
 Exit status: 0 ran and every check passed, 1 a build error, a crash, a timeout or a failed check
 (after the JSON line), 77 skipped: no nvcc, or no CUDA device or driver (one `SKIP:` line says
@@ -50,9 +54,12 @@ from _procs import (  # bench/gpu/_procs.py, beside this script
     Budget,
     Run,
     describe_rc,
+    forget,
+    install_stop_handlers,
     last_json,
     run_captured,
     run_json,
+    start_child,
     stop_opportunist,
     tail,
     wait_ready,
@@ -150,12 +157,12 @@ def build(out: Path, budget: Budget) -> None:
 
 
 def guarantee_run(bench: Path, iters: int, kernels: int, opportunist_share: float | None,
-                  budget: Budget, timeout: float, ready_timeout: float) -> float:
+                  budget: Budget, timeout: float, ready_timeout: float, probe_ok: bool = True) -> float:
     """Wall seconds of the guarantee job, alone or beside an opportunist at the given share."""
     cmd = [str(bench), "guarantee", "--iters", str(iters), "--kernels", str(kernels)]
 
     def guarantee() -> float:
-        run = run_json(cmd, "guarantee", budget.timeout(timeout, "guarantee"))
+        run = run_json(cmd, "guarantee", budget.timeout(timeout, "guarantee"), probe_ok)
         if run.error is not None:
             raise BenchError(run.error)
         assert run.result is not None
@@ -174,9 +181,9 @@ def guarantee_run(bench: Path, iters: int, kernels: int, opportunist_share: floa
             errf.seek(0)
             return errf.read().decode(errors="replace")
 
-        opp = subprocess.Popen([str(bench), "opportunist", "--iters", str(iters), "--share",
-                                str(opportunist_share)], stdout=subprocess.PIPE, stderr=errf,
-                               text=True, errors="replace", start_new_session=True)
+        opp = start_child([str(bench), "opportunist", "--iters", str(iters), "--share",
+                           str(opportunist_share)], stdout=subprocess.PIPE, stderr=errf,
+                          text=True, errors="replace")
         line = None
         try:
             line = wait_ready(opp, ready_s)
@@ -188,6 +195,7 @@ def guarantee_run(bench: Path, iters: int, kernels: int, opportunist_share: floa
                 else:  # end of its stdout: it ended
                     try:
                         opp.wait(5)
+                        forget(opp)
                     except subprocess.TimeoutExpired:
                         pass
                     how = ("ended before READY" if opp.returncode is None
@@ -196,7 +204,11 @@ def guarantee_run(bench: Path, iters: int, kernels: int, opportunist_share: floa
                 raise BenchError(f"{what}: {how}" + (f"; stderr: {tail(err)}" if err.strip() else ""))
             wall = guarantee()
         finally:
-            stop_opportunist(opp, stuck=line is None)
+            # SIGTERM's grace comes out of what is left of --budget, less 2 s to SIGKILL and print.
+            left_running = stop_opportunist(opp, stuck=line is None,
+                                            grace=min(30.0, budget.left() - 2.0))
+        if left_running is not None:
+            raise BenchError(f"{what}: {left_running}")
         if opp.returncode != 0:
             raise BenchError(f"{what} failed ({describe_rc(opp.returncode)}) after the guarantee run: "
                              f"{tail(err_text())}")
@@ -209,7 +221,7 @@ RG_FIGURES = ("rg_slowdown_throttled", "rg_slowdown_throttled_worst", "rg_slowdo
 
 
 def rg(bench: Path, iters: int, kernel_ms: float, rounds: int, seconds: float, budget: Budget,
-       timeout: float, ready_timeout: float) -> dict[str, Any]:
+       timeout: float, ready_timeout: float, probe_ok: bool = True) -> dict[str, Any]:
     """The RG rounds. A failed run ends them: its error is `rg_error`, and the figures are those
     of the rounds completed before it (null if none)."""
     kernels = max(200, int(seconds * 1000.0 / kernel_ms))
@@ -226,7 +238,7 @@ def rg(bench: Path, iters: int, kernel_ms: float, rounds: int, seconds: float, b
             this: dict[str, list[float]] = {c: [] for c in conditions}
             for cond in order:
                 this[cond].append(guarantee_run(bench, iters, kernels, conditions[cond], budget,
-                                                timeout, ready_timeout))
+                                                timeout, ready_timeout, probe_ok))
             alone = statistics.mean(this["alone"])
             for cond in ("throttled", "unthrottled"):
                 ratios[cond].append(this[cond][0] / alone)
@@ -276,7 +288,7 @@ def compute_part(run: Run | None, probe_error: str | None) -> dict[str, Any]:
     out["compute_rc"] = run.rc if run else None
     error = run.error if run else None
     gate_errors = result.get("gate_errors")
-    if result and gate_errors != 0:
+    if result and "skipped" not in result and gate_errors != 0:  # a skip's line has no figures
         note = f"compute_bench share: gate_errors {gate_errors}"
         error = note if error is None else f"{note}; {error}"
     if probe_error is not None:
@@ -303,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=60.0,
                         help="seconds an opportunist may take to print READY (default 60)")
     args = parser.parse_args(argv)
+    install_stop_handlers()
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 4)
     if not 1 <= rounds <= 50:
         parser.error(f"--rounds: {rounds} is outside the accepted range [1, 50]")
@@ -343,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_bin(cmd: list[str], what: str) -> Run:
         try:
-            return run_json(cmd, what, budget.timeout(args.timeout, what))
+            return run_json(cmd, what, budget.timeout(args.timeout, what), probe_error is None)
         except BenchError as e:
             return Run(what, None, None, "", str(e))
 
@@ -362,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(iters, int) and iters > 0 and isinstance(kernel_ms, (int, float)) and kernel_ms > 0:
         try:
             rg_result = rg(compute_bench, iters, float(kernel_ms), rounds, 1.0 if args.quick else 3.0,
-                           budget, args.timeout, args.ready_timeout)
+                           budget, args.timeout, args.ready_timeout, probe_error is None)
         except Exception as e:  # noqa: BLE001 - a bug here must not cost the line
             rg_result["rg_error"] = f"rg: internal error {type(e).__name__}: {e}"
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ def hang():
     # a grandchild holding our stdout and stderr too: killing only this process would leave the
     # pipes open
     child = subprocess.Popen(["sleep", "300"])
-    with open(os.path.join(PIDS, cmd + ".pids"), "w") as f:
+    with open(os.path.join(PIDS, cmd + ".pids"), "a") as f:
         f.write(f"{{os.getpid()}} {{child.pid}}\n")
     time.sleep(300)
 
@@ -54,8 +55,11 @@ if cmd == "memory":
           "host_fallback_slowdown": 9.0, "checks_ok": ok}})
     sys.exit(0 if ok else 1)
 if cmd == "probe":
-    sys.exit(0)
+    sys.exit(1 if mode == "fail" else 0)
 if cmd == "share":
+    if mode == "skip":
+        emit({{"skipped": "no CUDA device"}})
+        sys.exit(77)
     if mode == "crash":
         sys.stderr.write("compute_bench: cudaStreamSynchronize(job.stream) failed: an illegal memory access\n")
         sys.stderr.flush()
@@ -68,6 +72,9 @@ if cmd == "share":
           "phase_epoch_s": [[now - 8 + 2 * i, now - 7 + 2 * i] for i in range(4)]}})
     sys.exit(1 if errors else 0)
 if cmd == "guarantee":
+    # hang_beside: hangs once an opportunist has started (the first run of a round is alone)
+    if mode == "hang_beside" and os.path.exists(os.path.join(PIDS, "opportunist.pids")):
+        hang()
     emit({{"bench": "gpu_compute_guarantee", "version": 1, "kernels": 200, "wall_s": 0.01}})
     sys.exit(0)
 if cmd == "opportunist":
@@ -76,8 +83,13 @@ if cmd == "opportunist":
     if mode == "exit":
         sys.stderr.write("compute_bench: antman_gate_create: no driver\n")
         sys.exit(1)
+    with open(os.path.join(PIDS, "opportunist.pids"), "a") as f:
+        f.write(f"{{os.getpid()}}\n")
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    if mode == "ignore_term":  # a stuck one: only SIGKILL ends it
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     print("READY", flush=True)
     while not stop:
         time.sleep(0.01)
@@ -87,8 +99,8 @@ sys.exit(2)
 '''
 
 
-def run_bench(tmp: Path, modes: dict[str, str] | None, *extra: str, timeout: float = 120
-              ) -> tuple[subprocess.CompletedProcess[str], dict, float]:
+def bench_cmd(tmp: Path, modes: dict[str, str] | None, *extra: str) -> list[str]:
+    """run.py on stand-ins (none if `modes` is None) in tmp/out."""
     out = tmp / "out"
     out.mkdir()
     if modes is not None:
@@ -96,10 +108,17 @@ def run_bench(tmp: Path, modes: dict[str, str] | None, *extra: str, timeout: flo
             path = out / name
             path.write_text(STAND_IN.format(python=sys.executable, modes=modes, pids=str(tmp)))
             path.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTMAN_")}
+    return [sys.executable, str(RUN), "--quick", "--no-build", "--rounds", "1", "--out", str(out), *extra]
+
+
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("ANTMAN_")}
+
+
+def run_bench(tmp: Path, modes: dict[str, str] | None, *extra: str, timeout: float = 120
+              ) -> tuple[subprocess.CompletedProcess[str], dict, float]:
+    cmd = bench_cmd(tmp, modes, *extra)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(RUN), "--quick", "--no-build", "--rounds", "1", "--out", str(out),
-                           *extra], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
     wall = time.monotonic() - t0
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
@@ -206,6 +225,13 @@ def test_opportunist_that_exits_before_ready(tmp_path: Path) -> None:
     assert "ended before READY (exit 1)" in out["rg_error"] and "no driver" in out["rg_error"]
 
 
+def test_skip_after_a_failed_probe_is_not_said_to_contradict_it(tmp_path: Path) -> None:
+    proc, out, _ = run_bench(tmp_path, {"probe": "fail", "share": "skip"})
+    assert proc.returncode == 1
+    assert out["compute_error"] == "compute_bench probe: exit 1; compute_bench share: exit 77 (no CUDA device)"
+    assert "probe_error" not in out  # folded into compute_error, as the docstring says
+
+
 def test_missing_binaries(tmp_path: Path) -> None:
     proc, out, _ = run_bench(tmp_path, None)
     assert proc.returncode == 1 and out["ok"] is False
@@ -220,6 +246,42 @@ def test_budget_bounds_the_whole_command(tmp_path: Path) -> None:
     assert proc.returncode == 1 and wall < 30
     assert "no answer within" in out["memory_error"]
     assert "--budget spent" in out["compute_error"]
+
+
+def test_opportunist_ignoring_sigterm_stays_inside_the_budget(tmp_path: Path) -> None:
+    # The guarantee hangs to its share of a 15 s budget; the opportunist beside it ignores
+    # SIGTERM: SIGKILL comes within what is left of the budget, not 30 s later.
+    proc, out, wall = run_bench(tmp_path, {"guarantee": "hang_beside", "opportunist": "ignore_term"}, "--budget", "15")
+    assert proc.returncode == 1 and wall <= 15 + 3, wall
+    assert "guarantee: no answer within" in out["rg_error"] and out["rg_rounds_done"] == 0
+    assert_dead(tmp_path / "opportunist.pids")
+    assert_dead(tmp_path / "guarantee.pids")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_killed_run_py_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    # As at a device call's time limit (SIGTERM) or Ctrl-C (SIGINT): an opportunist (which runs
+    # until told to stop) and a hanging guarantee, each in its own process group.
+    cmd = bench_cmd(tmp_path, {"guarantee": "hang_beside"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "guarantee.pids").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:  # red: do not leave run.py behind
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - t0 < 5
+    assert_dead(tmp_path / "opportunist.pids")
+    assert_dead(tmp_path / "guarantee.pids")  # and its grandchild
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    assert stdout == "" and f"stopped by {sig.name}" in stderr
 
 
 @pytest.mark.parametrize("flag", ["--budget", "--timeout", "--ready-timeout"])

@@ -27,13 +27,13 @@ from tests.torch.python_with_torch import torch_python
 BENCH = REPO / "bench" / "gpu_colocate.py"
 
 
-def dry_run(part: int) -> dict:
+def dry_run(part: int, *extra: str) -> dict:
     python, why = torch_python()
     if python is None:
         pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANTMAN_")}
     env.update(PYTHONUNBUFFERED="1", PATH=os.pathsep.join([str(Path(python).parent), env.get("PATH", "")]))
-    proc = subprocess.run([python, str(BENCH), "--part", str(part), "--device", "cpu", "--quick"], env=env,
+    proc = subprocess.run([python, str(BENCH), "--part", str(part), "--device", "cpu", "--quick", *extra], env=env,
                           capture_output=True, text=True, timeout=900, cwd=str(REPO))
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     last = proc.stdout.strip().splitlines()[-1]
@@ -70,8 +70,8 @@ def test_part1_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert "docs" not in Path(out["timeline_plot"] or out["timeline_json"]).parts
 
 
-def test_part2_runs_end_to_end_on_cpu() -> None:
-    out = dry_run(2)
+def test_part2_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
+    out = dry_run(2, "--out", str(tmp_path))
     assert set(out["table2"]) == {"FIFO", "Pack", "UMem", "tf-antman"}
     assert out["failed_jobs"] == 0
     assert out["table2"]["tf-antman"]["A_state"] == "finished" and out["table2"]["tf-antman"]["B_state"] == "finished"
@@ -81,6 +81,10 @@ def test_part2_runs_end_to_end_on_cpu() -> None:
     for row, v in out["table2"].items():
         assert v["A_first_step_s"] > 0, row
         assert v["B_arrival_s"] >= v["A_first_step_s"] + 2.0 - 0.15, (row, v)
+    # Each row was also written as soon as it was done (kept if a device call's limit ends the run).
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["row"] for r in rows] == ["calibration", "FIFO", "Pack", "UMem", "tf-antman"]
+    assert all({k: v for k, v in r.items() if k != "row"} == out["table2"][r["row"]] for r in rows[1:])
 
 
 # wait_first_step, on stand-in jobs (no torch: these run in CI).
@@ -134,3 +138,17 @@ def test_a_that_ends_before_a_step_fails_loudly(tmp_path: Path) -> None:
     gc, job, log = _stand_in(tmp_path, "import sys; sys.stderr.write('CUDA out of memory\\n'); sys.exit(3)")
     with pytest.raises(SystemExit, match=r"Pack: A ended \(rc 3\) before its first step: CUDA out of memory"):
         gc.wait_first_step(job, log, time.monotonic(), 30.0, "Pack")
+
+
+def test_rows_are_written_as_they_finish(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    import gpu_colocate
+
+    rows = tmp_path / "rows.jsonl"
+    gpu_colocate.record_row(rows, "FIFO", {"A": 12.345, "A_state": "finished"})
+    assert json.loads(rows.read_text()) == {"row": "FIFO", "A": 12.3, "A_state": "finished"}
+    gpu_colocate.record_row(rows, "Pack", {"B": 1.0})
+    assert [json.loads(x)["row"] for x in rows.read_text().splitlines()] == ["FIFO", "Pack"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("gpu_colocate: row {") and json.loads(err[1].split("row ", 1)[1])["B"] == 1.0
