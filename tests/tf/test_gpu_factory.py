@@ -21,23 +21,26 @@ hist = model.fit(x, y, epochs=5, batch_size=32, verbose=0).history["loss"]
 gpus = [d.name for d in tf.config.list_physical_devices("GPU")]
 logical = [d.name for d in tf.config.list_logical_devices()]
 """
+# The cuda runtime configured directly (activation would refuse cuda here: no driver), which is
+# what a GPU machine runs, minus the GPUs.
+CUDA_RUNTIME = """
+from tf_antman import exit_report, native
+lib = native.load()
+lib.configure("cuda", 0, 0, 0, 1 << 30, 1.0)
+"""
+# What the job can read of its memory, and its exit report.
+MEMORY_AND_REPORT = """
+try:
+    lib.mem_stats()
+    no_memory = None
+except native.NativeError as e:
+    no_memory = str(e)
+exit_report.report(lib)
+"""
 
 
 def test_cuda_factory_registers_in_stock_tf_without_gpu_and_cpu_training_runs() -> None:
-    # The cuda runtime is configured directly (activation would refuse cuda here: no driver),
-    # which is what a GPU machine runs, minus the GPUs.
-    job = run_py(textwrap.dedent("""
-        from tf_antman import native
-        lib = native.load()
-        lib.configure("cuda", 0, 0, 0, 1 << 30, 1.0)
-    """) + TRAIN + textwrap.dedent("""
-        try:
-            lib.mem_stats()
-            no_memory = None
-        except native.NativeError as e:
-            no_memory = str(e)
-        from tf_antman import exit_report
-        exit_report.report(lib)
+    job = run_py(CUDA_RUNTIME + TRAIN + MEMORY_AND_REPORT + textwrap.dedent("""
         emit({"factory": lib.gpu_factory(), "gpus": gpus, "logical": logical, "loss": hist,
               "antman_devices": lib.device_count(), "no_memory": no_memory})
     """))
@@ -58,17 +61,7 @@ def test_cuda_factory_registers_in_stock_tf_without_gpu_and_cpu_training_runs() 
 
 def test_cuda_before_tf_created_its_devices_says_so_and_stays_quiet_at_exit() -> None:
     # Nothing ran (TF imported, no op): no device yet is no news worth a warning at exit.
-    job = run_py(textwrap.dedent("""
-        from tf_antman import exit_report, native
-        lib = native.load()
-        lib.configure("cuda", 0, 0, 0, 1 << 30, 1.0)
-        import tensorflow as tf
-        try:
-            lib.mem_stats()
-            no_memory = None
-        except native.NativeError as e:
-            no_memory = str(e)
-        exit_report.report(lib)
+    job = run_py(CUDA_RUNTIME + "import tensorflow as tf\n" + MEMORY_AND_REPORT + textwrap.dedent("""
         emit({"no_memory": no_memory, "creates": lib.gpu_factory()["create_calls"]})
     """))
     r = job.result
