@@ -613,7 +613,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = out_dir / "rows.jsonl"
     rows.write_text("")  # this run's rows only
-    print(f"gpu_colocate: finished rows go to {rows}", flush=True)
+    print(f"gpu_colocate: finished rows go to {rows}", file=sys.stderr, flush=True)
     autoload_like_the_wheel(tmp)
     # The op hook is built with the ninja of this Python's environment (an activated venv's PATH).
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])

@@ -124,7 +124,16 @@ def run_captured(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
         return proc.returncode, out, err
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            # Something that left the group (a session of its own) still holds the pipes: the
+            # output is given up rather than waited for.
+            try:
+                proc.wait(KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            return None, "", "(output lost: a process outside its group kept its pipes open)"
         return None, out, err
     finally:
         forget(proc)

@@ -42,6 +42,13 @@ def hang():
 if cmd == "memory":
     if mode == "hang":
         hang()
+    if mode == "escape":  # a grandchild in a session of its own keeps the pipes: no group kill reaches it
+        child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        with open(os.path.join(PIDS, "escaped.pids"), "a") as f:
+            f.write(f"{{child.pid}}\n")
+        with open(os.path.join(PIDS, "memory.pids"), "a") as f:
+            f.write(f"{{os.getpid()}}\n")
+        time.sleep(300)
     if mode == "crash":
         sys.stderr.write("shrink 0: 2.00 GiB in 9 regions\n")
         sys.stderr.flush()
@@ -207,6 +214,15 @@ def test_hanging_memory_bench_is_killed_at_the_timeout(tmp_path: Path) -> None:
     assert out["compute_error"] is None and out["rg_rounds_done"] == 1  # the rest ran
     assert wall < 60
     assert_dead(tmp_path / "memory.pids")  # and its grandchild, which held the pipes
+
+
+def test_pipes_held_outside_the_group_do_not_hang_the_bench(tmp_path: Path) -> None:
+    proc, out, wall = run_bench(tmp_path, {"memory": "escape"}, "--timeout", "3")
+    assert proc.returncode == 1
+    assert out["memory_rc"] is None and "kept its pipes open" in out["memory_error"]
+    assert out["compute_error"] is None and out["rg_rounds_done"] == 1  # the rest ran
+    assert wall < 60
+    assert_dead(tmp_path / "memory.pids")  # the leader; the escaped sleep is the fixture's to end
 
 
 def test_opportunist_without_ready_is_an_error_not_a_hang(tmp_path: Path) -> None:
