@@ -87,21 +87,21 @@ def test_part2_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert all({k: v for k, v in r.items() if k != "row"} == out["table2"][r["row"]] for r in rows[1:])
 
 
-# wait_first_step, on stand-in jobs (no torch: these run in CI).
-def _stand_in(tmp_path: Path, code: str):  # noqa: ANN202 - gpu_colocate.Started
+# wait_first_step (bench/_gpu_jobs.py), on stand-in jobs (no torch: these run in CI).
+def _stand_in(tmp_path: Path, code: str):  # noqa: ANN202 - _gpu_jobs.Started
     if str(REPO / "bench") not in sys.path:
         sys.path.insert(0, str(REPO / "bench"))
-    import gpu_colocate
+    import _gpu_jobs
 
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     log = tmp_path / "a.log"
     proc = subprocess.Popen([sys.executable, "-c", code, str(log)], stdout=out, stderr=err)
-    return gpu_colocate, gpu_colocate.Started(proc, out, err), log
+    return _gpu_jobs, _gpu_jobs.Started(proc, out, err), log
 
 
 def test_b_waits_for_a_first_completed_step(tmp_path: Path) -> None:
     # Start-up of 1 s, then steps: a half-written line is not a step.
-    gc, job, log = _stand_in(tmp_path, textwrap.dedent("""
+    gj, job, log = _stand_in(tmp_path, textwrap.dedent("""
         import sys, time
         time.sleep(1.0)
         f = open(sys.argv[1], "a")
@@ -111,21 +111,21 @@ def test_b_waits_for_a_first_completed_step(tmp_path: Path) -> None:
     """))
     t0 = time.monotonic()
     try:
-        first = gc.wait_first_step(job, log, t0, 20.0, "test")
+        first = gj.wait_first_step(job, log, t0, 20.0, "test")
         assert 1.4 <= first < 15.0
-        assert gc.read_log(log) == [(1700000000.0, 12.5)]
+        assert gj.read_log(log) == [(1700000000.0, 12.5)]
     finally:
         job.proc.kill()
         job.proc.wait()
 
 
 def test_a_that_never_steps_fails_loudly_and_is_killed(tmp_path: Path) -> None:
-    gc, job, log = _stand_in(tmp_path, "import sys, time; sys.stderr.write('loading the op hook\\n'); "
+    gj, job, log = _stand_in(tmp_path, "import sys, time; sys.stderr.write('loading the op hook\\n'); "
                                        "sys.stderr.flush(); time.sleep(60)")
     t0 = time.monotonic()
     try:
         with pytest.raises(SystemExit, match=r"UMem: A made no step within 2 s .*loading the op hook"):
-            gc.wait_first_step(job, log, t0, 2.0, "UMem")
+            gj.wait_first_step(job, log, t0, 2.0, "UMem")
         assert time.monotonic() - t0 < 15.0
         assert job.proc.poll() is not None  # killed, not left running
     finally:
@@ -135,9 +135,9 @@ def test_a_that_never_steps_fails_loudly_and_is_killed(tmp_path: Path) -> None:
 
 
 def test_a_that_ends_before_a_step_fails_loudly(tmp_path: Path) -> None:
-    gc, job, log = _stand_in(tmp_path, "import sys; sys.stderr.write('CUDA out of memory\\n'); sys.exit(3)")
+    gj, job, log = _stand_in(tmp_path, "import sys; sys.stderr.write('CUDA out of memory\\n'); sys.exit(3)")
     with pytest.raises(SystemExit, match=r"Pack: A ended \(rc 3\) before its first step: CUDA out of memory"):
-        gc.wait_first_step(job, log, time.monotonic(), 30.0, "Pack")
+        gj.wait_first_step(job, log, time.monotonic(), 30.0, "Pack")
 
 
 def test_rows_are_written_as_they_finish(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
