@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
-import enum
 import json
 import logging
 import os
@@ -29,10 +28,10 @@ from scheduler_lite.isolation import SESSION_VARIABLES
 from scheduler_lite.launcher import describe_exit
 from scheduler_lite.model import JobKind, Tenant
 from scheduler_lite.policy.validation import ConfigError
-from scheduler_lite.server import UNPRINTABLE
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
 from scheduler_lite.submission import SubmitError, quota_warning
+from scheduler_lite.wire import UNPRINTABLE, plain
 from tf_antman.units import format_bytes, parse_bytes
 
 PROG = "scheduler-lite"
@@ -512,25 +511,13 @@ def _print_status(status: ClusterStatus) -> None:
 
 
 def _job_dict(job: JobRecord) -> dict[str, Any]:
-    out = _plain(job)
+    out = plain(job)
     out["env"] = dict(job.env)
     return out
 
 
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _print_json(value: Any) -> None:
-    print(json.dumps(_plain(value), indent=None, sort_keys=False))
+    print(json.dumps(plain(value), indent=None, sort_keys=False))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ from typing import Any, Final
 
 from scheduler_lite.config import Config
 from scheduler_lite.model import JobKind, Role
-from scheduler_lite.server import MAX_REQUEST_BYTES, PROTOCOL_VERSION
 from scheduler_lite.status import ClusterStatus, GpuStatus, JobOnGpu, TenantStatus
 from scheduler_lite.storage import JobRecord, JobStatus
+from scheduler_lite.wire import MAX_REQUEST_BYTES, PROTOCOL_VERSION
 
 TIMEOUT_S: Final = 120.0
 MAX_ANSWER_BYTES: Final = 64 << 20

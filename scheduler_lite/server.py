@@ -1,9 +1,7 @@
 """The daemon's Unix socket: every client command goes through it; the daemon is the only writer.
 
-Wire format (version 1): the client sends one line of JSON, at most `MAX_REQUEST_BYTES`,
-`{"version": 1, "op": OP, "args": {...}}`, and reads one line back: `{"ok": true, "result": ...}`
-or `{"ok": false, "error": "<one line>"}`. Ops: ping, submit, cancel, list, show, status, logs,
-tenants (docs/scheduler.md, "Clients and the socket").
+The wire format (one line of JSON each way) and the checks of each argument's type and size are
+in scheduler_lite.wire.
 
 The caller is whoever the kernel says is at the other end (SO_PEERCRED): its uid, never a name or
 tenant the request carries; scheduler_lite.auth decides what it may do. Every argument is checked
@@ -21,8 +19,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import enum
-import json
 import logging
 import os
 import queue
@@ -32,7 +28,6 @@ import struct
 import subprocess
 import threading
 import time
-import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,32 +53,36 @@ from scheduler_lite.policy.validation import ConfigError
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
 from scheduler_lite.submission import SubmitError, make_job_spec, request_cancel, submit_job
+from scheduler_lite.wire import (
+    PROTOCOL_VERSION,
+    RequestError,
+    checked_value,
+    integer,
+    label,
+    only,
+    pairs,
+    parse,
+    plain,
+    read_line,
+    send,
+    short,
+    string,
+    strings,
+)
 from tf_antman.protocol import ProtocolError
 
 log = logging.getLogger("scheduler_lite")
 
-PROTOCOL_VERSION: Final = 1
-MAX_REQUEST_BYTES: Final = 1 << 20
 MAX_LOG_CHUNK: Final = 1 << 20
 MAX_LOG_OFFSET: Final = 1 << 62  # a file offset: larger ones overflow a seek
 READ_TIMEOUT_S: Final = 10.0  # a client that does not send its request in time is dropped
 ANSWER_TIMEOUT_S: Final = 60.0
 MAX_CONNECTIONS: Final = 64
 MAX_COMMAND_WORDS: Final = 4096
-MAX_STRING: Final = 65536
-MAX_ENV_PAIRS: Final = 256
 MAX_NAME: Final = 256
-# Unicode categories refused in a job's name (and escaped by the CLI's tables): control (Cc:
-# newline, tab, ESC), format (Cf: the right-to-left override), lone surrogates (Cs), line and
-# paragraph separators (Zl, Zp).
-UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 MAX_JOBS_PER_CANCEL: Final = 1024
 REDACTED: Final = "<hidden>"
 _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-class RequestError(ValueError):
-    """A malformed or out-of-range request; the message names the field and what is accepted."""
 
 
 @dataclass
@@ -231,25 +230,25 @@ class Server:
             pid, uid, gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             conn.settimeout(READ_TIMEOUT_S)
             try:
-                op, args = _parse(_read_line(conn))
+                op, args = parse(read_line(conn))
             except RequestError as e:
-                _send(conn, {"ok": False, "error": str(e)})
+                send(conn, {"ok": False, "error": str(e)})
                 return
             pending = _Pending(identity_of_uid(uid, gid), op, args)
             self._requests.put(pending)
             if not pending.done.wait(ANSWER_TIMEOUT_S):
                 if pending.drop():
-                    _send(conn, {"ok": False, "error": f"the daemon did not take the request within "
-                                 f"{ANSWER_TIMEOUT_S:g} s (busy): nothing was done, try again"})
+                    send(conn, {"ok": False, "error": f"the daemon did not take the request within "
+                                f"{ANSWER_TIMEOUT_S:g} s (busy): nothing was done, try again"})
                     return
                 # Being carried out: a submit's answer names the job, which a retry would duplicate.
                 if not pending.done.wait(ANSWER_TIMEOUT_S):
-                    _send(conn, {"ok": False, "error": "the daemon did not finish the request in time: it may "
-                                 "still take effect (check with `scheduler-lite list`)"})
+                    send(conn, {"ok": False, "error": "the daemon did not finish the request in time: it may "
+                                "still take effect (check with `scheduler-lite list`)"})
                     return
             assert pending.answer is not None
             conn.settimeout(ANSWER_TIMEOUT_S)
-            _send(conn, pending.answer)
+            send(conn, pending.answer)
         except OSError:
             pass  # the client went away
         finally:
@@ -298,29 +297,29 @@ class Server:
     # -- ops --------------------------------------------------------------------------------------
 
     def _ping(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        _only(args, ())
+        only(args, ())
         return {"user": who.user, "uid": who.uid, "admin": is_admin(self.policy, who),
                 "tenants": list(tenants_of(self.policy, who)), "daemon_user": self.policy.daemon_user,
                 "multi_user": self.policy.multi_user, "version": PROTOCOL_VERSION}
 
     def _submit(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        _only(args, ("command", "tenant", "gpus", "kind", "workdir", "env", "session_env", "memory_bytes", "name",
-                     "steps", "duration_s", "share", "restartable"))
-        command = _strings(args, "command", MAX_COMMAND_WORDS, required=True, empty_after_first=True)
-        tenant = _string(args, "tenant", MAX_NAME)
-        gpus = _int(args, "gpus", default=1)
-        kind = _string(args, "kind", 32) or str(JobKind.AUTO)
-        workdir = _string(args, "workdir", 4096, required=True)
+        only(args, ("command", "tenant", "gpus", "kind", "workdir", "env", "session_env", "memory_bytes", "name",
+                    "steps", "duration_s", "share", "restartable"))
+        command = strings(args, "command", MAX_COMMAND_WORDS, required=True, empty_after_first=True)
+        tenant = string(args, "tenant", MAX_NAME)
+        gpus = integer(args, "gpus", default=1)
+        kind = string(args, "kind", 32) or str(JobKind.AUTO)
+        workdir = string(args, "workdir", 4096, required=True)
         assert workdir is not None
         if not os.path.isabs(workdir):
             raise RequestError(f"workdir {workdir!r} is invalid: accepted an absolute path")
-        env = _pairs(args, "env")
+        env = pairs(args, "env")
         session = args.get("session_env", {})
         if not isinstance(session, dict) or not all(k in SESSION_VARIABLES for k in session):
             raise RequestError("session_env is invalid: accepted an object with keys among " + ", ".join(SESSION_VARIABLES))
-        memory = _int(args, "memory_bytes")
-        name = _label(args, "name", MAX_NAME) or ""
-        steps = _int(args, "steps")
+        memory = integer(args, "memory_bytes")
+        name = label(args, "name", MAX_NAME) or ""
+        steps = integer(args, "steps")
         duration = args.get("duration_s")
         if duration is not None and (isinstance(duration, bool) or not isinstance(duration, int | float)):
             raise RequestError(f"duration_s {duration!r} is invalid: accepted a number of seconds")
@@ -339,15 +338,15 @@ class Server:
                              memory_bytes=memory, name=name, expected_steps=steps, expected_duration_s=duration,
                              requested_share=share, restartable=restartable, now=self.daemon.clock())
         given = {k for k, _ in spec.env}
-        extra = tuple((k, _checked_value(k, v)) for k, v in session.items() if k not in given)
+        extra = tuple((k, checked_value(k, v)) for k, v in session.items() if k not in given)
         spec = dataclasses.replace(spec, env=spec.env + extra, uid=who.uid, user=who.user)
         record = submit_job(self.daemon.storage, spec)
         log.info("%s submitted by %s (uid %d) to tenant %s", record.id, who.user, who.uid, record.tenant)
         return {"id": record.id, "job": job_dict(record, who, self.policy)}
 
     def _cancel(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        _only(args, ("jobs",))
-        ids = _strings(args, "jobs", MAX_JOBS_PER_CANCEL, required=True)
+        only(args, ("jobs",))
+        ids = strings(args, "jobs", MAX_JOBS_PER_CANCEL, required=True)
         records = [self._job(job_id) for job_id in ids]
         for record in records:  # all are checked before any is touched: a refusal changes nothing
             check_owner(self.policy, who, "cancel", record.id, record.uid, record.user)
@@ -359,8 +358,8 @@ class Server:
         return out
 
     def _list(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        _only(args, ("states",))
-        states = _strings(args, "states", 8)
+        only(args, ("states",))
+        states = strings(args, "states", 8)
         try:
             wanted = None if states is None else [JobStatus(s) for s in states]
         except ValueError:
@@ -368,31 +367,31 @@ class Server:
         return [job_dict(r, who, self.policy) for r in self.daemon.storage.list_jobs(wanted)]
 
     def _show(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        _only(args, ("job",))
-        record = self._job(_string(args, "job", MAX_NAME, required=True) or "")
+        only(args, ("job",))
+        record = self._job(string(args, "job", MAX_NAME, required=True) or "")
         storage = self.daemon.storage
         return {"job": job_dict(record, who, self.policy),
                 "placements": [dataclasses.asdict(p) for p in storage.placements(record.id)],
                 "events": [dataclasses.asdict(e) for e in storage.events(record.id)]}
 
     def _status(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        _only(args, ())
+        only(args, ())
         return plain(self.refresh_snapshot())
 
     def _tenants(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        _only(args, ())
+        only(args, ())
         return [dataclasses.asdict(t) for t in self.refresh_snapshot().tenants]
 
     def _logs(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        _only(args, ("job", "stderr", "offset"))
-        record = self._job(_string(args, "job", MAX_NAME, required=True) or "")
+        only(args, ("job", "stderr", "offset"))
+        record = self._job(string(args, "job", MAX_NAME, required=True) or "")
         check_owner(self.policy, who, "read the logs of", record.id, record.uid, record.user)
         stderr = args.get("stderr", False)
         if not isinstance(stderr, bool):
             raise RequestError(f"stderr {stderr!r} is invalid: accepted true or false")
-        offset = _int(args, "offset", default=0)
+        offset = integer(args, "offset", default=0)
         if not 0 <= offset <= MAX_LOG_OFFSET:
-            raise RequestError(f"offset {_short(offset)} is invalid: accepted an integer in [0, {MAX_LOG_OFFSET}]")
+            raise RequestError(f"offset {short(offset)} is invalid: accepted an integer in [0, {MAX_LOG_OFFSET}]")
         if not record.job_dir:
             return {"data": "", "offset": offset, "done": record.state.done, "started": False,
                     "state": str(record.state)}
@@ -414,117 +413,6 @@ class Server:
 
 # ----------------------------------------------------------------------------------------------
 # Request checking.
-
-
-def _parse(line: bytes) -> tuple[str, Mapping[str, Any]]:
-    try:
-        doc = json.loads(line)
-    except (ValueError, RecursionError):
-        raise RequestError("the request is not JSON (one line: {\"version\": 1, \"op\": ..., \"args\": {...}})") from None
-    if not isinstance(doc, dict):
-        raise RequestError("the request must be a JSON object")
-    if doc.get("version") != PROTOCOL_VERSION:
-        raise RequestError(f"version {doc.get('version')!r} is not supported: accepted {PROTOCOL_VERSION} "
-                           "(the client and the daemon must come from the same scheduler-lite)")
-    op, args = doc.get("op"), doc.get("args", {})
-    if not isinstance(op, str) or not isinstance(args, dict):
-        raise RequestError("op must be a string and args an object")
-    return op, args
-
-
-def _read_line(conn: socket.socket) -> bytes:
-    chunks, size = [], 0
-    while True:
-        chunk = conn.recv(65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-        if b"\n" in chunk:
-            break
-        if size > MAX_REQUEST_BYTES:
-            raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
-    data = b"".join(chunks)
-    line = data.split(b"\n", 1)[0]
-    if len(line) > MAX_REQUEST_BYTES:
-        raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
-    return line
-
-
-def _send(conn: socket.socket, doc: Mapping[str, Any]) -> None:
-    with contextlib.suppress(OSError):
-        conn.sendall(json.dumps(doc).encode() + b"\n")
-
-
-def _only(args: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
-    unknown = sorted(set(args) - set(accepted))
-    if unknown:
-        raise RequestError(f"argument {unknown[0]!r} is unknown: accepted " + (", ".join(accepted) or "none"))
-
-
-def _string(args: Mapping[str, Any], key: str, max_len: int, required: bool = False) -> str | None:
-    value = args.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value and required or len(value) > max_len or "\0" in value:
-        raise RequestError(f"{key} {_short(value)} is invalid: accepted a string of at most {max_len} characters "
-                           "without NUL" + (" (required)" if required else ""))
-    return value
-
-
-def _label(args: Mapping[str, Any], key: str, max_len: int) -> str | None:
-    """A string shown in `list`'s columns: no control characters (a newline or a tab would forge
-    a row; ESC would drive the reader's terminal). The CLI escapes them in any cell too, for the
-    commands, which may hold them legitimately, and for jobs stored before this check."""
-    value = _string(args, key, max_len)
-    if value is not None and any(unicodedata.category(c) in UNPRINTABLE for c in value):
-        raise RequestError(f"{key} {_short(value)} is invalid: accepted a string of at most {max_len} characters "
-                           "without control characters (newline, tab, escape, bidirectional overrides...)")
-    return value
-
-
-def _strings(args: Mapping[str, Any], key: str, max_items: int, required: bool = False,
-             empty_after_first: bool = False) -> list[str] | None:
-    """A list of strings; `empty_after_first`: a command's arguments may be "" (its program not)."""
-    value = args.get(key)
-    if value is None and not required:
-        return None
-    ok = isinstance(value, list) and 0 < len(value) <= max_items and all(
-        isinstance(v, str) and (v or (empty_after_first and i > 0)) and len(v) <= MAX_STRING and "\0" not in v
-        for i, v in enumerate(value))
-    if not ok:
-        what = "strings, the first non-empty," if empty_after_first else "non-empty strings"
-        raise RequestError(f"{key} {_short(value)} is invalid: accepted a list of 1-{max_items} {what} without NUL")
-    return list(value)  # type: ignore[arg-type]
-
-
-def _int(args: Mapping[str, Any], key: str, default: int | None = None) -> Any:
-    value = args.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{key} {_short(value)} is invalid: accepted an integer")
-    return value  # its range is the caller's to check, with the user's name for the field
-
-
-def _pairs(args: Mapping[str, Any], key: str) -> list[tuple[str, str]]:
-    value = args.get(key, [])
-    ok = isinstance(value, list) and len(value) <= MAX_ENV_PAIRS and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value)
-    if not ok:
-        raise RequestError(f"{key} is invalid: accepted at most {MAX_ENV_PAIRS} [name, value] string pairs")
-    return [(k, _checked_value(k, v)) for k, v in value]
-
-
-def _checked_value(key: str, value: object) -> str:
-    if not isinstance(value, str) or len(value) > MAX_STRING or "\0" in value:
-        raise RequestError(f"--env {key}: the value must be a string of at most {MAX_STRING} characters without NUL")
-    return value
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_workdir(who: Identity, workdir: str) -> None:
@@ -553,20 +441,7 @@ def job_dict(record: JobRecord, who: Identity, policy: AccessPolicy) -> dict[str
     return out
 
 
-def plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
-    return value
-
-
-__all__ = ["MAX_REQUEST_BYTES", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError", "Server", "access_policy",
-           "check_state_dir", "job_dict", "plain", "secure_state_dir"]
+__all__ = ["Server", "access_policy", "check_state_dir", "job_dict", "secure_state_dir"]
 
 
 # ----------------------------------------------------------------------------------------------

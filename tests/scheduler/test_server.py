@@ -16,8 +16,9 @@ from scheduler_lite import server as server_module
 from scheduler_lite.auth import AccessPolicy, Identity, TenantMembers, identity_of_uid
 from scheduler_lite.client import ClientError, call_socket
 from scheduler_lite.daemon import Daemon
-from scheduler_lite.server import MAX_REQUEST_BYTES, Server, _Pending
+from scheduler_lite.server import Server, _Pending
 from scheduler_lite.storage import MemoryStorage
+from scheduler_lite.wire import MAX_REQUEST_BYTES
 from tests.scheduler.test_daemon_fakes import make_config
 
 ME = identity_of_uid(os.getuid())

@@ -1,0 +1,170 @@
+"""The daemon socket's wire format, and the checks of a request's arguments (scheduler_lite.server).
+
+Wire format (version 1): the client sends one line of JSON, at most `MAX_REQUEST_BYTES`,
+`{"version": 1, "op": OP, "args": {...}}`, and reads one line back: `{"ok": true, "result": ...}`
+or `{"ok": false, "error": "<one line>"}`. Ops: ping, submit, cancel, list, show, status, logs,
+tenants (docs/scheduler.md, "Clients and the socket").
+
+A malformed or out-of-range argument raises `RequestError`, whose message names the field and
+what is accepted; the server answers it as the request's one-line error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import socket
+import unicodedata
+from collections.abc import Mapping
+from typing import Any, Final
+
+PROTOCOL_VERSION: Final = 1
+MAX_REQUEST_BYTES: Final = 1 << 20
+MAX_STRING: Final = 65536
+MAX_ENV_PAIRS: Final = 256
+# Unicode categories refused in a job's name (and escaped by the CLI's tables): control (Cc:
+# newline, tab, ESC), format (Cf: the right-to-left override), lone surrogates (Cs), line and
+# paragraph separators (Zl, Zp).
+UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+class RequestError(ValueError):
+    """A malformed or out-of-range request; the message names the field and what is accepted."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Request checking.
+
+
+def parse(line: bytes) -> tuple[str, Mapping[str, Any]]:
+    try:
+        doc = json.loads(line)
+    except (ValueError, RecursionError):
+        raise RequestError("the request is not JSON (one line: {\"version\": 1, \"op\": ..., \"args\": {...}})") from None
+    if not isinstance(doc, dict):
+        raise RequestError("the request must be a JSON object")
+    if doc.get("version") != PROTOCOL_VERSION:
+        raise RequestError(f"version {doc.get('version')!r} is not supported: accepted {PROTOCOL_VERSION} "
+                           "(the client and the daemon must come from the same scheduler-lite)")
+    op, args = doc.get("op"), doc.get("args", {})
+    if not isinstance(op, str) or not isinstance(args, dict):
+        raise RequestError("op must be a string and args an object")
+    return op, args
+
+
+def read_line(conn: socket.socket) -> bytes:
+    chunks, size = [], 0
+    while True:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if b"\n" in chunk:
+            break
+        if size > MAX_REQUEST_BYTES:
+            raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
+    data = b"".join(chunks)
+    line = data.split(b"\n", 1)[0]
+    if len(line) > MAX_REQUEST_BYTES:
+        raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
+    return line
+
+
+def send(conn: socket.socket, doc: Mapping[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps(doc).encode() + b"\n")
+
+
+def only(args: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
+    unknown = sorted(set(args) - set(accepted))
+    if unknown:
+        raise RequestError(f"argument {unknown[0]!r} is unknown: accepted " + (", ".join(accepted) or "none"))
+
+
+def string(args: Mapping[str, Any], key: str, max_len: int, required: bool = False) -> str | None:
+    value = args.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value and required or len(value) > max_len or "\0" in value:
+        raise RequestError(f"{key} {short(value)} is invalid: accepted a string of at most {max_len} characters "
+                           "without NUL" + (" (required)" if required else ""))
+    return value
+
+
+def label(args: Mapping[str, Any], key: str, max_len: int) -> str | None:
+    """A string shown in `list`'s columns: no control characters (a newline or a tab would forge
+    a row; ESC would drive the reader's terminal). The CLI escapes them in any cell too, for the
+    commands, which may hold them legitimately, and for jobs stored before this check."""
+    value = string(args, key, max_len)
+    if value is not None and any(unicodedata.category(c) in UNPRINTABLE for c in value):
+        raise RequestError(f"{key} {short(value)} is invalid: accepted a string of at most {max_len} characters "
+                           "without control characters (newline, tab, escape, bidirectional overrides...)")
+    return value
+
+
+def strings(args: Mapping[str, Any], key: str, max_items: int, required: bool = False,
+            empty_after_first: bool = False) -> list[str] | None:
+    """A list of strings; `empty_after_first`: a command's arguments may be "" (its program not)."""
+    value = args.get(key)
+    if value is None and not required:
+        return None
+    ok = isinstance(value, list) and 0 < len(value) <= max_items and all(
+        isinstance(v, str) and (v or (empty_after_first and i > 0)) and len(v) <= MAX_STRING and "\0" not in v
+        for i, v in enumerate(value))
+    if not ok:
+        what = "strings, the first non-empty," if empty_after_first else "non-empty strings"
+        raise RequestError(f"{key} {short(value)} is invalid: accepted a list of 1-{max_items} {what} without NUL")
+    return list(value)  # type: ignore[arg-type]
+
+
+def integer(args: Mapping[str, Any], key: str, default: int | None = None) -> Any:
+    value = args.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{key} {short(value)} is invalid: accepted an integer")
+    return value  # its range is the caller's to check, with the user's name for the field
+
+
+def pairs(args: Mapping[str, Any], key: str) -> list[tuple[str, str]]:
+    value = args.get(key, [])
+    ok = isinstance(value, list) and len(value) <= MAX_ENV_PAIRS and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value)
+    if not ok:
+        raise RequestError(f"{key} is invalid: accepted at most {MAX_ENV_PAIRS} [name, value] string pairs")
+    return [(k, checked_value(k, v)) for k, v in value]
+
+
+def checked_value(key: str, value: object) -> str:
+    if not isinstance(value, str) or len(value) > MAX_STRING or "\0" in value:
+        raise RequestError(f"--env {key}: the value must be a string of at most {MAX_STRING} characters without NUL")
+    return value
+
+
+def short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# Answers.
+
+
+def plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+__all__ = ["MAX_ENV_PAIRS", "MAX_REQUEST_BYTES", "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError",
+           "checked_value", "integer", "label", "only", "pairs", "parse", "plain", "read_line", "send", "short",
+           "string", "strings"]
