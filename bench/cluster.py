@@ -112,7 +112,7 @@ def one_run(mode: str, work: Path, address: str, n: int) -> dict[str, float]:
         if mode == "cluster":
             import ray
 
-            from scheduler_lite.cluster.scheduler import agent_name
+            from scheduler_lite.cluster.nodes import agent_name
             ray.kill(ray.get_actor(agent_name("n1"), namespace=cfg.cluster.namespace))  # type: ignore[union-attr]
 
 
@@ -191,7 +191,7 @@ node_timeout_s = 30
         d.stop_all_jobs(grace_s=1)
         import ray
 
-        from scheduler_lite.cluster.scheduler import agent_name
+        from scheduler_lite.cluster.nodes import agent_name
         ray.kill(ray.get_actor(agent_name("n1"), namespace=namespace))
 
 

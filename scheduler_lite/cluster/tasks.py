@@ -212,7 +212,7 @@ def _wait_placed(config: Config, job_id: str, deadline: float, poll_s: float) ->
     import ray
 
     from scheduler_lite.client import ClientError, call
-    from scheduler_lite.cluster.scheduler import agent_name
+    from scheduler_lite.cluster.nodes import agent_name
 
     cc = config.cluster
     assert cc is not None

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from scheduler_lite.cluster.scheduler import agent_name
+from scheduler_lite.cluster.nodes import agent_name
 from scheduler_lite.config import Config, parse_config
 from tests.scheduler.configs import merge_tables, scheduler_config
 

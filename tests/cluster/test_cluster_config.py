@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from scheduler_lite.cluster import ray_options
-from scheduler_lite.cluster.scheduler import merge_stats, node_aware, split_control
+from scheduler_lite.cluster.parts import merge_stats, split_control
+from scheduler_lite.cluster.scheduler import node_aware
 from scheduler_lite.config import parse_config
 from scheduler_lite.model import Gpu, Job, JobKind, Place, Reserve, Role, Tenant
 from scheduler_lite.policy.book import ClusterBook

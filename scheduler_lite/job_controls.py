@@ -1,0 +1,179 @@
+"""The daemon's exchange with its running jobs: their stats read, their controls written.
+
+Steps 3 and 5 of a tick (scheduler_lite.daemon): `_observe` reads every running job's stats.json
+and hands what it says to the driver (step samples, peak memory, solo step time, remaining time)
+with the GPUs' utilisation; `_coordinate` runs the coordinator's rounds and writes the changed
+settings into the running jobs' control.json files (`_write_control`, which the schedule step
+also calls when a job is upgraded).
+
+`JobControls` is a part of `daemon.Daemon` (a mixin, as scheduler_lite.recovery is: it works on
+the daemon's own state declared below, set in Daemon.__init__). Its file hooks (`_load_stats`,
+`_send_control`) are overridden by cluster mode (scheduler_lite.cluster.scheduler), which takes
+what the job's nodes reported and writes through their agents.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from typing import TYPE_CHECKING
+
+from scheduler_lite.devices import DeviceBackend, JobLoad, job_load
+from scheduler_lite.driver import Driver, Reading, estimate_remaining_s
+from scheduler_lite.faults import Faults
+from scheduler_lite.isolation import read_job_stats as read_job_stats_file
+from scheduler_lite.model import Gpu, Role, SetComputeShare, SetMemoryLimit, StepSample
+from scheduler_lite.policy.book import ClusterBook
+from scheduler_lite.storage import Storage
+from scheduler_lite.tick import ControlWrite, LiveJob, TickLog
+from tf_antman.protocol import Control, MemoryLimit, ProtocolError, Stats, write_control
+
+if TYPE_CHECKING:
+    from scheduler_lite.config import Config
+
+log = logging.getLogger("scheduler_lite")
+
+
+class JobControls:
+    # The daemon's state these methods read and fill (set in Daemon.__init__).
+    config: Config
+    storage: Storage
+    devices: DeviceBackend
+    driver: Driver
+    book: ClusterBook
+    gpus: dict[int, Gpu]
+    _live: dict[str, LiveJob]
+    _faults: Faults
+    _util_samples: dict[int, deque[tuple[float, float]]]
+    _round_sig: dict[int, tuple[tuple[str, Role], ...]]
+    _last_round: dict[int, float]
+
+    # -- 3. observe -------------------------------------------------------------------------------
+
+    def _observe(self, now: float) -> None:
+        window = self.config.daemon.utilisation_window_s
+        loads: dict[int, list[JobLoad]] = {g: [] for g in self.gpus}
+        for job_id, live in self._live.items():
+            self._faults.at("observe")
+            self._read_stats(job_id, live, now)
+            stepping = now - live.last_progress_at <= window
+            for gpu in live.record.placement:
+                loads[gpu].append(job_load(live.stats, stepping))
+        readings = self.devices.utilisation(loads)
+        for gpu, samples in self._util_samples.items():
+            samples.append((now, readings.get(gpu, 0.0)))
+            while samples and samples[0][0] < now - window:
+                samples.popleft()
+            average = statistics.fmean(u for _, u in samples)
+            self.driver.observe_utilisation(gpu, round(average, 6), now - window)
+
+    def _read_stats(self, job_id: str, live: LiveJob, now: float) -> None:
+        try:
+            stats = self._load_stats(job_id, live)
+        except (ProtocolError, OSError) as e:
+            message = str(e)
+            if message != live.stats_error:  # once per distinct problem, not every tick
+                log.warning("%s: stats.json refused, keeping the last good one: %s", job_id, message)
+                self.storage.add_event(now, "stats_error", job_id, error=message)
+            live.stats_error = message
+            return
+        live.stats_error = None
+        if stats is None or (live.stats is not None and stats.seq == live.stats.seq):
+            return
+        new = stats.step - live.last_step if live.last_step is not None else min(stats.step, len(stats.step_ms_window))
+        if new > 0 and stats.step_ms_window:
+            # The daemon's clock, not the job's: samples are compared with the coordinator's `now`.
+            # Steps first seen now ended by now: a decision taken at this tick excludes them.
+            for ms in stats.step_ms_window[-min(new, len(stats.step_ms_window)):]:
+                live.samples.append(StepSample(now, ms / 1000.0))
+            live.last_progress_at = now
+        if stats.step > 0:
+            self.driver.first_step(job_id, now)
+        live.last_step = stats.step
+        live.stats = stats
+        for index, gpu in enumerate(live.record.placement):
+            device = next((d for d in stats.devices if d.device == index), None)
+            if device is not None:
+                self.driver.observe_memory(job_id, gpu, device.step_peak_bytes + device.host_in_use_bytes)
+        self.driver.observe_steps(job_id, live.samples)
+        step_s = None if stats.step_ms_median is None else stats.step_ms_median / 1000.0
+        started = live.record.started_at if live.record.started_at is not None else now
+        remaining = estimate_remaining_s(step=stats.step, step_s=step_s, expected_steps=live.record.expected_steps,
+                                         expected_duration_s=live.record.expected_duration_s,
+                                         running_s=now - started)
+        self.book.update_hints(job_id, mean_step_time_s=step_s, estimated_remaining_s=remaining)
+
+    def _load_stats(self, job_id: str, live: LiveJob) -> Stats | None:
+        """The job's stats.json (hook: the cluster scheduler takes what the job's node reported)."""
+        return read_job_stats_file(live.job_dir, live.record.uid)
+
+    # -- 5. coordinate ----------------------------------------------------------------------------
+
+    def _coordinate(self, now: float, out: TickLog) -> None:
+        interval = self.config.coordinator.round_interval_s
+        for gpu in self.gpus:
+            ids = self.book.jobs_on(gpu)
+            sig = tuple((j, self.book.jobs[j].role or Role.OPPORTUNISTIC) for j in ids)
+            memo = self.driver.memo(gpu)
+            changed = sig != self._round_sig.get(gpu)
+            due = bool(ids) and (
+                now - self._last_round.get(gpu, -math.inf) >= interval
+                or (memo.next_round_at is not None and now >= memo.next_round_at)
+            )
+            if not (changed or due):
+                continue
+            view = self.driver.view(gpu, {j: self._reading(j, gpu) for j in ids})
+            decisions = self.driver.round(now, gpu, view)
+            self._round_sig[gpu] = sig
+            self._last_round[gpu] = now
+            touched: dict[str, None] = {}
+            for d in decisions:
+                out.decisions.append(d)
+                if d.job_id not in self._live:
+                    continue  # booked, not started: it starts with these settings
+                match d:
+                    case SetMemoryLimit():
+                        self.storage.add_event(now, "memory_limit", d.job_id, gpu=d.gpu, limit_bytes=d.limit_bytes,
+                                               previous_bytes=d.previous_bytes)
+                    case SetComputeShare():
+                        self.storage.add_event(now, "compute_share", d.job_id, gpu=d.gpu, share=d.share,
+                                               previous=d.previous)
+                touched[d.job_id] = None
+            for job_id in touched:  # in decision order: shrinks before grows
+                self._write_control(job_id, now, out)
+                self._faults.at("control")
+
+    def _reading(self, job_id: str, gpu: int) -> Reading:
+        live = self._live.get(job_id)
+        if live is None:
+            return Reading()
+        device = live.device_stats(gpu)
+        return Reading(steps=tuple(live.samples), spill_bytes=0 if device is None else device.host_in_use_bytes)
+
+    def _write_control(self, job_id: str, now: float, out: TickLog) -> None:
+        live = self._live[job_id]
+        placement = live.record.placement
+        settings = self.driver.settings[job_id]
+        control = Control(
+            seq=live.control_seq + 1,
+            memory_limits=tuple(MemoryLimit(i, settings.limits[g]) for i, g in enumerate(placement)),
+            compute_share=min(settings.shares[g] for g in placement),
+        )
+        try:
+            self._send_control(job_id, live, control)
+        except OSError as e:
+            log.warning("%s: cannot write control.json: %s", job_id, e)
+            self.storage.add_event(now, "control_error", job_id, error=str(e))
+            return
+        live.control_seq = control.seq
+        with self.storage.transaction():
+            self.storage.update_job(job_id, control_seq=control.seq)
+            for g in placement:
+                self.storage.set_placement(job_id, g, settings.limits[g], settings.shares[g])
+        out.controls.append(ControlWrite(job_id, control))
+
+    def _send_control(self, job_id: str, live: LiveJob, control: Control) -> None:
+        """Write the job's control.json (hook: the job's node writes it in a cluster); OSError if not."""
+        write_control(live.job_dir, control)
