@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler_lite.cluster.config import FENCE_FRACTION
+from scheduler_lite.cluster.parts import part_token
 from scheduler_lite.cluster.tasks import RELEASED_FILE, TASK_CLAIM_TIMEOUT_S, is_ray_task, task_env
 from scheduler_lite.config import Config
 from scheduler_lite.devices import open_devices
@@ -64,10 +65,6 @@ from tf_antman.protocol import Control, ProtocolError, Stats, control_path, pars
 
 log = logging.getLogger("scheduler_lite.cluster")
 
-
-
-def part_token(token: str, rank: int) -> str:
-    return f"{token}.{rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,4 +408,4 @@ def actor_class() -> type:
     return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(NodeAgent)  # type: ignore[no-any-return]
 
 
-__all__ = ["NodeAgent", "NodeReport", "PartReport", "actor_class", "part_token"]
+__all__ = ["NodeAgent", "NodeReport", "PartReport", "actor_class"]

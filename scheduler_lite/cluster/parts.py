@@ -1,8 +1,8 @@
 """A job over several nodes: one part per node (scheduler_lite.cluster.agent runs each part).
 
 Pure functions of a placement (global GPU ids, scheduler_lite.cluster.config): the nodes of a job
-in rank order, each part's device indices, and the translation between the job's control.json /
-stats.json and its parts' (each part numbers its devices from 0).
+in rank order, each part's launch token and device indices, and the translation between the
+job's control.json / stats.json and its parts' (each part numbers its devices from 0).
 """
 
 from __future__ import annotations
@@ -12,6 +12,12 @@ from dataclasses import replace
 
 from scheduler_lite.cluster.config import GPU_ID_STRIDE, ClusterConfig
 from tf_antman.protocol import Control, MemoryLimit, Stats
+
+
+def part_token(token: str, rank: int) -> str:
+    """The launch token of a job's part on its rank-th node: the daemon's sweep and the node
+    agent must spell it alike, or the agent kills a part the store says runs."""
+    return f"{token}.{rank}"
 
 
 def job_nodes(cc: ClusterConfig, gpus: Sequence[int]) -> tuple[str, ...]:
@@ -54,4 +60,4 @@ def merge_stats(parts: Mapping[str, Stats], placement: Sequence[int], node_of: C
     return replace(first, devices=tuple(devices), control_seq_applied=applied)
 
 
-__all__ = ["job_nodes", "merge_stats", "part_indices", "split_control"]
+__all__ = ["job_nodes", "merge_stats", "part_indices", "part_token", "split_control"]

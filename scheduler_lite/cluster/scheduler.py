@@ -47,7 +47,7 @@ from typing import Final
 
 from scheduler_lite.cluster.config import ClusterConfig
 from scheduler_lite.cluster.nodes import CALL_TIMEOUT_S, ClusterDevices, ClusterHandle, Nodes, RayLauncher, cause
-from scheduler_lite.cluster.parts import job_nodes, merge_stats, split_control
+from scheduler_lite.cluster.parts import job_nodes, merge_stats, part_token, split_control
 from scheduler_lite.cluster.tasks import is_ray_task
 from scheduler_lite.config import Config
 from scheduler_lite.daemon import Daemon
@@ -130,7 +130,7 @@ class ClusterDaemon(Daemon):
         for r in running:
             nodes = job_nodes(self.cc, r.placement)
             if node in nodes and r.launch_token and all(n in self.nodes.agents for n in nodes):
-                keep.append((r.id, f"{r.launch_token}.{nodes.index(node)}"))
+                keep.append((r.id, part_token(r.launch_token, nodes.index(node))))
         try:
             stopped = self.nodes.call(node, "sweep", keep)
         except Exception as e:  # noqa: BLE001 - an agent that cannot sweep is not trusted with jobs
