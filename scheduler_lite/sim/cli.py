@@ -49,12 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: <trace-dir>/alibaba-gpu-v2023/openb_pod_list_default.csv)")
     p.add_argument("--node-list", type=Path, default=None,
                    help="alibaba workload: its node list (default: openb_node_list_gpu_node.csv)")
-    p.add_argument("--cluster-gpus", type=int, default=None,
-                   help="alibaba workload: keep the fewest nodes, spread over the node list, with at "
-                        "least this many GPUs (and at least the largest pod's)")
-    p.add_argument("--peak-ratio", type=float, default=None,
-                   help="alibaba workload: size the cluster so the trace's peak demand is this "
-                        "many times its GPUs (e.g. 1.25)")
+    size = p.add_mutually_exclusive_group()  # two ways to size one cluster: at most one
+    size.add_argument("--cluster-gpus", type=int, default=None,
+                      help="alibaba workload: keep the fewest nodes, spread over the node list, with at "
+                           "least this many GPUs (and at least the largest pod's)")
+    size.add_argument("--peak-ratio", type=float, default=None,
+                      help="alibaba workload: size the cluster so the trace's peak demand is this "
+                           "many times its GPUs (e.g. 1.25)")
     p.add_argument("--time-compression", type=float, default=None,
                    help="alibaba workload: divide arrival times by this (run times kept; default 1)")
     p.add_argument("--perf-model", type=Path, default=None,
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 PAPER_DEFAULTS = {"jobs": 400, "nodes": 8, "gpus_per_node": 8, "gpu_memory_gib": 32.0, "quota_a": 64,
                   "load": 1.5, "auto_fraction": 0.0}
 ALIBABA_OPTIONS = ("pods", "node_list", "cluster_gpus", "peak_ratio", "time_compression")
+# The workload builders name their parameters; the user typed these options.
+OPTION_OF = {"num_jobs": "--jobs", "nodes": "--nodes", "gpus_per_node": "--gpus-per-node",
+             "gpu_memory_gib": "--gpu-memory-gib", "quota_a": "--quota-a", "load": "--load",
+             "auto_fraction": "--auto-fraction", "cluster_gpus": "--cluster-gpus", "peak_ratio": "--peak-ratio",
+             "time_compression": "--time-compression"}
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                               time_compression=compression, seed=args.seed)
         policies = [get_policy(n) for n in (args.policy or list(POLICIES))]
     except (ConfigError, OSError) as e:
+        if isinstance(e, ConfigError) and e.field in OPTION_OF:
+            e = ConfigError(OPTION_OF[e.field], e.value, e.accepted)
         print(f"scheduler-lite sim: error: {e}", file=sys.stderr)
         return 2
     out = _Console()

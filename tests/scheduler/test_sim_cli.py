@@ -65,8 +65,12 @@ def test_options_of_the_other_workload_are_errors(tmp_path: Path, capsys: pytest
     argv = files(tmp_path, "p1,1,500,BE,Succeeded,0,100,10")
     one_error(capsys, [*argv, "--jobs", "50"], "--jobs=50", "an option of the paper workload")
     one_error(capsys, ["--pods", str(tmp_path / "pods.csv")], "--pods=", "an option of the alibaba workload")
-    one_error(capsys, [*argv, "--cluster-gpus", "0"], "cluster_gpus=0", "an integer in [1, ")
-    one_error(capsys, ["--jobs", "20", "--quota-a", "-5"], "quota_a=-5")
+    # The option as typed, not the workload builder's parameter (`num_jobs=0`, `quota_a=-5` before).
+    one_error(capsys, [*argv, "--cluster-gpus", "0"], "--cluster-gpus=0", "an integer in [1, ")
+    one_error(capsys, [*argv, "--time-compression", "0"], "--time-compression=0.0", "a number in (0.0, ")
+    one_error(capsys, ["--jobs", "20", "--quota-a", "-5"], "--quota-a=-5")
+    one_error(capsys, ["--jobs", "0"], "--jobs=0", "an integer in [1, ")
+    one_error(capsys, ["--jobs", "20", "--load", "-1"], "--load=-1.0", "a number in (0.0, ")
     one_error(capsys, ["--jobs", "20", "--plots"], "--plots=True", "together with --out")
 
 
@@ -120,7 +124,8 @@ def test_a_closed_pipe_stops_the_printing_not_the_run(tmp_path: Path) -> None:
     assert len(json.loads((tmp_path / "o" / "summary.json").read_text())) == 2
 
 
-@pytest.mark.parametrize("argv", [["--workload", "foo"], ["--seed", "x"], ["--no-such-option"]])
+@pytest.mark.parametrize("argv", [["--workload", "foo"], ["--seed", "x"], ["--no-such-option"],
+                                  ["--workload", "alibaba", "--cluster-gpus", "8", "--peak-ratio", "1.25"]])
 def test_option_mistakes_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(argv)
