@@ -1,4 +1,4 @@
-"""The `[cluster]` table of the scheduler's config (docs/configuration.md, "Cluster mode").
+"""The `[cluster]` table of the scheduler's config (docs/cluster.md, "`[cluster]` keys").
 
     [cluster]
     kind = "ray"
