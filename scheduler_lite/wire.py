@@ -98,8 +98,13 @@ def label(args: Mapping[str, Any], key: str, max_len: int) -> str | None:
     """A string shown in `list`'s columns: no control characters (a newline or a tab would forge
     a row; ESC would drive the reader's terminal). The CLI escapes them in any cell too, for the
     commands, which may hold them legitimately, and for jobs stored before this check."""
-    value = string(args, key, max_len)
-    if value is not None and any(unicodedata.category(c) in UNPRINTABLE for c in value):
+    value = args.get(key)
+    if value is None:
+        return None
+    # One message for every refusal (NUL is a control character too): a too-long name used to
+    # be told "without NUL" and a tab "without control characters", the same field's two rules.
+    if (not isinstance(value, str) or len(value) > max_len
+            or any(unicodedata.category(c) in UNPRINTABLE for c in value)):
         raise RequestError(f"{key} {short(value)} is invalid: accepted a string of at most {max_len} characters "
                            "without control characters (newline, tab, escape, bidirectional overrides...)")
     return value

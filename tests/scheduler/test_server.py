@@ -63,6 +63,8 @@ def submit_args(**changes: Any) -> dict[str, Any]:
     (submit_args(kind="urgent"), "--type 'urgent' is invalid"),
     (submit_args(memory_bytes=0), "--memory 0 is invalid"),
     (submit_args(name="n" * 300), "name 'nnnn"),
+    (submit_args(name="n" * 257), "is invalid: accepted a string of at most 256 characters without control characters"),
+    (submit_args(name=7), "name 7 is invalid: accepted a string of at most 256 characters without control"),
     # A name is a column of `list`: a newline or a tab would forge rows, ESC drive the terminal.
     (submit_args(name="evil\nname\tX"), "name 'evil\\nname\\tX' is invalid: accepted a string of at most 256 "
                                          "characters without control characters"),
