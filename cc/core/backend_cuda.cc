@@ -42,24 +42,13 @@ struct Driver {
 };
 
 void ResolveDriver(void* lib, Driver* driver, std::string* missing) {
-  std::string absent;  // optional entry points, and newer names an older one stands in for
-  ResolveDriverSymbol(lib, "cuInit", &driver->cuInit, missing);
-  ResolveDriverSymbol(lib, "cuDeviceGetCount", &driver->cuDeviceGetCount, missing);
-  ResolveDriverSymbol(lib, "cuDeviceGet", &driver->cuDeviceGet, missing);
+  ResolvePrimaryContextEntryPoints(lib, driver, missing);
   ResolveDriverSymbol(lib, "cuDeviceGetAttribute", &driver->cuDeviceGetAttribute, missing);
-  ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRetain", &driver->cuDevicePrimaryCtxRetain, missing);
-  if (!ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease_v2", &driver->cuDevicePrimaryCtxRelease,
-                           &absent)) {
-    ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease", &driver->cuDevicePrimaryCtxRelease, missing);
-  }
-  ResolveDriverSymbol(lib, "cuCtxPushCurrent_v2", &driver->cuCtxPushCurrent, missing);
-  ResolveDriverSymbol(lib, "cuCtxPopCurrent_v2", &driver->cuCtxPopCurrent, missing);
   ResolveDriverSymbol(lib, "cuMemAlloc_v2", &driver->cuMemAlloc, missing);
   ResolveDriverSymbol(lib, "cuMemFree_v2", &driver->cuMemFree, missing);
   ResolveDriverSymbol(lib, "cuMemGetInfo_v2", &driver->cuMemGetInfo, missing);
   ResolveDriverSymbol(lib, "cuMemHostAlloc", &driver->cuMemHostAlloc, missing);
   ResolveDriverSymbol(lib, "cuMemFreeHost", &driver->cuMemFreeHost, missing);
-  ResolveDriverSymbol(lib, "cuGetErrorString", &driver->cuGetErrorString, &absent);
 }
 
 // Loaded once per library path and process (cuda_driver_loader.h).

@@ -24,6 +24,25 @@ bool ResolveDriverSymbol(void* lib, const char* name, F* out, std::string* missi
   return *out != nullptr;
 }
 
+// The entry points every user of the driver needs to reach a device's primary context (the one
+// TensorFlow's stream executor and PyTorch use), for any table with members of these names: the
+// memory backend and the event gate resolve them here, alike, and then their own.
+template <typename Table>
+void ResolvePrimaryContextEntryPoints(void* lib, Table* t, std::string* missing) {
+  std::string absent;  // optional entry points, and newer names an older one stands in for
+  ResolveDriverSymbol(lib, "cuInit", &t->cuInit, missing);
+  ResolveDriverSymbol(lib, "cuDeviceGetCount", &t->cuDeviceGetCount, missing);
+  ResolveDriverSymbol(lib, "cuDeviceGet", &t->cuDeviceGet, missing);
+  ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRetain", &t->cuDevicePrimaryCtxRetain, missing);
+  if (!ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease_v2", &t->cuDevicePrimaryCtxRelease,
+                           &absent)) {
+    ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease", &t->cuDevicePrimaryCtxRelease, missing);
+  }
+  ResolveDriverSymbol(lib, "cuCtxPushCurrent_v2", &t->cuCtxPushCurrent, missing);
+  ResolveDriverSymbol(lib, "cuCtxPopCurrent_v2", &t->cuCtxPopCurrent, missing);
+  ResolveDriverSymbol(lib, "cuGetErrorString", &t->cuGetErrorString, &absent);
+}
+
 // The table of type `Table` for `library`, filled by `resolve(lib, &table, &missing)` the first
 // time a process asks for that path, then kept with its outcome: the library is never closed (the
 // driver keeps global state) and a failure is reported the same way on every later call. Returns

@@ -51,17 +51,9 @@ std::string RangeError(const char* field, int64_t value, int64_t lo, int64_t hi)
 namespace {
 
 void ResolveGateDriver(void* lib, GateDriver* d, std::string* missing) {
-  std::string absent;  // optional entry points, and newer names an older one stands in for
-  ResolveDriverSymbol(lib, "cuInit", &d->cuInit, missing);
-  ResolveDriverSymbol(lib, "cuDeviceGetCount", &d->cuDeviceGetCount, missing);
-  ResolveDriverSymbol(lib, "cuDeviceGet", &d->cuDeviceGet, missing);
-  ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRetain", &d->cuDevicePrimaryCtxRetain, missing);
-  if (!ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease_v2", &d->cuDevicePrimaryCtxRelease, &absent)) {
-    ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease", &d->cuDevicePrimaryCtxRelease, missing);
-  }
+  std::string absent;  // newer names an older one stands in for
+  ResolvePrimaryContextEntryPoints(lib, d, missing);
   ResolveDriverSymbol(lib, "cuCtxGetCurrent", &d->cuCtxGetCurrent, missing);
-  ResolveDriverSymbol(lib, "cuCtxPushCurrent_v2", &d->cuCtxPushCurrent, missing);
-  ResolveDriverSymbol(lib, "cuCtxPopCurrent_v2", &d->cuCtxPopCurrent, missing);
   ResolveDriverSymbol(lib, "cuEventCreate", &d->cuEventCreate, missing);
   ResolveDriverSymbol(lib, "cuEventDestroy_v2", &d->cuEventDestroy, missing);
   ResolveDriverSymbol(lib, "cuEventRecord", &d->cuEventRecord, missing);
@@ -73,7 +65,6 @@ void ResolveGateDriver(void* lib, GateDriver* d, std::string* missing) {
   }
   ResolveDriverSymbol(lib, "cuStreamCreate", &d->cuStreamCreate, missing);
   ResolveDriverSymbol(lib, "cuStreamDestroy_v2", &d->cuStreamDestroy, missing);
-  ResolveDriverSymbol(lib, "cuGetErrorString", &d->cuGetErrorString, &absent);
 }
 
 }  // namespace
