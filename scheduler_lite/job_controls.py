@@ -24,6 +24,7 @@ from scheduler_lite.devices import DeviceBackend, JobLoad, job_load
 from scheduler_lite.driver import Driver, Reading, estimate_remaining_s
 from scheduler_lite.faults import Faults
 from scheduler_lite.isolation import read_job_stats as read_job_stats_file
+from scheduler_lite.jobenv import process_control
 from scheduler_lite.model import Gpu, Role, SetComputeShare, SetMemoryLimit, StepSample
 from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.storage import Storage
@@ -176,4 +177,4 @@ class JobControls:
 
     def _send_control(self, job_id: str, live: LiveJob, control: Control) -> None:
         """Write the job's control.json (hook: the job's node writes it in a cluster); OSError if not."""
-        write_control(live.job_dir, control)
+        write_control(live.job_dir, process_control(control))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Final
 
@@ -11,6 +12,7 @@ from scheduler_lite.config import Config
 from scheduler_lite.model import Gpu, JobKind
 from scheduler_lite.storage import JobRecord
 from scheduler_lite.submission import RESERVED_ENV
+from tf_antman.protocol import Control, MemoryLimit
 
 MIB: Final = 1 << 20
 MIN_ENV_LIMIT: Final = MIB  # ANTMAN_MEMORY_LIMIT's lower bound
@@ -64,4 +66,19 @@ def job_environment(
     return env
 
 
-__all__ = ["CUDA_DEVICE_ORDER", "MIN_ENV_LIMIT", "job_environment"]
+def process_control(control: Control) -> Control:
+    """The control as one process of the job takes it: one memory limit, for device 0.
+
+    tf-antman manages one device per process, ANTMAN_DEVICE_ID (0 above), which stands for every
+    GPU the process was placed on, and refuses a whole control that names another device. So the
+    limits of a process's GPUs become one, the tightest, as ANTMAN_MEMORY_LIMIT is at launch (each
+    replica of a data-parallel job holds about as much on every GPU); the share is already one.
+    Before this, a job on two GPUs refused every control the coordinator sent it: its guarantee
+    co-runner was never protected.
+    """
+    if not control.memory_limits or [m.device for m in control.memory_limits] == [0]:
+        return control
+    return replace(control, memory_limits=(MemoryLimit(0, min(m.limit_bytes for m in control.memory_limits)),))
+
+
+__all__ = ["CUDA_DEVICE_ORDER", "MIN_ENV_LIMIT", "job_environment", "process_control"]

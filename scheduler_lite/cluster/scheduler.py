@@ -52,6 +52,7 @@ from scheduler_lite.cluster.tasks import is_ray_task
 from scheduler_lite.config import Config
 from scheduler_lite.daemon import Daemon
 from scheduler_lite.driver import Driver, Launch, SchedulePolicy
+from scheduler_lite.jobenv import process_control
 from scheduler_lite.launcher import ExitInfo, LaunchError, ProcessHandle
 from scheduler_lite.model import ClusterState, GlobalDecision, Gpu, JobState, Place, Reserve, Role
 from scheduler_lite.policy.global_scheduler import schedule
@@ -347,7 +348,7 @@ class ClusterDaemon(Daemon):
     def _send_control(self, job_id: str, live: LiveJob, control: Control) -> None:
         for node, part in split_control(control, live.record.placement, self.cc.node_of).items():
             try:
-                self.nodes.call(node, "write_control", job_id, part)
+                self.nodes.call(node, "write_control", job_id, process_control(part))
             except Exception as e:  # noqa: BLE001 - the daemon logs and retries at the next change
                 raise OSError(f"node {node}: {cause(e)}") from None
 

@@ -44,7 +44,7 @@ if os.environ.get("FAKE_IGNORE_SIGTERM"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 limit = int(os.environ["ANTMAN_MEMORY_LIMIT"])
 share = float(os.environ["ANTMAN_COMPUTE_SHARE"])
-applied = n = seq = 0
+applied = seen = rejected = n = seq = 0
 window = []
 print("env", os.environ["ANTMAN_DEVICE"], os.environ["ANTMAN_DEVICE_ID"], os.environ["SCHEDULER_LITE_GPUS"],
       flush=True)
@@ -54,10 +54,14 @@ while steps <= 0 or n < steps:
         text = read_text(control_path(job_dir))
         if text:
             c = parse_control(text)
-            if c.seq > applied:
-                applied = c.seq
-                limit = next((m.limit_bytes for m in c.memory_limits if m.device == 0), limit)
-                share = share if c.compute_share is None else c.compute_share
+            if c.seq > seen:
+                seen = c.seq
+                if any(m.device != int(os.environ["ANTMAN_DEVICE_ID"]) for m in c.memory_limits):
+                    rejected += 1  # tf-antman's agent refuses the whole control (one device a process)
+                else:
+                    applied = c.seq
+                    limit = next((m.limit_bytes for m in c.memory_limits), limit)
+                    share = share if c.compute_share is None else c.compute_share
     except ProtocolError as e:
         print("control refused:", e, file=sys.stderr, flush=True)
     t = time.monotonic()
@@ -70,7 +74,7 @@ while steps <= 0 or n < steps:
               step_ms_window=tuple(window), step_ms_median=statistics.median(window),
               devices=(DeviceStats(0, limit, on, on, on, on, demand - on, demand - on, 0),),
               compute_share=share, achieved_share=achieved, control_seq_applied=applied,
-              controls_applied=applied, wall_time=time.time())
+              controls_applied=applied, controls_rejected=rejected, wall_time=time.time())
     atomic_write_text(stats_path(job_dir), s.to_json(), fsync=False, tmp_dir=temp_dir(job_dir))
 print("done", n, flush=True)
 sys.exit(code)

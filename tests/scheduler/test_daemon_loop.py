@@ -91,6 +91,33 @@ def test_guarantee_arrival_shrinks_the_opportunistic_job(tmp_path: Path, daemons
     assert kinds[:2] == ["submitted", "launched"] and "memory_limit" in kinds and "compute_share" in kinds
 
 
+def test_a_job_on_two_gpus_applies_the_coordinators_shrink(tmp_path: Path, daemons: list[Daemon]) -> None:
+    """One process stands for both GPUs (ANTMAN_DEVICE_ID=0): it gets one limit, the tightest.
+    A control naming device 1 as well was refused whole, so the guarantee job was not protected."""
+    d = new_daemon(daemons, tmp_path, gpus=2)
+    opp = d.submit(fake_command(demand=600 * MIB), tenant="B", kind="opportunistic", gpus=2, env=JOB_ENV)
+    assert Place(opp, (0, 1), Role.OPPORTUNISTIC) in d.tick().decisions
+    assert d.run_until(lambda d: steps_of(d, opp) >= 3, timeout=20, interval=0.02)
+    g = d.submit(fake_command(demand=512 * MIB), tenant="A", kind="guarantee", memory_bytes=512 * MIB, env=JOB_ENV)
+    arrival = d.tick()
+    (placed,) = [x for x in arrival.decisions if isinstance(x, Place) and x.job_id == g]
+    min_memory = d.config.coordinator.min_memory_bytes
+    assert SetMemoryLimit(opp, placed.gpus[0], min_memory, 1 << 30) in arrival.decisions
+    control = parse_control(control_path(d.job_dir(opp)).read_text())
+    assert [(m.device, m.limit_bytes) for m in control.memory_limits] == [(0, min_memory)]
+
+    def applied(d: Daemon) -> bool:
+        stats = read_stats(d.job_dir(opp))
+        return stats is not None and stats.control_seq_applied == control.seq
+    assert d.run_until(applied, timeout=20, interval=0.02)
+    stats = read_stats(d.job_dir(opp))
+    assert stats is not None and stats.controls_rejected == 0
+    assert stats.devices[0].limit_bytes == min_memory
+    # The store keeps each GPU's own setting: the untouched GPU is not cut with the other.
+    placements = {(p.job_id, p.gpu): p.memory_limit_bytes for p in d.storage.placements()}
+    assert placements[(opp, placed.gpus[0])] == min_memory and placements[(opp, 1 - placed.gpus[0])] == 1 << 30
+
+
 def test_restart_keeps_queued_readopts_running_and_keeps_finished(tmp_path: Path, daemons: list[Daemon]) -> None:
     d1 = new_daemon(daemons, tmp_path)
     ok = d1.submit(fake_command(steps=2), tenant="A", kind="guarantee", env=JOB_ENV)
