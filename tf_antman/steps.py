@@ -124,6 +124,10 @@ class StepTracker:
                     self.agent.step_end(seconds, training=True)
                 except Exception:  # noqa: BLE001 - the coordinator link must never stop training
                     log.exception("job agent failed at a step boundary; training goes on")
+                # The next untimed step starts now, not before the agent: a pause holds the
+                # thread in step_end, and that time is not the next step's (a 2 s pause read as a
+                # 2 s step to the coordinator, for the PyTorch hook and a bare step_end()).
+                self._last_end = time.perf_counter()
             self.limits.boundary()
 
     @contextlib.contextmanager

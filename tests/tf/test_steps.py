@@ -348,6 +348,33 @@ def test_the_first_step_end_is_not_timed_and_stays_out_of_the_agents_window() ->
     assert len(tracker.window) == 2
 
 
+def test_a_pause_at_the_step_boundary_is_not_the_next_steps_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The agent holds the thread in step_end while the job is paused; the next untimed step was
+    # measured from before that hold, so a pause read as a step that long in stats.json.
+    from types import SimpleNamespace
+
+    from tf_antman import steps as steps_module
+    from tf_antman.steps import StepTracker
+
+    now = [100.0]  # a clock of our own: only the pause and the steps move it
+    monkeypatch.setattr(steps_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    native = SimpleNamespace(step_boundary=lambda: None, request_limit=lambda n: None,
+                             set_limit_now=lambda n: (0, 0))
+    seen: list[float | None] = []
+
+    def agent_step_end(seconds: float | None, training: bool) -> None:
+        seen.append(seconds)
+        if len(seen) == 2:
+            now[0] += 30.0  # paused for 30 s here, at the boundary after the second step
+
+    tracker = StepTracker(native, SimpleNamespace(job_dir=None))  # type: ignore[arg-type]
+    tracker.agent = SimpleNamespace(step_end=agent_step_end)
+    for _ in range(3):
+        tracker.step_end()
+        now[0] += 0.5  # each step trains for 0.5 s
+    assert seen == [None, 0.5, 0.5]
+
+
 API = """
 import math, numpy as np, tensorflow as tf, keras, tf_keras, tf_antman
 def error(f):
