@@ -98,7 +98,12 @@ def set_compute_share(share: float) -> None:
     _check_real("set_compute_share", "share", share, "a number in 0.0..1.0")
     if not 0.0 <= share <= 1.0:  # also NaN
         raise ValueError(f"set_compute_share: share {share!r} is out of range: accepted 0.0..1.0")
-    _state().native.set_share(float(share))
+    state = _state()
+    agent = state.steps.agent
+    if agent is not None:  # it knows the pause in force and the coordinator's controls (newest wins)
+        agent.user_share(float(share))
+    else:
+        state.native.set_share(float(share))
 
 
 def step_end(seconds: float | None = None, training: bool = True) -> None:

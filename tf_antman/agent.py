@@ -153,7 +153,10 @@ class JobAgent:
         # runtime without one (a stand-in), the agent's own, which counts its pauses in a step only.
         self._hold_clock = HoldClock() if hold_clock is None else hold_clock
         self._limits: dict[int, int] = {}
+        # The share in force when the job is not held (what a resume restores): the coordinator's
+        # or the user's, whichever came last (`user_share`).
         self._share: float | None = None
+        self._user_share_at: float | None = None  # time.monotonic(), as a control's received_at
         self._step = 0
         self._window: deque[float] = deque(maxlen=STEP_WINDOW)
         self._last_step_ms: float | None = None
@@ -269,6 +272,19 @@ class JobAgent:
             self._write_stats()
         self._writer.close()
         self._dir_lock.release()  # the final stats are written: another agent may take the directory
+
+    def user_share(self, share: float) -> None:
+        """The user's compute share (`tf_antman.set_compute_share`), in force from now on: newer
+        than a control read before it, whose share then does not replace it when that control is
+        applied later; while a pause holds the job's ops (share 0) it is what the resume restores,
+        instead of lifting the pause."""
+        with self._lock:
+            if not self._held_by_share or self._closed:
+                self._actuator.set_compute_share(share)  # may refuse (raises): nothing recorded then
+            self._user_share_at = time.monotonic()
+            self._share = share
+            if not self._closed:
+                self._write_stats()
 
     def flush_stats(self, timeout: float | None = 5.0) -> bool:
         """Wait until the stats submitted so far are in stats.json (they are written off-thread)."""
@@ -395,10 +411,14 @@ class JobAgent:
             resuming = control.paused is False and self._paused
             hold = self._held_by_share and not resuming
             share_before = self._share_in_force()
-            if control.compute_share is not None:
+            # A share the user set after this control was read stays (the newest wins, as for limits).
+            user_newer = (self._user_share_at is not None and self._applying_received_at is not None
+                          and self._user_share_at > self._applying_received_at)
+            share = None if user_newer else control.compute_share
+            if share is not None:
                 where = "compute_share"
                 if not hold:  # held at share 0: the new share takes effect on resume
-                    self._actuator.set_compute_share(control.compute_share)
+                    self._actuator.set_compute_share(share)
                     undo.append(lambda s=share_before: self._actuator.set_compute_share(s))
             if pausing or resuming:
                 where = "paused"
@@ -410,8 +430,7 @@ class JobAgent:
                 else:
                     self._actuator.resume()
                     if self._held_by_share:
-                        share = control.compute_share if control.compute_share is not None else self._share_in_force()
-                        self._actuator.set_compute_share(share)
+                        self._actuator.set_compute_share(share if share is not None else self._share_in_force())
         except Exception as err:  # noqa: BLE001 - any actuator failure means "refused", never a crash
             self._undo(undo, control.seq)
             rejection = Rejection.clipped(control.seq, where, f"could not be applied: {type(err).__name__}: {err}")
@@ -421,8 +440,8 @@ class JobAgent:
             return
         for entry in control.memory_limits:
             self._limits[entry.device] = entry.limit_bytes
-        if control.compute_share is not None:
-            self._share = control.compute_share
+        if share is not None:
+            self._share = share
         elif pausing and self._share is None:
             self._share = share_before  # read before a pause set the actuator's share to 0
         if pausing:

@@ -586,3 +586,60 @@ def test_an_untimed_step_counts_but_stays_out_of_the_window(tmp_path: Path) -> N
     agent.close()
     s = read_stats(tmp_path)
     assert s is not None and s.step == 2 and s.step_ms_window == (10.0,) and s.step_ms_mean == 10.0
+
+
+def test_a_user_share_set_after_a_control_was_read_wins_over_its_share(tmp_path: Path, agents) -> None:
+    """The newest of user request and coordinator control wins, for the share as for limits: a
+    control read before the user's set_compute_share does not replace it at the next boundary
+    (its memory limit still applies); a control read after it does."""
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=HOUR)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, memory_limits=(MemoryLimit(0, 4096),), compute_share=0.3))
+    wait_for(lambda: agent._watcher.version > 0, "control read")
+    agent.user_share(1.0)  # after the control was read, before the step boundary applies it
+    agent.step_end(0.01)
+    stats = stats_now(agent, tmp_path)
+    assert stats.control_seq_applied == 1 and job.share == 1.0 and job.limits == {0: 4096}
+    version = agent._watcher.version
+    write_control(tmp_path, Control(seq=2, compute_share=0.4))
+    wait_for(lambda: agent._watcher.version > version, "second control read")
+    agent.step_end(0.01)
+    assert job.share == 0.4
+
+
+def test_a_user_share_set_while_held_is_what_the_resume_restores(tmp_path: Path, agents) -> None:
+    """A pause away from a step boundary holds the ops at share 0: a user share set meanwhile must
+    not lift it, and the resume restores the user's share, not the coordinator's older one."""
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=0.05, paused_heartbeat_s=0.005)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, compute_share=0.3))
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 1, "applied")
+    agent.user_share(0.8)
+    assert job.share == 0.8
+    write_control(tmp_path, Control(seq=2, paused=True))
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 2, "paused")
+    assert job.share == 0.0
+    agent.user_share(0.9)
+    assert job.share == 0.0  # still held
+    write_control(tmp_path, Control(seq=3, paused=False))
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 3, "resumed")
+    assert job.share == 0.9 and not job.paused
+
+
+def test_set_compute_share_goes_through_the_agent_when_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tf_antman.set_compute_share: to the agent (it knows pauses and controls), else the runtime."""
+    from types import SimpleNamespace
+
+    import tf_antman
+
+    calls: list[tuple[str, float]] = []
+    agent = SimpleNamespace(user_share=lambda s: calls.append(("agent", s)))
+    native = SimpleNamespace(set_share=lambda s: calls.append(("native", s)))
+    state = SimpleNamespace(steps=SimpleNamespace(agent=agent), native=native)
+    monkeypatch.setattr(tf_antman, "_state", lambda: state)
+    tf_antman.set_compute_share(0.5)
+    state.steps.agent = None
+    tf_antman.set_compute_share(0.25)
+    assert calls == [("agent", 0.5), ("native", 0.25)]
