@@ -59,8 +59,17 @@ DEFAULT_CONTROL_FALLBACK_S: Final = 1.0  # ANTMAN_CONTROL_FALLBACK_MS (tf_antman
 SETTABLE_STATES: Final = ("starting", "running", "finished", "failed")  # "paused" belongs to controls
 
 
+class ShareNotEnforced(RuntimeError):
+    """Raised by an actuator's set_compute_share when the job cannot hold a share below 1 (a
+    PyTorch job whose op hook could not be built). A control's share is then not in force, and
+    stats.json says so (its compute_share stays 1), but the rest of the control is applied: its
+    memory limit protects the guarantee job beside it, and refusing the whole control for the
+    share withheld the memory too."""
+
+
 class Actuator(Protocol):
-    """Puts settings into force (the native library in a real job). Any exception means "refused".
+    """Puts settings into force (the native library in a real job). Any exception means "refused"
+    (but ShareNotEnforced from set_compute_share, above).
 
     Called at a step boundary, at start(), or from the agent's fallback thread while the training
     thread is anywhere: every call must be safe from any thread. A share of 0 holds the job's ops at
@@ -418,8 +427,13 @@ class JobAgent:
             if share is not None:
                 where = "compute_share"
                 if not hold:  # held at share 0: the new share takes effect on resume
-                    self._actuator.set_compute_share(share)
-                    undo.append(lambda s=share_before: self._actuator.set_compute_share(s))
+                    try:
+                        self._actuator.set_compute_share(share)
+                        undo.append(lambda s=share_before: self._actuator.set_compute_share(s))
+                    except ShareNotEnforced as err:
+                        self._warn_once("share_not_enforced", "compute share %g from control seq %d is not "
+                                        "enforced, the rest of the control is: %s", share, control.seq, err)
+                        share = None
             if pausing or resuming:
                 where = "paused"
                 if pausing:

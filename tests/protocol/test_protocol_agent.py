@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.protocol.protocol_helpers import read_stats, wait_for
-from tf_antman.agent import JobAgent
+from tf_antman.agent import JobAgent, ShareNotEnforced
 from tf_antman.holds import SHARE_ZERO, HoldClock
 from tf_antman.protocol import (
     Control,
@@ -643,3 +643,27 @@ def test_set_compute_share_goes_through_the_agent_when_there_is_one(monkeypatch:
     state.steps.agent = None
     tf_antman.set_compute_share(0.25)
     assert calls == [("agent", 0.5), ("native", 0.25)]
+
+
+class NoComputeScaling(SimulatedJob):
+    """A runtime that cannot hold a share below 1 (TorchRuntime without its op hook)."""
+
+    def set_compute_share(self, share: float) -> None:
+        if share < 1.0:
+            raise ShareNotEnforced("compute scaling is unavailable in this job: no compiler")
+        super().set_compute_share(share)
+
+
+def test_a_share_the_job_cannot_enforce_leaves_the_rest_of_the_control_applied(
+        tmp_path: Path, agents, caplog: pytest.LogCaptureFixture) -> None:
+    """The memory limit protects the guarantee job beside it: refusing the whole control for its
+    share withheld the memory too. The share stays 1 in stats.json, with one warning."""
+    job = NoComputeScaling()
+    agent = agents(job)
+    agent.start()
+    with caplog.at_level(logging.WARNING):
+        for seq, share in ((1, 0.05), (2, 0.1)):
+            write_control(tmp_path, Control(seq=seq, memory_limits=(MemoryLimit(0, 4096),), compute_share=share))
+            stats = step_until(agent, tmp_path, lambda s, seq=seq: s.control_seq_applied == seq)
+    assert stats.controls_rejected == 0 and job.limits == {0: 4096} and stats.compute_share == 1.0
+    assert sum("is not enforced" in r.getMessage() for r in caplog.records) == 1

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import REPO, run_py
 from tests.torch import stand_in
 from tf_antman import config
+from tf_antman.agent import ShareNotEnforced
 from tf_antman.device_select import CudaProbe, DeviceUnavailable
 from tf_antman.holds import HoldClock
 from tf_antman.native import NativeError
@@ -136,8 +137,10 @@ def test_share_below_one_is_refused_without_compute_scaling() -> None:
         mem = _shim.create(lib, _shim.shim_path(), "emulated", 0, 64 * MiB, 0, 0)
         rt = TorchRuntime(mem, None, "libantman_core.so is missing")
         rt.set_share(1.0)
-        with pytest.raises(NativeError, match="compute scaling is unavailable.*libantman_core.so"):
+        with pytest.raises(NativeError, match="compute scaling is unavailable.*libantman_core.so") as refused:
             rt.set_share(0.5)
+        # ...as a share the agent reports not in force while applying the rest of a control.
+        assert isinstance(refused.value, ShareNotEnforced)
         with pytest.raises(NativeError, match=r"accepted 0.0..1.0"):
             rt.set_share(float("nan"))
         assert rt.op_stats().share == 1.0

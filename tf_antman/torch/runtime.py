@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tf_antman.agent import ShareNotEnforced
 from tf_antman.holds import SHARE_ZERO, HoldClock
 from tf_antman.native import MemStats, NativeError
 from tf_antman.torch._shim import TorchMemory
@@ -23,6 +24,10 @@ class FixedShareStats:
     def as_dict(self) -> dict[str, float | int | bool]:
         return {"share": self.share, "achieved_share_window": self.achieved_share_window,
                 "paused": False, "compute_scaling": False}
+
+
+class ComputeScalingUnavailable(NativeError, ShareNotEnforced):
+    """A share below 1 asked of a job without compute scaling."""
 
 
 class TorchRuntime:
@@ -60,8 +65,9 @@ class TorchRuntime:
             raise NativeError(f"compute share {share!r} refused: accepted 0.0..1.0")
         if self.compute is None:
             if share < 1.0:
-                # Refused, not ignored: the coordinator must see that the job is not throttled.
-                raise NativeError(f"compute scaling is unavailable in this job: {self.compute_unavailable}")
+                # Refused, not ignored: the user gets the error, and a control's share is reported
+                # not in force (stats keep share 1) while its memory limit is applied (agent.py).
+                raise ComputeScalingUnavailable(f"compute scaling is unavailable in this job: {self.compute_unavailable}")
             return
         self.compute.set_share(share)
         self.holds.set(SHARE_ZERO, share == 0.0)
