@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,14 @@ def start_agent(steps: StepTracker) -> JobAgent | None:
     training. config.py has refused what it could foresee (ANTMAN_JOB_DIR missing or not
     writable) with a ConfigError already.
     """
+    launcher = launcher_name()
+    if steps.settings.job_dir and launcher is not None:
+        # The first process of the job directory takes its agent for good (lock.py); a launcher
+        # that imports torch and then starts the trainer would keep it, and the trainer would run
+        # unmanaged. It trains nothing: no agent, no exit report here.
+        log.info("%s is a launcher (pid %d): the job agent starts in the training process it runs",
+                 launcher, os.getpid())
+        return None
     agent = _try_agent(steps) if steps.settings.job_dir else None
     native = steps.native
     FinalState(agent, lambda: exit_report.report(native),
@@ -115,6 +124,24 @@ def release_hold(native: Native) -> None:
         native.set_share(1.0)
 
 
+# Programs that import the framework and then start the process that trains (torchrun's console
+# script, `python -m torch.distributed.run`, Accelerate's and DeepSpeed's launchers).
+LAUNCHER_SCRIPTS = frozenset({"torchrun", "accelerate", "deepspeed"})
+LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
+                              "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner"})
+
+
+def launcher_name() -> str | None:
+    """The launcher this process runs, or None: a script named in LAUNCHER_SCRIPTS, or a module
+    run with `python -m` named in LAUNCHER_MODULES."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name in LAUNCHER_MODULES:
+        return f"python -m {spec.name}"
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return script if script in LAUNCHER_SCRIPTS else None
+
+
 def _try_agent(steps: StepTracker) -> JobAgent | None:
     settings = steps.settings
     try:
@@ -122,7 +149,9 @@ def _try_agent(steps: StepTracker) -> JobAgent | None:
     except JobDirBusy:
         log.warning("the job agent of %s runs in another process (the pid in its stats.json): this "
                     "process (pid %d) runs without one: it writes no stats and takes no controls; its "
-                    "device memory is bounded by its start-up settings only", settings.job_dir, os.getpid())
+                    "device memory is bounded by its start-up settings only (one agent a job: a job of "
+                    "several training processes, or one started by a wrapper script that imported the "
+                    "framework first, is managed in its first process only)", settings.job_dir, os.getpid())
         return None
     except Exception as err:  # noqa: BLE001 - OSError, ProtocolError, or anything else: never a traceback
         log.warning("cannot start the job agent on %s (%s: %s): the job runs without it: no stats.json, "

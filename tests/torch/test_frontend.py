@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import REPO, run_py
+from tests.conftest import REPO, clean_env, run_py
 from tests.torch import stand_in
 from tf_antman import config
 from tf_antman.agent import ShareNotEnforced
@@ -229,6 +231,32 @@ def test_unchanged_script_is_activated_at_import_torch(tmp_path: Path) -> None:
 
 
 @needs_shim
+def test_a_launcher_leaves_the_job_agent_to_the_process_that_trains(tmp_path: Path) -> None:
+    """torchrun imports torch, then starts the trainer: the first process of a job directory keeps
+    its agent for good, so the trainer ran unmanaged (no controls, stats of a launcher at step 0)."""
+    site = stand_in.write(tmp_path / "site")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    trainer = tmp_path / "train.py"
+    trainer.write_text("import os, torch\n"
+                       "opt = torch.optim.optimizer.Optimizer()\n"
+                       "for _ in range(4):\n    opt.step()\n"
+                       "print('trainer', os.getpid())\n")
+    launcher = tmp_path / "torchrun"  # what the console script is called: sys.argv[0]
+    launcher.write_text("import subprocess, sys, torch\n"
+                        f"subprocess.run([sys.executable, {str(trainer)!r}], check=True)\n")
+    env = clean_env(PYTHONPATH=f"{site}{os.pathsep}{REPO}", ANTMAN_DEVICE="emulated", ANTMAN_DEVICE_MEMORY="64MiB",
+                    ANTMAN_HOST_MEMORY="64MiB", ANTMAN_JOB_DIR=str(job_dir))
+    done = subprocess.run([sys.executable, str(launcher)], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=str(REPO))
+    assert done.returncode == 0, done.stderr
+    assert "runs without one" not in done.stderr, done.stderr
+    trainer_pid = int(done.stdout.split()[-1])
+    stats = read_stats(job_dir)
+    assert stats is not None and stats.pid == trainer_pid and stats.step == 4 and stats.state == "finished"
+
+
+@needs_shim
 def test_an_unchanged_script_with_device_auto_runs_on_the_emulated_device_here(tmp_path: Path) -> None:
     # No GPU on this machine: auto is the emulated device (it raised KeyError at `import torch`).
     site = stand_in.write(tmp_path / "site")
@@ -406,3 +434,20 @@ def test_a_torch_job_started_at_share_zero_reports_the_hold_at_exit(tmp_path: Pa
     paused = re.search(r"at exit: .*; paused (\d+\.\d) s;", job.stderr)
     assert paused is not None, job.stderr
     assert float(paused.group(1)) == round(out["held"], 1)  # the hold ended before exit: it stands
+
+
+def test_launchers_are_recognised_by_script_or_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from tf_antman import jobside
+
+    main = SimpleNamespace(__spec__=None)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    for argv0, expected in (("/venv/bin/torchrun", "torchrun"), ("accelerate", "accelerate"),
+                            ("train.py", None), ("/venv/bin/torchrun.py", None), ("", None)):
+        monkeypatch.setattr(sys, "argv", [argv0])
+        assert jobside.launcher_name() == expected, argv0
+    main.__spec__ = SimpleNamespace(name="torch.distributed.run")  # python -m torch.distributed.run
+    assert jobside.launcher_name() == "python -m torch.distributed.run"
+    main.__spec__ = SimpleNamespace(name="train")
+    assert jobside.launcher_name() is None
