@@ -667,3 +667,31 @@ def test_a_share_the_job_cannot_enforce_leaves_the_rest_of_the_control_applied(
             stats = step_until(agent, tmp_path, lambda s, seq=seq: s.control_seq_applied == seq)
     assert stats.controls_rejected == 0 and job.limits == {0: 4096} and stats.compute_share == 1.0
     assert sum("is not enforced" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_forked_child_does_not_keep_the_directory_locked_after_close(tmp_path: Path, agents) -> None:
+    """A fork-started worker shares the lock's open file description: closing the agent's
+    descriptor alone left the directory locked while the child lived (a restarted job in it then
+    ran without an agent)."""
+    import os
+
+    job = SimulatedJob()
+    agent = agents(job)
+    agent.start()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: waits until the parent is done, then leaves without cleanup
+        os.close(write_end)
+        os.read(read_end, 1)
+        os._exit(0)
+    os.close(read_end)
+    try:
+        agent.close()
+        code = ("from pathlib import Path; from tf_antman.protocol.lock import AgentLock; "
+                f"AgentLock.acquire(Path({str(tmp_path)!r})); print('acquired')")
+        taken = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                               env={"PYTHONPATH": str(ROOT)})
+        assert taken.stdout.strip() == "acquired", taken.stderr
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)

@@ -41,6 +41,7 @@ class AgentLock:
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
+        self._pid = os.getpid()  # the process that took it (a forked child shares the descriptor)
 
     @classmethod
     def acquire(cls, job_dir: Path) -> AgentLock:
@@ -68,7 +69,18 @@ class AgentLock:
         return cls(fd)
 
     def release(self) -> None:
-        """Closes the descriptor (the lock goes with it). Idempotent."""
+        """Unlocks and closes the descriptor. Idempotent.
+
+        Unlocked explicitly, not only closed: a forked child (a fork-started worker still running)
+        shares the open file description, and closing the last descriptor of this process left the
+        directory locked until the child exited, so a restarted job in it ran without an agent.
+        Only the process that took the lock unlocks it: a child's unlock would free the directory
+        under the parent's running agent."""
         fd, self._fd = self._fd, None
-        if fd is not None:
+        if fd is None:
+            return
+        try:
+            if os.getpid() == self._pid:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
             os.close(fd)
