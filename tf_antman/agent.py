@@ -403,8 +403,11 @@ class JobAgent:
         """Apply every field of `control` or none: on failure the settings before it are restored.
 
         by: "start" | "step" | "fallback". Only "step" has the training thread at a step boundary,
-        where a pause can hold it in step_end; elsewhere a pause holds its ops with compute share 0.
+        where a pause can hold it in step_end; elsewhere a pause holds its ops with compute share 0,
+        which only the fallback thread can lift (no step boundary comes at share 0): without one
+        (control_fallback_s=None) a pause at start holds the thread at its first step boundary.
         """
+        hold_ops = by != "step" and self._fallback_s is not None
         undo: list[Callable[[], None]] = []
         where = "seq"
         try:
@@ -438,7 +441,7 @@ class JobAgent:
                 where = "paused"
                 if pausing:
                     self._actuator.pause()
-                    if by != "step":
+                    if hold_ops:
                         self._actuator.set_compute_share(0.0)
                         undo.append(lambda s=share_before: self._actuator.set_compute_share(s))
                 else:
@@ -459,7 +462,7 @@ class JobAgent:
         elif pausing and self._share is None:
             self._share = share_before  # read before a pause set the actuator's share to 0
         if pausing:
-            self._held_by_share = by != "step"
+            self._held_by_share = hold_ops
         elif resuming:
             self._held_by_share = False
         if control.paused is not None and control.paused != self._paused:

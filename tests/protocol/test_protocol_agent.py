@@ -695,3 +695,21 @@ def test_a_forked_child_does_not_keep_the_directory_locked_after_close(tmp_path:
     finally:
         os.close(write_end)
         os.waitpid(pid, 0)
+
+
+def test_without_a_fallback_a_pause_at_start_holds_at_the_first_step_not_at_share_zero(
+        tmp_path: Path, agents) -> None:
+    """Share 0 is lifted by the fallback thread only (no step boundary comes at share 0): an agent
+    without one (control_fallback_s=None) that held the ops at start could never resume."""
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=None, paused_heartbeat_s=0.005)
+    write_control(tmp_path, Control(seq=1, paused=True))
+    agent.start()
+    assert job.share == 1.0 and values(job.log) == [("pause", None, None)]
+    thread = threading.Thread(target=agent.step_end, args=(0.01,))
+    thread.start()
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.state == "paused" and s.step == 1, "blocked")
+    write_control(tmp_path, Control(seq=2, paused=False))
+    thread.join(timeout=10)
+    assert not thread.is_alive() and job.share == 1.0
+    assert values(job.log) == [("pause", None, None), ("resume", None, None)]
