@@ -409,9 +409,14 @@ def _print_quota_warning(config: Config, tenants: Sequence[dict[str, Any]], gpu_
 
 def _check_command(program: str, workdir: Path, env: dict[str, str]) -> None:
     if "/" in program:
-        path = workdir / program
+        path = workdir / program  # an absolute program stays itself
         if not path.exists():
-            raise UserError(f"command {program!r} not found (relative to --workdir {workdir})")
+            where = "" if os.path.isabs(program) else f" (relative to --workdir {workdir})"
+            raise UserError(f"command {program!r} not found{where}")
+        # Checked here, as the submitting user: the job would only fail at its start (exit 126).
+        if not path.is_file() or not os.access(path, os.X_OK):
+            raise UserError(f"command {program!r} is not an executable file: chmod +x it, or name its "
+                            f"interpreter first (e.g. bash {program})")
         return
     search = env.get("PATH", os.environ.get("PATH", os.defpath))
     if shutil.which(program, path=search) is None:

@@ -95,6 +95,15 @@ def make_job_spec(
             raise SubmitError(f"--env {key}: set by the scheduler for each placement; a job may set {allowed}")
         if key.startswith("ANTMAN_") and key not in {v.name for v in ANTMAN_VARIABLES}:
             raise SubmitError(f"--env {key}: not a tf-antman variable (docs/configuration.md)")
+    for key, value in pairs:
+        variable = next((v for v in ANTMAN_VARIABLES if v.name == key), None)
+        if variable is not None:
+            # tf-antman would refuse it at the job's start, with a traceback in its log.
+            try:
+                variable.parse(value)
+            except (ValueError, OverflowError):
+                raise SubmitError(f"--env {key}={value!r} is invalid: accepted {variable.accepted} "
+                                  "(docs/configuration.md)") from None
     if memory_bytes is not None:
         top = largest_gpu_bytes(config) or MAX_BYTES
         if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or not 1 <= memory_bytes <= top:

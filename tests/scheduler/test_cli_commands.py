@@ -112,6 +112,9 @@ def test_show_says_a_job_cancelled_while_queued_never_ran(cfg_file: str, capsys:
         assert exit_line == ["exit       never ran"], exit_line
 
 
+README = str(Path(__file__).resolve().parents[2] / "README.md")  # mode 0644: not executable
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -121,6 +124,14 @@ def test_show_says_a_job_cancelled_while_queued_never_ran(cfg_file: str, capsys:
         (["submit", "--tenant", "A", "--gpus", "3", "--", "true"], "--gpus 3 is invalid: accepted an integer in [1, 1]"),
         (["submit", "--tenant", "B", "--type", "guarantee", "--", "true"], "can never run"),
         (["submit", "--tenant", "A", "--env", "ANTMAN_JOB_DIR=/x", "--", "true"], "set by the scheduler"),
+        # Values tf-antman would refuse at the job's start (a traceback in its log, exit status 1):
+        (["submit", "--tenant", "A", "--env", "ANTMAN_HOST_MEMORY=lots", "--", "true"],
+         "--env ANTMAN_HOST_MEMORY='lots' is invalid: accepted 0..1PiB"),
+        (["submit", "--tenant", "A", "--env", "ANTMAN_STATS_INTERVAL_MS=-5", "--", "true"],
+         "--env ANTMAN_STATS_INTERVAL_MS='-5' is invalid: accepted"),
+        (["submit", "--tenant", "A", "--", "/no/such/cmd"], "command '/no/such/cmd' not found\n"),
+        (["submit", "--tenant", "A", "--", README], f"{README!r} is not an executable file"),
+        (["submit", "--tenant", "A", "--", "/tmp"], "'/tmp' is not an executable file"),
         (["submit", "--tenant", "A", "--env", "NOEQUALS", "--", "true"], "expected KEY=VALUE"),
         (["submit", "--tenant", "A", "--memory", "lots", "--", "true"], "--memory"),
         (["show", "job-9"], "no job 'job-9'"),
