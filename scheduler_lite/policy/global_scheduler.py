@@ -14,8 +14,8 @@ One pass, in this order:
    groups first. A job beyond its tenant's free quota waits and reserves nothing (it stops the
    tenant's queue). All found: Place. Otherwise Reserve what was found and stop this tenant's
    queue; reserved GPUs still take opportunistic jobs, never guarantee ones.
-   An `auto` job goes this way unless its estimated queueing delay exceeds
-   `auto_opportunistic_after_s`, in which case it is scheduled as an opportunistic job.
+   An `auto` job goes this way unless its wait for quota (what it has waited plus the estimated
+   rest) exceeds `auto_opportunistic_after_s`, in which case it is scheduled as an opportunistic job.
 4. Opportunistic jobs (Algorithm 1 lines 2-3, 9-10): `findNodes(job.gpu, M)` keeps GPUs whose
    10 s utilisation is below M, `minLoadNodes` takes the least loaded. A GPU gets at most one
    new opportunistic job per pass, because its utilisation is only known once the job runs.
@@ -58,7 +58,8 @@ class SchedulerConfig:
 
     # M of the paper: GPUs busier than this over the last 10 s take no new opportunistic job.
     utilisation_threshold: float = 0.8
-    # An auto job waiting longer than this for quota runs opportunistically instead. Ten minutes
+    # An auto job waiting longer than this for quota (waited + estimated rest) runs
+    # opportunistically instead. Ten minutes
     # is long next to the median Philly job (about 20 minutes) and short next to its mean.
     auto_opportunistic_after_s: float = 600.0
     # Remaining run time assumed for a running job that reports none (delay estimation only).
@@ -156,12 +157,13 @@ class _Pass:
             if job.kind is JobKind.AUTO:
                 if finish_times is None:
                     finish_times = self._quota_release_times(tenant)
-                delay = _estimated_delay(
-                    job.num_gpus + blocked_gpus + self.quota_used[tenant] - quota,
-                    finish_times,
-                    self.s.now,
-                )
-                if delay > self.cfg.auto_opportunistic_after_s or job.num_gpus > quota:
+                short = job.num_gpus + blocked_gpus + self.quota_used[tenant] - quota
+                # Its wait for quota: what it has waited plus the estimated rest. The estimate
+                # alone went to 0 for good once the running jobs outlived their predictions, and
+                # the auto job then waited for them however long, next to idle GPUs.
+                wait = (self.s.now - job.submit_time + _estimated_delay(short, finish_times, self.s.now)
+                        if short > 0 else 0.0)
+                if wait > self.cfg.auto_opportunistic_after_s or job.num_gpus > quota:
                     if job_id in self.s.reservations:
                         self.out.append(Unreserve(job_id))
                     self.routed.append(job)

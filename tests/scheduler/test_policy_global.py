@@ -127,6 +127,21 @@ def test_auto_job_runs_opportunistic_when_delay_is_long_then_upgrades():
     assert b.quota_used("A") == 1
 
 
+def test_an_auto_job_that_has_waited_too_long_runs_opportunistic_though_the_estimate_says_soon():
+    """The running guarantee job outlived its prediction (0 s remaining, for good): the estimate
+    alone kept the auto job waiting for it however long, next to an idle GPU."""
+    b = book(nodes=1, per_node=2, quotas={"A": 1})
+    b.submit(job("g"))
+    assert run(b) == [Place("g", (0,), Role.GUARANTEE)]
+    b.update_hints("g", estimated_remaining_s=0.0)
+    b.submit(job("auto", kind=JobKind.AUTO, t=1))
+    after = CFG.auto_opportunistic_after_s
+    assert run(b, now=2) == []  # waited 1 s, the estimate says it is next: it waits
+    assert run(b, now=1 + after - 1) == []
+    d = run(b, now=1 + after + 1)  # waited past the threshold: it runs, opportunistically
+    assert len(d) == 1 and d[0] == Place("auto", d[0].gpus, Role.OPPORTUNISTIC)
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ConfigError, match="utilisation_threshold"):
         SchedulerConfig(utilisation_threshold=1.5).validate()
