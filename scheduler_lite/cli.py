@@ -295,7 +295,7 @@ def cmd_list(config: Config, args: argparse.Namespace) -> int:
     jobs = [job_record(j) for j in found]
     rows = [[j.id, j.name or "-", j.tenant, j.user or "-", str(j.kind), str(j.role) if j.role else "-", _state(j),
              ",".join(map(str, j.placement)) if j.placement else f"({j.num_gpus})",
-             _clock(j.submit_time), _duration(j), _command(j.command)] for j in jobs]
+             _clock(j.submit_time), _duration(j), _command(j.command, j.workdir)] for j in jobs]
     _table(["ID", "NAME", "TENANT", "USER", "TYPE", "ROLE", "STATE", "GPUS", "SUBMITTED", "RUNTIME", "COMMAND"],
            rows)
     return 0
@@ -311,7 +311,7 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
         ("id", job.id), ("name", job.name or "-"), ("tenant", job.tenant), ("user", job.user or "-"),
         ("type", str(job.kind)),
         ("role", str(job.role) if job.role else "-"), ("state", _state(job)), ("gpus", str(job.num_gpus)),
-        ("placement", ",".join(map(str, job.placement)) or "-"), ("command", _command(job.command, 10_000)),
+        ("placement", ",".join(map(str, job.placement)) or "-"), ("command", " ".join(job.command)),
         ("workdir", job.workdir), ("memory", format_bytes(job.memory_bytes) if job.memory_bytes else "whole GPU"),
         ("share", "-" if job.requested_share is None else f"{job.requested_share:g}"),
         ("restart", "allowed (--restartable)" if job.restartable else "no"),
@@ -330,7 +330,7 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
     if found["events"]:
         print("\nevents:")
         _table(["TIME", "EVENT", "DETAIL"],
-               [[_clock(e["time"]), e["kind"], " ".join(f"{k}={v}" for k, v in e["detail"].items())]
+               [[_clock(e["time"]), e["kind"], " ".join(f"{k}={_value(v)}" for k, v in e["detail"].items())]
                 for e in found["events"]])
     return 0
 
@@ -423,6 +423,12 @@ def _check_command(program: str, workdir: Path, env: dict[str, str]) -> None:
         raise UserError(f"command {program!r} not found on PATH")
 
 
+def _value(v: object) -> object:
+    """An event's value as a person reads it: a share of 0.15, not 0.15000000000000002 (the
+    coordinator's arithmetic); --json keeps the stored value."""
+    return f"{v:.6g}" if isinstance(v, float) else v
+
+
 def _state(job: JobRecord) -> str:
     text = str(job.state)
     if job.cancel_requested and not job.state.done:
@@ -443,8 +449,14 @@ def _duration(job: JobRecord) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def _command(command: Sequence[str], width: int = 50) -> str:
-    text = " ".join(command)
+def _command(command: Sequence[str], workdir: str, width: int = 50) -> str:
+    """The command in a column of `list`: the program by its name, paths under the job's workdir
+    relative to it, so that the script shows (`/work/.venv/bin/python /work/train.py` filled the
+    column with the interpreter's path; `show` has the whole command)."""
+    words = [os.path.basename(w) if i == 0 and "/" in w else w for i, w in enumerate(command)]
+    prefix = workdir.rstrip("/") + "/"
+    words = [w[len(prefix):] if w.startswith(prefix) and len(w) > len(prefix) else w for w in words]
+    text = " ".join(words)
     return text if len(text) <= width else text[: width - 3] + "..."
 
 

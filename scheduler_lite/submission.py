@@ -108,8 +108,9 @@ def make_job_spec(
         top = largest_gpu_bytes(config) or MAX_BYTES
         if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or not 1 <= memory_bytes <= top:
             where = "the largest GPU" if top != MAX_BYTES else "the largest size"
+            asked = f" (asked: {format_bytes(memory_bytes)})" if isinstance(memory_bytes, int) and memory_bytes > 0 else ""
             raise SubmitError(f"--memory {memory_bytes!r} is invalid: accepted a size in [1, {top}] bytes "
-                              f"({format_bytes(top)}, {where}); leave it out for the whole GPU")
+                              f"({format_bytes(top)}, {where}); leave it out for the whole GPU{asked}")
     if expected_steps is not None and (
         isinstance(expected_steps, bool) or not isinstance(expected_steps, int)
         or not 1 <= expected_steps <= MAX_EXPECTED_STEPS

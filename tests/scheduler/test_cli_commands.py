@@ -134,6 +134,7 @@ README = str(Path(__file__).resolve().parents[2] / "README.md")  # mode 0644: no
         (["submit", "--tenant", "A", "--", "/tmp"], "'/tmp' is not an executable file"),
         (["submit", "--tenant", "A", "--env", "NOEQUALS", "--", "true"], "expected KEY=VALUE"),
         (["submit", "--tenant", "A", "--memory", "lots", "--", "true"], "--memory"),
+        (["submit", "--tenant", "A", "--memory", "10GiB", "--", "true"], "(asked: 10.0 GiB)"),
         (["show", "job-9"], "no job 'job-9'"),
         (["cancel", "job-9"], "no job 'job-9'"),
         (["logs", "job-9"], "no job 'job-9'"),
@@ -303,7 +304,7 @@ def test_control_characters_are_escaped_in_tables(cfg: str, capsys: pytest.Captu
     assert rc == 0
     rc, out, _ = run(capsys, "--config", cfg, "list")
     assert rc == 0 and len(out.splitlines()) == 2 and "\x1b" not in out and "\t" not in out
-    assert out.splitlines()[1].endswith("/bin/echo a\\nb \\x1b[31mred\\tx")
+    assert out.splitlines()[1].endswith(" echo a\\nb \\x1b[31mred\\tx")  # the program by its name
     rc, out, _ = run(capsys, "--config", cfg, "show", "job-1")
     assert rc == 0 and "command    /bin/echo a\\nb \\x1b[31mred\\tx\n" in out and "\x1b" not in out
     rc, out, err = run(capsys, "--config", cfg, "submit", "--tenant", "A", "--name", "evil\nname\tX", "--", "true")
@@ -392,3 +393,18 @@ def test_status_warns_about_a_job_that_never_reports(capsys: pytest.CaptureFixtu
     _print_status(ClusterStatus(0.0, gpus, (), (), ("job-1", "job-2", "job-3")))
     warnings = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: job-1 has run 35 s without writing stats.json")
+
+
+def test_event_values_read_as_a_person_writes_them() -> None:
+    from scheduler_lite.cli import _value
+
+    assert [_value(0.15000000000000002), _value(0.05), _value(1 << 30), _value("x")] == ["0.15", "0.05", 1 << 30, "x"]
+
+
+def test_list_shows_the_script_not_the_interpreters_path() -> None:
+    from scheduler_lite.cli import _command
+
+    cmd = ["/work/main/.venv/bin/python", "/work/main/examples/colocate_job.py", "--steps", "300"]
+    assert _command(cmd, "/work/main") == "python examples/colocate_job.py --steps 300"
+    assert _command(["./run.sh", "/data/x"], "/work") == "run.sh /data/x"
+    assert _command(["python", "-c", "x" * 80], "/") == "python -c " + "x" * 37 + "..."

@@ -58,13 +58,15 @@ def test_options_after_the_command_belong_to_the_job(cfg: str, capsys: pytest.Ca
 
 
 @pytest.mark.parametrize(("memory", "message"), [
-    ("0", "--memory 0 is invalid: accepted a size in [1, 1073741824] bytes (1.0 GiB, the largest GPU)"),
-    ("2GiB", "--memory 2147483648 is invalid: accepted a size in [1, 1073741824] bytes (1.0 GiB, the largest GPU)"),
+    ("0", "--memory 0 is invalid: accepted a size in [1, 1073741824] bytes (1.0 GiB, the largest GPU); "
+          "leave it out for the whole GPU"),
+    ("2GiB", "--memory 2147483648 is invalid: accepted a size in [1, 1073741824] bytes (1.0 GiB, the largest GPU); "
+             "leave it out for the whole GPU (asked: 2.0 GiB)"),
 ])
 def test_memory_zero_or_above_the_gpu_is_refused(cfg: str, capsys: pytest.CaptureFixture[str], memory: str,
                                                  message: str) -> None:
     rc, _, err = run(capsys, "--config", cfg, "submit", "--tenant", "B", "--memory", memory, "--", "true")
-    assert rc == 2 and err.strip() == f"scheduler-lite: error: {message}; leave it out for the whole GPU"
+    assert rc == 2 and err.strip() == f"scheduler-lite: error: {message}"
 
 
 def test_steps_and_duration_are_validated_and_stored(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
