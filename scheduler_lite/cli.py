@@ -28,7 +28,7 @@ from scheduler_lite.isolation import SESSION_VARIABLES
 from scheduler_lite.launcher import describe_exit
 from scheduler_lite.model import JobKind, Tenant
 from scheduler_lite.policy.validation import ConfigError
-from scheduler_lite.status import ClusterStatus
+from scheduler_lite.status import ClusterStatus, JobOnGpu
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
 from scheduler_lite.submission import SubmitError, quota_warning
 from scheduler_lite.wire import UNPRINTABLE, plain
@@ -484,6 +484,24 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
 SILENT_JOB_S = 30.0
 
 
+# A job whose stats are older than this (and than 20 of its steps) shows how long it has not
+# stepped: held at share 0 it writes nothing, and its last step time looked like a healthy one.
+STALE_STEPS_S = 5.0
+
+
+def _step_time(j: JobOnGpu) -> str:
+    if j.step_ms_median is None:
+        return "-"
+    text = f"{j.step_ms_median:.1f} ms (step {j.step})"
+    if j.paused:
+        return f"paused at step {j.step}"
+    if j.last_step_ms is not None and j.last_step_ms > 2 * j.step_ms_median:
+        text += f", last {j.last_step_ms:.0f} ms"  # slowed since: the median lags
+    if j.stats_age_s is not None and j.stats_age_s > max(STALE_STEPS_S, 20 * j.step_ms_median / 1000):
+        text += f", no step for {j.stats_age_s:.0f} s"
+    return text
+
+
 def _print_status(status: ClusterStatus) -> None:
     rows = []
     by_node = len({g.node for g in status.gpus}) > 1  # cluster mode: GPUs grouped by node
@@ -507,8 +525,7 @@ def _print_status(status: ClusterStatus) -> None:
             rows.append([*(head if i == 0 else [""] * len(head)), j.job_id, str(j.role), limit,
                          "-" if j.in_use_bytes is None else format_bytes(j.in_use_bytes),
                          "-" if j.host_in_use_bytes is None else format_bytes(j.host_in_use_bytes),
-                         share, str(j.controls_pending),
-                         "-" if j.step_ms_median is None else f"{j.step_ms_median:.1f} ms (step {j.step})"])
+                         share, str(j.controls_pending), _step_time(j)])
     _table(["NODE"] * by_node + ["GPU", "MEMORY", "GROUP", "UTIL", "JOB", "ROLE", "LIMIT", "IN USE", "HOST", "SHARE", "PENDING",
             "STEP TIME"], rows)
     print("LIMIT and SHARE: in force, as the job reports them; '-> X': decided, not applied yet "

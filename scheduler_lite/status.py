@@ -42,6 +42,11 @@ class JobOnGpu:
     # Since its process now running was launched (None: not known): a migrated job's new process
     # counts from its new launch (how long it has run without stats.json), not from its first.
     running_s: float | None = None
+    # How old its stats.json is (the job writes it at its steps, and every few seconds while
+    # paused), and whether it says paused: a job held at share 0 writes nothing, and its last
+    # step time would otherwise look like a healthy one.
+    stats_age_s: float | None = None
+    paused: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +134,8 @@ def build_status(
                 achieved_share=None if found is None else found.achieved_share,
                 stats_error=error,
                 running_s=_running_s(record, now),
+                stats_age_s=None if found is None or found.wall_time <= 0 else max(0.0, now - found.wall_time),
+                paused=found is not None and found.state == "paused",
             ))
     gpu_status = tuple(
         GpuStatus(g.id, g.memory_bytes, g.nvlink_group, None if utilisation is None else utilisation.get(g.id),

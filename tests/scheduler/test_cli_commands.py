@@ -19,6 +19,7 @@ import pytest
 from scheduler_lite.cli import EXAMPLES, _global_options, main
 from scheduler_lite.config import CONFIG_ENV, load_config
 from scheduler_lite.isolation import SESSION_VARIABLES
+from scheduler_lite.model import Role
 from scheduler_lite.storage import SqliteStorage
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.serving import serving
@@ -408,3 +409,20 @@ def test_list_shows_the_script_not_the_interpreters_path() -> None:
     assert _command(cmd, "/work/main") == "python examples/colocate_job.py --steps 300"
     assert _command(["./run.sh", "/data/x"], "/work") == "run.sh /data/x"
     assert _command(["python", "-c", "x" * 80], "/") == "python -c " + "x" * 37 + "..."
+
+
+def test_status_step_time_says_when_a_job_stopped_stepping() -> None:
+    """A job held at share 0 writes no stats: its last step time looked like a healthy job's."""
+    from scheduler_lite.cli import _step_time
+    from scheduler_lite.status import JobOnGpu
+
+    def on_gpu(**kw: object) -> JobOnGpu:
+        base = {"job_id": "job-1", "tenant": "A", "role": Role.OPPORTUNISTIC, "memory_limit_bytes": 1,
+                "compute_share": 0.0, "step": 2435, "step_ms_median": 3.3, "last_step_ms": 3.4, "stats_age_s": 0.4}
+        return JobOnGpu(**{**base, **kw})  # type: ignore[arg-type]
+
+    assert _step_time(on_gpu()) == "3.3 ms (step 2435)"
+    assert _step_time(on_gpu(stats_age_s=20.0)) == "3.3 ms (step 2435), no step for 20 s"
+    assert _step_time(on_gpu(last_step_ms=3012.0)) == "3.3 ms (step 2435), last 3012 ms"
+    assert _step_time(on_gpu(paused=True, stats_age_s=0.2)) == "paused at step 2435"
+    assert _step_time(on_gpu(step_ms_median=None)) == "-"
