@@ -374,6 +374,8 @@ def cmd_logs(config: Config, args: argparse.Namespace) -> int:
             if data:
                 continue  # more may be there already
         if not args.follow or chunk["done"]:
+            if not chunk["started"]:  # followed while queued, then cancelled or rejected
+                print(f"{args.job} ended without starting ({chunk['state']}): no logs", file=sys.stderr)
             return 0
         time.sleep(0.5)
 

@@ -353,7 +353,10 @@ class Server:
         out = []
         for record in records:
             after = request_cancel(self.daemon.storage, record.id, self.daemon.clock())
-            note = f"already {after.state}" if after.state.done else "cancel requested"
+            if after.state.done:
+                note = f"already {after.state}"
+            else:  # a second cancel does not restart the grace: say that it is under way
+                note = "cancel already requested" if record.cancel_requested else "cancel requested"
             out.append({"id": record.id, "state": str(after.state), "result": note})
         return out
 

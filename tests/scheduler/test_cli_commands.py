@@ -82,6 +82,8 @@ def test_submit_list_show_cancel_tenants(cfg: str, capsys: pytest.CaptureFixture
 
     rc, out, _ = run(capsys, "--config", cfg, "cancel", "job-2")
     assert rc == 0 and out.strip() == "job-2: cancel requested"
+    rc, out, _ = run(capsys, "--config", cfg, "cancel", "job-2")  # the grace is not started again
+    assert rc == 0 and out.strip() == "job-2: cancel already requested"
     rc, out, _ = run(capsys, "--config", cfg, "list", "--state", "queued", "--json")
     assert [j["cancel_requested"] for j in json.loads(out)] == [False, True]
 
@@ -111,6 +113,8 @@ def test_show_says_a_job_cancelled_while_queued_never_ran(cfg_file: str, capsys:
         assert wait_for(lambda: "cancelled" in shown().split("events:")[0], timeout=30, interval=0.1)
         exit_line = [line for line in shown().splitlines() if line.startswith("exit")]
         assert exit_line == ["exit       never ran"], exit_line
+        rc, out, err = run(capsys, "--config", cfg_file, "logs", "--follow", job)  # it ended silently before
+        assert rc == 0 and out == "" and err == f"{job} ended without starting (cancelled): no logs\n"
 
 
 README = str(Path(__file__).resolve().parents[2] / "README.md")  # mode 0644: not executable
