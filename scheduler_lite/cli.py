@@ -494,9 +494,9 @@ STALE_STEPS_S = 5.0
 def _step_time(j: JobOnGpu) -> str:
     if j.step_ms_median is None:
         return "-"
-    text = f"{j.step_ms_median:.1f} ms (step {j.step})"
     if j.paused:
         return f"paused at step {j.step}"
+    text = f"{j.step_ms_median:.1f} ms (step {j.step})"
     if j.last_step_ms is not None and j.last_step_ms > 2 * j.step_ms_median:
         text += f", last {j.last_step_ms:.0f} ms"  # slowed since: the median lags
     if j.stats_age_s is not None and j.stats_age_s > max(STALE_STEPS_S, 20 * j.step_ms_median / 1000):

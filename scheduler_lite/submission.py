@@ -22,6 +22,7 @@ from tf_antman.units import format_bytes
 
 # ANTMAN_* variables a submission may set; the others are the scheduler's to set.
 USER_ANTMAN_VARIABLES: Final = frozenset({"ANTMAN_ENABLE", "ANTMAN_HOST_MEMORY", "ANTMAN_STATS_INTERVAL_MS"})
+_ANTMAN_BY_NAME: Final = {v.name: v for v in ANTMAN_VARIABLES}
 RESERVED_ENV: Final = frozenset({"CUDA_VISIBLE_DEVICES"})
 MAX_EXPECTED_STEPS: Final = 2**53 - 1
 MAX_EXPECTED_DURATION_S: Final = 1e9
@@ -84,7 +85,7 @@ def make_job_spec(
     if not path.is_dir():
         raise SubmitError(f"--workdir {str(path)!r} is not a directory")
     pairs = list(env.items()) if isinstance(env, Mapping) else list(env or ())
-    for key, _ in pairs:
+    for key, value in pairs:
         if not _ENV_NAME.match(key):
             raise SubmitError(f"--env {key!r}: not a variable name (letters, digits, '_')")
         owned = key in RESERVED_ENV or key.startswith("SCHEDULER_LITE_") or (
@@ -93,17 +94,16 @@ def make_job_spec(
         if owned:
             allowed = ", ".join(sorted(USER_ANTMAN_VARIABLES))
             raise SubmitError(f"--env {key}: set by the scheduler for each placement; a job may set {allowed}")
-        if key.startswith("ANTMAN_") and key not in {v.name for v in ANTMAN_VARIABLES}:
+        if not key.startswith("ANTMAN_"):
+            continue
+        variable = _ANTMAN_BY_NAME.get(key)
+        if variable is None:
             raise SubmitError(f"--env {key}: not a tf-antman variable (docs/configuration.md)")
-    for key, value in pairs:
-        variable = next((v for v in ANTMAN_VARIABLES if v.name == key), None)
-        if variable is not None:
-            # tf-antman would refuse it at the job's start, with a traceback in its log.
-            try:
-                variable.parse(value)
-            except (ValueError, OverflowError):
-                raise SubmitError(f"--env {key}={value!r} is invalid: accepted {variable.accepted} "
-                                  "(docs/configuration.md)") from None
+        try:  # tf-antman would refuse it at the job's start, with a traceback in its log
+            variable.parse(value)
+        except (ValueError, OverflowError):
+            raise SubmitError(f"--env {key}={value!r} is invalid: accepted {variable.accepted} "
+                              "(docs/configuration.md)") from None
     if memory_bytes is not None:
         top = largest_gpu_bytes(config) or MAX_BYTES
         if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or not 1 <= memory_bytes <= top:
