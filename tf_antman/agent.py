@@ -95,7 +95,9 @@ class StatsSource(Protocol):
 
     def compute_share(self) -> float: ...
 
-    def achieved_share(self) -> float | None: ...
+    def shares(self) -> tuple[float, float | None]:
+        """(share in force, achieved share or None when not measured), from one reading."""
+        ...
 
 
 class JobAgent:
@@ -564,11 +566,8 @@ class JobAgent:
 
     def _figures(self) -> tuple[tuple[DeviceStats, ...], float, float | None]:
         try:
-            return (
-                tuple(self._source.device_stats()),
-                self._source.compute_share(),
-                self._source.achieved_share(),
-            )
+            share, achieved = self._source.shares()
+            return tuple(self._source.device_stats()), share, achieved
         except Exception:  # noqa: BLE001
             self._warn_once("figures", "the stats source failed; reporting no figures", exc_info=True)
             return (), (1.0 if self._share is None else self._share), None

@@ -41,6 +41,11 @@ class HoldClock:
                 self._since = None
 
     @property
+    def held(self) -> bool:
+        with self._lock:
+            return bool(self._reasons)
+
+    @property
     def seconds(self) -> float:
         """Seconds held so far (a hold still in force counts up to now)."""
         with self._lock:

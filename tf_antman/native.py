@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import importlib.util
 import os
+import threading
 from pathlib import Path
 
 # One mirror of antman_mem_stats and of antman_opm_stats, shared with the core binding.
@@ -51,6 +52,9 @@ class Native:
     path: Path
     # Time at compute share 0, whoever set it (exit report); the agent adds its step pauses.
     holds: HoldClock = dataclasses.field(default_factory=HoldClock)
+    # The share and the hold clock change together: without it a user's set_share(0) and the
+    # agent's set_share(1) at the same moment could leave the clock held at share 1.
+    _share_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def configure(self, backend: str, device_id: int, device_capacity: int, limit: int,
                   host_capacity: int, compute_share: float) -> None:
@@ -62,7 +66,8 @@ class Native:
 
     def start_hold_clock(self) -> None:
         """Once TensorFlow is imported (no op is held before): a start-up share of 0 holds from now."""
-        self.holds.set(SHARE_ZERO, float(self.op_stats().share) == 0.0)
+        with self._share_lock:
+            self.holds.set(SHARE_ZERO, float(self.op_stats().share) == 0.0)
 
     def devices_created(self) -> int:
         return int(self.lib.antman_rt_devices_created())
@@ -117,9 +122,10 @@ class Native:
         self.lib.antman_rt_step_boundary()
 
     def set_share(self, share: float) -> None:
-        if self.lib.antman_rt_set_share(share) != 0:
-            raise NativeError(f"compute share {share!r} refused: accepted 0.0..1.0")
-        self.holds.set(SHARE_ZERO, share == 0.0)
+        with self._share_lock:
+            if self.lib.antman_rt_set_share(share) != 0:
+                raise NativeError(f"compute share {share!r} refused: accepted 0.0..1.0")
+            self.holds.set(SHARE_ZERO, share == 0.0)
 
     def waiting_op_types(self) -> list[str]:
         """Op types the manager lets through uncharged (cc/tf/op_classes.cc)."""

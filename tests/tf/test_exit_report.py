@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from tests.conftest import run_py
 from tests.tf.test_memory import KERAS_RUN
 from tf_antman import exit_report
 from tf_antman.holds import SHARE_ZERO, HoldClock
+from tf_antman.native import Native
 from tf_antman.units import format_bytes
 
 ONE_EPOCH = KERAS_RUN.replace("epochs=2", "epochs=1")
@@ -66,3 +70,32 @@ def test_paused_and_throttled_time_are_reported() -> None:
     assert exit_report.describe(f) == ("at exit: peak device memory 5.0 MiB (limit: the whole device); nothing "
                                        "served from host memory; paused 3.2 s; throttled 2.5 s (waiting for a "
                                        "compute share below 100%)")
+
+
+class _SlowShareLib:
+    """antman_rt_set_share of a fake core: a share of 0 takes a while to land (as when the call
+    waits for the manager's lock), so another thread's set_share can come in the middle."""
+
+    def __init__(self) -> None:
+        self.share = 1.0
+        self.zero_inside = threading.Event()
+
+    def antman_rt_set_share(self, share: float) -> int:
+        self.share = share
+        if share == 0.0:
+            self.zero_inside.set()
+            time.sleep(0.3)
+        return 0
+
+
+def test_the_hold_clock_agrees_with_the_share_when_two_threads_set_it_at_once() -> None:
+    # A user's set_compute_share(0) and the agent's resume to 1 at the same moment: whichever
+    # lands last in the core must be what the exit report's clock says (held at 0, not at 1).
+    lib = _SlowShareLib()
+    native = Native(lib=lib, path=Path("fake"))  # type: ignore[arg-type]
+    pause = threading.Thread(target=native.set_share, args=(0.0,))
+    pause.start()
+    assert lib.zero_inside.wait(5)
+    native.set_share(1.0)
+    pause.join()
+    assert native.holds.held == (lib.share == 0.0), lib.share

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from tests.conftest import REPO, clean_env, run_py
+from tf_antman.jobside import NativeStatsSource
 from tf_antman.protocol import Control, MemoryLimit, read_stats, write_control
 
 JOB = """
@@ -416,3 +418,12 @@ def test_a_control_limit_above_the_device_memory_is_clipped_to_it(tmp_path: Path
         _, err = p.communicate(timeout=60)
     assert "control memory limit 1099511627776 bytes for device 3 is above the device's memory " \
            "(1073741824 bytes): clipped to it" in err
+
+
+def test_stats_report_the_share_and_its_achieved_share_from_one_reading() -> None:
+    # A share change between two readings used to pair share 0.5 with "not measured" (the
+    # achieved share of share 1): stats.json must give both from the same moment.
+    readings = iter([SimpleNamespace(share=0.5, achieved_share_window=0.45),
+                     SimpleNamespace(share=1.0, achieved_share_window=0.0)])
+    native = SimpleNamespace(op_stats=lambda: next(readings))
+    assert NativeStatsSource(native, 0).shares() == (0.5, 0.45)  # type: ignore[arg-type]

@@ -104,9 +104,9 @@ class SimulatedJob:
         with self._lock:
             return self.share
 
-    def achieved_share(self) -> float | None:
+    def shares(self) -> tuple[float, float | None]:
         with self._lock:
-            return self.achieved
+            return self.share, self.achieved
 
     def _check(self, what: str, device: int | None, value: float | None) -> None:
         if self._fail_when is not None:

@@ -5,6 +5,7 @@ tf_antman API serve PyTorch jobs unchanged."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from tf_antman.agent import ShareNotEnforced
 from tf_antman.holds import SHARE_ZERO, HoldClock
@@ -40,6 +41,7 @@ class TorchRuntime:
         # its step pauses. Compute holds ops from its creation (the hook is installed and enabled
         # below 1), so a start-up share of 0 (ANTMAN_COMPUTE_SHARE=0) holds from here.
         self.holds = HoldClock() if holds is None else holds
+        self._share_lock = threading.Lock()  # share and hold clock change together (Native's)
         self.holds.set(SHARE_ZERO, float(self.op_stats().share) == 0.0)
 
     def mem_stats(self) -> MemStats:
@@ -69,8 +71,9 @@ class TorchRuntime:
                 # not in force (stats keep share 1) while its memory limit is applied (agent.py).
                 raise ComputeScalingUnavailable(f"compute scaling is unavailable in this job: {self.compute_unavailable}")
             return
-        self.compute.set_share(share)
-        self.holds.set(SHARE_ZERO, share == 0.0)
+        with self._share_lock:
+            self.compute.set_share(share)
+            self.holds.set(SHARE_ZERO, share == 0.0)
 
     def check_invariants(self) -> str:
         return self.memory.check_invariants()
