@@ -45,8 +45,9 @@ SNIPPET = textwrap.dedent("""
             pass
         opm.admit("device")
         prov = opm.launched()
+        time.sleep(0.003)  # the device interval below comes after the host op
         now = opm.now_ns()
-        opm.device_done(prov, now, now + 2_000_000)
+        opm.device_done(prov, now - 2_000_000, now)
         s = opm.stats()
         out["ops_total"], out["in_flight"] = s["ops_total"], s["ops_in_flight"]
         out["device_busy_at_least"] = s["busy_ns"] >= 2_000_000
@@ -54,6 +55,7 @@ SNIPPET = textwrap.dedent("""
         for name, call in [("share", lambda: opm.set_share(1.5)),
                            ("timing", lambda: opm.admit("gpu")),
                            ("end_ns", lambda: opm.device_done(0, 10, 5)),
+                           ("future", lambda: opm.device_done(0, 10, opm.now_ns() + 10**9)),
                            ("window_ns", lambda: core.OpManager(lib, window_ns=0))]:
             try:
                 call()
@@ -142,6 +144,7 @@ def test_bad_arguments_name_the_field(result: dict) -> None:
     assert "share: 1.5 is outside the accepted range [0, 1]" in errors["share"]
     assert "timing: 'gpu'" in errors["timing"]
     assert "end_ns: 5 is outside the accepted range [start_ns = 10" in errors["end_ns"]
+    assert "is later than the manager's clock now" in errors["future"]
     assert "window_ns: 0" in errors["window_ns"]
     assert "poll_interval_ns: 5 is outside the accepted range" in result["gate_bad_poll"]
 

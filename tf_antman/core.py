@@ -214,9 +214,11 @@ class _Handle:
         return self._h
 
     def close(self) -> None:
-        if self._h is not None:
-            getattr(self.lib.c, self._destroy)(self._h)
-            self._h = None
+        """The object's last call: stop the threads that use it first (a thread that destroy
+        released from a wait must not call it again; it sees the object closed, at best)."""
+        h, self._h = self._h, None  # closed before destroy runs: ctypes lets other threads in
+        if h is not None:
+            getattr(self.lib.c, self._destroy)(h)
 
     def __enter__(self) -> Any:
         return self

@@ -103,42 +103,59 @@ void antman_mem_destroy(antman_mem* mem) {
 }
 
 void* antman_mem_alloc(antman_mem* mem, size_t alignment, size_t bytes) {
+  if (mem == nullptr) return nullptr;
   return mem->allocator->Allocate(alignment, bytes);
 }
 
 void antman_mem_free(antman_mem* mem, void* ptr) {
-  if (ptr == nullptr) return;
+  if (mem == nullptr || ptr == nullptr) return;
   if (!mem->allocator->Free(ptr)) {
     std::fprintf(stderr, "antman_mem_free: %p is not a live block of this allocator (ignored)\n",
                  ptr);
   }
 }
 
-int antman_mem_is_host(antman_mem* mem, const void* ptr) { return mem->allocator->IsHost(ptr); }
+int antman_mem_is_host(antman_mem* mem, const void* ptr) {
+  return mem == nullptr ? -1 : mem->allocator->IsHost(ptr);
+}
 
 size_t antman_mem_allocated_size(antman_mem* mem, const void* ptr) {
+  if (mem == nullptr) return 0;
   return mem->allocator->AllocatedSize(ptr);
 }
 
 uint64_t antman_mem_set_limit(antman_mem* mem, uint64_t limit, uint64_t* unfreed) {
+  if (unfreed != nullptr) *unfreed = 0;
+  if (mem == nullptr) return 0;
   const antman::ShrinkResult r = mem->allocator->SetLimit(limit);
   if (unfreed != nullptr) *unfreed = r.unfreed;
   return r.bytes_freed;
 }
 
 void antman_mem_request_limit(antman_mem* mem, uint64_t limit) {
+  if (mem == nullptr) return;
   mem->allocator->RequestLimit(limit);
 }
 
-uint64_t antman_mem_release_cached(antman_mem* mem) { return mem->allocator->ReleaseCached(); }
+uint64_t antman_mem_release_cached(antman_mem* mem) {
+  return mem == nullptr ? 0 : mem->allocator->ReleaseCached();
+}
 
-void antman_mem_step_boundary(antman_mem* mem) { mem->allocator->StepBoundary(); }
+void antman_mem_step_boundary(antman_mem* mem) {
+  if (mem != nullptr) mem->allocator->StepBoundary();
+}
 
 void antman_mem_get_stats(antman_mem* mem, antman_mem_stats* out) {
+  if (out == nullptr) return;
+  if (mem == nullptr) {
+    *out = antman_mem_stats{};
+    return;
+  }
   mem->allocator->GetStats(out);
 }
 
 size_t antman_mem_get_ext_stats(antman_mem* mem, antman_mem_ext_stats* out, size_t size) {
+  if (mem == nullptr || out == nullptr) return 0;
   antman_mem_ext_stats s;
   mem->allocator->GetExtStats(&s);
   const size_t n = std::min(size, sizeof(s));
@@ -147,6 +164,10 @@ size_t antman_mem_get_ext_stats(antman_mem* mem, antman_mem_ext_stats* out, size
 }
 
 int antman_mem_check_invariants(antman_mem* mem, char* err, size_t errlen) {
+  if (mem == nullptr) {
+    SetError(err, errlen, "mem: must not be NULL");
+    return 1;
+  }
   const std::string why = mem->allocator->CheckInvariants();
   if (why.empty()) return 0;
   SetError(err, errlen, why);

@@ -92,6 +92,10 @@ int antman_mem_create(const antman_mem_config* config, antman_mem** out,
                       char* err, size_t errlen);
 void antman_mem_destroy(antman_mem* mem);
 
+/* A NULL mem (or a NULL out below) is a caller's bug, never a crash: calls
+ * return NULL / 0 / -1 as for "nothing", free and the limit calls do nothing,
+ * get_stats zeroes *out, check_invariants returns 1 with a message. */
+
 /* Device memory first; host arena when the device allocator is at its limit.
  * NULL when neither can serve (the caller reports out of memory). alignment is
  * a power of two <= 4096. bytes == 0 returns NULL. */

@@ -164,6 +164,15 @@ int antman_opm_device_done(antman_opm* opm, int64_t provisional_ns, int64_t star
                                                 " is outside the accepted range [start_ns = " +
                                                 std::to_string(start_ns) + ", 2^63)");
   }
+  // A time the clock has not reached is no device time: as a profile sample it
+  // could be near 2^63 and no later admission would outlive its charge.
+  const int64_t now = opm->manager->NowNs();
+  if (end_ns > now) {
+    return SetLastError(ANTMAN_ERR_INVALID, "end_ns: " + std::to_string(end_ns) +
+                                                " is later than the manager's clock now (" +
+                                                std::to_string(now) +
+                                                "): device times are on antman_opm_now_ns's clock");
+  }
   opm->manager->DeviceDone(provisional_ns, start_ns, end_ns);
   return ANTMAN_OK;
 }

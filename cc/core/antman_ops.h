@@ -97,8 +97,11 @@ void antman_opm_default_config(antman_opm_config* out);
  * err (NUL-terminated, truncated to errlen) and in antman_core_last_error(). */
 int antman_opm_create(const antman_opm_config* config, antman_opm** out,
                       char* err, size_t errlen);
-/* Releases callers blocked in admit (admitted unthrottled) and frees the
- * manager. A gate using it must be destroyed first. NULL is ignored. */
+/* Releases callers blocked in admit (admitted unthrottled), waits until none
+ * is left inside it, and frees the manager. It must be the handle's last call:
+ * a caller it released must not call finish (or anything) on it afterwards, so
+ * stop the threads that use a manager before destroying it. A gate using it
+ * must be destroyed first. NULL is ignored. */
 void antman_opm_destroy(antman_opm* opm);
 
 /* share in [0, 1]; 0 holds every new op at its admission (pause). */
@@ -112,11 +115,13 @@ int antman_opm_admit(antman_opm* opm, int timing, int64_t* admitted_ns);
 /* Ends a host-timed op: admitted_ns as returned by admit. */
 int antman_opm_finish(antman_opm* opm, int64_t admitted_ns);
 /* After admit(ANTMAN_TIMING_DEVICE) and the launch: charges the profiled op
- * time provisionally; *provisional_ns goes to device_done. */
+ * time provisionally; *provisional_ns goes to device_done. The op holds one of
+ * max_pending_device_ops slots from its admission to device_done. */
 int antman_opm_launched(antman_opm* opm, int64_t* provisional_ns);
 /* The device ran the op over [start_ns, end_ns) on the manager's clock
- * (0 <= start_ns <= end_ns; start_ns == end_ns: nothing ran, e.g. a failed
- * launch). Replaces the provisional charge. */
+ * (0 <= start_ns <= end_ns <= antman_opm_now_ns() at the call; start_ns ==
+ * end_ns: nothing ran, e.g. a failed launch). Replaces the provisional charge
+ * and returns the op's pending slot, taken by admit(ANTMAN_TIMING_DEVICE). */
 int antman_opm_device_done(antman_opm* opm, int64_t provisional_ns,
                            int64_t start_ns, int64_t end_ns);
 /* The manager's clock now, in ns; -1 for NULL. */

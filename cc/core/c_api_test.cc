@@ -168,6 +168,35 @@ TEST(EmulatedEndToEnd) {
   antman_mem_destroy(mem);
 }
 
+// A NULL handle or out pointer is a caller's bug answered with "nothing",
+// never a crash (each of these segfaulted).
+TEST(NullArgumentsAreNotACrash) {
+  EXPECT(antman_mem_alloc(nullptr, 0, 1024) == nullptr);
+  antman_mem_free(nullptr, nullptr);
+  EXPECT_EQ(antman_mem_is_host(nullptr, nullptr), -1);
+  EXPECT_EQ(antman_mem_allocated_size(nullptr, nullptr), 0u);
+  uint64_t unfreed = 7;
+  EXPECT_EQ(antman_mem_set_limit(nullptr, 0, &unfreed), 0u);
+  EXPECT_EQ(unfreed, 0u);
+  antman_mem_request_limit(nullptr, 0);
+  EXPECT_EQ(antman_mem_release_cached(nullptr), 0u);
+  antman_mem_step_boundary(nullptr);
+  antman_mem_stats zeroed;
+  std::memset(&zeroed, 0xff, sizeof(zeroed));
+  antman_mem_get_stats(nullptr, &zeroed);
+  EXPECT_EQ(zeroed.in_use, 0u);
+  char err[64] = "";
+  EXPECT_EQ(antman_mem_check_invariants(nullptr, err, sizeof(err)), 1);
+  EXPECT(std::strstr(err, "mem: must not be NULL") != nullptr);
+
+  antman_mem_config c = Emulated(64 * MiB, 8 * MiB, 16 * MiB);
+  antman_mem* mem = nullptr;
+  REQUIRE(antman_mem_create(&c, &mem, nullptr, 0) == 0);
+  antman_mem_get_stats(mem, nullptr);
+  EXPECT_EQ(antman_mem_get_ext_stats(mem, nullptr, sizeof(antman_mem_ext_stats)), 0u);
+  antman_mem_destroy(mem);
+}
+
 TEST(HostIdleReleaseIsValidated) {
   antman_mem_config c = Emulated(8 * MiB, 0, 8 * MiB);
   c.host_idle_release_ms = 86400001;

@@ -37,7 +37,8 @@
  * stream). The driver is loaded with dlopen: without one, create fails with
  * ANTMAN_ERR_DEVICE and a message, it does not crash the process.
  * Lifetime: the manager must outlive the gate. destroy waits until every ended
- * op has completed on the device and been charged.
+ * op has completed on the device and been charged; it is the gate's last call
+ * (no thread may be in begin or call end after it: stop them first).
  * Thread safety: any thread; begin/end pairs may come from many threads.
  * Errors: as in antman_ops.h (ANTMAN_OK, ANTMAN_ERR_*, antman_core_last_error).
  * A device error seen on an op's events (a failed kernel) returns the op's

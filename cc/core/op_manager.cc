@@ -199,6 +199,10 @@ int64_t OpManager::Admit(Timing timing) {
     last_release_ns_ = std::max(last_release_ns_, now);
   }
   if (timing == Timing::kHost) running_starts_.insert(now);
+  // A device op holds its pending slot from here, under the same lock as the
+  // check above: taken at Launched(), every thread admitted before the first
+  // launch got past the bound.
+  if (timing == Timing::kDevice) ++device_pending_;
   --waiting_;
   if (stopping_) cv_.notify_all();  // a destructor waits for the last waiter
   return now;
@@ -224,10 +228,9 @@ void OpManager::Finish(int64_t admitted_ns) {
 int64_t OpManager::Launched() {
   std::lock_guard<std::mutex> lock(mu_);
   AccrueLocked(clock_->NowNs());
-  int64_t estimate = have_profile_ ? static_cast<int64_t>(op_ns_ewma_) : 0;
+  int64_t estimate = have_profile_ ? EwmaNsLocked() : 0;
   tokens_ -= static_cast<double>(estimate);
-  ++device_pending_;
-  return estimate;
+  return estimate;  // the op's pending slot was taken at its admission
 }
 
 void OpManager::DeviceDone(int64_t provisional_ns, int64_t start_ns,
@@ -251,8 +254,7 @@ void OpManager::AccrueLocked(int64_t now) {
   tokens_at_ns_ = now;
   tokens_ += static_cast<double>(dt) * share_;
   // The cap bounds the balance as if busy time not charged yet were paid.
-  tokens_ = std::min(tokens_, static_cast<double>(options_.max_credit_ns +
-                                                  UnchargedLocked(now)));
+  tokens_ = std::min(tokens_, CreditCapLocked(now));
 }
 
 int64_t OpManager::SlotWaitNsLocked(Timing timing) const {
@@ -267,6 +269,13 @@ int64_t OpManager::SlotWaitNsLocked(Timing timing) const {
   // Tiny shares give huge waits: past ~3 years, wait for a share change.
   double wait = std::ceil(-tokens_ / share_);
   return wait < 1e17 ? static_cast<int64_t>(wait) : Clock::kForever;
+}
+
+double OpManager::CreditCapLocked(int64_t now) const {
+  // In double: max_credit_ns may be up to 2^63 - 1 ("no cap"), and the int64
+  // sum with the uncharged time would wrap to a debt no admission outlives.
+  return static_cast<double>(options_.max_credit_ns) +
+         static_cast<double>(UnchargedLocked(now));
 }
 
 int64_t OpManager::UnchargedLocked(int64_t now) const {
@@ -299,6 +308,11 @@ void OpManager::PruneLocked(int64_t now) {
   while (!busy_intervals_.empty() && busy_intervals_.begin()->second < horizon) {
     busy_intervals_.erase(busy_intervals_.begin());
   }
+}
+
+int64_t OpManager::EwmaNsLocked() const {
+  // 2^63 itself is not an int64: a sample near it would convert to INT64_MIN.
+  return static_cast<int64_t>(std::min(op_ns_ewma_, 9.0e18));
 }
 
 void OpManager::ProfileLocked(int64_t op_ns) {
@@ -334,14 +348,14 @@ OpManager::Stats OpManager::stats() const {
                : 0.0;
   s.window_ns = options_.window_ns;
   s.paused = share_ <= 0.0;
-  s.op_ns_ewma = static_cast<int64_t>(op_ns_ewma_);
+  s.op_ns_ewma = EwmaNsLocked();
   // What the bucket holds as of now, without mutating it from a const method.
   double tokens = tokens_;
   int64_t uncharged = UnchargedLocked(now);
   int64_t dt = now - tokens_at_ns_;
   if (dt > 0) {
     tokens += static_cast<double>(dt) * share_;
-    tokens = std::min(tokens, static_cast<double>(options_.max_credit_ns + uncharged));
+    tokens = std::min(tokens, CreditCapLocked(now));
   }
   s.credit_ns = static_cast<int64_t>(tokens) - uncharged;
   return s;

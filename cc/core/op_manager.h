@@ -188,12 +188,15 @@ class OpManager {
   int64_t SlotWaitNsLocked(Timing timing) const;
   // Busy time of running host ops not charged yet, at most (for the cap).
   int64_t UnchargedLocked(int64_t now) const;
+  // The most the bucket may hold now: max_credit_ns plus busy time not charged yet.
+  double CreditCapLocked(int64_t now) const;
   // Adds the part of [start, end) not yet in the busy union; returns its ns.
   int64_t ChargeIntervalLocked(int64_t start, int64_t end);
   // Forgets busy intervals that neither the window nor a running op can
   // still overlap.
   void PruneLocked(int64_t now);
   void ProfileLocked(int64_t op_ns);
+  int64_t EwmaNsLocked() const;  // op_ns_ewma_ as int64, saturated
 
   const Options options_;
   Clock* const clock_;

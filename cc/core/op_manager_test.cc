@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <future>
@@ -283,6 +284,25 @@ void TestCreditIsCapped() {
   CHECK_EQ(manager.stats().ops_delayed, 9);
 }
 
+// max_credit_ns at its largest accepted value ("no cap") while an op runs:
+// the cap plus the uncharged time must not wrap into a debt that no admission
+// outlives (it did: the second op waited for ever).
+void TestLargestCreditCapDoesNotWrap() {
+  FakeClock clock;
+  OpManager manager(FakeOptions(&clock, 0.5, /*max_credit_ns=*/INT64_MAX));
+  clock.Advance(10 * kMs);
+  int64_t first = manager.Admit();
+  clock.Advance(1 * kMs);
+  std::atomic<bool> admitted{false};
+  std::thread second([&] {
+    manager.Finish(manager.Admit());
+    admitted = true;
+  });
+  JoinOrDie(second, admitted);
+  manager.Finish(first);
+  CHECK(manager.stats().credit_ns > 0);
+}
+
 // Share 0 holds every caller at its admission (nothing runs, nothing is
 // lost); a share > 0 releases them in the order they arrived.
 void TestPauseHoldsAndResumeReleasesInOrder() {
@@ -481,6 +501,32 @@ void TestPendingDeviceOpsAreBounded() {
   CHECK_EQ(manager.stats().ops_in_flight, 0);
 }
 
+// The pending slot is the admission's: callers admitted at once, before any
+// of them has launched, are bounded too (a slot taken at Launched() let every
+// thread between its admission and its launch past the bound).
+void TestPendingSlotIsTakenAtAdmission() {
+  FakeClock clock;
+  OpManager::Options options = FakeOptions(&clock, 0.5, /*max_credit_ns=*/1'000 * kMs);
+  options.max_pending_device_ops = 1;
+  OpManager manager(options);
+  clock.Advance(1'000 * kMs);
+  manager.Admit(OpManager::Timing::kDevice);  // not launched yet
+  std::atomic<bool> second{false};
+  std::thread launcher([&] {
+    manager.Admit(OpManager::Timing::kDevice);
+    second = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!second.load());
+  CHECK_EQ(manager.stats().ops_in_flight, 1);
+  int64_t provisional = manager.Launched();
+  int64_t now = clock.NowNs();
+  manager.DeviceDone(provisional, now, now);  // nothing ran: the slot returns
+  JoinOrDie(launcher, second);
+  manager.DeviceDone(manager.Launched(), now, now);
+  CHECK_EQ(manager.stats().ops_in_flight, 0);
+}
+
 // Destruction releases a caller held by a pause.
 void TestDestructorReleasesWaiters() {
   auto manager = std::make_unique<OpManager>(OpManager::Options{0.0});
@@ -635,8 +681,9 @@ int main() {
       {"ShareHeldForHostOps", antman::TestShareHeldForHostOps},
       {"NaturalGapsCountAsIdle", antman::TestNaturalGapsCountAsIdle},
       {"ShortGapsAreTheJobs", antman::TestShortGapsAreTheJobs},
-    {"WaitCpuIsCharged", antman::TestWaitCpuIsCharged},
+      {"WaitCpuIsCharged", antman::TestWaitCpuIsCharged},
       {"CreditIsCapped", antman::TestCreditIsCapped},
+      {"LargestCreditCapDoesNotWrap", antman::TestLargestCreditCapDoesNotWrap},
       {"PauseHoldsAndResumeReleasesInOrder", antman::TestPauseHoldsAndResumeReleasesInOrder},
       {"ShareChangeMidStream", antman::TestShareChangeMidStream},
       {"OverlappingOpsCountOnce", antman::TestOverlappingOpsCountOnce},
@@ -644,6 +691,7 @@ int main() {
       {"NestedOpsAreAdmittedInline", antman::TestNestedOpsAreAdmittedInline},
       {"DeviceTimedOps", antman::TestDeviceTimedOps},
       {"PendingDeviceOpsAreBounded", antman::TestPendingDeviceOpsAreBounded},
+      {"PendingSlotIsTakenAtAdmission", antman::TestPendingSlotIsTakenAtAdmission},
       {"DestructorReleasesWaiters", antman::TestDestructorReleasesWaiters},
       {"ConcurrentCallers", antman::TestConcurrentCallers},
       {"WindowCoversThrottledTimeOnly", antman::TestWindowCoversThrottledTimeOnly},
