@@ -540,7 +540,7 @@ def _print_status(status: ClusterStatus) -> None:
                 print(f"warning: {j.job_id} has run {j.running_s:.0f} s without writing stats.json: no limit "
                       "or share reaches it until it does. Either tf-antman is not active in it (is tf-antman "
                       "installed for the Python its command runs?) or it is still starting (the first PyTorch "
-                      "job on a machine compiles tf-antman's op hook, about a minute); "
+                      "job of a PyTorch install compiles tf-antman's op hook, about a minute); "
                       "`scheduler-lite logs JOB --stderr` shows its start")
     if status.queued:
         print(f"queued: {' '.join(status.queued)}")

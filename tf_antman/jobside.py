@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tf_antman import exit_report
@@ -136,10 +136,38 @@ def launcher_name() -> str | None:
     run with `python -m` named in LAUNCHER_MODULES."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name in LAUNCHER_MODULES:
-        return f"python -m {spec.name}"
+    module = spec.name if spec is not None else module_run_with_m(getattr(sys, "orig_argv", ()))
+    if module in LAUNCHER_MODULES:
+        return f"python -m {module}"
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return script if script in LAUNCHER_SCRIPTS else None
+
+
+def module_run_with_m(orig_argv: Sequence[str]) -> str | None:
+    """MODULE of `python [options] -m MODULE ...` in the interpreter's own command line, or None.
+    Read there because `-m` imports the module's parent packages first (torch, for
+    torch.distributed.run), and activation runs inside that import, before `__main__` and
+    `sys.argv` say what runs."""
+    args = iter(orig_argv[1:])
+    for arg in args:
+        if arg == "--check-hash-based-pycs":
+            next(args, None)
+            continue
+        if arg in ("-", "--") or not arg.startswith("-"):
+            return None  # a script, or stdin
+        if arg.startswith("--"):
+            continue
+        flags = arg[1:]  # short options, possibly clustered: -um MODULE, -Wignore, -mMODULE
+        for i, flag in enumerate(flags):
+            if flag == "c":
+                return None
+            if flag == "m":
+                return flags[i + 1:] or next(args, None)
+            if flag in "WX":
+                if i == len(flags) - 1:
+                    next(args, None)  # its value is the next argument
+                break  # or the rest of this one
+    return None
 
 
 def _try_agent(steps: StepTracker) -> JobAgent | None:

@@ -443,6 +443,7 @@ def test_launchers_are_recognised_by_script_or_module(monkeypatch: pytest.Monkey
 
     main = SimpleNamespace(__spec__=None)
     monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py"])
     for argv0, expected in (("/venv/bin/torchrun", "torchrun"), ("accelerate", "accelerate"),
                             ("train.py", None), ("/venv/bin/torchrun.py", None), ("", None)):
         monkeypatch.setattr(sys, "argv", [argv0])
@@ -451,3 +452,27 @@ def test_launchers_are_recognised_by_script_or_module(monkeypatch: pytest.Monkey
     assert jobside.launcher_name() == "python -m torch.distributed.run"
     main.__spec__ = SimpleNamespace(name="train")
     assert jobside.launcher_name() is None
+
+
+def test_python_m_launchers_are_recognised_while_their_parent_package_imports(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # `python -m torch.distributed.run` imports torch (and activates tf-antman) before __main__
+    # and sys.argv say what runs: argv is ['-m'] then, so the interpreter's own line is read.
+    from types import SimpleNamespace
+
+    from tf_antman import jobside
+
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__spec__=None))
+    monkeypatch.setattr(sys, "argv", ["-m"])
+    for orig_argv, expected in (
+            (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "ddp.py"], "torch.distributed.run"),
+            (["python3", "-u", "-W", "ignore", "-X", "dev", "-m", "torch.distributed.launch"], "torch.distributed.launch"),
+            (["python", "-um", "torch.distributed.run"], "torch.distributed.run"),
+            (["python", "-mtorch.distributed.run"], "torch.distributed.run"),
+            (["python", "-Wignore", "-m", "deepspeed.launcher.runner"], "deepspeed.launcher.runner"),
+            (["python", "-m", "train"], None),
+            (["python", "ddp.py", "-m", "torch.distributed.run"], None),  # the script's own arguments
+            (["python", "-c", "import torch", "-m", "torch.distributed.run"], None)):
+        monkeypatch.setattr(sys, "orig_argv", orig_argv)
+        name = jobside.launcher_name()
+        assert name == (None if expected is None else f"python -m {expected}"), orig_argv

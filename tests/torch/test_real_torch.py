@@ -5,7 +5,10 @@ On a GPU machine bench/gpu_colocate.py covers the device-timed mode."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +62,39 @@ def test_every_thread_is_gated_below_one_and_time_is_charged(compute: Compute) -
     assert after["threads"] >= 2
     assert s.ops_total - ops_before == after["gated"] - before["gated"]  # each admitted op finished
     assert s.busy_ns > 0
+
+
+def test_the_backward_pass_is_gated_op_by_op(compute: Compute) -> None:
+    # autograd runs each backward node inside `evaluate_function: XBackward0`, a wrapper with no
+    # tensor inputs: it is not gated, and it must not count its ops (mm, sum, threshold_backward)
+    # as covered by it, or the whole backward pass ran at full speed below the share.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    compute.set_share(0.5)
+    try:
+        loss = model(torch.randn(32, 64)).square().mean()
+        before = compute.hook_stats()
+        loss.backward()
+        after = compute.hook_stats()
+    finally:
+        compute.set_share(1.0)
+    # Backward nodes: mean, pow, addmm x2, relu, t x2 and the parameters' AccumulateGrad.
+    assert after["gated"] - before["gated"] >= 6, (before, after)
+
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hold_the_next_job(compute: Compute) -> None:
+    # A job cancelled while it compiled the hook left PyTorch's lock file, and every later job
+    # waited for it for ever inside `import torch`, saying nothing.
+    from torch.utils import cpp_extension
+
+    from tf_antman.torch.compute import hook_build_dir
+
+    name, build_dir = hook_build_dir(False, ["-O2", "-DNDEBUG"], cpp_extension.get_default_build_root())
+    assert any(build_dir.glob(f"{name}*.so"))  # the module fixture built it here
+    (build_dir / "lock").write_text("")
+    code = ("from tf_antman.torch.compute import build_hook; "
+            "print(build_hook(with_cuda=False).stats()['gated'] >= 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+    assert not (build_dir / "lock").exists()

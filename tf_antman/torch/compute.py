@@ -2,16 +2,25 @@
 
 The op hook (op_hook.cpp) is a C++ extension built at run time with torch.utils.cpp_extension
 against the job's own PyTorch (its C++ ABI must match; the build is cached by PyTorch in
-TORCH_EXTENSIONS_DIR, so only the first job on a machine compiles it, about a minute). It is
+TORCH_EXTENSIONS_DIR, so only the first job of a PyTorch install and toolchain compiles it,
+about a minute). It is
 installed at start and enabled only while the share is below 1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tf_antman import core as antman_core
+from tf_antman._log import log
 
 HOOK_SOURCE = Path(__file__).resolve().parent / "op_hook.cpp"
 HOOK_NAME = "tf_antman_torch_op_hook"
@@ -19,18 +28,56 @@ HOOK_NAME = "tf_antman_torch_op_hook"
 
 def build_hook(with_cuda: bool, verbose: bool = False) -> Any:
     """Compiles (or loads from PyTorch's extension cache) the op hook module."""
-    import hashlib
-
     from torch.utils import cpp_extension
 
     # NDEBUG as in libtorch's own build: at::RecordFunction's layout depends on it (op_hook.cpp).
     flags = ["-O2", "-DNDEBUG", *(["-DANTMAN_WITH_CUDA"] if with_cuda else [])]
-    # The name carries a digest of the source and flags: PyTorch's cache reused a build made
-    # with other flags (seen on torch 2.13), and a stale hook must never be loaded.
-    digest = hashlib.sha256(HOOK_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    name, build_dir = hook_build_dir(with_cuda, flags, cpp_extension.get_default_build_root())
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(build_dir):
+        if not any(build_dir.glob(f"{name}*.so")):
+            log.info("compiling tf-antman's PyTorch op hook in %s (once per PyTorch install and "
+                     "toolchain: about a minute)", build_dir)
+        return cpp_extension.load(name=name, sources=[str(HOOK_SOURCE)], extra_cflags=flags,
+                                  build_directory=str(build_dir), with_cuda=with_cuda, verbose=verbose)
+
+
+def hook_build_dir(with_cuda: bool, flags: list[str], root: str) -> tuple[str, Path]:
+    """The hook's module name and build directory. The name carries a digest of everything the
+    build depends on: the source and flags (PyTorch's cache reused a build made with other flags,
+    seen on torch 2.13, and a stale hook must never be loaded), and the source's path, the
+    interpreter, torch, ninja and the compiler (two installs or toolchains that shared one
+    directory rebuilt it each time they alternated, 30 s a job start)."""
+    import torch
+
+    key = [HOOK_SOURCE.read_bytes(), " ".join(flags), str(HOOK_SOURCE), sys.executable,
+           torch.__version__, str(torch.version.cuda), shutil.which("ninja") or "",
+           os.environ.get("CXX", "")]
+    digest = hashlib.sha256("\0".join(k if isinstance(k, str) else k.hex() for k in key).encode()).hexdigest()[:12]
     name = f"{HOOK_NAME}_{'cuda' if with_cuda else 'cpu'}_{digest}"
-    return cpp_extension.load(name=name, sources=[str(HOOK_SOURCE)], extra_cflags=flags,
-                              with_cuda=with_cuda, verbose=verbose)
+    return name, Path(root) / name
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One builder at a time, by an flock the kernel releases when its holder dies. PyTorch's own
+    lock is a file that a job killed while compiling (a cancel in its first minute) leaves
+    behind, and every later job then waited for it for ever inside `import torch`: under this
+    lock, a PyTorch lock file present is such a leftover, and is removed."""
+    with open(build_dir / "tf_antman.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process compiling tf-antman's PyTorch op hook in %s", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class Compute:

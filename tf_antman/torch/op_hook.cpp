@@ -66,7 +66,10 @@ std::atomic<int64_t> g_other_device{0};   // top-level ops that touch no tensor 
 std::atomic<int64_t> g_errors{0};         // admit/begin/end calls that returned an error
 std::atomic<int64_t> g_inspect_errors{0}; // ops whose inputs could not be read (then gated)
 std::atomic<int64_t> g_threads{0};        // distinct threads that gated an op
-thread_local int t_depth = 0;             // RecordFunction ops open on this thread
+// Gated ops open on this thread. Only an admitted op covers the ops it calls: a wrapper that
+// touches no device tensor (autograd's `evaluate_function: XBackward0`, which has no inputs)
+// must not, or the whole backward pass ran ungated as "nested".
+thread_local int t_gated_depth = 0;
 thread_local bool t_counted = false;
 
 struct Ctx : at::ObserverContext {
@@ -100,7 +103,7 @@ bool TouchesDevice(const at::RecordFunction& fn, c10::DeviceType type) {
 }
 
 std::unique_ptr<at::ObserverContext> OnStart(const at::RecordFunction& fn) {
-  if (t_depth++ > 0) {
+  if (t_gated_depth > 0) {
     g_nested.fetch_add(1, std::memory_order_relaxed);
     return nullptr;
   }
@@ -135,6 +138,7 @@ std::unique_ptr<at::ObserverContext> OnStart(const at::RecordFunction& fn) {
     return nullptr;  // not admitted: nothing to end (the op runs ungated, and is counted)
   }
   g_gated.fetch_add(1, std::memory_order_relaxed);
+  ++t_gated_depth;  // OnEnd lowers it for this op: the one whose context is not null
   if (!t_counted) {
     t_counted = true;
     g_threads.fetch_add(1, std::memory_order_relaxed);
@@ -143,8 +147,8 @@ std::unique_ptr<at::ObserverContext> OnStart(const at::RecordFunction& fn) {
 }
 
 void OnEnd(const at::RecordFunction& /*fn*/, at::ObserverContext* base) {
-  --t_depth;
-  if (base == nullptr) return;
+  if (base == nullptr) return;  // not gated: nested, other device, or refused
+  --t_gated_depth;
   auto* ctx = static_cast<Ctx*>(base);
   const Hook& h = g_hook;
   if (h.device_timed) {
