@@ -13,6 +13,11 @@ by its own token after a restart even when several "nodes" share one machine (te
 Fencing: an agent that hears nothing from the global scheduler for `fence_s` (half of
 `cluster.node_timeout_s`) stops its jobs: by then the global scheduler, which declares a silent
 node lost after `node_timeout_s`, may requeue them elsewhere, and a job must never run twice.
+Every call of the global scheduler checks the silence before it acts (`_heard`), so an agent
+that was frozen (SIGSTOP, a stalled VM) fences its jobs before it answers, whichever of its
+threads runs first. The parts it fenced are remembered with their launch tokens: reported once
+(`report`), and told to a global scheduler that restarts (`info`), so that a job stopped while no
+scheduler ran is requeued, not recorded as ended, and a late report never touches a later launch.
 `sweep` stops processes of this node's jobs that the global scheduler no longer counts as
 running (left behind by an agent that died while its node lived).
 """
@@ -28,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Final
 
 from scheduler_lite.cluster.config import FENCE_FRACTION
 from scheduler_lite.cluster.parts import part_token
@@ -53,9 +59,11 @@ from scheduler_lite.launcher import (
     Launcher,
     LaunchSpec,
     ProcessHandle,
+    _has_name,
     process_name,
     process_running,
     process_start_ticks,
+    read_exit,
     read_exit_status,
     wrappers_under,
 )
@@ -65,7 +73,7 @@ from tf_antman.protocol import Control, ProtocolError, Stats, control_path, pars
 
 log = logging.getLogger("scheduler_lite.cluster")
 
-
+FENCED_KEPT: Final = 1000  # fenced parts remembered for a restarting global scheduler (the newest)
 
 @dataclass(frozen=True, slots=True)
 class PartReport:
@@ -82,10 +90,11 @@ class NodeReport:
     agent_pid: int
     parts: dict[str, PartReport] = field(default_factory=dict)  # job id -> its part here
     utilisation: dict[int, float] | None = None  # local GPU id -> reading (NVML); None: emulated
-    # Jobs whose part this agent killed because the global scheduler fell silent (fencing): lost
-    # with their node as far as the scheduler is concerned (requeued or failed, cluster.on_node_loss),
-    # not ended with an unknown status.
-    fenced: tuple[str, ...] = ()
+    # Parts this agent killed because the global scheduler fell silent (fencing), as (job id, part
+    # token): lost with their node as far as the scheduler is concerned (requeued or failed,
+    # cluster.on_node_loss), not ended with an unknown status. The token tells which launch: a late
+    # report must not touch a later launch of the same job.
+    fenced: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -119,21 +128,28 @@ class NodeAgent:
         self.fence_s = config.cluster.node_timeout_s * FENCE_FRACTION
         self._contact = time.monotonic()
         self._lock = threading.Lock()
-        self._fenced = False
-        self._fenced_jobs: list[str] = []  # killed by fencing, not reported yet
+        self._fenced: dict[str, str] = {}  # job id -> part token of the parts fencing killed (FENCED_KEPT)
+        self._fenced_unreported: list[tuple[str, str]] = []  # of those, not in a report yet
         if fence:
             threading.Thread(target=self._fence_loop, name="fence", daemon=True).start()
 
     # -- identity ---------------------------------------------------------------------------------
 
     def info(self) -> dict[str, object]:
-        """Who answers, and the node's GPUs with their local ids."""
+        """Who answers, the node's GPUs with their local ids, the parts it runs and the parts it
+        fenced (job id -> part token: a restarting global scheduler requeues those jobs)."""
         with self._lock:
-            self._contact = time.monotonic()
-            self._fenced = False
+            self._heard()
             return {"node": self.node, "hostname": socket.gethostname(), "pid": os.getpid(),
                     "jobs_dir": str(self.jobs_dir), "gpus": list(self.devices.inventory()),
-                    "parts": sorted(self.parts)}
+                    "parts": sorted(self.parts), "fenced": dict(self._fenced)}
+
+    def _heard(self) -> None:
+        """A call of the global scheduler (lock held): fence first if it has been silent for
+        `fence_s` (a frozen agent that resumes must not act on jobs the scheduler may have
+        requeued), then its silence starts again."""
+        self._fence_if_silent()
+        self._contact = time.monotonic()
 
     # -- jobs -------------------------------------------------------------------------------------
 
@@ -141,8 +157,9 @@ class NodeAgent:
               extra_env: dict[str, str]) -> tuple[int, int | None, str]:
         """Start the job's part on this node's `gpus` (local ids): (pid, start ticks, job dir)."""
         with self._lock:
-            self._contact = time.monotonic()
+            self._heard()
             assert record.launch_token is not None
+            self._fenced.pop(record.id, None)  # a new launch: the old one's fencing is settled
             job_dir = self.jobs_dir / record.id
             user = job_user(record.uid)
             prepare_job_dir(job_dir, user)
@@ -161,8 +178,9 @@ class NodeAgent:
         """Book a Ray task here: its job directory made ready and its environment kept for the
         client (`task_options`); no process is started (Ray starts it). (0, None, job dir)."""
         with self._lock:
-            self._contact = time.monotonic()
+            self._heard()
             assert record.launch_token is not None and is_ray_task(record.command)
+            self._fenced.pop(record.id, None)
             job_dir = self.jobs_dir / record.id
             user = job_user(record.uid)
             prepare_job_dir(job_dir, user)
@@ -220,8 +238,7 @@ class NodeAgent:
     def report(self) -> NodeReport:
         """Exits and the latest stats.json of every part here (one call per node per tick)."""
         with self._lock:
-            self._contact = time.monotonic()
-            self._fenced = False
+            self._heard()
             out: dict[str, PartReport] = {}
             for job_id, part in self.parts.items():
                 if part.ended is None and part.task_env is not None:
@@ -237,11 +254,12 @@ class NodeAgent:
             util = None
             if self.devices.kind != "emulated":
                 util = self.devices.utilisation({})
-            fenced, self._fenced_jobs = tuple(self._fenced_jobs), []
+            fenced, self._fenced_unreported = tuple(self._fenced_unreported), []
             return NodeReport(self.node, os.getpid(), out, util, fenced)
 
     def signal(self, job_id: str, sig: int) -> bool:
         with self._lock:
+            self._heard()
             part = self.parts.get(job_id)
             if part is not None and part.task_env is not None:
                 if part.ended is None and self._poll_task(part) is None:
@@ -255,12 +273,23 @@ class NodeAgent:
     def stop(self, job_id: str, grace_s: float) -> ExitInfo | None:
         """SIGTERM, SIGKILL after grace_s, wait; the part is forgotten. None: no such part here."""
         with self._lock:
+            self._heard()
             part = self.parts.pop(job_id, None)
         if part is not None and part.task_env is not None:
             return self._stop_task(part, grace_s)
         if part is None or part.handle is None:
+            self._kill_unknown(job_id)
             return None
         return self.launcher.stop(part.handle, grace_s)
+
+    def _kill_unknown(self, job_id: str) -> None:
+        """SIGKILL processes of the job here that this agent does not hold (a sweep kept them
+        for an adoption that did not follow, an agent before this one started them): a stop
+        means nothing of the job runs here afterwards."""
+        for pid, name in wrappers_under(self.jobs_dir):
+            if name.split(":")[1] == job_id:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
 
     def _stop_task(self, part: _Part, grace_s: float) -> ExitInfo:
         ended = part.ended or self._poll_task(part)
@@ -279,6 +308,7 @@ class NodeAgent:
     def cleanup(self, job_id: str) -> None:
         """The global scheduler recorded the part's end: kill what it left behind, forget it."""
         with self._lock:
+            self._heard()
             part = self.parts.pop(job_id, None)
             if part is not None and part.task_env is not None:
                 self._release_task(part)  # the worker is Ray's: it ends by itself (max_calls=1)
@@ -287,7 +317,7 @@ class NodeAgent:
 
     def write_control(self, job_id: str, control: Control) -> None:
         with self._lock:
-            self._contact = time.monotonic()
+            self._heard()
             part = self.parts.get(job_id)
             job_dir = part.job_dir if part is not None else self.jobs_dir / job_id
             write_control(job_dir, control)
@@ -298,11 +328,15 @@ class NodeAgent:
         """The pid of the part started with this launch token: pid file, else the token (/proc).
         A Ray task booked here with this token: 0 until its process claims it."""
         with self._lock:
+            self._heard()
             part = self.parts.get(job_id)
             if part is not None and part.task_env is not None and part.token == part_token(token, rank):
                 return 0 if part.handle is None else part.handle.pid
         job_dir = self.jobs_dir / job_id
+        name = process_name(job_id, part_token(token, rank))
         pid = read_small_int(job_dir / PID_FILE)
+        if pid is not None and process_running(pid, None) and not _has_name(pid, name):
+            pid = None  # a live process without this launch's token: another launch's pid file, or a reused pid
         if pid is None:
             pid = self.launcher.find(job_id, part_token(token, rank))
         if pid is not None and process_uid(pid) in (None, os.geteuid(), uid):
@@ -311,9 +345,9 @@ class NodeAgent:
 
     def adopt(self, job_id: str, token: str, rank: int, uid: int | None, pid: int | None,
               start_ticks: int | None) -> tuple[int, int | None] | ExitInfo:
-        """Take the part back: (pid, start ticks) while it runs, else how it ended."""
+        """Take the part back: (pid, start ticks) while it runs, else how it ended (and when)."""
         with self._lock:
-            self._contact = time.monotonic()
+            self._heard()
             part = self.parts.get(job_id)
             if part is not None and part.task_env is not None and part.token == part_token(token, rank):
                 ended = part.ended or self._poll_task(part)
@@ -327,13 +361,24 @@ class NodeAgent:
         if pid is None:
             pid = self.find(job_id, token, rank, uid)
         if pid is None:
-            return ExitInfo(read_exit_status(job_dir))
+            return read_exit(job_dir) or ExitInfo(None)
         found = self.launcher.adopt(pid, start_ticks, job_dir, part_token(token, rank), job_id)
         if isinstance(found, ExitInfo):
             return found
         with self._lock:
             self.parts[job_id] = _Part(job_id, rank, part_token(token, rank), uid, job_dir, found)
         return found.pid, found.start_ticks
+
+    def prepare(self, job_id: str) -> None:
+        """A launch of the job here is being booked: the files an earlier launch left (its pid,
+        exit status, a task's release) go first, or a restart of the global scheduler between
+        the booking and the start would take them for this launch's (and end it)."""
+        with self._lock:
+            self._heard()
+            job_dir = self.jobs_dir / job_id
+            for stale in (PID_FILE, EXIT_STATUS_FILE, RELEASED_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    (job_dir / stale).unlink()
 
     def read_log(self, job_id: str, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
         """Up to `limit` bytes of the part's stdout/stderr from `offset` (`scheduler-lite logs`)."""
@@ -350,12 +395,14 @@ class NodeAgent:
         except (ProtocolError, OSError):
             return 0
 
-    def sweep(self, keep: list[tuple[str, str]]) -> list[str]:
-        """SIGKILL the processes of this node's jobs whose (job id, part token) is not in `keep`;
-        the jobs stopped. Found by the wrapper's name and its job directory under this node's."""
+    def sweep(self, keep: list[tuple[str, str]]) -> tuple[list[str], dict[str, str]]:
+        """SIGKILL the processes of this node's jobs whose (job id, part token) is not in `keep`:
+        the jobs stopped, and the parts fenced (as `info`: this call may have fenced them). Found
+        by the wrapper's name and its job directory under this node's."""
         wanted = {process_name(j, t) for j, t in keep}
         stopped = []
         with self._lock:
+            self._heard()
             for job_id, part in list(self.parts.items()):
                 if process_name(job_id, part.token) not in wanted and part.task_env is not None:
                     self._release_task(part, signal.SIGKILL)
@@ -371,7 +418,9 @@ class NodeAgent:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
                 stopped.append(name.split(":")[1])
-        return sorted(set(stopped))
+        with self._lock:
+            fenced = dict(self._fenced)
+        return sorted(set(stopped)), fenced
 
     # -- fencing ----------------------------------------------------------------------------------
 
@@ -379,20 +428,28 @@ class NodeAgent:
         while True:
             time.sleep(min(1.0, self.fence_s / 4))
             with self._lock:
-                silent = time.monotonic() - self._contact
-                if self._fenced or silent < self.fence_s or not self.parts:
-                    continue
-                self._fenced = True
-                log.error("%s: no word from the global scheduler for %.1f s: stopping %d job(s)",
-                          self.node, silent, len(self.parts))
-                for part in self.parts.values():
-                    if part.task_env is not None:
-                        self._release_task(part, signal.SIGKILL)
-                    elif part.handle is not None:
-                        self.launcher.signal(part.handle, signal.SIGKILL)
-                        self.launcher.cleanup(part.handle)
-                self._fenced_jobs.extend(self.parts)
-                self.parts.clear()
+                self._fence_if_silent()
+
+    def _fence_if_silent(self) -> None:
+        """Lock held: SIGKILL every part here if the global scheduler has been silent for
+        `fence_s`, and remember them (job id -> part token) for the next report and `info`."""
+        silent = time.monotonic() - self._contact
+        if silent < self.fence_s or not self.parts:
+            return
+        log.error("%s: no word from the global scheduler for %.1f s: stopping %d job(s)",
+                  self.node, silent, len(self.parts))
+        for part in self.parts.values():
+            if part.task_env is not None:
+                self._release_task(part, signal.SIGKILL)
+            elif part.handle is not None:
+                self.launcher.signal(part.handle, signal.SIGKILL)
+                self.launcher.cleanup(part.handle)
+            self._fenced.pop(part.job_id, None)  # to the end: the newest are kept
+            self._fenced[part.job_id] = part.token
+            self._fenced_unreported.append((part.job_id, part.token))
+        self.parts.clear()
+        for old in list(self._fenced)[:-FENCED_KEPT]:  # oldest first (insertion order)
+            del self._fenced[old]
 
 
 def _task_alive(handle: ProcessHandle) -> bool:
@@ -401,9 +458,11 @@ def _task_alive(handle: ProcessHandle) -> bool:
     return handle.start_ticks is not None and process_running(handle.pid, handle.start_ticks)
 
 
-def actor_class() -> type:
-    """NodeAgent as a Ray actor class (imports Ray). No CPU reserved: it mostly waits."""
-    import ray
+def actor_class(ray: Any = None) -> type:
+    """NodeAgent as a Ray actor class (`ray`: the module, imported when not given; tests pass a
+    stand-in). No CPU reserved: it mostly waits."""
+    if ray is None:
+        import ray
 
     return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(NodeAgent)  # type: ignore[no-any-return]
 

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
+import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from scheduler_lite.cluster.agent import NodeReport, actor_class
-from scheduler_lite.cluster.config import REPORT_WAIT_S, ClusterConfig
+from scheduler_lite.cluster.config import NODE_RESOURCE_PREFIX, REPORT_WAIT_S, ClusterConfig
 from scheduler_lite.cluster.parts import job_nodes
 from scheduler_lite.config import Config
 from scheduler_lite.devices import EmulatedDevices, JobLoad
@@ -39,10 +41,12 @@ def agent_name(node: str) -> str:
 class Nodes:
     """Connects to the node agents (creating them where missing) and collects their reports."""
 
-    def __init__(self, config: Config) -> None:
-        import ray
+    def __init__(self, config: Config, ray_module: Any = None) -> None:
+        if ray_module is None:  # tests pass a stand-in (tests/cluster/fake_ray.py)
+            import ray as ray_module
 
         assert config.cluster is not None
+        ray = ray_module
         self.ray = ray
         self.config = config
         self.cc: ClusterConfig = config.cluster
@@ -57,26 +61,35 @@ class Nodes:
         self.hostnames: dict[str, str] = {}
         self.agent_pids: dict[str, int] = {}
         self.reports: dict[str, NodeReport] = {}  # this tick's, from the nodes that answered
+        # node -> the parts its agent fenced (job id -> part token), as it said when it connected
+        self.fenced: dict[str, dict[str, str]] = {}
+        self.busy: dict[str, bool] = {}  # node -> its agent ran job parts when it connected
         self._answered: dict[str, float] = {}
-        self._pending: dict[str, tuple[Any, Any]] = {}  # node -> (agent, its info() not answered yet)
-        self._actor = actor_class()
+        # node -> (agent, its info() not answered yet, since when it is asked)
+        self._pending: dict[str, tuple[Any, Any, float]] = {}
+        self._actor = actor_class(ray)
 
     def alive_with_resource(self) -> set[str]:
         """Configured nodes whose Ray node is alive and offers its `antman_node_<name>` resource."""
-        out = set()
-        for n in self.ray.nodes():
-            if not n.get("Alive"):
-                continue
-            for node in self.cc.nodes:
-                if self.cc.resource(node) in (n.get("Resources") or {}):
-                    out.add(node)
-        return out
+        offered = self._offered()
+        return {node for node in self.cc.nodes if self.cc.resource(node) in offered}
+
+    def unknown_resources(self) -> list[str]:
+        """`antman_node_*` resources of alive Ray nodes that name no configured node (a misspelt
+        cluster.nodes entry shows here)."""
+        known = {self.cc.resource(node) for node in self.cc.nodes}
+        return sorted(r for r in self._offered() if r.startswith(NODE_RESOURCE_PREFIX) and r not in known)
+
+    def _offered(self) -> set[str]:
+        return {r for n in self.ray.nodes() if n.get("Alive") for r in (n.get("Resources") or {})}
 
     def connect(self, node: str, now: float, wait_s: float = 0.0) -> bool:
         """The node's agent (found by name, else created on the node); False if it has not
         answered within `wait_s`. Never blocks the loop longer: an agent still being created (its
         node not up yet) is asked again at the next call, so the other nodes keep their reports
-        coming (a stalled loop would make their agents fence their jobs)."""
+        coming (a stalled loop would make their agents fence their jobs). An agent asked for
+        `node_timeout_s` without an answer (frozen) is killed, so that the next call makes a new
+        one, whose sweep stops what the old one left running."""
         ray = self.ray
         if node not in self._pending:
             try:
@@ -86,10 +99,14 @@ class Nodes:
                     name=agent_name(node), namespace=self.cc.namespace, lifetime="detached", get_if_exists=True,
                     resources={self.cc.resource(node): 0.001},
                 ).remote(node, self.config)
-            self._pending[node] = (agent, agent.info.remote())
-        agent, ref = self._pending[node]
+            self._pending[node] = (agent, agent.info.remote(), now)
+        agent, ref, asked = self._pending[node]
         ready, _ = ray.wait([ref], timeout=wait_s)
         if not ready:
+            if now - asked >= self.cc.node_timeout_s:
+                log.error("node %s: its agent has not answered for %.0f s: killed, a new one is made",
+                          node, now - asked)
+                self._forget_pending(node)
             return False
         del self._pending[node]
         try:
@@ -105,9 +122,37 @@ class Nodes:
             Gpu(self.cc.global_gpu(node, g.id), node, g.memory_bytes, f"{node}/{g.nvlink_group}")
             for g in info["gpus"]  # type: ignore[attr-defined]
         )
+        self.fenced[node] = dict(info.get("fenced") or {})  # type: ignore[call-overload]
+        self.busy[node] = bool(info.get("parts"))
         self._answered[node] = now
         log.info("node %s (%s): agent pid %s, %d GPU(s)", node, info["hostname"], info["pid"], len(self.gpus[node]))
         return True
+
+    def connect_all(self, nodes: Sequence[str], now: float, wait_s: float, busy_wait_s: float) -> list[str]:
+        """Ask every node's agent at once; wait until all have answered, for `wait_s` at most,
+        and for `busy_wait_s` at most once an agent running jobs has answered (it fences them
+        if the sweep and reports that follow come too late). The nodes connected."""
+        ray = self.ray
+        left = list(nodes)
+        done: list[str] = []
+        end = time.monotonic() + wait_s
+        while left:
+            for node in list(left):
+                if self.connect(node, now):
+                    done.append(node)
+                    if self.busy[node]:
+                        end = min(end, time.monotonic() + busy_wait_s)
+                if node not in self._pending:  # answered, or failed (retried by the loop later)
+                    left.remove(node)
+            remaining = end - time.monotonic()
+            if not left or remaining <= 0:
+                break
+            ray.wait([self._pending[n][1] for n in left], num_returns=1, timeout=min(remaining, 0.5))
+        return done
+
+    def last_answer(self, node: str, default: float) -> float:
+        """When the node's agent last answered (connect or report)."""
+        return self._answered.get(node, default)
 
     def drop(self, node: str) -> None:
         agent = self.agents.pop(node, None)
@@ -117,6 +162,15 @@ class Nodes:
         if agent is not None:
             with contextlib.suppress(Exception):
                 self.ray.kill(agent)  # a silent agent must not come back with its jobs (it fences too)
+        self._forget_pending(node)
+
+    def _forget_pending(self, node: str) -> None:
+        """An agent asked and never heard from is killed: a frozen one must not resume with the
+        jobs it ran, and its name must be free for a new agent (which sweeps the node)."""
+        pending = self._pending.pop(node, None)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                self.ray.kill(pending[0])
 
     def poll(self, now: float) -> list[str]:
         """Collect every connected node's report; the nodes found lost."""
@@ -166,6 +220,10 @@ class ClusterHandle(ProcessHandle):
     job_id: str = ""
     nodes: tuple[str, ...] = ()
     stop_sent: bool = False
+    ended: dict[str, ExitInfo] = field(default_factory=dict)  # node -> how its part ended
+    # The failure that ended the job: the first part to fail; the parts stopped because of it
+    # end by our SIGTERM, which says nothing about the job.
+    failure: ExitInfo | None = None
 
 
 class RayLauncher(Launcher):
@@ -176,18 +234,22 @@ class RayLauncher(Launcher):
         self.jobs: dict[str, JobRecord] = {}  # running jobs' records, for adopt after a restart
 
     def poll(self, handle: ProcessHandle) -> ExitInfo | None:
+        """The job's end once every part has ended (the first failure, else success); a part
+        that fails gets the others stopped (SIGTERM)."""
         assert isinstance(handle, ClusterHandle)
-        exits: list[ExitInfo | None] = []
         for node in handle.nodes:
             report = self.nodes.reports.get(node)
-            if report is None:
-                return None  # no word from that node this tick (lost nodes are handled before)
+            if node in handle.ended or report is None:
+                continue  # ended already, or no word from that node this tick (lost nodes are handled before)
             part = report.parts.get(handle.job_id)
-            exits.append(ExitInfo(None) if part is None else part.exit)  # unknown to its agent: gone
-        ended = [e for e in exits if e is not None]
-        if len(ended) == len(exits):
-            return _combined_exit(ended)
-        if any(e.exit_code != 0 for e in ended) and not handle.stop_sent:
+            ended = ExitInfo(None) if part is None else part.exit  # unknown to its agent: gone
+            if ended is not None:
+                handle.ended[node] = ended
+                if handle.failure is None and ended.exit_code != 0:
+                    handle.failure = ended  # parts failing in the same tick: the lowest rank
+        if len(handle.ended) == len(handle.nodes):
+            return handle.failure or ExitInfo(0)
+        if handle.failure is not None and not handle.stop_sent:
             handle.stop_sent = True  # one part failed: the whole job fails
             self.signal(handle, signal.SIGTERM)
         return None
@@ -196,17 +258,24 @@ class RayLauncher(Launcher):
         assert isinstance(handle, ClusterHandle)
         sent = False
         for node in handle.nodes:
+            if node in handle.ended:
+                continue
             with contextlib.suppress(Exception):
                 sent = bool(self.nodes.call(node, "signal", handle.job_id, sig)) or sent
         return sent
 
     def stop(self, handle: ProcessHandle, grace_s: float, poll_s: float = 0.02) -> ExitInfo:
         assert isinstance(handle, ClusterHandle)
-        exits = []
         for node in handle.nodes:
+            if node in handle.ended:
+                continue
+            ended = None
             with contextlib.suppress(Exception):
-                exits.append(self.nodes.call(node, "stop", handle.job_id, grace_s, timeout=grace_s + CALL_TIMEOUT_S))
-        return _combined_exit([e if e is not None else ExitInfo(None) for e in exits])
+                ended = self.nodes.call(node, "stop", handle.job_id, grace_s, timeout=grace_s + CALL_TIMEOUT_S)
+            handle.ended[node] = ended if isinstance(ended, ExitInfo) else ExitInfo(None)
+            if handle.failure is None and handle.ended[node].exit_code != 0:
+                handle.failure = handle.ended[node]
+        return handle.failure or ExitInfo(0)
 
     def cleanup(self, handle: ProcessHandle) -> None:  # type: ignore[override]
         assert isinstance(handle, ClusterHandle)
@@ -217,32 +286,38 @@ class RayLauncher(Launcher):
 
     def adopt(self, pid: int, start_ticks: int | None, job_dir: Path, token: str | None = None,
               job_id: str = "") -> ProcessHandle | ExitInfo:
+        """Every part taken back by its node's agent. A part that ended with success leaves
+        the others running (the job ends when every part has); one that failed ends the job:
+        the others are stopped, and the job's exit is the earliest failure, not our SIGTERM."""
         record = self.jobs[job_id]
         assert token is not None
         nodes = job_nodes(self.nodes.cc, record.placement)
-        found: list[tuple[int, int | None] | ExitInfo] = []
+        handle = ClusterHandle(pid, start_ticks, job_dir, None, job_id, nodes)
+        running: list[tuple[int, int | None]] = []
         for rank, node in enumerate(nodes):
             first = rank == 0
-            found.append(self.nodes.call(node, "adopt", job_id, token, rank, record.uid,
-                                         pid if first else None, start_ticks if first else None))
-        handle = ClusterHandle(pid, start_ticks, job_dir, None, job_id, nodes)
-        ended = [f for f in found if isinstance(f, ExitInfo)]
-        if ended:
-            if len(ended) < len(found):  # part of a gang gone: the job cannot go on
+            found = self.nodes.call(node, "adopt", job_id, token, rank, record.uid,
+                                    pid if first else None, start_ticks if first else None)
+            if isinstance(found, ExitInfo):
+                handle.ended[node] = found
+            else:
+                running.append(found)
+        failures = [e for e in handle.ended.values() if e.exit_code != 0]
+        if failures:
+            handle.failure = min(failures, key=lambda e: math.inf if e.ended_at is None else e.ended_at)
+        if not running or handle.failure is not None:
+            if running:  # a failed part ended the job while no scheduler watched: the rest must not run on
                 self.stop(handle, 0.0)
-            return _combined_exit(ended)
-        first_part = found[0]
-        assert not isinstance(first_part, ExitInfo)
-        handle.pid, handle.start_ticks = first_part
+            return handle.failure or _last_success(handle.ended.values())
+        if nodes[0] not in handle.ended:
+            handle.pid, handle.start_ticks = running[0]
         return handle
 
 
-def _combined_exit(exits: Sequence[ExitInfo]) -> ExitInfo:
-    """A job's exit from its parts': the first failure in rank order, else success."""
-    for e in exits:
-        if e.exit_code != 0:
-            return e
-    return ExitInfo(0)
+def _last_success(exits: Iterable[ExitInfo]) -> ExitInfo:
+    """Every part ended with success: the job ended when the last one did."""
+    times = [e.ended_at for e in exits if e.ended_at is not None]
+    return ExitInfo(0, max(times) if times else None)
 
 
 class ClusterDevices(EmulatedDevices):

@@ -44,8 +44,43 @@ def test_agent_fences_its_jobs_when_the_global_scheduler_goes_silent(tmp_path: P
         # (the global scheduler then requeues or fails it as for a lost node).
         assert wait_for(lambda: alive(agent) == [], timeout=10)
         report = agent.report()
-        assert report.parts == {} and report.fenced == ("job-1",)
+        assert report.parts == {} and report.fenced == (("job-1", "t1.0"),)
         assert agent.report().fenced == ()  # said once
+    finally:
+        agent.sweep([])
+
+
+def test_an_agent_resuming_after_a_long_silence_fences_before_it_answers(tmp_path: Path) -> None:
+    """A frozen agent (SIGSTOP) resumes with a call queued: it must not answer as if its jobs
+    were still its to run (the global scheduler may have requeued them). The call fences them
+    first, whichever thread runs first; what it fenced is kept, with the launch, for a global
+    scheduler that starts (`info`) until the job is launched here again."""
+    config = cluster_config(tmp_path, "ns")
+    agent = NodeAgent("n0", config, fence=False)  # no fencing thread: only the calls check
+    try:
+        start(agent, "job-1")
+        assert wait_for(lambda: alive(agent) == ["scheduler-lite:job-1:t1.0"], timeout=20)
+        agent._contact -= agent.fence_s  # stopped for the whole fence
+        info = agent.info()
+        assert info["parts"] == [] and info["fenced"] == {"job-1": "t1.0"}
+        assert wait_for(lambda: alive(agent) == [], timeout=10)
+        assert agent.report().fenced == (("job-1", "t1.0"),)
+        assert agent.info()["fenced"] == {"job-1": "t1.0"}  # still told to a scheduler that starts
+        start(agent, "job-1", "t2")  # launched here again: that fencing is settled
+        assert agent.info()["fenced"] == {} and agent.report().parts["job-1"].exit is None
+    finally:
+        agent.sweep([])
+
+
+def test_find_ignores_a_pid_file_of_another_launch(tmp_path: Path) -> None:
+    """The pid file names a live process of launch `a`: asked for launch `b`, the agent finds none."""
+    config = cluster_config(tmp_path, "ns")
+    agent = NodeAgent("n0", config, fence=False)
+    try:
+        pid = start(agent, "job-1", "a")
+        assert wait_for(lambda: (agent.jobs_dir / "job-1" / "pid").exists(), timeout=20)
+        assert agent.find("job-1", "a", 0, None) == pid
+        assert agent.find("job-1", "b", 0, None) is None
     finally:
         agent.sweep([])
 
@@ -60,7 +95,7 @@ def test_sweep_keeps_the_parts_the_store_counts_and_kills_the_rest(tmp_path: Pat
         # A fresh agent on the same node (the old one died, its processes did not) knows nothing:
         # the sweep finds the leftovers by name and job directory.
         fresh = NodeAgent("n0", config, fence=False)
-        assert fresh.sweep([("job-1", "a.0")]) == ["job-2"]
+        assert fresh.sweep([("job-1", "a.0")]) == (["job-2"], {})
         assert wait_for(lambda: [n.split(":")[1] for n in alive(agent)] == ["job-1"], timeout=10)
         assert agent.report().parts["job-2"].exit is not None  # the old agent sees it gone
         assert agent.signal("job-1", signal.SIGTERM)

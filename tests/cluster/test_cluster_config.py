@@ -101,6 +101,38 @@ def test_node_aware_holds_a_spanning_gang_on_its_best_node() -> None:
     assert policy(book.snapshot(0.0), None) == [spread[0], Reserve("b", (0,))]
 
 
+def test_node_aware_keeps_a_gang_no_node_here_can_hold_out_of_the_pass(tmp_path: Path) -> None:
+    """A node is away: B's 3-GPU gang (B may not span) is larger than every 2-GPU node here. It
+    holds nothing and says why: held, it took a whole node it can never run on, and A's gang
+    (which may span) waited behind it next to idle GPUs."""
+    from scheduler_lite.driver import Driver
+    from scheduler_lite.policy.global_scheduler import schedule
+
+    config = cluster_config(tmp_path, "ns")
+    gpus = [Gpu(i, f"n{i // 100}", 1 << 30, f"n{i // 100}/nv") for i in (0, 1, 100, 101)]
+    waits: list[tuple[str, str]] = []
+    policy = node_aware(schedule, ["A"], lambda g: f"n{g // 100}", lambda job, why: waits.append((job, why)))
+    driver = Driver(gpus, [Tenant("A", 4), Tenant("B", 4)], policy=policy, scheduler_config=config.scheduler,
+                    coordinator_config=config.coordinator)
+    driver.submit(Job("solo", "B", 3, JobKind.GUARANTEE, 0.0))
+    assert driver.schedule(1.0) == ([], []) and driver.book.reservations == {}
+    assert waits == [("solo", "needs 3 GPUs on one node (tenant 'B' may not span nodes) and the largest node here "
+                              "has 2: it waits, holding nothing, for a larger node to join")]
+    driver.submit(Job("research", "A", 4, JobKind.GUARANTEE, 2.0))
+    _, launches = driver.schedule(3.0)
+    assert [(launch.job_id, launch.gpus) for launch in launches] == [("research", (0, 1, 100, 101))]
+
+
+def test_node_aware_holds_a_gang_only_on_a_node_that_can_hold_it() -> None:
+    """Algorithm 1 spreads B's 3-GPU gang over a 2-GPU node (2 found) and a 4-GPU one (1 found):
+    the hold goes to the node that can hold it, not to where most were found."""
+    gpus = [Gpu(i, f"n{i // 100}", 1 << 30, f"n{i // 100}/nv") for i in (0, 1, 100, 101, 102, 103)]
+    book = ClusterBook(gpus, [Tenant("B", 4)])
+    book.submit(Job("b", "B", 3, JobKind.GUARANTEE, 0.0))
+    policy = node_aware(lambda state, cfg: [Place("b", (0, 1, 103), Role.GUARANTEE)], [], lambda g: f"n{g // 100}")
+    assert policy(book.snapshot(0.0), None) == [Reserve("b", (103,))]
+
+
 def test_single_machine_path_does_not_import_ray() -> None:
     code = ("import sys, scheduler_lite.cli, scheduler_lite.server, scheduler_lite.daemon, scheduler_lite.cluster; "
             "import scheduler_lite.cluster.scheduler; assert 'ray' not in sys.modules, 'ray imported'")

@@ -4,6 +4,7 @@ removes node n2 from this module's cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -122,6 +123,43 @@ def test_global_scheduler_killed_mid_launch_restarts_without_starting_twice(
         ray_cluster.made.append(d)
 
 
+def test_restart_with_a_stopped_agent_keeps_healthy_jobs_and_runs_nothing_twice(
+        ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
+    """The global scheduler restarts while one node's agent is stopped (SIGSTOP). The other
+    nodes' jobs are adopted, not fenced while the start waited on the stopped agent; the stopped
+    node's job is not rerun while its process may run there: after node_timeout_s the agent is
+    killed, a new one sweeps the node, and only then does the job run again."""
+    log = tmp_path / "runs.log"
+    env = {**JOB_ENV, "FAKE_RUNS_LOG": str(log)}
+    config = cluster_config(tmp_path, namespace)
+    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    ray_cluster.made.append(d)
+    healthy = d.submit(fake_command(), tenant="B", kind="guarantee", gpus=2, env=env)
+    lonely = d.submit(fake_command(), tenant="A", kind="guarantee", env=env)
+    assert d.run_until(lambda d: sorted(runs(log)) == sorted([healthy, lonely]), timeout=60, interval=0.1)
+    node = d.cc.node_of(d.book.jobs[lonely].placement[0])
+    home = d.cc.node_of(d.book.jobs[healthy].placement[0])
+    assert node != home
+    pid = d.storage.get_job(healthy).pid  # type: ignore[union-attr]
+    stopped = d.nodes.agent_pids[node]
+    os.kill(stopped, signal.SIGSTOP)  # and the global scheduler dies (d is not ticked again)
+    try:
+        again = ClusterDaemon(config, SqliteStorage(config.db_path))
+        ray_cluster.made.append(again)
+        assert node not in again.nodes.agents and home in again.nodes.agents
+        assert "adopted" in [e.kind for e in again.storage.events(healthy)]
+        assert again.storage.get_job(healthy).pid == pid  # type: ignore[union-attr]
+        assert again.storage.get_job(lonely).state is JobStatus.RUNNING  # type: ignore[union-attr]
+        assert again.run_until(lambda d: runs(log).count(lonely) == 2, timeout=90, interval=0.1)
+        assert [e.detail["reason"] for e in again.storage.events(lonely) if e.kind == "requeued"] == [
+            f"node {node} lost"]
+        assert sorted(w for n in NODES for w in wrappers(tmp_path, n)) == sorted([healthy, lonely])
+        assert runs(log).count(healthy) == 1 and again.storage.get_job(healthy).pid == pid  # type: ignore[union-attr]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGCONT)
+
+
 def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
     log = tmp_path / "runs.log"
     env = {**JOB_ENV, "FAKE_RUNS_LOG": str(log)}
@@ -151,6 +189,12 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     # The gang's part on n1 was stopped before anything else: it must not run next to a rerun.
     # (run_until keeps ticking: an agent that hears nothing for node_timeout_s / 2 fences its jobs)
     assert d.run_until(lambda d: gang not in wrappers(tmp_path, "n1"), timeout=4, interval=0.1)
+    # Requeued once nothing of them can run on n2: its Ray node is gone, so node_timeout_s after
+    # its last answer (an agent still running there, cut off, has fenced them by then).
+    for job in (gang, opp):
+        assert [e.detail["reason"] for e in d.storage.events(job) if e.kind == "lost"] == ["node n2 lost"]
+    assert d.run_until(lambda d: all("requeued" in [e.kind for e in d.storage.events(job)] for job in (gang, opp)),
+                       timeout=60, interval=0.1)
     for job in (gang, opp):
         events = [e for e in d.storage.events(job) if e.kind == "requeued"]
         assert events and events[0].detail["reason"] == "node n2 lost"
