@@ -16,23 +16,12 @@ coordinator rounds, same recovery) with its job-facing hooks pointed at node age
   restart: pid, exit, seq  pid file, token, exit_status         the same, asked of the node
   =======================  ===================================  ===============================
 
-Topology: a node is the level above the NVLink group. Algorithm 1 places a gang inside one group
-when it fits, else over whole groups; `node_aware` then refuses a gang that would span nodes unless
-its tenant is in `cluster.span_tenants`: a guarantee gang holds (Reserve) the GPUs it found on its
-best node and waits there, an opportunistic one waits in its queue.
-
-Faults. A node whose agent is dead (ActorDiedError, its Ray node gone) or silent for
-`cluster.node_timeout_s` is lost: a gang's parts on other nodes are stopped, quotas and settings
-are released by the driver, and its GPUs leave the book (the driver is rebuilt over the remaining
-GPUs). Its jobs are failed at once (`on_node_loss = "fail"`) or requeued (`"requeue"`), but not
-before nothing of them can run there any more: until then they wait (running in the store, with a
-`lost` event; `_Waiting`). A node that comes (back) is swept first (scheduler_lite.cluster.agent:
-processes of jobs the store does not count as running there are killed), then its GPUs join; a
-node whose Ray node is gone counts as swept `node_timeout_s` after its last answer (its agent, if
-it still runs cut off, has fenced its jobs by then). A restart of the global scheduler recovers
-from the store as the daemon does (its node agents are detached named actors that outlive it);
-a job whose node does not answer at the restart waits for it up to `node_timeout_s`, and is
-adopted if it comes, lost otherwise.
+Topology: a node is the level above the NVLink group; gangs that may not span nodes are kept on
+one by `node_aware` (scheduler_lite.cluster.placement). Faults: a lost node's jobs, fencing, and
+nodes that come (back) are `NodeLoss` (scheduler_lite.cluster.node_loss). A restart of the global
+scheduler recovers from the store as the daemon does (its node agents are detached named actors
+that outlive it); a job whose node does not answer at the restart waits for it up to
+`node_timeout_s`, and is adopted if it comes, lost otherwise.
 
 The node agents seen from here (the connection, the daemon's Launcher and devices carried out
 through them): scheduler_lite.cluster.nodes; a job's parts on its nodes (which nodes, their
@@ -44,22 +33,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Final
 
 from scheduler_lite.cluster.config import FENCE_FRACTION, ClusterConfig
+from scheduler_lite.cluster.node_loss import _ORPHAN, NodeLoss, _fencing, _Waiting
 from scheduler_lite.cluster.nodes import CALL_TIMEOUT_S, ClusterDevices, ClusterHandle, Nodes, RayLauncher, cause
 from scheduler_lite.cluster.parts import job_nodes, merge_stats, part_token, split_control
+from scheduler_lite.cluster.placement import node_aware
 from scheduler_lite.cluster.tasks import is_ray_task
 from scheduler_lite.config import Config
 from scheduler_lite.daemon import Daemon
-from scheduler_lite.driver import Driver, Launch, SchedulePolicy
+from scheduler_lite.driver import Driver, Launch
 from scheduler_lite.jobenv import process_control
 from scheduler_lite.launcher import ExitInfo, LaunchError, ProcessHandle
-from scheduler_lite.model import ClusterState, GlobalDecision, Gpu, JobState, Place, Reserve, Role, Unreserve
+from scheduler_lite.model import Gpu, JobState, Place
 from scheduler_lite.policy.global_scheduler import schedule
 from scheduler_lite.storage import JobRecord, JobStatus, Storage
 from scheduler_lite.tick import LiveJob, TickLog, TickReport
@@ -67,102 +57,8 @@ from tf_antman.protocol import Control, Stats
 
 log = logging.getLogger("scheduler_lite.cluster")
 
-JOIN_EVERY_S: Final = 5.0  # how often nodes not connected are looked for
-WAITED_EVERY_S: Final = 1.0  # how often nodes that jobs wait for are looked for
 
-
-# ----------------------------------------------------------------------------------------------
-# Placement across nodes.
-
-
-def node_aware(policy: SchedulePolicy, span_tenants: Iterable[str], node_of: Callable[[int], str],
-               on_wait: Callable[[str, str], None] | None = None) -> SchedulePolicy:
-    """Algorithm 1 with the node level: a multi-node Place only for tenants allowed to span nodes.
-
-    A guarantee gang that may not span holds (Reserve) what it found on its best node that can
-    hold it, and waits there. A gang that may not span and is larger than every node here (a
-    node is away) is kept out of the pass: it would take GPUs of the pass (for a placement then
-    dropped) and hold a node it can never run on, blocking every guarantee job behind it. It
-    waits, holding nothing; `on_wait(job id, why)` is told each pass."""
-    span = frozenset(span_tenants)
-
-    def run(state: ClusterState, config: object) -> list[GlobalDecision]:
-        sizes = Counter(node_of(g) for g in state.gpus)
-        largest = max(sizes.values(), default=0)
-        too_big = {j.id for j in state.jobs.values()
-                   if j.state is JobState.PENDING and j.tenant not in span and j.num_gpus > largest}
-        out: list[GlobalDecision] = [Unreserve(j) for j in sorted(too_big) if j in state.reservations]
-        for job_id in sorted(too_big):
-            if on_wait is not None:
-                on_wait(job_id, f"needs {state.jobs[job_id].num_gpus} GPUs on one node (tenant "
-                                f"{state.jobs[job_id].tenant!r} may not span nodes) and the largest node here has "
-                                f"{largest}: it waits, holding nothing, for a larger node to join")
-        if too_big:
-            state = replace(state, index=_Without(state.index, too_big))
-        for d in policy(state, config):
-            if isinstance(d, Place | Reserve) and state.jobs[d.job_id].tenant not in span:
-                d = _on_one_node(d, state.jobs[d.job_id].num_gpus, sizes, node_of)
-                if d is None:
-                    continue
-            out.append(d)
-        return out
-
-    return run
-
-
-def _on_one_node(d: Place | Reserve, num_gpus: int, sizes: Counter[str],
-                 node_of: Callable[[int], str]) -> Place | Reserve | None:
-    """A decision for a gang that may not span nodes: a Place within one node as it is; over
-    several, a guarantee gang holds the GPUs found on its best node that can hold it (most
-    found there, then the name), an opportunistic one waits. A hold likewise."""
-    per_node = Counter(node_of(g) for g in d.gpus)
-    if isinstance(d, Place) and len(per_node) <= 1:
-        return d
-    if isinstance(d, Place) and d.role is not Role.GUARANTEE:
-        return None
-    fits = [n for n in per_node if sizes[n] >= num_gpus]
-    if not fits:
-        return None
-    best = min(fits, key=lambda n: (-per_node[n], n))
-    return Reserve(d.job_id, tuple(g for g in d.gpus if node_of(g) == best))
-
-
-class _Without:
-    """The book's queries with some pending jobs left out of the queues (node_aware)."""
-
-    def __init__(self, index: Any, hidden: set[str]) -> None:
-        self._index = index
-        self._hidden = hidden
-
-    def pending_guarantee_queue(self, tenant: str) -> Sequence[str]:
-        return [j for j in self._index.pending_guarantee_queue(tenant) if j not in self._hidden]
-
-    def pending_opportunistic_queue(self) -> Sequence[str]:
-        return [j for j in self._index.pending_opportunistic_queue() if j not in self._hidden]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._index, name)
-
-
-@dataclass
-class _Waiting:
-    """A job the store says runs, neither adopted nor in the book: its nodes are not all here.
-
-    `reason` None: a job of a node that had not answered when the global scheduler started (an
-    orphan), adopted if its nodes come within `node_timeout_s`. Otherwise the job is lost (why),
-    and requeued or failed (cluster.on_node_loss) once `unsafe` is empty: the nodes where a part
-    of it may still run (not swept since, not cleared), so that it never runs twice."""
-
-    record: JobRecord
-    nodes: tuple[str, ...]
-    reason: str | None
-    unsafe: set[str]
-
-
-# ----------------------------------------------------------------------------------------------
-
-
-class ClusterDaemon(Daemon):
+class ClusterDaemon(NodeLoss, Daemon):
     """The global scheduler: `tick(now)` polls the nodes, then runs the daemon's tick."""
 
     def __init__(self, config: Config, storage: Storage, clock: Callable[[], float] = time.time,
@@ -209,35 +105,6 @@ class ClusterDaemon(Daemon):
     def _all_gpus(self) -> list[Gpu]:
         return [g for node in self.cc.nodes for g in self.nodes.gpus.get(node, ())]
 
-    def _sweep(self, node: str, running: Sequence[JobRecord]) -> bool:
-        """The node's agent keeps only the parts of jobs the store says run, with every node of
-        the job connected and the job neither lost nor waiting for a node (a gang whose other
-        node is gone is lost: its part here must not run on); it kills the rest. False (and the
-        node dropped) if it cannot."""
-        keep = []
-        for r in running:
-            nodes = job_nodes(self.cc, r.placement)
-            waiting = self._waiting.get(r.id)
-            if (node in nodes and r.launch_token and (waiting is None or waiting.reason is None)
-                    and all(n in self.nodes.agents for n in nodes)):
-                keep.append((r.id, part_token(r.launch_token, nodes.index(node))))
-        try:
-            stopped, self.nodes.fenced[node] = self.nodes.call(node, "sweep", keep)
-        except Exception as e:  # noqa: BLE001 - an agent that cannot sweep is not trusted with jobs
-            log.error("node %s: sweep failed (%s): not joining", node, e)
-            self._away.setdefault(node, self.clock())
-            self.nodes.drop(node)
-            return False
-        if stopped:
-            log.warning("node %s: stopped leftover processes of %s", node, ", ".join(stopped))
-        self._cleared(node)
-        return True
-
-    def _cleared(self, node: str) -> None:
-        """Nothing of the jobs waiting for the node runs there any more (swept, or gone long enough)."""
-        self._away.pop(node, None)
-        for w in self._waiting.values():
-            w.unsafe.discard(node)
 
     def tick(self, now: float | None = None) -> TickReport:
         now = self.clock() if now is None else now
@@ -248,179 +115,6 @@ class ClusterDaemon(Daemon):
         self._release(now)
         return super().tick(now)
 
-    def _fenced_parts(self, now: float) -> None:
-        """Parts the nodes' agents stopped because the global scheduler was silent (fencing):
-        their jobs are lost as with their node. A report about another launch of the job, or
-        about a node the job no longer runs on (a frozen agent that resumed), is stale: ignored."""
-        lost = False
-        for node, report in list(self.nodes.reports.items()):
-            for job_id, token in report.fenced:
-                live = self._live.get(job_id)
-                if live is None or not _is_part(live, node, token):
-                    log.info("node %s fenced a part of %s that does not run there now (launch %s): ignored",
-                             node, job_id, token)
-                    continue
-                log.error("node %s fenced %s (the global scheduler was silent too long): it is %s", node,
-                          job_id, "requeued" if self.cc.on_node_loss == "requeue" else "failed")
-                self._lose_job(job_id, node, now, reason=_fencing(node))
-                lost = True
-        if lost:
-            self._set_gpus(now)
-
-    def _look_for_nodes(self, now: float) -> None:
-        """Every JOIN_EVERY_S, and every WAITED_EVERY_S for nodes that jobs wait for: nodes not
-        connected are joined (connected, swept), a node whose Ray node is gone is cleared
-        `node_timeout_s` after its last answer, and the jobs of nodes that did not come within
-        `node_timeout_s` of the start are lost."""
-        if self._orphans_until is not None and now >= self._orphans_until:
-            self._orphans_until = None
-            self._give_up_orphans(now)
-        waited = {n for w in self._waiting.values() for n in (w.unsafe if w.reason else w.nodes)}
-        due = now - self._last_join >= JOIN_EVERY_S
-        if not due and not (waited and now - self._last_look >= WAITED_EVERY_S):
-            return
-        self._last_look = now
-        if due:
-            self._last_join = now
-        alive = self.nodes.alive_with_resource()
-        for node, since in list(self._away.items()):
-            if node not in alive and now - since >= self.cc.node_timeout_s:
-                if any(node in w.unsafe for w in self._waiting.values()):
-                    log.warning("node %s: no Ray node for it, %.0f s since its last answer: its jobs are taken as "
-                                "stopped there", node, now - since)
-                self._cleared(node)
-        missing = sorted(alive - set(self.nodes.agents))
-        joined = [n for n in missing if (due or n in waited) and self.nodes.connect(n, now)]
-        if joined:
-            self._joined(joined, now)
-
-    def _joined(self, joined: Sequence[str], now: float) -> None:
-        """Nodes just connected: jobs waiting for them adopted (every node of theirs here, none
-        fenced) or lost, the nodes swept, their GPUs in the book."""
-        adopt = []
-        for job_id, w in list(self._waiting.items()):
-            if w.reason is not None or not set(w.nodes) & set(joined):
-                continue
-            del self._waiting[job_id]
-            why = self._why_not_adopted(w.record)
-            if why is None:
-                adopt.append(w.record)
-            else:
-                self._give_up(w.record, why, now)
-        running = self.storage.list_jobs([JobStatus.RUNNING])
-        for node in joined:
-            self._sweep(node, running)
-        self._set_gpus(now)
-        for record in adopt:
-            self._adopt_late(record, now)
-
-    def _adopt_late(self, record: JobRecord, now: float) -> None:
-        """A job of nodes that answered after the start: taken over as the start does."""
-        why = self._why_not_adopted(record)
-        if why is not None:  # a sweep failed, or fenced its part: lost after all
-            self._give_up(record, why if why != _ORPHAN else f"node {job_nodes(self.cc, record.placement)[0]} lost",
-                          now)
-            return
-        self.ray_launcher.jobs[record.id] = record
-        try:
-            self._readopt(record, now, record.pid if record.pid is not None else self._find_pid(record))
-        except Exception as e:  # noqa: BLE001 - a node that does not answer now: lost with it
-            log.error("%s: cannot take it over from its nodes (%s): lost", record.id, cause(e))
-            self._give_up(record, f"its nodes did not answer: {cause(e)}", now)
-        self._dirty = True
-
-    def _give_up_orphans(self, now: float) -> None:
-        """The jobs of nodes that have not answered within node_timeout_s of the start are lost."""
-        for job_id, w in list(self._waiting.items()):
-            if w.reason is None:
-                del self._waiting[job_id]
-                away = [n for n in w.nodes if n not in self.nodes.agents]
-                log.error("%s: its node %s has not answered since the start: lost", job_id, away[0])
-                self._give_up(w.record, f"node {away[0]} lost", now)
-
-    def _node_lost(self, node: str, now: float) -> None:
-        """Its jobs lost (gang parts elsewhere stopped first), its GPUs out of the book. Its own
-        parts may run on (a frozen agent, one killed on a live node) until it is swept or cleared."""
-        log.error("node %s lost: its jobs are %s", node, "requeued" if self.cc.on_node_loss == "requeue" else "failed")
-        self._away[node] = self.nodes.last_answer(node, now)
-        self.nodes.drop(node)
-        self.storage.add_event(now, "node_lost", None, node=node)
-        for job_id, live in list(self._live.items()):
-            assert isinstance(live.handle, ClusterHandle)
-            if node in live.handle.nodes:
-                self._lose_job(job_id, node, now)
-        for launch in list(self._booked):  # booked this tick, not started: never ran
-            if node in job_nodes(self.cc, launch.gpus):
-                self._booked.remove(launch)
-                self._record_loss(launch.job_id, node, now)
-                self._driver_loss(launch.job_id, now)
-        self._set_gpus(now)
-
-    def _lose_job(self, job_id: str, node: str, now: float, reason: str | None = None) -> None:
-        """A running job's part on `node` is gone (lost node, fencing): its other parts stopped,
-        its GPUs and quota released; requeued or failed once nothing of it can run anywhere."""
-        live = self._live.pop(job_id)
-        assert isinstance(live.handle, ClusterHandle)
-        self._driver_loss(job_id, now)
-        self._give_up(live.record, reason or f"node {node} lost", now)
-
-    def _give_up(self, record: JobRecord, reason: str, now: float) -> None:
-        """The job is lost: its parts on connected nodes stopped; it waits (`_Waiting`) until
-        none can run anywhere, then `_release` requeues or fails it."""
-        nodes = job_nodes(self.cc, record.placement)
-        unsafe = {n for n in nodes if n in self._away}
-        for node in nodes:
-            if node in self.nodes.agents and not self._stop_part(node, record.id):
-                unsafe.add(node)  # until its report no longer shows the part, or it is lost and swept
-        self._waiting[record.id] = _Waiting(record, nodes, reason, unsafe)
-        if unsafe and self.cc.on_node_loss == "requeue":
-            log.warning("%s lost (%s): requeued once nothing of it can run on %s", record.id, reason,
-                        ", ".join(sorted(unsafe)))
-            self.storage.add_event(now, "lost", record.id, reason=reason, waits_for=sorted(unsafe))
-
-    def _stop_part(self, node: str, job_id: str) -> bool:
-        """Stop the job's part on a connected node; False if the agent did not answer (a stop
-        queued behind the call ends it there if it resumes)."""
-        try:
-            self.nodes.call(node, "stop", job_id, 0.0)
-        except Exception as e:  # noqa: BLE001 - the node may be lost next: its sweep stops the part then
-            log.error("node %s: cannot stop %s (%s)", node, job_id, cause(e))
-            self.nodes.stop_later(node, job_id)
-            return False
-        return True
-
-    def _release(self, now: float) -> None:
-        """Lost jobs nothing of which can run any more are requeued or failed (failed at once: a
-        failed job never runs again); a part whose stop went unanswered counts as stopped once
-        its node's report no longer shows it running."""
-        for job_id, w in list(self._waiting.items()):
-            if w.reason is None:
-                continue
-            for node in list(w.unsafe):
-                report = self.nodes.reports.get(node) if node in self.nodes.agents else None
-                part = None if report is None else report.parts.get(job_id)
-                if report is not None and (part is None or part.exit is not None):
-                    w.unsafe.discard(node)
-            if w.unsafe and self.cc.on_node_loss == "requeue":
-                continue
-            del self._waiting[job_id]
-            self._record_loss(job_id, w.nodes[0], now, w.reason)
-            self._dirty = True
-
-    def _record_loss(self, job_id: str, node: str, now: float, reason: str | None = None) -> None:
-        """In the store: the job back in its queue (no placement, no token: it never ran) or failed."""
-        reason = reason or f"node {node} lost"
-        with self.storage.transaction():
-            if self.cc.on_node_loss == "requeue":
-                self.storage.update_job(job_id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
-                                        started_at=None, launch_token=None, pid=None, pid_start=None,
-                                        control_seq=0)
-                self.storage.add_event(now, "requeued", job_id, reason=reason)
-            else:
-                self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
-                self.storage.add_event(now, "exited", job_id, state=str(JobStatus.FAILED), exit_code=None,
-                                       reason=reason)
-            self.storage.clear_placements(job_id)
 
     def _note_wait(self, job_id: str, why: str) -> None:
         """node_aware keeps a gang waiting: said once per reason (an event and the log)."""
@@ -669,19 +363,5 @@ class ClusterDaemon(Daemon):
             return int(self.nodes.call(job_nodes(self.cc, record.placement)[0], "control_seq", job_id))
         return 0
 
-
-def _is_part(live: LiveJob, node: str, token: str) -> bool:
-    """`token` is the launch token of the job's running part on `node`."""
-    assert isinstance(live.handle, ClusterHandle)
-    nodes = live.handle.nodes
-    launch = live.record.launch_token
-    return node in nodes and launch is not None and token == part_token(launch, nodes.index(node))
-
-
-def _fencing(node: str) -> str:
-    return f"node {node} stopped it: no word from the global scheduler for half of cluster.node_timeout_s (fencing)"
-
-
-_ORPHAN: Final = "<its nodes have not answered yet>"  # _why_not_adopted: wait for them
 
 __all__ = ["ClusterDaemon", "node_aware"]
