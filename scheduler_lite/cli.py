@@ -544,6 +544,9 @@ def _print_status(status: ClusterStatus) -> None:
                       "`scheduler-lite logs JOB --stderr` shows its start")
     if status.queued:
         print(f"queued: {' '.join(status.queued)}")
+    if status.absent_nodes:
+        print(f"nodes not connected: {' '.join(status.absent_nodes)} (their GPUs are not served until they "
+              "join; the serve log says why)")
 
 
 def _job_dict(job: JobRecord) -> dict[str, Any]:

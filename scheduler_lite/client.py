@@ -105,7 +105,8 @@ def cluster_status(doc: dict[str, Any]) -> ClusterStatus:
         jobs = tuple(JobOnGpu(**{**j, "role": Role(j["role"])}) for j in g["jobs"])
         gpus.append(GpuStatus(**{**g, "jobs": jobs}))
     tenants = tuple(TenantStatus(**t) for t in doc["tenants"])
-    return ClusterStatus(doc["time"], tuple(gpus), tenants, tuple(doc["queued"]), tuple(doc["running"]))
+    return ClusterStatus(doc["time"], tuple(gpus), tenants, tuple(doc["queued"]), tuple(doc["running"]),
+                         tuple(doc.get("absent_nodes") or ()))  # absent before this field existed
 
 
 __all__ = ["ClientError", "call", "call_socket", "cluster_status", "job_record"]

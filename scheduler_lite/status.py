@@ -80,6 +80,8 @@ class ClusterStatus:
     tenants: tuple[TenantStatus, ...]
     queued: tuple[str, ...]
     running: tuple[str, ...]
+    # Cluster mode: configured nodes whose agent is not connected (their GPUs are not served).
+    absent_nodes: tuple[str, ...] = ()
 
     def gpu(self, gpu_id: int) -> GpuStatus:
         return next(g for g in self.gpus if g.id == gpu_id)

@@ -51,6 +51,7 @@ from scheduler_lite.jobenv import process_control
 from scheduler_lite.launcher import ExitInfo, LaunchError, ProcessHandle
 from scheduler_lite.model import Gpu, JobState, Place
 from scheduler_lite.policy.global_scheduler import schedule
+from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, Storage
 from scheduler_lite.tick import LiveJob, TickLog, TickReport
 from tf_antman.protocol import Control, Stats
@@ -101,6 +102,10 @@ class ClusterDaemon(NodeLoss, Daemon):
             elif node not in self.nodes.agents:
                 log.warning("cluster.nodes[%d] %r: its agent has not answered yet; its GPUs join when it does, its "
                             "jobs wait for it up to cluster.node_timeout_s", i, node)
+
+    def status(self) -> ClusterStatus:
+        absent = tuple(n for n in self.cc.nodes if n not in self.nodes.agents)
+        return replace(super().status(), absent_nodes=absent)
 
     def _all_gpus(self) -> list[Gpu]:
         return [g for node in self.cc.nodes for g in self.nodes.gpus.get(node, ())]

@@ -11,6 +11,7 @@ the processes of the jobs (their start log, their wrappers), the store's states 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_lite.cli import _print_status
 from scheduler_lite.cluster.nodes import Nodes
 from scheduler_lite.cluster.parts import job_nodes
 from scheduler_lite.cluster.scheduler import ClusterDaemon
@@ -286,3 +288,9 @@ def test_a_node_missing_from_ray_is_named_at_the_start(tmp_path: Path, caplog: p
     assert sorted(d.nodes.agents) == ["n0", "n1"]
     assert ("cluster.nodes[2] 'n2': no Ray node has resource antman_node_n2; its GPUs are not served until it "
             "joins (Ray offers antman_node_N2, which no cluster.nodes entry names)") in caplog.messages
+    # and `status` names it for as long as it is away
+    assert d.status().absent_nodes == ("n2",)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _print_status(d.status())
+    assert "nodes not connected: n2" in printed.getvalue()
