@@ -5,6 +5,9 @@ creation_time, deletion_time, scheduled_time` (others ignored). Node list: `sn, 
 
 * CPU-only pods (`num_gpu` 0) are skipped, and so are `Pending` pods: they never ran, so the
   trace holds no run time for them (their deletion - creation time is waiting, not work).
+  Anything else malformed is an error naming the file, line and field, never a skip: a row
+  with more or fewer fields than the header, an unknown `pod_phase`, a `gpu_milli` that is not
+  a number in [0, 1000] (on any row), a GPU pod that ran without the fields it needs.
 * Run time = deletion - scheduled time; arrival = creation time / `time_compression` (run times
   are kept, so compression raises the offered load).
 * QoS `BE` -> opportunistic, `LS`/`Burstable`/`Guaranteed` -> guarantee, one tenant whose quota
@@ -12,15 +15,19 @@ creation_time, deletion_time, scheduled_time` (others ignored). Node list: `sn, 
   utilisation and, times 16 GiB (the smallest GPU of the trace), its memory demand; a multi-GPU
   pod asks for whole GPUs.
 * Cluster: the trace's own nodes, or a subset spread evenly over the node list (so the GPU
-  model mix stays) with `gpus` GPUs, or sized so that the trace's peak demand (whole GPUs of
-  the pods running at once if every pod started on arrival) is `peak_ratio` x capacity.
-  On its own 6,212 GPUs the 2023 trace peaks at 71 GPUs: nothing ever queues and every policy
+  model mix stays) with the fewest GPUs that are at least `gpus`, or sized so that the trace's
+  peak demand (whole GPUs of the pods running at once if every pod started on arrival) is
+  `peak_ratio` x capacity (or as close above as the spread allows).
+  On its own 6,212 GPUs the 2023 trace peaks at 70 GPUs: nothing ever queues and every policy
   ties, so the replay is only meaningful on a scaled cluster.
+* tf-antman-sjf's predicted run time: the run time x a lognormal error (sigma
+  `PREDICTION_ERROR_SIGMA`, as in the paper recipe), from a random stream of its own.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import random
 from collections.abc import Iterator
@@ -30,7 +37,7 @@ from scheduler_lite.model import GIB, Gpu, JobKind
 from scheduler_lite.model import Tenant as _Tenant
 from scheduler_lite.policy.validation import ConfigError, check_int, check_range
 from scheduler_lite.sim.perf import PerfModel
-from scheduler_lite.sim.workload import TraceJob, Workload
+from scheduler_lite.sim.workload import MAX_SUBMIT_TIME_S, PREDICTION_ERROR_SIGMA, TraceJob, Workload
 
 # GPU memory per model of the Alibaba node list. G2 and G3 are undisclosed: assumed 32 GiB.
 GPU_MEMORY_GIB = {"P100": 16, "T4": 16, "V100M16": 16, "V100M32": 32, "A10": 24, "G2": 32, "G3": 32}
@@ -38,6 +45,7 @@ DEFAULT_GPU_MEMORY_GIB = 16  # a model not listed above
 DEMAND_REFERENCE_GIB = 16  # gpu_milli is a share of this much memory (the smallest GPU)
 GUARANTEE_QOS = ("LS", "Burstable", "Guaranteed")
 OPPORTUNISTIC_QOS = ("BE",)
+POD_PHASES = ("Pending", "Running", "Succeeded", "Failed")  # the trace's (Kubernetes' but Unknown)
 SKIPPED_PHASES = ("Pending",)
 POD_COLUMNS = ("num_gpu", "gpu_milli", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
 NODE_COLUMNS = ("gpu",)
@@ -72,7 +80,13 @@ def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str
                 raise ConfigError(f"{path}", f"columns {header}", "a header row with " + ", ".join(required)
                                   + f" (missing: {', '.join(missing)})")
             reader.fieldnames = header
-            yield from enumerate(reader, start=2)
+            for i, row in enumerate(reader, start=2):
+                # DictReader fills a short row with None and files a long row's extra fields
+                # under None: a truncated or shifted line, not a row to read with holes.
+                if None in row or None in row.values():
+                    count = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, ()))
+                    raise ConfigError(f"{path}:{i}", f"{count} fields", f"one field per header column ({len(header)})")
+                yield i, row
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}", f"byte {e.start}", "UTF-8 text") from None
     except csv.Error as e:
@@ -92,15 +106,53 @@ def read_nodes(path: Path) -> list[tuple[str, int, str]]:
 
 
 def _pick_nodes(nodes: list[tuple[str, int, str]], gpus: int) -> list[tuple[str, int, str]]:
-    """Nodes spread evenly over the list whose GPUs add up to at least `gpus`."""
+    """m nodes spread evenly over the list, the pick with the fewest GPUs that is at least `gpus`
+    (the fewest nodes among equal totals).
+
+    The GPUs of the m-node pick are not monotone in m (nodes hold 1 to 8 GPUs): the first m
+    that reaches `gpus` can overshoot it while a larger m lands on it (2023 node list: 13 nodes
+    give 86 GPUs, 14 give 70), so every m is tried, up to where m nodes must exceed the best.
+    """
     total = sum(n[1] for n in nodes)
     if gpus >= total:
         return nodes
+    best, best_total = nodes, total
+    fewest = min(n[1] for n in nodes)
     for m in range(1, len(nodes) + 1):
+        if m * fewest >= best_total:
+            break  # every pick of m or more nodes holds at least as many GPUs as the best
         picked = [nodes[(j * len(nodes)) // m] for j in range(m)]
-        if sum(n[1] for n in picked) >= gpus:
-            return picked
-    return nodes
+        got = sum(n[1] for n in picked)
+        if gpus <= got < best_total:
+            best, best_total = picked, got
+    return best
+
+
+def _pod(row: dict[str, str], where: str, name: str, num: int, milli: float, perf: PerfModel,
+         time_compression: float) -> TraceJob:
+    """The job of a GPU pod that ran (Running, Succeeded, Failed): every field it needs must be
+    there, in range (a missing scheduled_time is an error, not a pod that never ran)."""
+    qos = row["qos"]
+    if qos not in GUARANTEE_QOS + OPPORTUNISTIC_QOS:
+        raise ConfigError(f"{where} qos", qos, "one of " + ", ".join(GUARANTEE_QOS + OPPORTUNISTIC_QOS))
+    created = _num(row, "creation_time", where, 0, 1e12)
+    if created / time_compression > MAX_SUBMIT_TIME_S:
+        raise ConfigError("time_compression", time_compression,
+                          f"a value that keeps every creation_time / time_compression within "
+                          f"{MAX_SUBMIT_TIME_S:g} s ({where} creation_time {created:g} needs at least "
+                          f"{created / MAX_SUBMIT_TIME_S:.10g})")
+    started = _num(row, "scheduled_time", where, created, 1e12)
+    deleted = _num(row, "deletion_time", where, started, started + MAX_RUNTIME_S)
+    share = max(milli / 1000 if num == 1 else 1.0, 0.001)
+    runtime = max(1.0, deleted - started)
+    return TraceJob(
+        id=name, tenant="alibaba",
+        kind=JobKind.OPPORTUNISTIC if qos in OPPORTUNISTIC_QOS else JobKind.GUARANTEE,
+        submit_time=created / time_compression, num_gpus=num, runtime_s=runtime, model="generic",
+        memory_demand_bytes=int(share * DEMAND_REFERENCE_GIB * GIB), utilisation=share,
+        step_time_s=perf.models["generic"].step_time_s, surge_growth=perf.surge_growth,
+        requested_share=share, cpu_phases=perf.cpu_phases(runtime),
+    )
 
 
 def peak_demand(jobs: list[TraceJob]) -> int:
@@ -132,44 +184,34 @@ def load_alibaba(
         raise ConfigError("gpus/peak_ratio", (gpus, peak_ratio), "at most one of the two")
     if peak_ratio is not None:
         check_range("peak_ratio", peak_ratio, 0.0, 1000.0, low_open=True)
-    generic = perf.models.get("generic")
-    if generic is None:
+    if "generic" not in perf.models:
         raise ConfigError("perf_model.models.generic", None, "a model named generic (the Alibaba replay's pods)")
     rng = random.Random(seed)
+    # tf-antman-sjf's predictions: the run time with the recipe's documented error, from a stream
+    # of their own (as the recipe's auto jobs), so the other draws and policies are unchanged.
+    predictions = random.Random(f"prediction-{seed}")
     jobs: list[TraceJob] = []
     skipped = 0
     seen: dict[str, int] = {}
     for i, row in _rows(pods, POD_COLUMNS):
         where = f"{pods}:{i}"
         num = int(_num(row, "num_gpu", where, 0, 64, whole=True))
-        phase = row.get("pod_phase", "")
-        if num == 0 or phase in SKIPPED_PHASES or not row.get("scheduled_time"):
+        milli = _num(row, "gpu_milli", where, 0, 1000)  # every row: a typo is not a skip
+        phase = row["pod_phase"]
+        if phase not in POD_PHASES:
+            raise ConfigError(f"{where} pod_phase", phase, "one of " + ", ".join(POD_PHASES))
+        if num == 0 or phase in SKIPPED_PHASES:
             skipped += 1  # CPU-only, or never ran: no run time to replay
             continue
-        qos = row.get("qos", "")
-        if qos not in GUARANTEE_QOS + OPPORTUNISTIC_QOS:
-            raise ConfigError(f"{where} qos", qos, "one of " + ", ".join(GUARANTEE_QOS + OPPORTUNISTIC_QOS))
-        created = _num(row, "creation_time", where, 0, 1e12)
-        started = _num(row, "scheduled_time", where, created, 1e12)
-        deleted = _num(row, "deletion_time", where, started, started + MAX_RUNTIME_S)
-        share = _num(row, "gpu_milli", where, 0, 1000) / 1000 if num == 1 else 1.0
-        share = max(share, 0.001)
-        surge = rng.random() < perf.surge_probability
-        runtime = max(1.0, deleted - started)
         name = row.get("name") or f"pod-{i}"
         if name in seen:
             raise ConfigError(f"{where} name", name, f"a name used once (line {seen[name]} has it)")
         seen[name] = i
-        jobs.append(TraceJob(
-            id=name, tenant="alibaba",
-            kind=JobKind.OPPORTUNISTIC if qos in OPPORTUNISTIC_QOS else JobKind.GUARANTEE,
-            submit_time=created / time_compression, num_gpus=num, runtime_s=runtime, model="generic",
-            memory_demand_bytes=int(share * DEMAND_REFERENCE_GIB * GIB), utilisation=share,
-            step_time_s=generic.step_time_s, predicted_runtime_s=runtime,
-            surge_at_fraction=perf.surge_at_fraction if surge else None,
-            surge_growth=perf.surge_growth, requested_share=share,
-            cpu_phases=perf.cpu_phases(runtime),
-        ))
+        job = _pod(row, where, name, num, milli, perf, time_compression)
+        surge = rng.random() < perf.surge_probability
+        predicted = job.runtime_s * math.exp(predictions.gauss(0.0, PREDICTION_ERROR_SIGMA))
+        jobs.append(dataclasses.replace(job, predicted_runtime_s=predicted,
+                                        surge_at_fraction=perf.surge_at_fraction if surge else None))
     if not jobs:
         raise ConfigError(f"{pods}", "no GPU pod that ran", "at least one row with num_gpu > 0, "
                           "a scheduled_time and a pod_phase other than Pending")

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 PAPER_DEFAULTS = {"jobs": 400, "nodes": 8, "gpus_per_node": 8, "gpu_memory_gib": 32.0, "quota_a": 64,
                   "load": 1.5, "auto_fraction": 0.0}
-ALIBABA_OPTIONS = ("pods", "node_list", "cluster_gpus", "peak_ratio", "time_compression")
+ALIBABA_OPTIONS = ("pods", "node_list", "cluster_gpus", "peak_ratio", "time_compression", "trace_dir")
 # The workload builders name their parameters; the user typed these options.
 OPTION_OF = {"num_jobs": "--jobs", "nodes": "--nodes", "gpus_per_node": "--gpus-per-node",
              "gpu_memory_gib": "--gpu-memory-gib", "quota_a": "--quota-a", "load": "--load",
@@ -86,8 +86,9 @@ def _check_options(args: argparse.Namespace) -> None:
     """Options of the other workload are an error, not silently ignored."""
     given, foreign = (PAPER_DEFAULTS, "alibaba") if args.workload == "alibaba" else (ALIBABA_OPTIONS, "paper")
     for name in given:
-        if getattr(args, name) is not None:
-            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name),
+        value = getattr(args, name)
+        if value is not None:
+            raise ConfigError(f"--{name.replace('_', '-')}", str(value) if isinstance(value, Path) else value,
                               f"an option of the {'paper' if foreign == 'alibaba' else 'alibaba'} workload "
                               f"(this run is --workload {args.workload})")
     if args.workload == "paper":
@@ -102,10 +103,51 @@ def _check_options(args: argparse.Namespace) -> None:
         except ImportError:
             raise ConfigError("--plots", True, "matplotlib installed (pip install matplotlib)") from None
     if args.out is not None:  # before hours of simulation, not after
-        args.out.mkdir(parents=True, exist_ok=True)
-        probe = args.out / ".write-test"
+        _check_out(args.out)
+
+
+def _check_out(out: Path) -> None:
+    """--out is (made) a directory we can write in; ConfigError naming --out if not."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", str(out), "a directory (this is a file)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
         probe.write_text("")
         probe.unlink()
+    except OSError as e:
+        raise ConfigError("--out", str(out), f"a writable directory ({e.strerror})") from None
+
+
+# An input that could not be read, by its path: the option to name, the value to show, what the
+# option accepts.
+Readers = dict[str, tuple[str, str, str]]
+
+
+def _alibaba_paths(args: argparse.Namespace) -> tuple[Path, Path, Readers]:
+    """The pod and node lists, and how to name each when it cannot be read (a default comes
+    from --trace-dir, given or not)."""
+    trace_dir = args.trace_dir or default_trace_dir()
+    base = trace_dir / "alibaba-gpu-v2023"
+    pods = args.pods or base / "openb_pod_list_default.csv"
+    nodes = args.node_list or base / "openb_node_list_gpu_node.csv"
+    where = str(trace_dir) if args.trace_dir is not None else f"{trace_dir} (the default)"
+    readers: Readers = {}
+    for path, flag, given in ((nodes, "--node-list", args.node_list), (pods, "--pods", args.pods)):
+        if given is not None:
+            readers[str(path)] = (flag, str(path), "a readable file")
+        else:
+            readers[str(path)] = ("--trace-dir", where, f"a directory holding {path.relative_to(trace_dir)} "
+                                  f"(or give {flag})")
+    return pods, nodes, readers
+
+
+def _unreadable(e: OSError, readers: Readers) -> ConfigError | OSError:
+    """An input file that could not be read, as an error naming its option (else `e` as is)."""
+    if str(e.filename) not in readers:
+        return e
+    flag, value, accepted = readers[str(e.filename)]
+    return ConfigError(flag, value, f"{accepted} ({e.strerror})")
 
 
 class _Console:
@@ -127,6 +169,9 @@ class _Console:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    readers: Readers = {}
+    if args.perf_model is not None:
+        readers[str(args.perf_model)] = ("--perf-model", str(args.perf_model), "a readable file")
     try:
         _check_options(args)
         perf = load_perf_model(args.perf_model)
@@ -136,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
                               quota_a=args.quota_a, load=args.load, auto_fraction=args.auto_fraction)
         else:
             compression = 1.0 if args.time_compression is None else args.time_compression
-            base = (args.trace_dir or default_trace_dir()) / "alibaba-gpu-v2023"
-            wl = load_alibaba(perf, args.pods or base / "openb_pod_list_default.csv",
-                              args.node_list or base / "openb_node_list_gpu_node.csv",
-                              gpus=args.cluster_gpus, peak_ratio=args.peak_ratio,
+            pods, nodes, named = _alibaba_paths(args)
+            readers.update(named)
+            wl = load_alibaba(perf, pods, nodes, gpus=args.cluster_gpus, peak_ratio=args.peak_ratio,
                               time_compression=compression, seed=args.seed)
         policies = [get_policy(n) for n in (args.policy or list(POLICIES))]
     except (ConfigError, OSError) as e:
+        if isinstance(e, OSError):
+            e = _unreadable(e, readers)
         if isinstance(e, ConfigError) and e.field in OPTION_OF:
             e = ConfigError(OPTION_OF[e.field], e.value, e.accepted)
         print(f"scheduler-lite sim: error: {e}", file=sys.stderr)

@@ -37,15 +37,15 @@ from scheduler_lite.policy import global_scheduler
 from scheduler_lite.policy.baselines import yarn_cs_schedule
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.registry import PolicySpec
-from scheduler_lite.policy.validation import check_choice
+from scheduler_lite.policy.validation import ConfigError, check_choice
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
 from scheduler_lite.sim.nogc import collector_paused
 from scheduler_lite.sim.perf import PerfModel
 from scheduler_lite.sim.result import ENGINE_WORK, SimResult, job_record, summarise
 from scheduler_lite.sim.rounds import NOISE_CYCLE, NOISE_JOB_STRIDE, CoordinatorRounds, InvariantError
 from scheduler_lite.sim.simjob import SimJob
-from scheduler_lite.sim.speeds import WORK_TOLERANCE_S, JobSpeeds
-from scheduler_lite.sim.workload import TraceJob, Workload
+from scheduler_lite.sim.speeds import JobSpeeds, work_tolerance
+from scheduler_lite.sim.workload import MAX_SUBMIT_TIME_S, TraceJob, Workload
 
 ARRIVE, PROGRESS, ROUND, REFRESH = 0, 1, 2, 3
 UTILISATION_REFRESH_S = 10.0  # the global policy's utilisation is a 10 s average (paper §3.3)
@@ -76,6 +76,7 @@ class Simulator(JobSpeeds, CoordinatorRounds):
         rounds: str = "event",
     ) -> None:
         check_choice("rounds", rounds, ROUND_MODES)
+        _check_submit_times(workload)
         self.w = workload
         self.policy = policy
         self.perf = perf
@@ -133,6 +134,7 @@ class Simulator(JobSpeeds, CoordinatorRounds):
         # GPUs whose job entered or left a CPU phase in this batch of events: their speeds are
         # recomputed; the coordinator hears of it through the speeds (_watch), as a daemon would.
         self.phased: set[int] = set()
+        self.repass = False  # a job failed inside a pass: run another (_fail, _schedule)
         self.refresh_at: float | None = None
         has_auto = self.has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
         # A function of the simulator, not a bound method: a simulator that refers to itself is a
@@ -310,8 +312,9 @@ class Simulator(JobSpeeds, CoordinatorRounds):
         tj = sj.trace
         surge_pending = not sj.surged and tj.surge_at_fraction is not None
         target = tj.runtime_s * (1 - tj.surge_at_fraction) if surge_pending else 0.0  # type: ignore[operator]
-        if sj.remaining > target + WORK_TOLERANCE_S:
-            if tj.runtime_s - sj.remaining + WORK_TOLERANCE_S >= sj.edge_at:
+        tolerance = work_tolerance(self.now, sj.speed)
+        if sj.remaining > target + tolerance:
+            if tj.runtime_s - sj.remaining + tolerance >= sj.edge_at:
                 was = sj.cpu
                 self._set_phase(sj)
                 if sj.cpu != was:
@@ -383,6 +386,10 @@ class Simulator(JobSpeeds, CoordinatorRounds):
         """Out of GPU memory without universal memory: the job dies; resubmitted once."""
         self.driver.finish(sj.book_id, self.now, failed=True)
         self._leave(sj, dirty)
+        # Its GPUs are free and it may be pending again: another pass, as the daemon marks
+        # itself dirty after a failed launch (Daemon._launch_failed). A failure at a progress
+        # event is followed by the batch's pass anyway; one at a start inside a pass is not.
+        self.repass = True
         sj.failures += 1
         if sj.failures > MAX_RETRIES:
             sj.state = "failed"
@@ -399,6 +406,16 @@ class Simulator(JobSpeeds, CoordinatorRounds):
     # -- policies -------------------------------------------------------------------------------
 
     def _schedule(self, dirty: set[int]) -> None:
+        """Global passes until one starts no job that then fails (`_fail` asks for another).
+
+        Ends: each failure uses up one of a job's MAX_RETRIES + 1 attempts."""
+        while True:
+            self.repass = False
+            self._pass(dirty)
+            if not (self.repass and (self.book.pending_count() or self._upgradable())):
+                return
+
+    def _pass(self, dirty: set[int]) -> None:
         self.counters["schedule_calls"] += 1
         decisions, launches = self.driver.schedule(self.now)
         self.counters["decisions"] += len(decisions)
@@ -428,6 +445,7 @@ class Simulator(JobSpeeds, CoordinatorRounds):
     def _migrate(self, dirty: set[int]) -> None:
         """Re-place stranded opportunistic jobs (policy/migration.py); each pays a checkpoint-restart."""
         assert self.migration is not None
+        self.repass = False
         moves = self.driver.plan_migrations(self.now, self.low_shares, self.migration)
         for m in moves:
             sj = self.jobs[m.job_id]
@@ -439,6 +457,8 @@ class Simulator(JobSpeeds, CoordinatorRounds):
             self._start(sj, launch, dirty)
             sj.migrations += 1
             self.counters["migrations"] += 1
+        if self.repass and (self.book.pending_count() or self._upgradable()):
+            self._schedule(dirty)  # a restart failed (_fail): its GPUs are free, the job may wait
 
     def _track_share(self, sj: SimJob) -> None:
         """Keep `low_shares` current for the migration policy."""
@@ -511,7 +531,7 @@ class Simulator(JobSpeeds, CoordinatorRounds):
             # Up to its next phase edge, or now if it reached one on the way to another event
             # (a surge at the same point came first).
             gap = sj.edge_at - (tj.runtime_s - sj.remaining)
-            target = 0.0 if gap <= WORK_TOLERANCE_S else min(target, gap)
+            target = 0.0 if gap <= work_tolerance(self.now, sj.speed) else min(target, gap)
         at = self.now + max(0.0, target) / sj.speed
         if sj.due is not None and sj.due <= at:
             return
@@ -544,6 +564,13 @@ class Simulator(JobSpeeds, CoordinatorRounds):
         # the series ends at the first point after it.
         series = [p for p in self.timeseries if p[0] < last + self.sample_every]
         return SimResult(self.policy.name, self.w.name, self.seed, records, summary, series)
+
+
+def _check_submit_times(workload: Workload) -> None:
+    """Arrivals within [0, MAX_SUBMIT_TIME_S] (workload.py says why there is a bound)."""
+    for j in workload.jobs:
+        if not 0.0 <= j.submit_time <= MAX_SUBMIT_TIME_S:
+            raise ConfigError(f"job {j.id} submit_time", j.submit_time, f"a time in [0, {MAX_SUBMIT_TIME_S:g}] s")
 
 
 def _bar(done: int, total: int) -> None:

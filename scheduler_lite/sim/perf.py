@@ -152,7 +152,12 @@ def _perf_model(raw: dict) -> PerfModel:
         models[name] = ModelPerf(name, int(m["memory_gib"] * GIB), m["utilisation"], m["step_time_s"],
                                  tuple(p[0] for p in points), tuple(p[1] for p in points))
     families = {f: tuple(ms) for f, ms in raw["families"].items()}
+    # The paper recipe draws a family, then a model of it: neither may be an empty choice.
+    if not families:
+        raise ConfigError("families", {}, "at least one family: {name: [model, ...]}")
     for f, ms in families.items():
+        if not ms:
+            raise ConfigError(f"families.{f}", [], "at least one name listed under models")
         for m in ms:
             if m not in models:
                 raise ConfigError(f"families.{f}", m, "a name listed under models")

@@ -3,7 +3,8 @@
 After each batch of events the engine hands `_recompute` the GPUs whose jobs changed (arrived,
 left, entered or left a CPU phase, had a share or limit moved by a round): the performance model
 (sim/perf.py, sim/interference.py) gives every job on them its speed on each GPU, a gang runs at
-its slowest GPU's speed times its locality factor, and a job whose speed moved has its work so far
+its slowest GPU's speed times its locality factor (and its GPUs and co-runners see it at that
+speed, `_held_back`), and a job whose speed moved has its work so far
 settled (`_settle`: progress is integrated between speed changes, not stepped) and its next
 progress event planned again (`Simulator._reschedule`). The GPUs' utilisation, memory in use and
 busy flags feed the run's integrals, advanced only when a total changes (`_integrate`).
@@ -26,6 +27,19 @@ if TYPE_CHECKING:
     from scheduler_lite.sim.perf import PerfModel
 
 WORK_TOLERANCE_S = 1e-6  # solo-seconds of work left that count as done (float round-off)
+
+
+def work_tolerance(now: float, speed: float) -> float:
+    """Solo-seconds of work within which a target (finish, surge, phase edge) counts as reached.
+
+    WORK_TOLERANCE_S, or the work the job does in one step of the clock if that is more. Above
+    ~8.6e9 s the spacing of the float clock exceeds 1e-6 s: a gap smaller than one step's work
+    cannot be reached by a later event (now + gap / speed rounds to now), so an event planned
+    for it would fire at the same time for ever. With this bound, a gap left after a progress
+    event is planned at least one clock step later, and every run ends whatever its times.
+    """
+    step = speed * math.ulp(now)
+    return step if step > WORK_TOLERANCE_S else WORK_TOLERANCE_S
 
 
 class JobSpeeds:
@@ -72,96 +86,69 @@ class JobSpeeds:
         sj.last_t = self.now
 
     def _set_phase(self, sj: SimJob) -> None:
-        """Its phase and next phase edge at its work done (an edge within the tolerance counts
-        as reached): at a (re)start, which may repeat or redo work, and at each edge. Between
-        two calls its work only grows, so `edge_at` alone tells _progress and _reschedule when
-        the phase changes next."""
+        """Its phase and next phase edge at its work done (an edge within `work_tolerance`
+        counts as reached, the same bound _progress and _reschedule use: an edge they call
+        reached must be passed here): at a (re)start, which may repeat or redo work, and at each
+        edge. Between two calls its work only grows, so `edge_at` alone tells _progress and
+        _reschedule when the phase changes next."""
         edges = sj.trace.cpu_phases
         if edges:
-            i = bisect.bisect_right(edges, sj.trace.runtime_s - sj.remaining + WORK_TOLERANCE_S)
+            done = sj.trace.runtime_s - sj.remaining + work_tolerance(self.now, sj.speed)
+            i = bisect.bisect_right(edges, done)
             sj.cpu = i % 2 == 1  # odd: inside a CPU phase
             sj.u = 0.0 if sj.cpu else sj.trace.utilisation
             sj.edge_at = edges[i] if i < len(edges) else math.inf
 
     def _recompute(self, gpus: set[int]) -> None:
+        """Speeds of the jobs on `gpus`, and the GPUs' totals, from the performance model.
+
+        A gang runs at its gang speed: its slowest GPU's speed times its locality factor. On its
+        other GPUs, and on every GPU when it spans NVLink groups, it issues kernels more slowly
+        than that GPU would let it, so there its utilisation (the GPU's reading) and its share
+        of the contention and bandwidth interference its co-runners see follow the gang speed
+        (`_held_back`). One pass, not a fixed point: the gang speed comes from the per-GPU speeds
+        with every job at its full demand; the co-runners then see the gang held back. A
+        co-runner's new speed does not feed back into the gang speed (that would be a loop over
+        every gang sharing a GPU with another).
+        """
         touched: dict[str, SimJob] = {}
-        perf = self.perf
-        isolated = self.policy.isolated
-        k = perf.contention_slowdown
-        c = perf.colocation_interference
-        opp = Role.OPPORTUNISTIC
-        # _gpu_totals' no-change test, inlined below: most recomputations change no total.
         gpu_util, gpu_mem, gpu_busy = self.gpu_util, self.gpu_mem, self.gpu_busy
+        # Totals of the GPUs with a gang member, set once the gang speeds are known.
+        ganged: dict[int, tuple[float, int, bool]] = {}
         for g in gpus:
             jobs = self.on_gpu[g]
-            n = len(jobs)
-            if n == 1:  # the common case, without the sums (same arithmetic as below)
-                (jid, sj), = jobs.items()
-                limit = sj.limits.get(g, 0)
-                want = sj.demand
-                s = 1.0
-                if limit < want and want > 0:
-                    if not sj.cpu:  # on the CPU it does not touch its tensors in host memory
-                        s /= sj.perf.memory_slowdown(limit / want)
-                    mem_used = limit
-                else:
-                    mem_used = want
-                sj.gpu_speed[g] = s
-                touched[jid] = sj
-                u = sj.u * s
-                if u > 1.0:
-                    u = 1.0
-                if u != gpu_util[g] or mem_used != gpu_mem[g] or not gpu_busy[g]:
-                    self._gpu_totals(g, u, mem_used, True)
+            if len(jobs) != 1:
+                util, mem_used, gang = self._shared_gpu(g, jobs, touched, None)
+                if gang:
+                    ganged[g] = (util, mem_used, True)
+                elif util != gpu_util[g] or mem_used != gpu_mem[g] or gpu_busy[g] != bool(jobs):
+                    self._gpu_totals(g, util, mem_used, bool(jobs))
                 continue
-            capped = isolated and n > 1
-            demand = 0.0
-            for sj in jobs.values():
-                u = sj.u
-                if capped and sj.role is opp:
-                    u = min(u, sj.shares.get(g, 1.0))
-                demand += u
-            # perf.contention, inlined: this loop runs after every round that moved a share.
-            slow = 1.0 + k * (demand - 1.0) if demand > 1.0 else 1.0
-            compute = None
-            if not isolated and n > 1 and demand > 1.0:
-                compute = iter(perf.unisolated_speeds([sj.u for sj in jobs.values()]))
-                slow = 1.0
-            util = 0.0
-            mem_used = 0
-            for jid, sj in jobs.items():
-                limit = sj.limits.get(g, 0)
-                want = sj.demand
-                u = sj.u
-                if capped and sj.role is opp:
-                    u = min(u, sj.shares.get(g, 1.0))
-                # Bandwidth interference (interference.bandwidth_slowdown, inlined): from the
-                # co-runners' effective utilisation, however far below 1 the total is.
-                s = (1.0 if compute is None else next(compute)) / (slow * (1.0 + c * (demand - u)))
-                spilled = limit < want and want > 0
-                if sj.cpu:
-                    s = 1.0  # a CPU phase: the GPU's contention is not its own
-                elif spilled:
+            # The common case, without the sums (the same arithmetic as _shared_gpu).
+            (jid, sj), = jobs.items()
+            limit = sj.limits.get(g, 0)
+            want = sj.demand
+            s = 1.0
+            if limit < want and want > 0:
+                if not sj.cpu:  # on the CPU it does not touch its tensors in host memory
                     s /= sj.perf.memory_slowdown(limit / want)
-                mem_used += limit if spilled else want
-                if u < sj.u:
-                    s *= u / sj.u
-                u = sj.u
-                sj.gpu_speed[g] = s
-                util += u * s
-                touched[jid] = sj
-            if util > 1.0:
-                util = 1.0
-            if util != gpu_util[g] or mem_used != gpu_mem[g] or gpu_busy[g] != (n > 0):
-                self._gpu_totals(g, util, mem_used, n > 0)
-        watch = self.policy.coordinated and not self.periodic
-        for sj in touched.values():
-            if len(sj.gpus) == 1:
-                speed = sj.gpu_speed[sj.gpus[0]]
-            elif sj.cpu:
-                speed = 1.0  # no all-reduce on the CPU: locality does not matter
+                mem_used = limit
             else:
-                speed = min(sj.gpu_speed[g] for g in sj.gpus) * sj.locality
+                mem_used = want
+            sj.gpu_speed[g] = s
+            touched[jid] = sj
+            u = sj.u * s
+            if u > 1.0:
+                u = 1.0
+            if len(sj.gpus) > 1:
+                ganged[g] = (u, mem_used, True)
+            # _gpu_totals' no-change test, inlined: most recomputations change no total.
+            elif u != gpu_util[g] or mem_used != gpu_mem[g] or not gpu_busy[g]:
+                self._gpu_totals(g, u, mem_used, True)
+        gang_speed = self._held_back(gpus, touched, ganged) if ganged else {}
+        watch = self.policy.coordinated and not self.periodic
+        for jid, sj in touched.items():
+            speed = gang_speed[jid] if jid in gang_speed else sj.gpu_speed[sj.gpus[0]]
             if abs(speed - sj.speed) > 1e-12:
                 for g in sj.gpus:
                     if g in self.deferred:
@@ -175,6 +162,113 @@ class JobSpeeds:
                 self._reschedule(sj)
                 if watch:
                     self._watch(sj)
+
+    def _shared_gpu(self, g: int, jobs: dict[str, SimJob], touched: dict[str, SimJob],
+                    gangs: dict[str, float] | None) -> tuple[float, int, bool]:
+        """Speeds of the jobs on GPU `g`; its utilisation and memory in use, and whether a gang
+        member is there.
+
+        `gangs` None: every job at its full demand (the per-GPU speeds a gang speed is made of).
+        Else the gang speed of each gang member there: its demand is held back by gang speed /
+        its speed here, its speed here is left as it was, and the GPU reads it at its gang speed.
+        """
+        perf = self.perf
+        isolated = self.policy.isolated
+        k = perf.contention_slowdown
+        c = perf.colocation_interference
+        opp = Role.OPPORTUNISTIC
+        n = len(jobs)
+        capped = isolated and n > 1
+        ganged = False
+        demands = []
+        for jid, sj in jobs.items():
+            u = sj.u
+            if capped and sj.role is opp:
+                u = min(u, sj.shares.get(g, 1.0))
+            if gangs is not None and jid in gangs:
+                here = sj.gpu_speed[g]
+                u = u * (gangs[jid] / here) if here > 0 else 0.0
+            demands.append(u)
+        demand = 0.0
+        for u in demands:
+            demand += u
+        # perf.contention, inlined: this runs after every round that moved a share.
+        slow = 1.0 + k * (demand - 1.0) if demand > 1.0 else 1.0
+        compute = None
+        if not isolated and n > 1 and demand > 1.0:
+            compute = iter(perf.unisolated_speeds(
+                demands if gangs is not None else [sj.u for sj in jobs.values()]))
+            slow = 1.0
+        util = 0.0
+        mem_used = 0
+        for (jid, sj), u in zip(jobs.items(), demands, strict=True):
+            limit = sj.limits.get(g, 0)
+            want = sj.demand
+            spilled = limit < want and want > 0
+            mem_used += limit if spilled else want
+            fair = 1.0 if compute is None else next(compute)
+            if len(sj.gpus) > 1:
+                ganged = True
+                if gangs is not None:
+                    util += sj.u * gangs[jid]  # what it runs at, not what this GPU would allow
+                    continue
+            # Bandwidth interference (interference.bandwidth_slowdown, inlined): from the
+            # co-runners' effective utilisation, however far below 1 the total is.
+            s = fair / (slow * (1.0 + c * (demand - u)))
+            if sj.cpu:
+                s = 1.0  # a CPU phase: the GPU's contention is not its own
+            elif spilled:
+                s /= sj.perf.memory_slowdown(limit / want)
+            if u < sj.u:
+                s *= u / sj.u
+            sj.gpu_speed[g] = s
+            util += sj.u * s
+            touched[jid] = sj
+        return (1.0 if util > 1.0 else util), mem_used, ganged
+
+    def _gang_speed(self, sj: SimJob) -> float:
+        if sj.cpu:
+            return 1.0  # no all-reduce on the CPU: locality does not matter
+        return min(sj.gpu_speed[g] for g in sj.gpus) * sj.locality
+
+    def _held_back(self, gpus: set[int], touched: dict[str, SimJob],
+                   ganged: dict[int, tuple[float, int, bool]]) -> dict[str, float]:
+        """The gang speed of each gang touched; the totals of the GPUs with a gang member.
+
+        Where a gang member runs below the speed its GPU allows (another GPU or its locality
+        holds it back), the GPU is recomputed with it held back (`_shared_gpu`): among `gpus`,
+        and the other GPUs of a gang whose speed changed (their co-runners and readings follow
+        it, though nothing there changed). Elsewhere the totals of the first pass stand.
+        """
+        speeds = {jid: self._gang_speed(sj) for jid, sj in touched.items() if len(sj.gpus) > 1}
+        again: set[int] = set()
+        for jid, v in speeds.items():
+            sj = touched[jid]
+            moved = abs(v - sj.speed) > 1e-12
+            for g in sj.gpus:
+                if (moved and g not in gpus) or (g in gpus and sj.gpu_speed[g] != v):
+                    again.add(g)
+        for g, totals in ganged.items():
+            if g not in again and totals != (self.gpu_util[g], self.gpu_mem[g], self.gpu_busy[g]):
+                self._gpu_totals(g, *totals)
+        for g in sorted(again):
+            jobs = self.on_gpu[g]
+            if len(jobs) == 1:  # the gang alone: nobody to hold back for, only its reading
+                (jid, sj), = jobs.items()
+                v = speeds[jid]  # its speed moved or it is on `gpus`: touched
+                mem_used = ganged[g][1] if g in ganged else self.gpu_mem[g]  # else unchanged
+                self._gpu_totals(g, min(1.0, sj.u * v), mem_used, True)
+                continue
+            here = {}
+            for jid, sj in jobs.items():
+                if len(sj.gpus) > 1:
+                    v = speeds.get(jid)
+                    if v is None:
+                        v = speeds[jid] = self._gang_speed(sj)
+                    here[jid] = v
+            util, mem_used, _ = self._shared_gpu(g, jobs, touched, here)
+            self._gpu_totals(g, util, mem_used, True)
+        return speeds
 
     def _gpu_totals(self, g: int, util: float, mem_used: int, busy: bool) -> None:
         new_util, new_mem, new_busy = util != self.gpu_util[g], mem_used != self.gpu_mem[g], busy != self.gpu_busy[g]

@@ -17,13 +17,21 @@ from importlib import resources
 from pathlib import Path
 
 from scheduler_lite.model import GIB, Gpu, JobKind, Tenant
-from scheduler_lite.policy.validation import check_int, check_range
+from scheduler_lite.policy.validation import ConfigError, check_int, check_range
 from scheduler_lite.sim.perf import PerfModel
 
 # Gang sizes of the recipe. The paper gives none; 82% single-GPU jobs is Philly's share (MLaaS in
 # the wild, NSDI'22 §2, citing Jeon et al. ATC'19), the source of the recipe's run times. The
 # split of the other 18% over 2/4/8 GPUs (3:3:2) is an assumption (docs/simulator.md).
 RECIPE_GANG_SIZES = ((1, 0.82), (2, 0.0675), (4, 0.0675), (8, 0.045))
+# Latest arrival the simulator accepts (about 31,700 years). The clock is a float: at 1e12 s its
+# spacing is 1.2e-4 s, well below any step time or round interval; near 1e17 s a 10 s round
+# interval no longer moves it and rounds repeat at the same time for ever (the progress events'
+# tolerance follows the spacing, speeds.work_tolerance, the rounds' grid cannot).
+MAX_SUBMIT_TIME_S = 1e12
+# Error of tf-antman-sjf's run-time predictions: log-normal, sigma 0.25 (recurring tasks are
+# predicted within ~25%, NSDI'22 §5.2); the recipe's and the Alibaba replay's.
+PREDICTION_ERROR_SIGMA = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +103,7 @@ def paper_recipe(
     load: float = 1.2,
     min_runtime_s: float = 60.0,
     max_runtime_s: float = 4 * 3600.0,
-    prediction_error: float = 0.25,
+    prediction_error: float = PREDICTION_ERROR_SIGMA,
     auto_fraction: float = 0.0,
 ) -> Workload:
     """`load`: offered GPU-seconds per second over the cluster size (Poisson arrivals).
@@ -147,6 +155,9 @@ def paper_recipe(
             cpu_phases=perf.cpu_phases(runtime),
         ))
         t += rng.expovariate(rate)
+    if jobs[-1].submit_time > MAX_SUBMIT_TIME_S:
+        raise ConfigError("load", load, f"a load at which {num_jobs} jobs arrive within {MAX_SUBMIT_TIME_S:g} s "
+                          f"(the last arrives at {jobs[-1].submit_time:.3g} s)")
     tenants = (Tenant("A", quota_a), Tenant("B", 0))
     return Workload(f"paper-recipe(seed={seed})", gpus, tenants, tuple(jobs))
 
@@ -167,4 +178,5 @@ def alibaba_v2023(perf: PerfModel, trace_dir: Path | None = None, *, seed: int =
                         seed=seed, gpus=gpus, peak_ratio=peak_ratio, time_compression=time_compression)
 
 
-__all__ = ["TraceJob", "Workload", "alibaba_v2023", "paper_recipe", "uniform_cluster"]
+__all__ = ["MAX_SUBMIT_TIME_S", "PREDICTION_ERROR_SIGMA", "TraceJob", "Workload", "alibaba_v2023", "paper_recipe",
+           "uniform_cluster"]

@@ -75,3 +75,53 @@ def test_replay_runs_every_policy_and_is_deterministic(tmp_path):
 def test_bad_rows_name_file_line_and_field(tmp_path, row, field):
     with pytest.raises(ConfigError, match=rf"pods.csv:2 {field}"):
         load_alibaba(PERF, *_files(tmp_path, [row]))
+
+
+def test_the_spread_pick_takes_the_fewest_gpus_that_reach_the_target(tmp_path):
+    # Spread picks of 6 nodes with 1, 1, 1, 8, 1, 1 GPUs: m = 2 takes nodes 0 and 3 (9 GPUs),
+    # m = 3 nodes 0, 2 and 4 (3 GPUs). The first m to reach 3 GPUs overshot to 9.
+    pods, _ = _files(tmp_path, PODS)
+    nodes = tmp_path / "uneven.csv"
+    nodes.write_text("sn,gpu,model\n" + "".join(f"n{i},{g},T4\n" for i, g in enumerate((1, 1, 1, 8, 1, 1))))
+    wl = load_alibaba(PERF, pods, nodes, gpus=3)
+    assert len(wl.gpus) == 3 and {g.node for g in wl.gpus} == {"n0", "n2", "n4"}
+    assert len(load_alibaba(PERF, pods, nodes, peak_ratio=4 / 3).gpus) == 3  # peak 4 -> 3 GPUs
+
+
+@pytest.mark.parametrize(
+    ("row", "words"),
+    [
+        ("p,1,1,1,500", "pods.csv:2='5 fields'"),  # truncated: was skipped as a pod that never ran
+        ("p,1,1,1,500,,LS,Running,0,10,0,extra", "pods.csv:2='12 fields'"),
+        ("p,1,1,1,500,,BE,Succeeded,0,100,", "pods.csv:2 scheduled_time"),  # was skipped
+        ("p,1,1,2,banana,,LS,Running,0,10,0", "pods.csv:2 gpu_milli='banana'"),  # was ignored (2 GPUs)
+        ("p,1,1,0,banana,,LS,Running,0,10,0", "pods.csv:2 gpu_milli='banana'"),  # CPU-only: still a typo
+        ("p,1,1,1,500,,LS,Runnnning,0,10,0", "pods.csv:2 pod_phase='Runnnning'"),  # was accepted
+        ("p,1,1,1,500,,LS,Unknown,0,10,0", "pods.csv:2 pod_phase='Unknown'"),
+    ],
+)
+def test_malformed_rows_are_errors_not_skips(tmp_path, row, words):
+    with pytest.raises(ConfigError) as e:
+        load_alibaba(PERF, *_files(tmp_path, [row]))
+    assert words in str(e.value)
+
+
+def test_sjf_predictions_carry_the_documented_error(tmp_path):
+    import math
+    import random
+    import statistics
+
+    from scheduler_lite.sim.workload import PREDICTION_ERROR_SIGMA
+
+    rows = [f"p{i},1,1,1,500,,LS,Running,{i},{i + 100 + i % 50},{i}" for i in range(400)]
+    files = _files(tmp_path, rows)
+    wl = load_alibaba(PERF, *files, seed=3)
+    errors = [math.log(j.predicted_runtime_s / j.runtime_s) for j in wl.jobs]  # type: ignore[operator]
+    assert all(e != 0.0 for e in errors)  # the exact run time before
+    assert statistics.pstdev(errors) == pytest.approx(PREDICTION_ERROR_SIGMA, abs=0.03)
+    assert load_alibaba(PERF, *files, seed=3) == wl  # drawn from the seed
+    # From a stream of their own: the memory surges are drawn as before, one draw of the seed's
+    # stream per GPU pod that ran, in file order (here also arrival order).
+    rng = random.Random(3)
+    surges = [PERF.surge_at_fraction if rng.random() < PERF.surge_probability else None for _ in rows]
+    assert [j.surge_at_fraction for j in wl.jobs] == surges

@@ -133,3 +133,25 @@ def test_option_mistakes_are_one_line(argv: list[str], capsys: pytest.CaptureFix
     assert exit_.value.code == 2
     assert err.count("\n") == 1 and err.startswith("scheduler-lite sim: error: "), err
     assert "scheduler-lite sim --help" in err
+
+
+def test_an_unreadable_input_names_its_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = files(tmp_path, "p1,1,500,BE,Succeeded,0,100,10")
+    missing = str(tmp_path / "nope.csv")
+    one_error(capsys, [*argv, "--pods", missing], f"--pods='{missing}'", "No such file")
+    one_error(capsys, [*argv, "--node-list", missing], f"--node-list='{missing}'", "No such file")
+    one_error(capsys, [*argv, "--pods", str(tmp_path)], "--pods=", "Is a directory")
+    one_error(capsys, ["--jobs", "5", "--perf-model", missing], f"--perf-model='{missing}'", "No such file")
+    # The default pod and node lists come from --trace-dir.
+    one_error(capsys, ["--workload", "alibaba", "--trace-dir", str(tmp_path)], f"--trace-dir='{tmp_path}'",
+              "alibaba-gpu-v2023/openb_pod_list_default.csv", "or give --pods")
+
+
+def test_out_must_be_a_directory_and_trace_dir_belongs_to_the_alibaba_workload(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("")
+    one_error(capsys, ["--jobs", "5", "--out", str(tmp_path / "afile")], "--out=", "a directory (this is a file)")
+    one_error(capsys, ["--jobs", "5", "--out", str(tmp_path / "afile" / "sub")], "--out=", "a writable directory")
+    # Ignored before, unlike the other Alibaba options.
+    one_error(capsys, ["--jobs", "5", "--trace-dir", str(tmp_path)], f"--trace-dir='{tmp_path}'",
+              "an option of the alibaba workload")

@@ -87,3 +87,50 @@ def test_a_gang_over_two_nvlink_groups_runs_slower():
     assert r.records[0]["end_s"] == pytest.approx(1000 * (1 + PERF.cross_group_slowdown))
     inside = _workload([_job("g", 0, 1000, 1.0, 4, gpus=2)], nodes=1, per_node=2)
     assert simulate(inside, POLICIES["yarn-cs"], PERF).records[0]["end_s"] == pytest.approx(1000)
+
+
+def test_a_slowed_gangs_gpus_read_its_gang_speed_not_what_each_gpu_allows():
+    # Review defect 3: over two NVLink groups the gang runs at 1 / 1.3; each GPU read (and
+    # contended as if) it ran at full speed. The utilisation integral must be the compute done.
+    wl = _workload([_job("g", 0, 1000, 0.9, 4, gpus=2)], nodes=2, per_node=1)
+    r = simulate(wl, POLICIES["yarn-cs"], PERF)
+    speed = 1 / (1 + PERF.cross_group_slowdown)
+    assert r.summary["gpu_compute_util"] == pytest.approx(0.9 * speed)
+    util_gpu_s = r.summary["gpu_compute_util"] * 2 * r.summary["makespan_s"]
+    assert util_gpu_s == pytest.approx(0.9 * 1000 * 2)  # u x work done x GPUs
+
+
+def test_a_co_runner_of_a_slowed_gang_sees_the_gang_held_back():
+    # Gandiva packs 'solo' onto GPU 0 of gang 'g', which spans two NVLink groups. Below full
+    # utilisation 'solo' is slowed only by bandwidth interference, from the gang's effective
+    # utilisation there: u x its gang speed / its speed on GPU 0 = u / (1 + cross_group_slowdown).
+    wl = _workload([_job("g", 0, 10_000, 0.3, 4, gpus=2), _job("solo", 0, 1000, 0.3, 1)], nodes=2, per_node=1)
+    recs = {rec["id"]: rec for rec in simulate(wl, POLICIES["gandiva"], PERF, check_invariants=True).records}
+    solo = recs["solo"]
+    assert recs["g"]["end_s"] > solo["end_s"]  # the gang runs throughout
+    held = 0.3 / (1 + PERF.cross_group_slowdown)
+    assert solo["end_s"] - solo["start_s"] == pytest.approx(1000 * (1 + PERF.colocation_interference * held))
+
+
+@pytest.mark.parametrize("name", ["gandiva", "tf-antman", "yarn-cs"])
+def test_every_gpu_reads_what_its_jobs_run_at_after_every_recomputation(name, monkeypatch):
+    # A gang's speed can change through one of its GPUs; the readings of its other GPUs (and
+    # their co-runners) must follow, though nothing changed there.
+    from scheduler_lite.sim.engine import Simulator
+    from scheduler_lite.sim.workload import paper_recipe
+
+    original = Simulator._recompute
+    checked = [0]
+
+    def checking(self, gpus):  # type: ignore[no-untyped-def]
+        original(self, gpus)
+        for g, jobs in self.on_gpu.items():
+            reading = min(1.0, sum(sj.u * sj.speed for sj in jobs.values()))
+            assert self.gpu_util[g] == pytest.approx(reading, abs=1e-9), (g, self.now)
+        checked[0] += 1
+
+    monkeypatch.setattr(Simulator, "_recompute", checking)
+    wl = paper_recipe(PERF, num_jobs=60, seed=1, nodes=2, gpus_per_node=4, quota_a=8, load=2.0)
+    assert any(j.num_gpus > 1 for j in wl.jobs)
+    simulate(wl, POLICIES[name], PERF, seed=1)
+    assert checked[0] > 100

@@ -55,3 +55,14 @@ def test_recipe_gang_sizes_follow_philly_single_gpu_share():
     single = sum(1 for j in wl.jobs if j.num_gpus == 1) / len(wl.jobs)
     assert single == pytest.approx(0.82, abs=0.02)
     assert {j.num_gpus for j in wl.jobs} == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize(("families", "field"), [({}, "families"), ({"cv": [], "nlp": ["bert"]}, "families.cv")])
+def test_an_empty_family_choice_is_rejected_with_its_name(tmp_path, families, field):
+    # The recipe draws a family, then a model of it: an empty choice was an IndexError there.
+    raw = _raw()
+    raw["families"] = families
+    path = tmp_path / "perf.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=rf"^{field}=.*at least one"):
+        load_perf_model(path)
