@@ -2,7 +2,8 @@
 
 Everything between a policy decision and the world (applying decisions to the book, launch
 settings, busy marks, coordinator memos and settings) is the shared `Driver`, as in the daemon;
-this module supplies time (events), readings (sim/perf.py) and the jobs' progress.
+this module supplies time (events), readings (sim/perf.py) and the jobs' progress (their life on
+the GPUs: sim/lifecycle.py).
 
 Events: job arrival, job progress (finish, memory surge, or the start or end of a CPU-bound
 phase), coordinator round on one GPU.
@@ -23,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from scheduler_lite.driver import Driver, Launch
+from scheduler_lite.driver import Driver
 from scheduler_lite.model import (
     Job,
     JobKind,
@@ -38,7 +39,8 @@ from scheduler_lite.policy.baselines import yarn_cs_schedule
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.registry import PolicySpec
 from scheduler_lite.policy.validation import ConfigError, check_choice
-from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
+from scheduler_lite.sim.interference import cached_reservation
+from scheduler_lite.sim.lifecycle import EARLY, FINISHED, PHASE, JobLifecycle, never_reads
 from scheduler_lite.sim.nogc import collector_paused
 from scheduler_lite.sim.perf import PerfModel
 from scheduler_lite.sim.result import ENGINE_WORK, SimResult, job_record, summarise
@@ -49,20 +51,14 @@ from scheduler_lite.sim.workload import MAX_SUBMIT_TIME_S, TraceJob, Workload
 
 ARRIVE, PROGRESS, ROUND, REFRESH = 0, 1, 2, 3
 UTILISATION_REFRESH_S = 10.0  # the global policy's utilisation is a 10 s average (paper §3.3)
-EARLY, CHANGED, FINISHED, PHASE = 0, 1, 2, 3  # outcome of a progress event
-MAX_RETRIES = 1  # a job that ran out of memory is resubmitted once, with its peak as profile
 ROUND_MODES = ("event", "periodic")
-
-
-def _never(sim: Simulator) -> bool:
-    return False
 
 
 def _always(sim: Simulator) -> bool:
     return True
 
 
-class Simulator(JobSpeeds, CoordinatorRounds):
+class Simulator(JobLifecycle, JobSpeeds, CoordinatorRounds):
     def __init__(
         self,
         workload: Workload,
@@ -142,7 +138,7 @@ class Simulator(JobSpeeds, CoordinatorRounds):
         # collector after the run instead of being freed when the last reference goes.
         self.reads_util: Callable[[Simulator], bool]
         if reads_nothing:
-            self.reads_util = _never
+            self.reads_util = never_reads
         elif policy.schedule is global_scheduler.schedule and not has_auto:
             # Utilisation is read only to place opportunistic jobs; time only for auto jobs.
             self.reads_util = Simulator._opportunistic_pending
@@ -307,102 +303,6 @@ class Simulator(JobSpeeds, CoordinatorRounds):
 
 
 
-    def _progress(self, sj: SimJob, dirty: set[int]) -> int:
-        self._settle(sj)
-        tj = sj.trace
-        surge_pending = not sj.surged and tj.surge_at_fraction is not None
-        target = tj.runtime_s * (1 - tj.surge_at_fraction) if surge_pending else 0.0  # type: ignore[operator]
-        tolerance = work_tolerance(self.now, sj.speed)
-        if sj.remaining > target + tolerance:
-            if tj.runtime_s - sj.remaining + tolerance >= sj.edge_at:
-                was = sj.cpu
-                self._set_phase(sj)
-                if sj.cpu != was:
-                    self.phased.update(sj.gpus)
-                self._reschedule(sj)
-                return PHASE
-            # The event was planned at a higher speed (see _reschedule): not there yet.
-            self._reschedule(sj)
-            return EARLY
-        if surge_pending:
-            for g in sj.gpus:
-                if g in self.deferred:
-                    self._catch_up(g, inclusive=False)
-            sj.surged = True
-            cap = min(self.mem[g] for g in sj.gpus)
-            sj.demand = min(cap, int(sj.demand * (1 + tj.surge_growth)))
-            dirty.update(sj.gpus)
-            if self.policy.universal_memory:
-                self.driver.set_demand(sj.book_id, sj.demand)
-            else:
-                held = self._grow_caches(sj)
-                if held is None:
-                    self._fail(sj, dirty)
-                    return CHANGED
-                # The book's demand is what a profile sees: the cache held (see _profile).
-                self.driver.set_demand(sj.book_id, max(held.values()), held=held)
-            self._reschedule(sj)
-            return CHANGED
-        sj.remaining = 0.0
-        self.driver.finish(sj.book_id, self.now)
-        self._leave(sj, dirty)
-        sj.state = "finished"
-        sj.end = self.now
-        return FINISHED
-
-    def _grow_caches(self, sj: SimJob, fresh: bool = False) -> dict[int, int] | None:
-        """What its caching allocator holds on each GPU at its current demand; None: OOM.
-
-        `fresh`: the job is just starting and holds nothing yet (the driver's launch limit is the
-        book's profile, an intention, not an allocation).
-        """
-        held = {}
-        for g in sj.gpus:
-            others = sum(o.limits.get(g, 0) for o in self.on_gpu[g].values() if o is not sj)
-            own = 0 if fresh else sj.limits.get(g, 0)
-            h = grow_cache(own, sj.demand, self.mem[g] - others - own)
-            if h is None:
-                return None
-            held[g] = h
-        return held
-
-    def _leave(self, sj: SimJob, dirty: set[int]) -> None:
-        dirty.update(sj.gpus)
-        for g in sj.gpus:
-            # Its deferred rounds would only have moved a memo that its departure resets.
-            self.deferred.pop(g, None)
-            del self.on_gpu[g][sj.book_id]
-        sj.gpus = ()
-        self.low_shares.pop(sj.book_id, None)
-        sj.limits = {}  # the driver's settings were released with the job
-        sj.shares = {}
-        sj.gpu_speed.clear()
-        sj.seen.clear()
-        sj.speed = 0.0
-        sj.version += 1
-        sj.due = None
-
-    def _fail(self, sj: SimJob, dirty: set[int]) -> None:
-        """Out of GPU memory without universal memory: the job dies; resubmitted once."""
-        self.driver.finish(sj.book_id, self.now, failed=True)
-        self._leave(sj, dirty)
-        # Its GPUs are free and it may be pending again: another pass, as the daemon marks
-        # itself dirty after a failed launch (Daemon._launch_failed). A failure at a progress
-        # event is followed by the batch's pass anyway; one at a start inside a pass is not.
-        self.repass = True
-        sj.failures += 1
-        if sj.failures > MAX_RETRIES:
-            sj.state = "failed"
-            sj.end = self.now
-            return
-        sj.attempt += 1
-        del self.jobs[sj.book_id]
-        sj.book_id = f"{sj.trace.id}~{sj.attempt}"
-        sj.remaining = sj.trace.runtime_s
-        sj.state = "pending"
-        self.jobs[sj.book_id] = sj
-        self.book.submit(self._book_job(sj))  # profile now includes the surge: no second one
-
     # -- policies -------------------------------------------------------------------------------
 
     def _schedule(self, dirty: set[int]) -> None:
@@ -459,47 +359,6 @@ class Simulator(JobSpeeds, CoordinatorRounds):
             self.counters["migrations"] += 1
         if self.repass and (self.book.pending_count() or self._upgradable()):
             self._schedule(dirty)  # a restart failed (_fail): its GPUs are free, the job may wait
-
-    def _track_share(self, sj: SimJob) -> None:
-        """Keep `low_shares` current for the migration policy."""
-        if self.migration is None:
-            return
-        share = min((sj.shares.get(g, 1.0) for g in sj.gpus), default=1.0)
-        if sj.state == "running" and sj.role is Role.OPPORTUNISTIC and share < self.migration.stranded_share:
-            self.low_shares[sj.book_id] = share
-        else:
-            self.low_shares.pop(sj.book_id, None)
-
-    def _start(self, sj: SimJob, d: Launch, dirty: set[int]) -> None:
-        sj.state = "running"
-        sj.role = d.role
-        sj.gpus = d.gpus
-        self._set_phase(sj)
-        sj.last_t = self.now
-        sj.changed_at = self.now
-        if sj.first_start is None:
-            sj.first_start = self.now
-        # The driver's settings, by reference: its rounds change them, _recompute reads them.
-        sj.limits = d.settings.limits
-        sj.shares = d.settings.shares
-        # The model steps from the start: a utilisation refresh after now covers the job, and
-        # the driver's busy mark on its GPUs lasts until then.
-        self.driver.first_step(sj.book_id, self.now)
-        for g in d.gpus:
-            if g in self.deferred:
-                self._catch_up(g, inclusive=False)
-            self.on_gpu[g][sj.book_id] = sj
-            if self.reads_util is not _never:
-                self._stale(g)
-        dirty.update(d.gpus)
-        groups = len({self.group[g] for g in d.gpus})
-        sj.locality = locality_factor(self.perf.cross_group_slowdown, groups)
-        if not self.policy.universal_memory:
-            held = self._grow_caches(sj, fresh=True)  # on_gpu already lists it: not its own co-runner
-            if held is None:
-                self._fail(sj, dirty)  # out of memory while initialising
-                return
-            self.driver.hold(sj.book_id, held)
 
     # -- coordinator rounds (the rest: sim/rounds.py) ------------------------------------------
 
