@@ -225,6 +225,21 @@ def process_start_ticks(pid: int) -> int | None:
     return None if fields is None else int(fields[19])
 
 
+def _child_exited(pid: int) -> bool | None:
+    """Whether our child `pid` has exited, without reaping it (it stays a zombie, holding its
+    group id); None when it is not waitable (already reaped)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return None
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL a group whose leader is an unreaped zombie: the id cannot belong to anyone else."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def process_running(pid: int, start_ticks: int | None) -> bool:
     """`pid` runs (is not a zombie) and, when `start_ticks` is given, is the process started then."""
     fields = _proc_stat(pid)
@@ -298,6 +313,12 @@ class Launcher:
     def poll(self, handle: ProcessHandle) -> ExitInfo | None:
         """None while the process runs; how it ended otherwise (reaps it if it is our child)."""
         if handle.popen is not None:
+            if handle.popen.returncode is None:
+                exited = _child_exited(handle.pid)
+                if exited is False:
+                    return None
+                if exited:
+                    _kill_group(handle.pid)  # before the reap (`cleanup` says why)
             code = handle.popen.poll()
             if code is None:
                 return None
@@ -308,7 +329,9 @@ class Launcher:
             if fields[0] != "Z":
                 return None
             # A zombie: our child from an earlier Launcher of this process (tests, library use),
-            # which no one watched end: when, its exit_status file tells.
+            # which no one watched end: when, its exit_status file tells. Its group goes first,
+            # while the zombie still holds the group's id.
+            _kill_group(handle.pid)
             with contextlib.suppress(ChildProcessError):
                 _, status = os.waitpid(handle.pid, os.WNOHANG)
                 code = os.waitstatus_to_exitcode(status)
@@ -345,10 +368,16 @@ class Launcher:
     def cleanup(handle: ProcessHandle) -> None:
         """SIGKILL what is left of an ended job's group (children it left behind, holding memory).
 
-        Only after the leader has ended: the group id cannot be reused while any member lives.
+        A group id is free for the kernel to give away once its last member is gone, so a bare
+        killpg after the leader was reaped could hit an unrelated group, as root: a job's user
+        who empties the group and steers the pid counter gets another user's new session killed
+        (a security review did). Our child's group was killed by `poll` while the leader was an
+        unreaped zombie (the id still taken); a process adopted after a restart is not our child
+        (init reaps it at once), so what is left of it is found by its marker and start time
+        (`kill_leftovers`), never by the id alone.
         """
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(handle.pid, signal.SIGKILL)
+        if handle.popen is None:
+            Launcher.kill_leftovers(handle.job_dir, handle.pid, handle.start_ticks)
 
     @staticmethod
     def kill_leftovers(job_dir: Path, pgid: int | None, not_before_ticks: int | None) -> list[int]:

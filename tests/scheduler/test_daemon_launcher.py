@@ -238,16 +238,48 @@ def test_leftovers_of_a_job_that_ended_unwatched_are_killed_and_nothing_else(tmp
     other = launcher.start(LaunchSpec("job-2", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path,
                                       dict(os.environ), tmp_path / "job2"))
     try:
-        assert wait_exit(launcher, handle).exit_code == 0
+        # Ended, not yet seen by poll (which kills the group of a child it sees end): as a job
+        # that ended while no daemon watched.
+        assert wait_for(lambda: _is_zombie(handle.pid))
         left = int((tmp_path / "job" / STDOUT_FILE).read_text())
         assert process_running(left, None) and os.getpgid(left) == handle.pid
         assert launcher.kill_leftovers(tmp_path / "job2", handle.pid, None) == []  # not in job 2's group
         assert launcher.kill_leftovers(tmp_path / "job", handle.pid, process_start_ticks(left) + 1) == []
         assert launcher.kill_leftovers(tmp_path / "job", handle.pid, handle.start_ticks) == [left]
         assert wait_for(lambda: not process_running(left, None))
+        assert wait_exit(launcher, handle).exit_code == 0
         assert launcher.poll(other) is None  # the other job runs on
     finally:
         launcher.stop(other, grace_s=1)
+
+
+def test_a_watched_job_that_ends_takes_its_leftovers_with_it_before_it_is_reaped(tmp_path: Path) -> None:
+    """poll kills the rest of the group while the ended leader is still a zombie (the group id
+    cannot belong to anyone else then): after the reap it could."""
+    launcher = Launcher()
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(60)']); print(p.pid, flush=True)")  # leaves its child behind and exits
+    handle = launcher.start(spec(tmp_path, code))
+    assert wait_exit(launcher, handle).exit_code == 0
+    left = int((tmp_path / "job" / STDOUT_FILE).read_text())
+    assert wait_for(lambda: process_start_ticks(left) is None or _is_zombie(left))
+
+
+def test_cleanup_of_an_adopted_job_never_kills_a_group_by_its_id_alone(tmp_path: Path) -> None:
+    """A security review: after a restart the job is not our child and init reaps it at once;
+    its group id is free, and the job's user can steer the kernel into giving it to another
+    user's new session, which a bare killpg as root then killed. Cleanup goes by the job's
+    marker and start time."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        ticks = process_start_ticks(victim.pid)
+        assert ticks is not None
+        # The job's old wrapper had this pid (and group id) and started earlier.
+        Launcher.cleanup(ProcessHandle(victim.pid, ticks - 1, tmp_path / "job"))
+        assert victim.poll() is None and process_running(victim.pid, ticks)
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def test_a_reused_pid_is_not_mistaken_for_the_job(tmp_path: Path) -> None:
