@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("scheduler_lite")
 
+STATS_ERROR_EVERY_S = 60.0  # a job's refused stats.json: one event (and log line) a minute at most
+STATS_ERROR_MAX_CHARS = 300  # of the message kept (status shows the latest)
+
+
+def _clipped(text: str) -> str:
+    return text if len(text) <= STATS_ERROR_MAX_CHARS else text[:STATS_ERROR_MAX_CHARS - 3] + "..."
+
 
 class JobControls:
     # The daemon's state these methods read and fill (set in Daemon.__init__).
@@ -74,10 +81,15 @@ class JobControls:
         try:
             stats = self._load_stats(job_id, live)
         except (ProtocolError, OSError) as e:
-            message = str(e)
-            if message != live.stats_error:  # once per distinct problem, not every tick
-                log.warning("%s: stats.json refused, keeping the last good one: %s", job_id, message)
+            # The job's user writes the file: what it says is clipped, and logged escaped (a
+            # newline or terminal escape in a key forged lines in the daemon's log).
+            message = _clipped(str(e))
+            # Once per distinct problem, and at most one a minute: a job writing a new bad key
+            # each tick grew root's store and log by a megabyte a second.
+            if message != live.stats_error and now - live.stats_error_noted_at >= STATS_ERROR_EVERY_S:
+                log.warning("%s: stats.json refused, keeping the last good one: %r", job_id, message)
                 self.storage.add_event(now, "stats_error", job_id, error=message)
+                live.stats_error_noted_at = now
             live.stats_error = message
             return
         live.stats_error = None

@@ -65,6 +65,7 @@ class LiveJob:
     control_seq: int = 0
     stats: Stats | None = None
     stats_error: str | None = None
+    stats_error_noted_at: float = -math.inf  # the last stats_error event (one a minute at most)
     last_step: int | None = None
     last_progress_at: float = -math.inf
     samples: deque[StepSample] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))

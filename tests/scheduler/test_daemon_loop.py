@@ -20,6 +20,7 @@ from scheduler_lite.launcher import EXIT_STATUS_FILE
 from scheduler_lite.model import Place, Reject, Role, SetComputeShare, SetMemoryLimit
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from scheduler_lite.submission import make_job_spec, submit_job
+from tests.protocol.test_protocol_schema import stats_doc
 from tests.scheduler.configs import scheduler_config
 from tests.scheduler.test_daemon_fakes import (
     JOB_ENV,
@@ -490,3 +491,37 @@ def test_a_real_job_on_the_second_gpu_takes_the_daemons_controls(tmp_path: Path)
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_job_that_floods_bad_stats_gets_one_event_a_minute_clipped_and_escaped(
+        tmp_path: Path, daemons: list[Daemon], caplog: pytest.LogCaptureFixture) -> None:
+    # A security review: a new 250,000-character unknown key every 0.1 s grew root's store and
+    # log by a megabyte a second, and a newline in the key forged lines in the daemon's log.
+    now = [1000.0]
+    d = new_daemon(daemons, tmp_path, clock=lambda: now[0])
+    valid = stats_doc()  # a valid document, plus a new unknown key each time
+    writer = ("import itertools, json, os, time\n"
+              "p = os.path.join(os.environ['ANTMAN_JOB_DIR'], 'stats.json')\n"
+              f"doc = json.loads({valid!r})\n"
+              "for i in itertools.count():\n"
+              "    bad = dict(doc, **{'%d x\\n2026-01-01 00:00:00,000 ERROR forged' % i + 'y' * 5000: 1})\n"
+              "    open(p + '.tmp', 'w').write(json.dumps(bad))\n"
+              "    os.replace(p + '.tmp', p)\n"
+              "    time.sleep(0.02)\n")
+    job = d.submit([sys.executable, "-c", writer], tenant="A", kind="guarantee")
+    d.tick()
+    assert wait_for(lambda: (d.job_dir(job) / "stats.json").exists())
+    with caplog.at_level("WARNING", logger="scheduler_lite"):
+        for _ in range(10):
+            time.sleep(0.05)  # a new key each time
+            now[0] += 1.0
+            d.tick()
+        first = [e for e in d.storage.events(job) if e.kind == "stats_error"]
+        now[0] += 61.0
+        time.sleep(0.05)
+        d.tick()
+    errors = [e for e in d.storage.events(job) if e.kind == "stats_error"]
+    assert len(first) == 1 and len(errors) == 2
+    assert all(len(e.detail["error"]) <= 300 for e in errors)
+    refused = [r.getMessage() for r in caplog.records if "stats.json refused" in r.getMessage()]
+    assert len(refused) == 2 and not any("\n" in m for m in refused)

@@ -410,7 +410,14 @@ class _Fields:
         unknown = sorted(set(self._data) - set(self._read))
         if unknown:
             accepted = ", ".join(self._read)
-            raise ProtocolError(self.path(unknown[0]), f"unknown field (accepted: {accepted})")
+            # The name is the writer's: quoted and clipped (a 250,000-character key was echoed
+            # whole into the daemon's log and store).
+            name = unknown[0]
+            if not (name.isidentifier() and name.isascii() and len(name) <= 40):
+                name = json.dumps(name)
+                name = name if len(name) <= 42 else name[:38] + '..."'
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise ProtocolError(self.path(name), f"unknown field{more} (accepted: {accepted})")
 
 
 def _int(value: object, path: str, lo: int, hi: int, nullable: bool = False) -> int:
