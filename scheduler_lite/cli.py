@@ -328,7 +328,9 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
     for key, value in fields:
         print(f"{key:<{width}}  {_printable(value)}")
     if found["events"]:
-        print("\nevents:")
+        older = found.get("older_events_omitted") or 0  # a count; True from an older daemon
+        print("\nevents:" if not older else
+              f"\nevents (the newest {len(found['events'])}; {'older ones' if older is True else older} not shown):")
         _table(["TIME", "EVENT", "DETAIL"],
                [[_clock(e["time"]), e["kind"], " ".join(f"{k}={_value(v)}" for k, v in e["detail"].items())]
                 for e in found["events"]])

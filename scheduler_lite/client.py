@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shlex
 import socket
+import time
 from pathlib import Path
 from typing import Any, Final
 
@@ -18,10 +20,10 @@ from scheduler_lite.config import Config
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.status import ClusterStatus, GpuStatus, JobOnGpu, TenantStatus
 from scheduler_lite.storage import JobRecord, JobStatus
-from scheduler_lite.wire import MAX_REQUEST_BYTES, PROTOCOL_VERSION
+from scheduler_lite.wire import MAX_ANSWER_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION
 
 TIMEOUT_S: Final = 120.0
-MAX_ANSWER_BYTES: Final = 64 << 20
+RETRY_MAX_PAUSE_S: Final = 1.0
 
 
 class ClientError(Exception):
@@ -37,9 +39,26 @@ def call(config: Config, op: str, **args: Any) -> Any:
 
 def call_socket(path: Path, op: str, args: dict[str, Any], state_dir: Path | None = None,
                 serve: str = "scheduler-lite serve") -> Any:
+    """One request, one answer. A connection the daemon refused before reading anything (the
+    caller's uid had too many open: `"retry": true`) is made again, with growing pauses, for up to
+    TIMEOUT_S: a burst of one user's commands is served in turn instead of failing."""
     request = json.dumps({"version": PROTOCOL_VERSION, "op": op, "args": args}).encode() + b"\n"
     if len(request) > MAX_REQUEST_BYTES:
         raise ClientError(f"the request is larger than {MAX_REQUEST_BYTES} bytes (a very long command or --env?)")
+    give_up = time.monotonic() + TIMEOUT_S
+    pause = 0.02
+    while True:
+        answer = _exchange(path, request, state_dir, serve)
+        if not (answer.get("retry") is True and time.monotonic() + pause < give_up):
+            break
+        time.sleep(pause * random.uniform(0.5, 1.5))  # jitter: a burst does not come back at once
+        pause = min(pause * 2, RETRY_MAX_PAUSE_S)
+    if not answer.get("ok"):
+        raise ClientError(str(answer.get("error") or "the daemon refused the request"))
+    return answer.get("result")
+
+
+def _exchange(path: Path, request: bytes, state_dir: Path | None, serve: str) -> dict[str, Any]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(TIMEOUT_S)
     try:
@@ -52,7 +71,10 @@ def call_socket(path: Path, op: str, args: dict[str, Any], state_dir: Path | Non
         except PermissionError:
             raise ClientError(f"cannot connect to {path}: permission denied (that daemon serves only its own "
                               "user)") from None
-        sock.sendall(request)
+        try:
+            sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before reading the request: its one line is there to read
         data = _read_answer(sock)
     except TimeoutError:
         raise ClientError(f"the daemon did not answer within {TIMEOUT_S:.0f} s") from None
@@ -62,21 +84,26 @@ def call_socket(path: Path, op: str, args: dict[str, Any], state_dir: Path | Non
         answer = json.loads(data)
     except ValueError:
         raise ClientError("the daemon's answer is not JSON (is it the same scheduler-lite version?)") from None
-    if not isinstance(answer, dict) or not answer.get("ok"):
-        error = answer.get("error") if isinstance(answer, dict) else None
-        raise ClientError(str(error or "the daemon refused the request"))
-    return answer.get("result")
+    if not isinstance(answer, dict):
+        raise ClientError("the daemon refused the request")
+    return answer
 
 
 def _read_answer(sock: socket.socket) -> bytes:
     chunks, size = [], 0
     while True:
-        chunk = sock.recv(1 << 16)
+        try:
+            chunk = sock.recv(1 << 16)
+        except ConnectionResetError:
+            break  # closed after its line (the line is read first), or without one: said below
         if not chunk:
             break
         chunks.append(chunk)
         size += len(chunk)
-        if chunk.endswith(b"\n") or size > MAX_ANSWER_BYTES:
+        if size > MAX_ANSWER_BYTES:
+            raise ClientError(f"the daemon's answer is larger than {MAX_ANSWER_BYTES} bytes (the daemon refuses to "
+                              "send one: is it the same scheduler-lite version?)")
+        if chunk.endswith(b"\n"):
             break
     if not chunks:
         raise ClientError("the daemon closed the connection without an answer (see its log)")

@@ -106,6 +106,9 @@ class Config:
     cluster: ClusterConfig | None = None  # [cluster]: cluster mode (scheduler_lite.cluster); None: one machine
     # Re-placing restartable opportunistic jobs held below a share (policy/migration.py).
     migration: MigrationConfig = field(default_factory=MigrationConfig)
+    # `state_dir` as the config writes it (absolute, `~` expanded, links not followed): where a
+    # planted symbolic link shows (scheduler_lite.state_dir); None: the same as state_dir.
+    state_dir_as_written: Path | None = None
 
     @property
     def db_path(self) -> Path:
@@ -178,7 +181,8 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
     state = paths.take("state_dir", required=True)
     if not isinstance(state, str) or not state.strip() or "\0" in state:
         raise ConfigError(paths.path("state_dir"), state, "a directory path (relative to the config file)")
-    state_dir = (base_dir / Path(state).expanduser()).resolve()
+    as_written = base_dir / Path(state).expanduser()
+    state_dir = as_written.resolve()
     # The socket lives there: a Unix socket's path is at most 107 bytes, else every command
     # would fail later with "AF_UNIX path too long", naming no setting.
     socket_bytes = len(os.fsencode(state_dir / SOCKET_FILE))
@@ -207,7 +211,7 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
     migration = _pass_through(root.table("migration", required=False), MigrationConfig, sizes=())
     root.finish()
     return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source, access,
-                  cluster, migration)
+                  cluster, migration, as_written if as_written.is_absolute() else Path.cwd() / as_written)
 
 
 # ----------------------------------------------------------------------------------------------

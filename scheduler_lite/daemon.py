@@ -618,7 +618,9 @@ def end_time(record: JobRecord, ended: ExitInfo, now: float) -> float:
 def lock_state_dir(state_dir: Path) -> int:
     """Hold the state directory for this process (one daemon per store); returns the lock's fd."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    # Not through a link: root truncates and writes this file (one planted in the state directory
+    # would make it any file of the link's choosing).
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -12,6 +12,10 @@ Threads: one accepts connections, one per connection reads the request and write
 the requests themselves run on the daemon's thread, between ticks (`Daemon.serve(between_ticks=
 server.serve_requests)`), so the store, the driver and the job directories are touched by one
 thread only.
+
+Connections (docs/security.md): at most MAX_CONNECTIONS at once, at most MAX_CONNECTIONS_PER_UID
+of them from one uid (the excess is refused at once, with one line), and the whole request line
+must arrive within REQUEST_DEADLINE_S of the accept: one user cannot hold every slot.
 """
 
 from __future__ import annotations
@@ -23,14 +27,12 @@ import logging
 import os
 import queue
 import socket
-import stat
 import struct
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
 
 from scheduler_lite.auth import (
@@ -49,7 +51,7 @@ from scheduler_lite.auth import (
 from scheduler_lite.config import Config, file_identity
 from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user
 from scheduler_lite.model import JobKind
-from scheduler_lite.policy.validation import ConfigError
+from scheduler_lite.state_dir import check_state_dir, secure_state_dir
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
 from scheduler_lite.submission import SubmitError, make_job_spec, request_cancel, submit_job
@@ -57,6 +59,7 @@ from scheduler_lite.wire import (
     PROTOCOL_VERSION,
     RequestError,
     checked_value,
+    encode_answer,
     integer,
     label,
     only,
@@ -75,9 +78,13 @@ log = logging.getLogger("scheduler_lite")
 
 MAX_LOG_CHUNK: Final = 1 << 20
 MAX_LOG_OFFSET: Final = 1 << 62  # a file offset: larger ones overflow a seek
-READ_TIMEOUT_S: Final = 10.0  # a client that does not send its request in time is dropped
+REQUEST_DEADLINE_S: Final = 10.0  # the whole request line, from the accept: a slower client is cut off
 ANSWER_TIMEOUT_S: Final = 60.0
 MAX_CONNECTIONS: Final = 64
+MAX_CONNECTIONS_PER_UID: Final = 8  # one user cannot hold every slot (the excess is refused, not queued)
+WORKDIR_CHECK_TIMEOUT_S: Final = 10.0
+SHOW_EVENTS: Final = 100  # `show` answers a job's newest events, at most this many
+MAX_EVENT_TEXT: Final = 1024  # longer strings in a shown event's detail are cut (a job writes its errors' text)
 MAX_COMMAND_WORDS: Final = 4096
 MAX_NAME: Final = 256
 MAX_JOBS_PER_CANCEL: Final = 1024
@@ -122,41 +129,6 @@ def access_policy(config: Config, daemon_uid: int | None = None) -> AccessPolicy
     return policy_from_config(members, config.access.admins, config.access.admin_groups, daemon_uid)
 
 
-def check_state_dir(config: Config) -> None:
-    """Refuse a state directory that is not the scheduler's own: `serve` sets its mode (0700 or
-    0755), which must not happen to a shared directory such as /tmp or to another user's."""
-    try:
-        st = os.stat(config.state_dir)
-    except FileNotFoundError:
-        return  # created by serve, with the right owner and mode
-    field_name = "paths.state_dir"
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(field_name, str(config.state_dir), "a directory (this path is not one)")
-    if st.st_mode & (stat.S_IWOTH | stat.S_ISVTX):
-        raise ConfigError(field_name, str(config.state_dir),
-                          f"a directory of the scheduler's own, not a shared one (mode {stat.S_IMODE(st.st_mode):04o}): "
-                          "serve makes it 0700 (0755 as root); e.g. a new subdirectory of it")
-    if st.st_uid != os.geteuid():
-        raise ConfigError(field_name, str(config.state_dir),
-                          f"a directory owned by the daemon's user (uid {os.geteuid()}), not by uid {st.st_uid}")
-
-
-def secure_state_dir(config: Config, multi_user: bool) -> None:
-    """The store is the daemon's alone (0600); the directories are traversable so clients reach the socket."""
-    state = config.state_dir
-    state.mkdir(parents=True, exist_ok=True)
-    os.chmod(state, 0o755 if multi_user else 0o700)
-    config.jobs_dir.mkdir(exist_ok=True)
-    os.chmod(config.jobs_dir, 0o755 if multi_user else 0o700)
-    for suffix in ("", "-wal", "-shm"):
-        path = Path(f"{config.db_path}{suffix}")
-        if suffix == "":  # created 0600 before SQLite sees it: its -wal and -shm copy the mode
-            with contextlib.suppress(FileExistsError):
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-        with contextlib.suppress(FileNotFoundError):
-            os.chmod(path, 0o600, follow_symlinks=False)
-
-
 class Server:
     """Listens on `config.socket_path`; `serve_requests(seconds)` answers on the caller's thread."""
 
@@ -168,6 +140,8 @@ class Server:
         self.snapshot: ClusterStatus | None = None  # the latest status (the metrics endpoint reads it)
         self._requests: queue.Queue[_Pending] = queue.Queue()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._per_uid: dict[int, int] = {}  # open connections by the peer's uid
+        self._per_uid_lock = threading.Lock()
         self._closed = threading.Event()
         self._sock: socket.socket | None = None
         self._socket_id: tuple[int, int] | None = None
@@ -223,17 +197,48 @@ class Server:
             except OSError:  # the timeout included
                 self._slots.release()
                 continue
-            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
-
-    def _connection(self, conn: socket.socket) -> None:
-        try:
-            pid, uid, gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            conn.settimeout(READ_TIMEOUT_S)
+            accepted = time.monotonic()  # the request's deadline counts from here
             try:
-                op, args = parse(read_line(conn))
+                _, uid, gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError:
+                conn.close()
+                self._slots.release()
+                continue
+            if not self._enter(uid):
+                _refuse(conn, uid)
+                self._slots.release()
+                continue
+            try:
+                threading.Thread(target=self._connection, args=(conn, uid, gid, accepted), daemon=True).start()
+            except RuntimeError:  # no thread to be had: the client is told nothing, its slots are free
+                conn.close()
+                self._leave(uid)
+                self._slots.release()
+
+    def _enter(self, uid: int) -> bool:
+        """Count a connection of `uid`; False (nothing counted) when it has MAX_CONNECTIONS_PER_UID open."""
+        with self._per_uid_lock:
+            held = self._per_uid.get(uid, 0)
+            if held >= MAX_CONNECTIONS_PER_UID:
+                return False
+            self._per_uid[uid] = held + 1
+            return True
+
+    def _leave(self, uid: int) -> None:
+        with self._per_uid_lock:
+            held = self._per_uid.pop(uid, 0) - 1
+            if held > 0:
+                self._per_uid[uid] = held
+
+    def _connection(self, conn: socket.socket, uid: int, gid: int, accepted: float) -> None:
+        try:
+            try:
+                op, args = parse(read_line(conn, REQUEST_DEADLINE_S, since=accepted))
             except RequestError as e:
+                conn.settimeout(1.0)  # one short line; a client that reads nothing does not hold the slot
                 send(conn, {"ok": False, "error": str(e)})
                 return
+            conn.settimeout(ANSWER_TIMEOUT_S)  # not what was left of the request's deadline
             pending = _Pending(identity_of_uid(uid, gid), op, args)
             self._requests.put(pending)
             if not pending.done.wait(ANSWER_TIMEOUT_S):
@@ -247,12 +252,13 @@ class Server:
                                 "still take effect (check with `scheduler-lite list`)"})
                     return
             assert pending.answer is not None
-            conn.settimeout(ANSWER_TIMEOUT_S)
-            send(conn, pending.answer)
+            conn.settimeout(ANSWER_TIMEOUT_S)  # for the whole answer (sendall's timeout is its total)
+            send(conn, encode_answer(pending.answer, op))
         except OSError:
             pass  # the client went away
         finally:
             conn.close()
+            self._leave(uid)
             self._slots.release()
 
     # -- the daemon's thread ----------------------------------------------------------------------
@@ -330,16 +336,20 @@ class Server:
         if not isinstance(restartable, bool):
             raise RequestError(f"restartable {restartable!r} is invalid: accepted true or false")
         chosen = check_submit(self.policy, who, tenant)
-        # As the submitter first: make_job_spec looks at the path as the daemon's user (root), and
-        # its answers (exists, where a link points) must not tell anyone what they cannot see.
-        _check_workdir(who, workdir)
+        # The session's variables that --env does not set are recorded with the job (and count
+        # towards its size limit, in make_job_spec).
+        given = {k for k, _ in env}
+        env = env + [(k, checked_value(k, v)) for k, v in session.items() if k not in given]
+        # Resolved by the submitter's own shell, as the submitter: the daemon (root) never looks
+        # at the path itself, so what it stores and answers (where a link or `..` leads, whether
+        # something exists) is only what the submitter can see anyway.
+        physical = resolve_workdir(who, workdir)
         # The --env allow-list and every range: the same checks as the library's submissions.
-        spec = make_job_spec(self.config, command, tenant=chosen, gpus=gpus, kind=kind, workdir=workdir, env=env,
-                             memory_bytes=memory, name=name, expected_steps=steps, expected_duration_s=duration,
-                             requested_share=share, restartable=restartable, now=self.daemon.clock())
-        given = {k for k, _ in spec.env}
-        extra = tuple((k, checked_value(k, v)) for k, v in session.items() if k not in given)
-        spec = dataclasses.replace(spec, env=spec.env + extra, uid=who.uid, user=who.user)
+        spec = make_job_spec(self.config, command, tenant=chosen, gpus=gpus, kind=kind, workdir=physical,
+                             workdir_resolved=True, env=env, memory_bytes=memory, name=name, expected_steps=steps,
+                             expected_duration_s=duration, requested_share=share, restartable=restartable,
+                             now=self.daemon.clock())
+        spec = dataclasses.replace(spec, uid=who.uid, user=who.user)
         record = submit_job(self.daemon.storage, spec)
         log.info("%s submitted by %s (uid %d) to tenant %s", record.id, who.user, who.uid, record.tenant)
         return {"id": record.id, "job": job_dict(record, who, self.policy)}
@@ -373,9 +383,11 @@ class Server:
         only(args, ("job",))
         record = self._job(string(args, "job", MAX_NAME, required=True) or "")
         storage = self.daemon.storage
+        events, older = storage.newest_events(record.id, SHOW_EVENTS)
         return {"job": job_dict(record, who, self.policy),
                 "placements": [dataclasses.asdict(p) for p in storage.placements(record.id)],
-                "events": [dataclasses.asdict(e) for e in storage.events(record.id)]}
+                "events": [_shortened(dataclasses.asdict(e)) for e in events],
+                "older_events_omitted": older}  # a count (older daemons: a boolean)
 
     def _status(self, who: Identity, args: Mapping[str, Any]) -> Any:
         only(args, ())
@@ -418,17 +430,53 @@ class Server:
 # Request checking.
 
 
-def _check_workdir(who: Identity, workdir: str) -> None:
-    """The working directory must be one the submitter can enter (checked as the submitter)."""
-    user = job_user(who.uid)
-    if user is None:
-        return  # the daemon's own user: make_job_spec checked it already
-    probe = subprocess.run(["/bin/sh", "-c", 'cd -- "$1"', "scheduler-lite-workdir-check", workdir],
-                           user=user.uid, group=user.gid, extra_groups=list(user.gids), cwd="/", env={},
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=10, check=False)
-    if probe.returncode != 0:
-        raise RequestError(f"--workdir {workdir!r}: user {who.user!r} cannot enter it")
+def resolve_workdir(who: Identity, workdir: str) -> str:
+    """The physical path of `workdir` as the submitter resolves it: `cd -P -- "$1" && pwd -P` run
+    as the submitter (uid, gid, groups). `-P` matters: a logical `cd` removes `a/..` as text, so
+    `private/link/../..` would be entered without ever searching `private`, and root resolving the
+    same string afterwards would follow `link` where the submitter cannot. The answer is the same
+    whether an unreachable path exists or not, and names only the path given."""
+    user = job_user(who.uid)  # None: the daemon's own user, the probe runs as that user
+    as_user: dict[str, Any] = {} if user is None else {"user": user.uid, "group": user.gid,
+                                                       "extra_groups": list(user.gids)}
+    refused = RequestError(f"--workdir {workdir!r}: user {who.user!r} cannot enter it (accepted a directory the "
+                           "submitter can search, and every directory above it)")
+    try:
+        probe = subprocess.run(["/bin/sh", "-c", 'cd -P -- "$1" && pwd -P', "scheduler-lite-workdir-check", workdir],
+                               cwd="/", env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, timeout=WORKDIR_CHECK_TIMEOUT_S, check=False, **as_user)
+    except subprocess.TimeoutExpired:
+        raise refused from None
+    out = probe.stdout
+    if probe.returncode != 0 or not out.startswith(b"/") or not out.endswith(b"\n"):
+        raise refused
+    try:
+        return out[:-1].decode()  # only pwd's newline: a directory's name may end with one
+    except UnicodeDecodeError:
+        raise RequestError(f"--workdir {workdir!r}: its physical path is not UTF-8: accepted a directory whose "
+                           "path is UTF-8 text") from None
+
+
+def _shortened(value: Any) -> Any:
+    """An event's detail with its long strings cut (a stats error quotes what the job wrote)."""
+    if isinstance(value, str) and len(value) > MAX_EVENT_TEXT:
+        return f"{value[:MAX_EVENT_TEXT]}... ({len(value) - MAX_EVENT_TEXT} more characters)"
+    if isinstance(value, dict):
+        return {k: _shortened(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shortened(v) for v in value]
+    return value
+
+
+def _refuse(conn: socket.socket, uid: int) -> None:
+    """The connection over its uid's limit: one line (nothing was read, a retry is safe), closed."""
+    with contextlib.suppress(OSError):
+        conn.settimeout(1.0)
+        send(conn, {"ok": False, "retry": True,
+                    "error": f"uid {uid} has {MAX_CONNECTIONS_PER_UID} connections to the daemon open: accepted at "
+                             f"most {MAX_CONNECTIONS_PER_UID} at once per user; nothing was done, try again when "
+                             "one has closed"})
+    conn.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -444,7 +492,7 @@ def job_dict(record: JobRecord, who: Identity, policy: AccessPolicy) -> dict[str
     return out
 
 
-__all__ = ["Server", "access_policy", "check_state_dir", "job_dict", "secure_state_dir"]
+__all__ = ["Server", "access_policy", "job_dict"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ its next tick. `make_job_spec` validates a submission against the config; every 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,6 +28,9 @@ _ANTMAN_BY_NAME: Final = {v.name: v for v in ANTMAN_VARIABLES}
 RESERVED_ENV: Final = frozenset({"CUDA_VISIBLE_DEVICES"})
 MAX_EXPECTED_STEPS: Final = 2**53 - 1
 MAX_EXPECTED_DURATION_S: Final = 1e9
+# A job's command and environment together, as the JSON the daemon stores and answers with (every
+# `list` and `show` carries them): one user's submissions must not make those answers huge.
+MAX_SUBMISSION_BYTES: Final = 64 * 1024
 _ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -48,6 +53,7 @@ def make_job_spec(
     gpus: int = 1,
     kind: JobKind | str = JobKind.AUTO,
     workdir: str | Path | None = None,
+    workdir_resolved: bool = False,
     env: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
     memory_bytes: int | None = None,
     name: str = "",
@@ -57,7 +63,12 @@ def make_job_spec(
     restartable: bool = False,
     now: float | None = None,
 ) -> JobSpec:
-    """Validate a submission against the config; SubmitError (one line) when it cannot run here."""
+    """Validate a submission against the config; SubmitError (one line) when it cannot run here.
+
+    `workdir` is checked (`is_dir`) and resolved here, as the calling process, unless
+    `workdir_resolved`: then it is the physical path the submitter's own probe printed (the
+    daemon's socket server, scheduler_lite.server.resolve_workdir) and is stored as it is, since
+    the daemon (root) must not look at a path a user gave."""
     # Arguments may be empty (`--suffix ""`); the program may not.
     if not command or not all(isinstance(c, str) for c in command) or not command[0]:
         raise SubmitError("the command is empty: give it after '--', e.g. submit -- python train.py")
@@ -81,10 +92,21 @@ def make_job_spec(
     if job_kind is JobKind.GUARANTEE and gpus > found.gpu_quota:
         raise SubmitError(f"a guarantee job of {gpus} GPU(s) can never run: tenant {tenant!r} has a quota "
                           f"of {found.gpu_quota}; use --type opportunistic or auto")
-    path = Path(workdir) if workdir is not None else Path.cwd()
-    if not path.is_dir():
-        raise SubmitError(f"--workdir {str(path)!r} is not a directory")
+    if workdir_resolved:
+        if workdir is None or not os.path.isabs(workdir):
+            raise SubmitError(f"--workdir {workdir!r} is invalid: accepted an absolute path")
+        stored_workdir = str(workdir)
+    else:
+        path = Path(workdir) if workdir is not None else Path.cwd()
+        if not path.is_dir():
+            raise SubmitError(f"--workdir {str(path)!r} is not a directory")
+        stored_workdir = str(path.resolve())
     pairs = list(env.items()) if isinstance(env, Mapping) else list(env or ())
+    size = submission_bytes(command, pairs)
+    if size > MAX_SUBMISSION_BYTES:
+        raise SubmitError(f"the command and --env take {size} bytes: accepted at most {MAX_SUBMISSION_BYTES} bytes "
+                          "together (as JSON: a non-ASCII or control character counts up to 6 bytes); pass large "
+                          "inputs in a file")
     for key, value in pairs:
         if not _ENV_NAME.match(key):
             raise SubmitError(f"--env {key!r}: not a variable name (letters, digits, '_')")
@@ -131,12 +153,17 @@ def make_job_spec(
     if not isinstance(restartable, bool):
         raise SubmitError(f"--restartable {restartable!r} is invalid: accepted true or false")
     return JobSpec(
-        tenant=tenant, kind=job_kind, num_gpus=gpus, command=tuple(command), workdir=str(path.resolve()),
+        tenant=tenant, kind=job_kind, num_gpus=gpus, command=tuple(command), workdir=stored_workdir,
         submit_time=time.time() if now is None else now, env=tuple(pairs), memory_bytes=memory_bytes, name=name,
         expected_steps=expected_steps,
         expected_duration_s=None if expected_duration_s is None else float(expected_duration_s),
         requested_share=None if requested_share is None else float(requested_share), restartable=restartable,
     )
+
+
+def submission_bytes(command: Sequence[str], env: Iterable[tuple[str, str]]) -> int:
+    """The size of a job's command and environment as the daemon stores and sends them (JSON)."""
+    return len(json.dumps(list(command))) + len(json.dumps([list(p) for p in env]))
 
 
 def submit_job(storage: Storage, spec: JobSpec) -> JobRecord:
@@ -169,5 +196,5 @@ def quota_warning(config: Config, gpu_count: int) -> str | None:
             "quota may still wait for another tenant's guarantee jobs")
 
 
-__all__ = ["RESERVED_ENV", "USER_ANTMAN_VARIABLES", "SubmitError", "largest_gpu_bytes", "make_job_spec",
-           "quota_warning", "request_cancel", "submit_job"]
+__all__ = ["MAX_SUBMISSION_BYTES", "RESERVED_ENV", "USER_ANTMAN_VARIABLES", "SubmitError", "largest_gpu_bytes",
+           "make_job_spec", "quota_warning", "request_cancel", "submission_bytes", "submit_job"]

@@ -2,8 +2,10 @@
 
 Wire format (version 1): the client sends one line of JSON, at most `MAX_REQUEST_BYTES`,
 `{"version": 1, "op": OP, "args": {...}}`, and reads one line back: `{"ok": true, "result": ...}`
-or `{"ok": false, "error": "<one line>"}`. Ops: ping, submit, cancel, list, show, status, logs,
-tenants (docs/scheduler.md, "Clients and the socket").
+or `{"ok": false, "error": "<one line>"}` (with `"retry": true` when nothing was read and the
+client may simply connect again: the caller's uid had too many connections open). An answer is at
+most `MAX_ANSWER_BYTES`: a larger one is replaced by an error saying so. Ops: ping, submit, cancel,
+list, show, status, logs, tenants (docs/scheduler.md, "Clients and the socket").
 
 A malformed or out-of-range argument raises `RequestError`, whose message names the field and
 what is accepted; the server answers it as the request's one-line error.
@@ -16,12 +18,16 @@ import dataclasses
 import enum
 import json
 import socket
+import time
 import unicodedata
 from collections.abc import Mapping
 from typing import Any, Final
 
 PROTOCOL_VERSION: Final = 1
 MAX_REQUEST_BYTES: Final = 1 << 20
+# The largest answer a client reads (and the daemon sends): a larger one is answered with an
+# error instead, never cut short.
+MAX_ANSWER_BYTES: Final = 64 << 20
 MAX_STRING: Final = 65536
 MAX_ENV_PAIRS: Final = 256
 # Unicode categories refused in a job's name (and escaped by the CLI's tables): control (Cc:
@@ -54,10 +60,22 @@ def parse(line: bytes) -> tuple[str, Mapping[str, Any]]:
     return op, args
 
 
-def read_line(conn: socket.socket) -> bytes:
+def read_line(conn: socket.socket, deadline_s: float | None = None, since: float | None = None) -> bytes:
+    """The request line; with `deadline_s`, all of it must have arrived `deadline_s` seconds after
+    `since` (a `time.monotonic()`, default now): a client that trickles a byte at a time is cut off
+    there, not only one that stops sending (a per-recv timeout alone never fires for it)."""
+    deadline = None if deadline_s is None else (time.monotonic() if since is None else since) + deadline_s
     chunks, size = [], 0
     while True:
-        chunk = conn.recv(65536)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _late(deadline_s)
+            conn.settimeout(left)
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            raise _late(deadline_s) from None
         if not chunk:
             break
         chunks.append(chunk)
@@ -73,9 +91,25 @@ def read_line(conn: socket.socket) -> bytes:
     return line
 
 
-def send(conn: socket.socket, doc: Mapping[str, Any]) -> None:
+def _late(deadline_s: float | None) -> RequestError:
+    return RequestError(f"the request did not arrive within {deadline_s:g} s of connecting: accepted one line "
+                        "sent at once; the connection is closed")
+
+
+def encode_answer(doc: Mapping[str, Any], op: str) -> bytes:
+    """The answer's line; one larger than MAX_ANSWER_BYTES becomes a one-line error saying so
+    (a client would otherwise read a truncated document)."""
+    data = json.dumps(doc).encode() + b"\n"
+    if len(data) <= MAX_ANSWER_BYTES:
+        return data
+    hint = " (e.g. `scheduler-lite list --state running`)" if op == "list" else ""
+    return json.dumps({"ok": False, "error": f"the answer to {op} is {len(data)} bytes: accepted at most "
+                                             f"{MAX_ANSWER_BYTES} bytes per answer; ask for less{hint}"}).encode() + b"\n"
+
+
+def send(conn: socket.socket, doc: Mapping[str, Any] | bytes) -> None:
     with contextlib.suppress(OSError):
-        conn.sendall(json.dumps(doc).encode() + b"\n")
+        conn.sendall(doc if isinstance(doc, bytes) else json.dumps(doc).encode() + b"\n")
 
 
 def only(args: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
@@ -170,6 +204,6 @@ def plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["MAX_ENV_PAIRS", "MAX_REQUEST_BYTES", "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError",
-           "checked_value", "integer", "label", "only", "pairs", "parse", "plain", "read_line", "send", "short",
-           "string", "strings"]
+__all__ = ["MAX_ANSWER_BYTES", "MAX_ENV_PAIRS", "MAX_REQUEST_BYTES", "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE",
+           "RequestError", "checked_value", "encode_answer", "integer", "label", "only", "pairs", "parse", "plain",
+           "read_line", "send", "short", "string", "strings"]

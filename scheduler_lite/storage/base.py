@@ -168,6 +168,11 @@ class Storage(Protocol):
         """Events with id > after_id, oldest first, of one job or all."""
         ...
 
+    def newest_events(self, job_id: str, n: int) -> tuple[list[EventRecord], int]:
+        """The job's newest `n` events, oldest first, and how many older ones it has (what `show`
+        answers: a job can have 100,000 events, some large, and reading them all is not bounded)."""
+        ...
+
     def prune_events(self, keep: int = MAX_EVENTS) -> int:
         """Delete all but the newest `keep` events; returns how many were deleted."""
         ...

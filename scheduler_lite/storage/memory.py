@@ -105,6 +105,11 @@ class MemoryStorage:
         out = [copy.deepcopy(e) for e in self._events if e.id > after_id and (job_id is None or e.job_id == job_id)]
         return out if limit is None else out[:limit]
 
+    def newest_events(self, job_id: str, n: int) -> tuple[list[EventRecord], int]:
+        mine = [e for e in self._events if e.job_id == job_id]
+        newest = mine[-n:] if n > 0 else []
+        return [copy.deepcopy(e) for e in newest], len(mine) - len(newest)
+
     def prune_events(self, keep: int = MAX_EVENTS) -> int:
         with self.transaction():
             dropped = max(0, len(self._events) - keep)

@@ -259,6 +259,12 @@ class SqliteStorage:
             args.append(limit)
         return [EventRecord(i, t, j, k, json.loads(d)) for i, t, j, k, d in self._db.execute(sql, args)]
 
+    def newest_events(self, job_id: str, n: int) -> tuple[list[EventRecord], int]:
+        rows = self._db.execute("SELECT id, time, job_id, kind, detail FROM events WHERE job_id = ? "
+                                "ORDER BY id DESC LIMIT ?", (job_id, max(0, n))).fetchall()
+        (total,) = self._db.execute("SELECT COUNT(*) FROM events WHERE job_id = ?", (job_id,)).fetchone()
+        return [EventRecord(i, t, j, k, json.loads(d)) for i, t, j, k, d in reversed(rows)], total - len(rows)
+
     def prune_events(self, keep: int = MAX_EVENTS) -> int:
         with self.transaction():
             cur = self._db.execute("DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (keep,))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from scheduler_lite.config import load_config
 from scheduler_lite.daemon import Daemon, lock_state_dir
-from scheduler_lite.server import Server, secure_state_dir
+from scheduler_lite.server import Server
+from scheduler_lite.state_dir import secure_state_dir
 from scheduler_lite.storage import SqliteStorage
 
 

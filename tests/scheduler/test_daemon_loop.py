@@ -525,3 +525,14 @@ def test_a_job_that_floods_bad_stats_gets_one_event_a_minute_clipped_and_escaped
     assert all(len(e.detail["error"]) <= 300 for e in errors)
     refused = [r.getMessage() for r in caplog.records if "stats.json refused" in r.getMessage()]
     assert len(refused) == 2 and not any("\n" in m for m in refused)
+
+
+def test_the_lock_file_is_never_opened_through_a_link(tmp_path: Path) -> None:
+    # root truncates and writes daemon.lock: a link planted in its place would aim that anywhere.
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / LOCK_FILE).symlink_to(target)
+    with pytest.raises(OSError):
+        lock_state_dir(tmp_path / "state")
+    assert target.read_text() == "keep me"
