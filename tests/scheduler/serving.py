@@ -63,3 +63,24 @@ def serving(config_path: str | Path, *, ticks: bool = False) -> Iterator[Server]
     finally:
         server.daemon.stop()
         thread.join(60)
+
+
+@contextmanager
+def answering(server: Server) -> Iterator[Server]:
+    """`server` started and answering requests on a thread of its own (no ticks); closed after."""
+    server.config.state_dir.mkdir(parents=True, exist_ok=True)
+    server.start()
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            server.serve_requests(0.05)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        stop.set()
+        thread.join(10)
+        server.close()

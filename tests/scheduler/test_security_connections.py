@@ -31,6 +31,7 @@ from scheduler_lite.client import call_socket
 from scheduler_lite.daemon import Daemon
 from scheduler_lite.server import Server
 from scheduler_lite.storage import MemoryStorage
+from tests.scheduler.serving import answering
 from tests.scheduler.test_daemon_fakes import make_config
 
 ME = identity_of_uid(os.getuid())
@@ -42,24 +43,10 @@ GUARD_S = 30.0  # how long a test waits for what must happen before it fails (no
 def listening(state_dir: Path, policy: AccessPolicy | None = None) -> Iterator[Server]:
     """A server answering requests on a thread of its own (no ticks)."""
     config = make_config(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
     server = Server(Daemon(config, MemoryStorage()), config,
                     policy or AccessPolicy(os.geteuid(), ME.user, (TenantMembers("A"),)))
-    server.start()
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            server.serve_requests(0.05)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
+    with answering(server):
         yield server
-    finally:
-        stop.set()
-        thread.join(10)
-        server.close()
 
 
 def connect(path: Path) -> socket.socket:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from scheduler_lite.daemon import Daemon
 from scheduler_lite.server import Server, _Pending
 from scheduler_lite.storage import MemoryStorage
 from scheduler_lite.wire import MAX_REQUEST_BYTES
+from tests.scheduler.serving import answering
 from tests.scheduler.test_daemon_fakes import make_config
 
 ME = identity_of_uid(os.getuid())
@@ -157,22 +157,8 @@ def test_other_ops_check_their_arguments(server: Server, op: str, args: dict[str
 
 @pytest.fixture
 def listening(server: Server) -> Iterator[Server]:
-    server.config.state_dir.mkdir(parents=True, exist_ok=True)
-    server.start()
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            server.serve_requests(0.05)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
+    with answering(server):
         yield server
-    finally:
-        stop.set()
-        thread.join(10)
-        server.close()
 
 
 def raw(path: Path, data: bytes) -> dict[str, Any]:
