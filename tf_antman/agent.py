@@ -294,6 +294,7 @@ class JobAgent:
                 self._actuator.set_compute_share(share)  # may refuse (raises): nothing recorded then
             self._user_share_at = time.monotonic()
             self._share = share
+            self._share_changed()
             if not self._closed:
                 self._write_stats()
 
@@ -353,8 +354,10 @@ class JobAgent:
     def _fallback_loop(self) -> None:
         """Applies a control that waited `control_fallback_s` for a step boundary, from this thread.
 
-        While the fallback holds the job paused (share 0) no step boundary can come, so new controls
-        are applied at once and stats are rewritten every `paused_heartbeat_s`.
+        While the job's ops are held at share 0 (a pause applied by the fallback, or a share of 0
+        from a control, the user or ANTMAN_COMPUTE_SHARE) no step boundary can come, so new controls
+        are applied at once and stats are rewritten every `paused_heartbeat_s` (without it a job at
+        share 0 looked hung: stats.json aged, and its next control waited the fallback time).
         """
         assert self._fallback_s is not None
         while True:
@@ -362,7 +365,7 @@ class JobAgent:
                 if self._closed:
                     return
                 since = self._pending_since
-                if self._held_by_share:
+                if self._held_at_share_zero():
                     if since is None:
                         self._fallback_cv.wait(self._heartbeat_s)
                 elif since is None:
@@ -385,6 +388,14 @@ class JobAgent:
                     self._write_stats()
             except Exception:  # noqa: BLE001 - the fallback must never take the job down
                 self._warn_once("fallback", "applying a control from the fallback failed", exc_info=True)
+
+    def _held_at_share_zero(self) -> bool:
+        return self._held_by_share or self._share_in_force() == 0.0
+
+    def _share_changed(self) -> None:
+        """The fallback thread re-reads whether the job is held at share 0 (it may wait untimed)."""
+        with self._fallback_cv:
+            self._fallback_cv.notify_all()
 
     def _apply_pending(self, by: str) -> bool:
         with self._fallback_cv:
@@ -461,6 +472,7 @@ class JobAgent:
             self._limits[entry.device] = entry.limit_bytes
         if share is not None:
             self._share = share
+            self._share_changed()
         elif pausing and self._share is None:
             self._share = share_before  # read before a pause set the actuator's share to 0
         if pausing:

@@ -714,3 +714,19 @@ def test_without_a_fallback_a_pause_at_start_holds_at_the_first_step_not_at_shar
     thread.join(timeout=10)
     assert not thread.is_alive() and job.share == 1.0
     assert values(job.log) == [("pause", None, None), ("resume", None, None)]
+
+
+def test_a_job_held_at_share_zero_keeps_its_stats_fresh_and_takes_controls_at_once(tmp_path: Path, agents) -> None:
+    # A scenario run: a control's compute_share 0 (not a pause) held the ops, no step boundary
+    # came, stats.json aged as if the job hung, and the next control waited the fallback time.
+    job = SimulatedJob()
+    agent = agents(job, control_fallback_s=HOUR, paused_heartbeat_s=0.005)
+    agent.start()
+    write_control(tmp_path, Control(seq=1, compute_share=0.0))
+    held = step_until(agent, tmp_path, lambda s: s.control_seq_applied == 1)  # no step boundary after it
+    assert held.compute_share == 0.0 and job.share == 0.0
+    wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.seq >= held.seq + 3, "heartbeats")
+    write_control(tmp_path, Control(seq=2, compute_share=0.5))
+    stats = wait_for(lambda: (s := read_stats(tmp_path)) is not None and s.control_seq_applied == 2 and s,
+                     "applied without waiting an hour")
+    assert stats.compute_share == 0.5 and job.share == 0.5 and stats.step == held.step

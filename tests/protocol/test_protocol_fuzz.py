@@ -76,8 +76,12 @@ class Generator:
             MemoryLimit(d, rng.choice([0, 1, MAX_BYTES, rng.randrange(MAX_BYTES + 1), rng.randrange(2**34)]))
             for d in devices
         )
-        share = rng.choice([None, 0, 1, 0.5, rng.random()])
-        if share == FAULTY_SHARE:
+        # No share of 0: it holds a real job's ops, so its next controls are applied at once by
+        # the fallback thread (a pause then also holds the ops: other calls than at a step;
+        # test_protocol_agent covers it). This stand-in job steps on at share 0, which a held
+        # job cannot, and the model here knows only step boundaries. A tiny share stays.
+        share = rng.choice([None, 0.001, 1, 0.5, rng.random()])
+        if share == FAULTY_SHARE or share == 0.0:
             share = 0.5
         return Control(seq=seq, memory_limits=limits, compute_share=share, paused=rng.choice([None, None, True, False]))
 
