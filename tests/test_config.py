@@ -46,6 +46,8 @@ def test_any_variable_implies_enable_unless_disabled() -> None:
     ("ANTMAN_COMPUTE_SHARE", "1.5", "0.0..1.0"),
     ("ANTMAN_COMPUTE_SHARE", "nan", "0.0..1.0"),
     ("ANTMAN_STATS_INTERVAL_MS", "0", "1..60000"),
+    ("ANTMAN_STATS_INTERVAL_MS", "1_000", "1..60000"),  # Python's int() reads these; a user means none
+    ("ANTMAN_DEVICE_ID", "\u0663", "0..63"),
     ("ANTMAN_CONTROL_FALLBACK_MS", "5", "10..600000"),
     ("ANTMAN_CONTROL_FALLBACK_MS", "1e3", "10..600000"),
     ("ANTMAN_JOB_DIR", "  ", "an existing directory this process can write to"),

@@ -75,8 +75,8 @@ def set_memory_limit(limit: int | str) -> None:
             n = units.parse_bytes(limit)
         except ValueError as err:
             raise ValueError(f"set_memory_limit: limit {err}") from None
-    elif isinstance(limit, int) and not isinstance(limit, bool):
-        n = limit
+    elif isinstance(limit, numbers.Integral) and not isinstance(limit, bool):
+        n = int(limit)  # numpy's integers too
     else:
         raise TypeError(f"set_memory_limit: limit must be an int (bytes) or a size string such as "
                         f"'2GiB', got {type(limit).__name__} {limit!r}")

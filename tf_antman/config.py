@@ -76,7 +76,11 @@ def _bool(v: str) -> bool:
 
 def _int_range(lo: int, hi: int) -> Callable[[str], int]:
     def parse(v: str) -> int:
-        n = int(v.strip())
+        text = v.strip()
+        # ASCII digits only: Python's int() also reads "1_0" (10) and other scripts' digits.
+        if not (text.isascii() and text.lstrip("+-").isdigit()):
+            raise ValueError(v)
+        n = int(text)
         if not lo <= n <= hi:
             raise ValueError(v)
         return n

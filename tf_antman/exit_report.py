@@ -43,7 +43,9 @@ class ExitFigures:
 
     @property
     def slowed(self) -> bool:
-        return self.host_fallbacks > 0 or self.paused_s > 0 or self.throttled_s > 0
+        # As the line shows them (one decimal): a WARNING saying "paused 0.0 s; throttled 0.0 s"
+        # with nothing from host memory told the user nothing.
+        return self.host_fallbacks > 0 or round(self.paused_s, 1) > 0 or round(self.throttled_s, 1) > 0
 
 
 def figures(native: Any) -> ExitFigures:

@@ -99,3 +99,12 @@ def test_the_hold_clock_agrees_with_the_share_when_two_threads_set_it_at_once() 
     native.set_share(1.0)
     pause.join()
     assert native.holds.held == (lib.share == 0.0), lib.share
+
+
+def test_holds_too_short_to_show_do_not_make_a_warning() -> None:
+    # "paused 0.0 s; throttled 0.0 s" as a WARNING told the user nothing.
+    quiet = exit_report.ExitFigures(peak_device_bytes=1, limit_bytes=None, host_bytes_served=0, host_fallbacks=0,
+                                    host_peak_bytes=0, paused_s=0.04, throttled_s=0.049)
+    assert not quiet.slowed
+    assert exit_report.ExitFigures(1, None, 0, 0, 0, paused_s=0.0, throttled_s=0.06).slowed
+
