@@ -29,7 +29,7 @@ from scheduler_lite.model import Gpu, Role, SetComputeShare, SetMemoryLimit, Ste
 from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.storage import Storage
 from scheduler_lite.tick import ControlWrite, LiveJob, TickLog
-from tf_antman.protocol import Control, MemoryLimit, ProtocolError, Stats, write_control
+from tf_antman.protocol import Control, MemoryLimit, ProtocolError, Stats, clip_text, write_control
 
 if TYPE_CHECKING:
     from scheduler_lite.config import Config
@@ -38,10 +38,6 @@ log = logging.getLogger("scheduler_lite")
 
 STATS_ERROR_EVERY_S = 60.0  # a job's refused stats.json: one event (and log line) a minute at most
 STATS_ERROR_MAX_CHARS = 300  # of the message kept (status shows the latest)
-
-
-def _clipped(text: str) -> str:
-    return text if len(text) <= STATS_ERROR_MAX_CHARS else text[:STATS_ERROR_MAX_CHARS - 3] + "..."
 
 
 class JobControls:
@@ -83,7 +79,7 @@ class JobControls:
         except (ProtocolError, OSError) as e:
             # The job's user writes the file: what it says is clipped, and logged escaped (a
             # newline or terminal escape in a key forged lines in the daemon's log).
-            message = _clipped(str(e))
+            message = clip_text(str(e), STATS_ERROR_MAX_CHARS)
             # Once per distinct problem, and at most one a minute: a job writing a new bad key
             # each tick grew root's store and log by a megabyte a second.
             if message != live.stats_error and now - live.stats_error_noted_at >= STATS_ERROR_EVERY_S:

@@ -35,6 +35,7 @@ from tf_antman.protocol.schema import (
     MemoryLimit,
     Rejection,
     Stats,
+    clip_text,
     parse_control,
     parse_stats,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "MemoryLimit",
     "ProtocolError",
     "Rejection",
+    "clip_text",
     "Stats",
     "agent_lock_path",
     "atomic_write_text",

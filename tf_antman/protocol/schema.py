@@ -127,13 +127,13 @@ class Rejection:
 
     @classmethod
     def clipped(cls, seq: int | None, field: str, reason: str) -> Rejection:
-        return cls(seq, _clip(field, MAX_FIELD_CHARS), _clip(reason, MAX_REASON_CHARS))
+        return cls(seq, clip_text(field, MAX_FIELD_CHARS), clip_text(reason, MAX_REASON_CHARS))
 
 
 _ELLIPSIS: Final = "..."
 
 
-def _clip(text: str, max_chars: int) -> str:
+def clip_text(text: str, max_chars: int) -> str:
     """`text` cut to `max_chars` characters, ending in "..." when it was cut."""
     if len(text) <= max_chars:
         return text
@@ -414,8 +414,7 @@ class _Fields:
             # whole into the daemon's log and store).
             name = unknown[0]
             if not (name.isidentifier() and name.isascii() and len(name) <= 40):
-                name = json.dumps(name)
-                name = name if len(name) <= 42 else name[:38] + '..."'
+                name = json.dumps(clip_text(name, 40))
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise ProtocolError(self.path(name), f"unknown field{more} (accepted: {accepted})")
 
