@@ -45,41 +45,50 @@ def marked_step() -> Iterator[None]:
 class MemoryLimits:
     """The device-memory limit has two writers; the one *received* last wins.
 
-    - the user: `tf_antman.set_memory_limit()`, a request applied at the next step boundary
-      (the native allocator holds it as its pending limit);
+    - the user: `tf_antman.set_memory_limit()`, a request held here and put into force at the
+      next step boundary, before the job agent writes that boundary's stats.json (so the stats
+      report the limit in force from this boundary on, not the one before it);
     - the coordinator: a control.json limit, applied by the job agent at a step boundary or by
       its fallback (`coordinator()`), stamped with the time the job read the control.
 
     A coordinator limit received after a pending user request replaces that request (so the
     boundary does not put the older request on top of it); a user request made after the
-    coordinator's control was received is applied at the boundary over it.
+    coordinator's control was received wins over that control, also when the control is applied
+    at the same boundary, after the request (the request's time is kept until the boundary ends).
     """
 
     def __init__(self, native: Native, clock: Callable[[], float] = time.monotonic) -> None:
         self._native = native
         self._clock = clock
         self._lock = threading.Lock()
-        self._user_requested_at: float | None = None  # a user request is pending since then
+        self._requested: int | None = None  # a user request not in force yet
+        self._user_requested_at: float | None = None  # the newest user request's time, until its boundary ends
 
     def request(self, limit: int) -> None:
         with self._lock:
-            self._native.request_limit(limit)
+            self._requested = limit
             self._user_requested_at = self._clock()
 
     def coordinator(self, limit: int, received_at: float | None) -> None:
         with self._lock:
-            pending = self._user_requested_at
-            if pending is not None and received_at is not None and pending > received_at:
-                return  # a newer user request is pending: it wins at the boundary
+            user_at = self._user_requested_at
+            if user_at is not None and received_at is not None and user_at > received_at:
+                return  # a newer user request wins (pending, or put into force at this boundary)
             self._native.set_limit_now(limit)
-            if pending is not None:
-                self._native.request_limit(limit)  # the boundary re-applies this, not the older request
-                self._user_requested_at = None
+            self._requested = self._user_requested_at = None  # the older request is replaced
 
-    def boundary(self) -> None:
+    def boundary_begins(self) -> None:
+        """A step ended: the pending user request goes into force now, before the agent runs."""
         with self._lock:
-            self._native.step_boundary()  # applies a pending request, resets per-step figures
-            self._user_requested_at = None
+            if self._requested is not None:
+                self._native.set_limit_now(self._requested)
+                self._requested = None
+
+    def boundary_ends(self) -> None:
+        with self._lock:
+            self._native.step_boundary()  # resets per-step figures (after the agent has read them)
+            if self._requested is None:  # a request made during this boundary waits for the next
+                self._user_requested_at = None
 
 
 class StepTracker:
@@ -116,6 +125,7 @@ class StepTracker:
             if not training:
                 return
             self.steps += 1
+            self.limits.boundary_begins()
             if seconds is not None:
                 self.window.append(seconds)
             if self.agent is not None:
@@ -128,7 +138,7 @@ class StepTracker:
                 # thread in step_end, and that time is not the next step's (a 2 s pause read as a
                 # 2 s step to the coordinator, for the PyTorch hook and a bare step_end()).
                 self._last_end = time.perf_counter()
-            self.limits.boundary()
+            self.limits.boundary_ends()
 
     @contextlib.contextmanager
     def step(self, training: bool = True) -> Iterator[None]:

@@ -17,7 +17,7 @@ from tests.conftest import run_py
 # In the job: send a control through the job directory and wait until the job's watcher has read
 # it (so the next step boundary is the first that can apply it); read what is in force.
 CONTROL_HELPERS = """
-import os, pathlib, time, tf_antman
+import json, os, pathlib, time, tf_antman
 from tf_antman import activation
 from tf_antman.protocol import Control, MemoryLimit, write_control
 _seq = [0]
@@ -230,14 +230,29 @@ def test_custom_loop_marks_steps_and_the_newest_limit_wins(tmp_path: Path) -> No
         with tf_antman.step():
             train_step()
         user_newer = limit()
+        def stats_limit():
+            assert activation.active().steps.agent.flush_stats()  # the writer is asynchronous
+            doc = json.loads((pathlib.Path(os.environ["ANTMAN_JOB_DIR"]) / "stats.json").read_text())
+            return doc["devices"][0]["limit_bytes"]
+        in_stats = stats_limit()  # written at that boundary (a control was applied there)
+        # A user request alone: the stats written at its boundary report it (interval 1 ms).
+        time.sleep(0.01)
+        tf_antman.set_memory_limit(80 << 20)
+        with tf_antman.step():
+            train_step()
         emit({"counted": counted, "before_step": before_step, "after_step": after_step,
-              "coordinator_newer": coordinator_newer, "still": still, "user_newer": user_newer})
-    """), ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_CONTROL_FALLBACK_MS="600000")
+              "coordinator_newer": coordinator_newer, "still": still, "user_newer": user_newer,
+              "in_stats": in_stats, "alone_in_stats": stats_limit(), "alone": limit()})
+    """), ANTMAN_JOB_DIR=str(tmp_path), ANTMAN_CONTROL_FALLBACK_MS="600000", ANTMAN_STATS_INTERVAL_MS="1")
     r = job.result
     assert r["counted"] == 6
     assert (r["before_step"], r["after_step"]) == (4 << 30, 300 << 20)
     assert r["coordinator_newer"] == r["still"] == 128 << 20
     assert r["user_newer"] == 96 << 20
+    # stats.json written at a boundary reports the limit that boundary put into force (it showed
+    # the one before for a step: the request was applied after the agent wrote).
+    assert r["in_stats"] == 96 << 20
+    assert r["alone_in_stats"] == r["alone"] == 80 << 20
 
 
 def test_a_marked_step_around_a_hooked_call_counts_once() -> None:
@@ -413,6 +428,7 @@ bad = {
 out["bad"] = {k: error(f) for k, f in bad.items()}
 before = steps()
 out["good"] = [error(lambda: tf_antman.set_memory_limit("32MiB")), error(lambda: tf_antman.set_memory_limit(64 << 20)),
+               error(lambda: tf_antman.set_memory_limit(np.int64(48 << 20))),
                error(lambda: tf_antman.set_compute_share(1)), error(lambda: tf_antman.step_end(0)),
                error(lambda: tf_antman.step_end(np.float64(0.5))), steps() - before]
 emit(out)
@@ -442,4 +458,4 @@ def test_keras_callback_and_the_api_arguments() -> None:
         assert bad[key][0] == "ValueError" and bad[key][1].startswith("step_end: seconds") and ">= 0" in bad[key][1]
     assert bad["step_str"][0] == "TypeError" and bad["step_str"][1].startswith("step_end: seconds must be")
     assert bad["step_training"] == ["TypeError", "step_end: training must be True or False, got str 'yes'"]
-    assert r["good"] == [None, None, None, None, None, 2]
+    assert r["good"] == [None, None, None, None, None, None, 2]  # numpy's integers are integers too
