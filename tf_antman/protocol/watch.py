@@ -8,6 +8,7 @@ The step thread only compares an integer (`version`) on its hot path and calls `
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -143,11 +144,15 @@ class ControlWatcher:
         self._stop.set()
         self._wakeup.set()
         if self._observer is not None:
+            inotify_log = logging.getLogger("watchdog.observers.inotify")
+            inotify_log.addFilter(_drop_stop_race)
             try:
-                self._observer.stop()
+                self._observer.stop()  # stops and joins its emitter threads before it returns
                 self._observer.join(timeout=5.0)
             except Exception as err:  # noqa: BLE001 - closing must not fail the job
                 log.warning("stopping the file observer failed: %s", err)
+            finally:
+                inotify_log.removeFilter(_drop_stop_race)
             self._observer = None
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
@@ -245,6 +250,17 @@ class ControlWatcher:
                 self.check_now()
             except Exception:
                 log.exception("reading %s failed", self._path)
+
+
+_STOP_RACE = "InotifyEmitter.queue_events() called when the thread is inactive"
+
+
+def _drop_stop_race(record: logging.LogRecord) -> bool:
+    """watchdog (7.x) logs an ERROR from its emitter thread when stop() takes the inotify handle
+    away between the thread's "keep running?" check and its read: its own race, harmless (nothing
+    is lost, the thread ends), seen at about 1 exit in 30. A job's log must not show an error for
+    it, so the message is dropped while we stop the observer, and only that message."""
+    return not record.getMessage().startswith(_STOP_RACE)
 
 
 def _default_observer() -> Any:
