@@ -97,8 +97,8 @@ class Control:
 class DeviceStats:
     """Stats entry: memory figures of one device of the job, as the allocator reports them.
 
-    step_peak_bytes / step_min_bytes cover the last completed training step; limit_bytes is None
-    while no limit is set.
+    step_peak_bytes / step_min_bytes cover the last completed training step (in a final document:
+    the time since the last step boundary); limit_bytes is None while no limit is set.
     """
 
     device: int
