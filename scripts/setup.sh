@@ -14,10 +14,18 @@ if ! command -v bazel >/dev/null 2>&1; then
 fi
 
 if [ ! -x .venv/bin/python ]; then
+  # Debian/Ubuntu ship venv's pip bootstrap (ensurepip) in a package of its own.
+  if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
+    echo "== installing python3-venv (python3 has no ensurepip)"
+    if [ "$(id -u)" -ne 0 ]; then echo "need root for apt-get (or install python3-venv yourself)" >&2; exit 1; fi
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv
+  fi
   echo "== creating .venv"
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import tensorflow, tf_keras, pynvml, watchdog, absl, pytest, matplotlib, prometheus_client" >/dev/null 2>&1 \
+# Every package of requirements-dev.txt, ray included (tests/cluster skips without it).
+if ! .venv/bin/python -c "import tensorflow, tf_keras, numpy, pynvml, watchdog, absl, pytest, matplotlib, prometheus_client, ray" >/dev/null 2>&1 \
    || ! [ -x .venv/bin/ruff ]; then
   echo "== installing Python packages (tensorflow==2.21.0 ...)"
   .venv/bin/pip install -q --upgrade pip
