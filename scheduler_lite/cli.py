@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -30,8 +31,9 @@ from scheduler_lite.model import JobKind, Tenant
 from scheduler_lite.policy.validation import ConfigError
 from scheduler_lite.status import ClusterStatus, JobOnGpu
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
+from scheduler_lite.storage.base import seq_of
 from scheduler_lite.submission import SubmitError, quota_warning
-from scheduler_lite.wire import UNPRINTABLE, plain
+from scheduler_lite.wire import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, UNPRINTABLE, plain
 from tf_antman.units import format_bytes, parse_bytes
 
 PROG = "scheduler-lite"
@@ -216,9 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="[--] COMMAND ...",
                     help="the job's command; everything from its first word on is the job's, options included")
 
-    sp = command("list", cmd_list, "list jobs, oldest first")
+    sp = command("list", cmd_list, f"list the newest jobs ({DEFAULT_LIST_LIMIT} unless --limit or --all), oldest first",
+                 f"The newest jobs are at the bottom. When older jobs are not shown, a line on stderr says how\n"
+                 f"many. --json prints the same jobs as one JSON list (the line still goes to stderr).\n\n"
+                 f"examples:\n  {PROG} list --state running --state queued\n  {PROG} list --limit 500\n"
+                 f"  {PROG} list --all --json > jobs.json")
     sp.add_argument("--state", action="append", choices=[s.value for s in JobStatus],
                     help="only jobs in this state (repeatable)")
+    shown = sp.add_mutually_exclusive_group()
+    shown.add_argument("--limit", type=_at_least_one, default=DEFAULT_LIST_LIMIT, metavar="N",
+                       help=f"show the newest N jobs (default {DEFAULT_LIST_LIMIT})")
+    shown.add_argument("--all", action="store_true", help="show every job (asks the daemon page by page)")
 
     sp = command("show", cmd_show, "one job: its record and its events")
     sp.add_argument("job")
@@ -288,17 +298,61 @@ def cmd_submit(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_list(config: Config, args: argparse.Namespace) -> int:
-    found = call(config, "list", states=args.state)
+    found, remaining = _newest_jobs(config, args.state, None if args.all else args.limit)
     if args.json:
         _print_json(found)
-        return 0
-    jobs = [job_record(j) for j in found]
-    rows = [[j.id, j.name or "-", j.tenant, j.user or "-", str(j.kind), str(j.role) if j.role else "-", _state(j),
-             ",".join(map(str, j.placement)) if j.placement else f"({j.num_gpus})",
-             _clock(j.submit_time), _duration(j), _command(j.command, j.workdir)] for j in jobs]
-    _table(["ID", "NAME", "TENANT", "USER", "TYPE", "ROLE", "STATE", "GPUS", "SUBMITTED", "RUNTIME", "COMMAND"],
-           rows)
+    else:
+        jobs = [job_record(j) for j in found]
+        rows = [[j.id, j.name or "-", j.tenant, j.user or "-", str(j.kind), str(j.role) if j.role else "-", _state(j),
+                 ",".join(map(str, j.placement)) if j.placement else f"({j.num_gpus})",
+                 _clock(j.submit_time), _duration(j), _command(j.command, j.workdir)] for j in jobs]
+        _table(["ID", "NAME", "TENANT", "USER", "TYPE", "ROLE", "STATE", "GPUS", "SUBMITTED", "RUNTIME", "COMMAND"],
+               rows)
+    if remaining:
+        sys.stdout.flush()  # the note after the table, where a terminal shows both
+        which = "matching job" if args.state else "job"
+        print(f"({remaining:,} older {which}{'s' if remaining != 1 else ''} not shown: --limit N shows the newest N, "
+              "--all every one)", file=sys.stderr)
     return 0
+
+
+def _newest_jobs(config: Config, states: list[str] | None, count: int | None) -> tuple[list[dict[str, Any]], int]:
+    """The newest `count` jobs (every one when None) in `states`, oldest first, and how many older
+    ones there are: one `list` request per page of at most MAX_LIST_LIMIT, each page's cursor the
+    previous page's next_cursor (jobs submitted meanwhile do not shift it)."""
+    pages: list[list[dict[str, Any]]] = []
+    got, cursor = 0, None
+    while True:
+        size = MAX_LIST_LIMIT if count is None else min(MAX_LIST_LIMIT, count - got)
+        try:
+            page = call(config, "list", states=states, limit=size, cursor=cursor)
+        except ClientError as e:
+            if str(e).startswith("argument 'limit' is unknown"):
+                raise ClientError(f"{e} (the daemon is older than this client and does not page `list`: restart it "
+                                  "with this scheduler-lite)") from None
+            raise
+        pages.append(page["jobs"])
+        got += len(page["jobs"])
+        if not page["more"] or count is not None and got >= count:
+            return [job for jobs in reversed(pages) for job in jobs], page["remaining"]
+        if not page["jobs"] or not _older(page["next_cursor"], cursor):  # else it would ask forever
+            raise ClientError(f"the daemon's list answers do not move on (next_cursor {page['next_cursor']!r} after "
+                              f"{cursor!r}): is it the same scheduler-lite version?")
+        cursor = page["next_cursor"]
+
+
+def _older(cursor: object, than: str | None) -> bool:
+    try:
+        return than is None or seq_of(cursor) < seq_of(than)
+    except StorageError:
+        return False
+
+
+def _at_least_one(text: str) -> int:
+    """--limit: ASCII digits (int() also reads '1_0' and other scripts' digits), at least 1."""
+    if not re.fullmatch(r"0*[1-9][0-9]{0,99}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: accepted an integer >= 1 (--all: every job)")
+    return int(text)
 
 
 def cmd_show(config: Config, args: argparse.Namespace) -> int:

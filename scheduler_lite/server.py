@@ -54,10 +54,14 @@ from scheduler_lite.model import JobKind
 from scheduler_lite.state_dir import check_state_dir, secure_state_dir
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
+from scheduler_lite.storage.base import seq_of
 from scheduler_lite.submission import SubmitError, make_job_spec, request_cancel, submit_job
 from scheduler_lite.wire import (
+    DEFAULT_LIST_LIMIT,
+    MAX_LIST_LIMIT,
     PROTOCOL_VERSION,
     RequestError,
+    bounded,
     checked_value,
     encode_answer,
     integer,
@@ -371,13 +375,28 @@ class Server:
         return out
 
     def _list(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ("states",))
+        only(args, ("states", "limit", "cursor"))
         states = strings(args, "states", 8)
         try:
             wanted = None if states is None else [JobStatus(s) for s in states]
         except ValueError:
             raise RequestError("states is invalid: accepted " + ", ".join(s.value for s in JobStatus)) from None
-        return [job_dict(r, who, self.policy) for r in self.daemon.storage.list_jobs(wanted)]
+        limit = bounded(args, "limit", 1, MAX_LIST_LIMIT)
+        cursor = args.get("cursor")
+        if cursor is not None:
+            try:
+                seq_of(cursor)
+            except StorageError:
+                raise RequestError(f"cursor {short(cursor)} is invalid: accepted a job id (job-N), e.g. the "
+                                   "next_cursor of the previous answer") from None
+        storage = self.daemon.storage
+        if limit is None and cursor is None:
+            # A client from before paging: the answer it reads, a list, but bounded (the newest
+            # MAX_LIST_LIMIT jobs): every job ever submitted outgrew an answer on a busy machine.
+            return [job_dict(r, who, self.policy) for r in storage.jobs_page(MAX_LIST_LIMIT, None, wanted).jobs]
+        page = storage.jobs_page(limit or DEFAULT_LIST_LIMIT, cursor, wanted)
+        return {"jobs": [job_dict(r, who, self.policy) for r in page.jobs], "more": page.more,
+                "remaining": page.remaining, "next_cursor": page.next_cursor}
 
     def _show(self, who: Identity, args: Mapping[str, Any]) -> Any:
         only(args, ("job",))

@@ -7,6 +7,12 @@ client may simply connect again: the caller's uid had too many connections open)
 most `MAX_ANSWER_BYTES`: a larger one is replaced by an error saying so. Ops: ping, submit, cancel,
 list, show, status, logs, tenants (docs/scheduler.md, "Clients and the socket").
 
+`list` is paged (added within version 1): with `limit` (1..MAX_LIST_LIMIT) or `cursor` (a job id,
+a previous answer's `next_cursor`) its answer is `{"jobs": [...], "more", "remaining",
+"next_cursor"}`: the newest `limit` (default DEFAULT_LIST_LIMIT) matching jobs older than the
+cursor, oldest first. A request with neither, as clients before paging send, is answered as it
+was, a list of jobs, but only the newest MAX_LIST_LIMIT of them.
+
 A malformed or out-of-range argument raises `RequestError`, whose message names the field and
 what is accepted; the server answers it as the request's one-line error.
 """
@@ -28,6 +34,12 @@ MAX_REQUEST_BYTES: Final = 1 << 20
 # The largest answer a client reads (and the daemon sends): a larger one is answered with an
 # error instead, never cut short.
 MAX_ANSWER_BYTES: Final = 64 << 20
+# The most jobs one `list` answer carries. The largest job a user can make takes about 120 KB of
+# answer (64 KiB of command and --env in control characters, 6 bytes each as JSON, a 4 KiB
+# workdir of them and a failure reason quoting it, a 256-character name): 200 of them take 24 MB,
+# so no page comes near MAX_ANSWER_BYTES (tests/scheduler/test_security_answers.py).
+MAX_LIST_LIMIT: Final = 200
+DEFAULT_LIST_LIMIT: Final = 50  # a page without `limit`; the CLI's default too
 MAX_STRING: Final = 65536
 MAX_ENV_PAIRS: Final = 256
 # Unicode categories refused in a job's name (and escaped by the CLI's tables): control (Cc:
@@ -102,7 +114,7 @@ def encode_answer(doc: Mapping[str, Any], op: str) -> bytes:
     data = json.dumps(doc).encode() + b"\n"
     if len(data) <= MAX_ANSWER_BYTES:
         return data
-    hint = " (e.g. `scheduler-lite list --state running`)" if op == "list" else ""
+    hint = " (e.g. `scheduler-lite list --limit 10`)" if op == "list" else ""
     return json.dumps({"ok": False, "error": f"the answer to {op} is {len(data)} bytes: accepted at most "
                                              f"{MAX_ANSWER_BYTES} bytes per answer; ask for less{hint}"}).encode() + b"\n"
 
@@ -168,6 +180,16 @@ def integer(args: Mapping[str, Any], key: str, default: int | None = None) -> An
     return value  # its range is the caller's to check, with the user's name for the field
 
 
+def bounded(args: Mapping[str, Any], key: str, low: int, high: int) -> int | None:
+    """An optional integer in [low, high]; one message for a wrong type and a wrong value."""
+    value = args.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(f"{key} {short(value)} is invalid: accepted an integer in [{low}, {high}]")
+    return value
+
+
 def pairs(args: Mapping[str, Any], key: str) -> list[tuple[str, str]]:
     value = args.get(key, [])
     ok = isinstance(value, list) and len(value) <= MAX_ENV_PAIRS and all(
@@ -204,6 +226,7 @@ def plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["MAX_ANSWER_BYTES", "MAX_ENV_PAIRS", "MAX_REQUEST_BYTES", "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE",
-           "RequestError", "checked_value", "encode_answer", "integer", "label", "only", "pairs", "parse", "plain",
-           "read_line", "send", "short", "string", "strings"]
+__all__ = ["DEFAULT_LIST_LIMIT", "MAX_ANSWER_BYTES", "MAX_ENV_PAIRS", "MAX_LIST_LIMIT", "MAX_REQUEST_BYTES",
+           "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError", "bounded", "checked_value",
+           "encode_answer", "integer", "label", "only", "pairs", "parse", "plain", "read_line", "send", "short",
+           "string", "strings"]

@@ -12,6 +12,7 @@ the CLI setting `cancel_requested` and the daemon setting `state` never overwrit
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from scheduler_lite.model import JobKind, Role
 
 SCHEMA_VERSION: Final = 5  # PRAGMA user_version of a current SQLite database
 MAX_EVENTS: Final = 100_000  # events kept; older ones are pruned (prune_events) so the table stays bounded
+MAX_SEQ: Final = (1 << 63) - 1  # SQLite's largest integer: a cursor past it names no job
+_JOB_ID: Final = re.compile(r"job-([1-9][0-9]{0,18})")  # job_id_for's form, ASCII digits only
 
 
 class JobStatus(enum.StrEnum):
@@ -114,6 +117,23 @@ class JobRecord:
     launched_at: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    """One page of jobs (Storage.jobs_page): the newest `limit` matching jobs before the cursor."""
+
+    jobs: tuple[JobRecord, ...]  # in submission order, oldest first (as list_jobs)
+    remaining: int  # matching jobs older than jobs[0]: what the next pages hold
+
+    @property
+    def more(self) -> bool:
+        return self.remaining > 0
+
+    @property
+    def next_cursor(self) -> str | None:
+        """The cursor of the next (older) page: the oldest job here; None when nothing remains."""
+        return self.jobs[0].id if self.jobs and self.remaining else None
+
+
 # Columns update_job() may set; the others are fixed at submission.
 UPDATABLE: Final = frozenset({
     "state", "role", "placement", "pid", "pid_start", "job_dir", "started_at", "ended_at",
@@ -156,6 +176,15 @@ class Storage(Protocol):
         """Jobs in submission order, optionally only those in `states`."""
         ...
 
+    def jobs_page(self, limit: int, before: str | None = None,
+                  states: Iterable[JobStatus] | None = None) -> JobPage:
+        """The newest `limit` (>= 1) jobs, optionally only those in `states`, submitted before the
+        job `before` (a cursor: a job id, whether or not that job exists; None: from the newest),
+        in submission order, with how many matching older ones remain. A keyset on `seq`, not an
+        offset: jobs submitted between two pages never shift the next one. Reads the page's jobs
+        and an index, never every job (`list` on a store of 100,000 jobs)."""
+        ...
+
     def update_job(self, job_id: str, **fields: Any) -> JobRecord:
         """Set columns of UPDATABLE; StorageError for an unknown job or column."""
         ...
@@ -194,6 +223,20 @@ class Storage(Protocol):
 
 def job_id_for(seq: int) -> str:
     return f"job-{seq}"
+
+
+def seq_of(job_id: object) -> int:
+    """The seq of an id of job_id_for's form; StorageError for anything else."""
+    match = _JOB_ID.fullmatch(job_id) if isinstance(job_id, str) else None
+    if match is None or int(match[1]) > MAX_SEQ:
+        raise StorageError(f"{str(job_id)[:60]!r} is not a job id: accepted job-N, N in [1, {MAX_SEQ}]")
+    return int(match[1])
+
+
+def check_limit(limit: int) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise StorageError(f"page limit {limit!r} is invalid: accepted an integer >= 1")
+    return limit
 
 
 def check_fields(fields: Mapping[str, Any]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -15,15 +16,18 @@ from typing import Any
 from scheduler_lite.storage.base import (
     MAX_EVENTS,
     EventRecord,
+    JobPage,
     JobRecord,
     JobSpec,
     JobStatus,
     PlacementRecord,
     StorageError,
     check_fields,
+    check_limit,
     check_states,
     iter_sorted_placements,
     job_id_for,
+    seq_of,
 )
 
 
@@ -78,6 +82,17 @@ class MemoryStorage:
         wanted = check_states(states)
         jobs = sorted(self._jobs.values(), key=lambda j: j.seq)
         return [j for j in jobs if wanted is None or j.state in wanted]
+
+    def jobs_page(self, limit: int, before: str | None = None,
+                  states: Iterable[JobStatus] | None = None) -> JobPage:
+        check_limit(limit)
+        below = None if before is None else seq_of(before)
+        wanted = check_states(states)
+        # _jobs is in submission order (ids are added in seq order; updates keep their place).
+        older = (j for j in reversed(self._jobs.values())
+                 if (below is None or j.seq < below) and (wanted is None or j.state in wanted))
+        page = list(itertools.islice(older, limit))
+        return JobPage(tuple(reversed(page)), sum(1 for _ in older))
 
     def update_job(self, job_id: str, **fields: Any) -> JobRecord:
         check_fields(fields)

@@ -20,16 +20,20 @@ from typing import Any, Final
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage.base import (
     MAX_EVENTS,
+    MAX_SEQ,
     SCHEMA_VERSION,
     EventRecord,
+    JobPage,
     JobRecord,
     JobSpec,
     JobStatus,
     PlacementRecord,
     StorageError,
     check_fields,
+    check_limit,
     check_states,
     job_id_for,
+    seq_of,
 )
 
 BUSY_TIMEOUT_MS: Final = 10_000
@@ -114,6 +118,7 @@ _JOB_COLUMNS: Final = (
     "requested_share, restartable, migrating, launched_at"
 )
 _JSON_COLUMNS: Final = frozenset({"placement"})
+_ALL_STATES: Final = ", ".join(f"'{s}'" for s in JobStatus)  # every row's state: the (state, seq) index covers all
 
 
 class SqliteStorage:
@@ -213,6 +218,44 @@ class SqliteStorage:
                 [str(s) for s in wanted],
             ).fetchall()
         return [_job(r) for r in rows]
+
+    def jobs_page(self, limit: int, before: str | None = None,
+                  states: Iterable[JobStatus] | None = None) -> JobPage:
+        check_limit(limit)
+        below = MAX_SEQ if before is None else seq_of(before)  # seq < below; ids never reach MAX_SEQ
+        wanted = check_states(states)
+        with self._begin("DEFERRED"):  # one snapshot for the page and its count
+            if wanted is None:
+                # Backwards along the primary key from the cursor: reads the page's rows only.
+                rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE seq < ? ORDER BY seq DESC LIMIT ?",
+                                        (below, limit)).fetchall()
+                rows.reverse()
+                # How many are older, read from the (state, seq) index, not the rows: counted
+                # directly near the oldest end, as all jobs (a b-tree count) less the newer ones
+                # near the newest (seq is about a job's position), where `list` reads.
+                remaining = 0
+                if rows:
+                    oldest = rows[0][0]
+                    (total,) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()
+                    near_newest = oldest > total // 2
+                    (counted,) = self._db.execute(f"SELECT COUNT(*) FROM jobs INDEXED BY jobs_by_state WHERE state "
+                                                  f"IN ({_ALL_STATES}) AND seq {'>=' if near_newest else '<'} ?",
+                                                  (oldest,)).fetchone()
+                    remaining = total - counted if near_newest else counted
+            else:
+                # The page's seqs from the (state, seq) index alone, then only those rows.
+                marks = ", ".join("?" * len(wanted))
+                names = [str(s) for s in wanted]
+                rows = self._db.execute(
+                    f"SELECT {_JOB_COLUMNS} FROM jobs WHERE seq IN (SELECT seq FROM jobs INDEXED BY jobs_by_state "
+                    f"WHERE state IN ({marks}) AND seq < ? ORDER BY seq DESC LIMIT ?) ORDER BY seq",
+                    [*names, below, limit]).fetchall()
+                remaining = 0
+                if rows:  # the matching older ones' index entries (no row is read)
+                    (remaining,) = self._db.execute(
+                        f"SELECT COUNT(*) FROM jobs INDEXED BY jobs_by_state WHERE state IN ({marks}) AND seq < ?",
+                        [*names, rows[0][0]]).fetchone()
+        return JobPage(tuple(_job(r) for r in rows), remaining)
 
     def update_job(self, job_id: str, **fields: Any) -> JobRecord:
         check_fields(fields)

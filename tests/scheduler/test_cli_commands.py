@@ -11,16 +11,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from scheduler_lite import cli as cli_module
 from scheduler_lite.cli import EXAMPLES, _global_options, main
+from scheduler_lite.client import call as client_call
 from scheduler_lite.config import CONFIG_ENV, load_config
 from scheduler_lite.isolation import SESSION_VARIABLES
-from scheduler_lite.model import Role
-from scheduler_lite.storage import SqliteStorage
+from scheduler_lite.model import JobKind, Role
+from scheduler_lite.storage import JobSpec, SqliteStorage
+from scheduler_lite.wire import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.serving import serving
 from tests.scheduler.test_daemon_fakes import REPO, fake_command, wait_for
@@ -173,6 +178,15 @@ def test_a_bad_config_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["submit", "--steps", "1.5", "--", "true"], "argument --steps: invalid int value: '1.5'", "submit"),
         (["list", "--state", "bogus"], "argument --state: invalid choice: 'bogus'", "list"),
         (["list", "--bogus", "a\nb"], "unrecognized arguments: --bogus a\\nb", "list"),  # the newline escaped
+        (["list", "--limit", "0"], "argument --limit: '0' is invalid: accepted an integer >= 1 (--all: every job)",
+         "list"),
+        (["list", "--limit", "-3"], "argument --limit: '-3' is invalid: accepted an integer >= 1", "list"),
+        (["list", "--limit", "ten"], "argument --limit: 'ten' is invalid: accepted an integer >= 1", "list"),
+        (["list", "--limit", "2.5"], "argument --limit: '2.5' is invalid: accepted an integer >= 1", "list"),
+        (["list", "--limit", "1_0"], "argument --limit: '1_0' is invalid: accepted an integer >= 1", "list"),
+        (["list", "--limit", "\u0661\u0660"], "argument --limit: '\u0661\u0660' is invalid", "list"),  # Arabic-Indic 10
+        (["list", "--limit"], "argument --limit: expected one argument", "list"),
+        (["list", "--limit", "5", "--all"], "argument --all: not allowed with argument --limit", "list"),
         (["status", "extra"], "unrecognized arguments: extra", "status"),
         (["bogus"], "argument COMMAND: invalid choice: 'bogus'", None),
         (["--config"], "argument --config: expected one argument", None),
@@ -430,3 +444,123 @@ def test_status_step_time_says_when_a_job_stopped_stepping() -> None:
     assert _step_time(on_gpu(last_step_ms=3012.0)) == "3.3 ms (step 2435), last 3012 ms"
     assert _step_time(on_gpu(paused=True, stats_age_s=0.2)) == "paused at step 2435"
     assert _step_time(on_gpu(step_ms_median=None)) == "-"
+
+
+# -- list: the newest jobs, page by page --------------------------------------------------------------
+
+
+def add_jobs(cfg: str, n: int, state: str | None = None) -> list[str]:
+    """Jobs written into the daemon's store directly (through its own SQLite file): fast, and the
+    daemon (which does not tick here) keeps them as they are."""
+    store = SqliteStorage(load_config(Path(cfg)).db_path)
+    try:
+        with store.transaction():
+            ids = [store.add_job(JobSpec("A", JobKind.AUTO, 1, ("/bin/true",), "/tmp", 0.0, uid=os.getuid(),
+                                         user="me")).id for _ in range(n)]
+            for job in ids if state else ():
+                store.update_job(job, state=state)
+        return ids
+    finally:
+        store.close()
+
+
+def rows(out: str) -> list[str]:
+    lines = out.splitlines()
+    assert lines[0].startswith("ID ")
+    return [line.split()[0] for line in lines[1:]]
+
+
+def test_list_shows_the_newest_jobs_and_says_how_many_are_not_shown(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    jobs = add_jobs(cfg, DEFAULT_LIST_LIMIT + 10)
+    rc, out, err = run(capsys, "--config", cfg, "list")
+    assert rc == 0 and rows(out) == jobs[10:]  # the newest 50, oldest first: the newest last
+    assert err == "(10 older jobs not shown: --limit N shows the newest N, --all every one)\n"
+    rc, out, err = run(capsys, "--config", cfg, "list", "--limit", "3")
+    assert rc == 0 and rows(out) == jobs[-3:] and err.startswith("(57 older jobs not shown: ")
+    rc, out, err = run(capsys, "--config", cfg, "list", "--limit", "59")
+    assert rc == 0 and rows(out) == jobs[1:] and err.startswith("(1 older job not shown: ")
+    for argv in (["--limit", "60"], ["--limit", "0061"], ["--all"]):
+        rc, out, err = run(capsys, "--config", cfg, "list", *argv)
+        assert (rc, rows(out), err) == (0, jobs, ""), argv
+    # --json: the same jobs as one JSON list (stdout stays one document), the note on stderr.
+    rc, out, err = run(capsys, "--config", cfg, "list", "--json", "--limit", "4")
+    assert rc == 0 and [j["id"] for j in json.loads(out)] == jobs[-4:] and err.startswith("(56 older jobs")
+    rc, out, err = run(capsys, "--config", cfg, "list", "--all", "--json")
+    assert rc == 0 and [j["id"] for j in json.loads(out)] == jobs and err == ""
+
+
+def test_list_pages_through_the_daemon_with_its_cursor(cfg: str, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """More than one answer's worth (MAX_LIST_LIMIT): one request per page, each from the previous
+    page's cursor; jobs submitted while it pages are not shown and shift nothing."""
+    jobs = add_jobs(cfg, 2 * MAX_LIST_LIMIT + 30)
+    asked: list[dict[str, Any]] = []
+    later: list[str] = []
+
+    def call(config: Any, op: str, **args: Any) -> Any:
+        asked.append(args)
+        answer = client_call(config, op, **args)
+        if len(asked) == 1 and not later:  # between the first page and the second, once
+            later.extend(add_jobs(cfg, 5))
+        return answer
+
+    monkeypatch.setattr(cli_module, "call", call)
+    rc, out, err = run(capsys, "--config", cfg, "list", "--all")
+    assert rc == 0 and rows(out) == jobs and err == ""
+    assert [(a["limit"], a["cursor"]) for a in asked] == [
+        (MAX_LIST_LIMIT, None), (MAX_LIST_LIMIT, jobs[-MAX_LIST_LIMIT]), (MAX_LIST_LIMIT, jobs[-2 * MAX_LIST_LIMIT])]
+    asked.clear()
+    rc, out, err = run(capsys, "--config", cfg, "list", "--json", "--limit", str(MAX_LIST_LIMIT + 7))
+    everything = jobs + later
+    assert rc == 0 and [j["id"] for j in json.loads(out)] == everything[-(MAX_LIST_LIMIT + 7):]
+    assert [a["limit"] for a in asked] == [MAX_LIST_LIMIT, 7]
+    assert err == (f"({len(everything) - MAX_LIST_LIMIT - 7} older jobs not shown: --limit N shows the newest N, "
+                   "--all every one)\n")
+
+
+def test_list_pages_only_the_states_asked_for(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    done = add_jobs(cfg, 5, state="finished")
+    add_jobs(cfg, 3)  # queued, newer
+    failed = add_jobs(cfg, 1, state="failed")
+    rc, out, err = run(capsys, "--config", cfg, "list", "--state", "finished", "--limit", "2")
+    assert rc == 0 and rows(out) == done[-2:]
+    assert err == "(3 older matching jobs not shown: --limit N shows the newest N, --all every one)\n"
+    rc, out, err = run(capsys, "--config", cfg, "list", "--state", "finished", "--state", "failed", "--all")
+    assert rc == 0 and rows(out) == done + failed and err == ""
+
+
+def test_list_from_a_daemon_older_than_pages_says_to_restart_it(cfg_file: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A daemon from before paging refuses `limit` as an unknown argument: the error says why."""
+    state = Path(cfg_file).parent / "state"
+    state.mkdir()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(state / "scheduler.sock"))
+    listener.listen(1)
+
+    def old_daemon() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            request = json.loads(conn.recv(1 << 16))
+            assert request["args"]["limit"] == DEFAULT_LIST_LIMIT
+            conn.sendall(b'{"ok": false, "error": "argument \'limit\' is unknown: accepted states"}\n')
+
+    thread = threading.Thread(target=old_daemon, daemon=True)
+    thread.start()
+    try:
+        rc, out, err = run(capsys, "--config", cfg_file, "list")
+    finally:
+        thread.join(10)
+        listener.close()
+    assert rc == 2 and out == ""
+    assert err == ("scheduler-lite: error: argument 'limit' is unknown: accepted states (the daemon is older than "
+                   "this client and does not page `list`: restart it with this scheduler-lite)\n")
+
+
+def test_list_help_says_what_it_shows_and_how_to_see_more(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["list", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"list the newest jobs ({DEFAULT_LIST_LIMIT} unless --limit or --all), oldest first" in out
+    assert f"--limit N show the newest N jobs (default {DEFAULT_LIST_LIMIT})" in out
+    assert "--all show every job" in out and "--json prints the same jobs as one JSON list" in out

@@ -24,9 +24,11 @@ from scheduler_lite import wire as wire_module
 from scheduler_lite.auth import AccessPolicy, TenantMembers, identity_of_uid
 from scheduler_lite.client import ClientError, call_socket
 from scheduler_lite.daemon import Daemon
+from scheduler_lite.model import JobKind
 from scheduler_lite.server import MAX_EVENT_TEXT, SHOW_EVENTS, Server
-from scheduler_lite.storage import MemoryStorage, SqliteStorage
-from scheduler_lite.submission import MAX_SUBMISSION_BYTES, SubmitError, make_job_spec
+from scheduler_lite.storage import JobSpec, MemoryStorage, SqliteStorage
+from scheduler_lite.submission import MAX_SUBMISSION_BYTES, SubmitError, make_job_spec, submission_bytes
+from scheduler_lite.wire import MAX_LIST_LIMIT, encode_answer
 from tests.scheduler.test_daemon_fakes import make_config
 from tests.scheduler.test_security_connections import listening
 
@@ -135,8 +137,31 @@ def test_an_answer_over_the_limit_is_one_line_saying_so(tmp_path: Path, monkeypa
         message = str(refused.value)
         assert message.startswith("the answer to list is ") and "\n" not in message
         assert message.endswith(" bytes: accepted at most 20000 bytes per answer; ask for less (e.g. "
-                                "`scheduler-lite list --state running`)")
+                                "`scheduler-lite list --limit 10`)")
         assert len(call_socket(server.path, "list", {"states": ["running"]})) == 0  # a smaller one is answered
+        assert len(call_socket(server.path, "list", {"limit": 3})["jobs"]) == 3
+
+
+def test_the_largest_list_page_of_the_largest_jobs_fits_in_an_answer(server: Server) -> None:
+    """`list` answers at most MAX_LIST_LIMIT jobs: so many of the largest jobs a user can make
+    (command at the submission limit in control characters, 6 bytes each as JSON, the longest
+    workdir and a failure reason quoting it, a 256-character name of 12-byte characters) still
+    fit in one answer, with or without a limit (a client from before pages)."""
+    command = ["/bin/true", "\x01" * ((MAX_SUBMISSION_BYTES - len(json.dumps(["/bin/true", ""]))) // 6)]
+    assert MAX_SUBMISSION_BYTES - 6 < submission_bytes(command, ()) <= MAX_SUBMISSION_BYTES
+    workdir = "/" + "\x01" * 4095  # PATH_MAX
+    spec = JobSpec("A", JobKind.AUTO, 1, tuple(command), workdir, 0.0, name="\U0001f600" * 256, uid=ME.uid,
+                   user="u" * 32)
+    storage = server.daemon.storage
+    for _ in range(MAX_LIST_LIMIT + 1):
+        job = storage.add_job(spec)
+        storage.update_job(job.id, state="failed", reason=f"cannot start {job.id}: Permission denied ({workdir})")
+    for args in ({"limit": MAX_LIST_LIMIT}, {}):
+        answer = server.handle(ME, "list", args)
+        data = encode_answer(answer, "list")
+        assert json.loads(data)["ok"] is True and len(data) <= wire_module.MAX_ANSWER_BYTES, len(data)
+        jobs = answer["result"] if args == {} else answer["result"]["jobs"]
+        assert len(jobs) == MAX_LIST_LIMIT and len(data) > 100_000 * MAX_LIST_LIMIT  # as large as promised
 
 
 def test_the_client_says_an_answer_is_too_large_rather_than_not_json(tmp_path: Path,

@@ -15,9 +15,10 @@ from scheduler_lite import server as server_module
 from scheduler_lite.auth import AccessPolicy, Identity, TenantMembers, identity_of_uid
 from scheduler_lite.client import ClientError, call_socket
 from scheduler_lite.daemon import Daemon
+from scheduler_lite.model import JobKind
 from scheduler_lite.server import Server, _Pending
-from scheduler_lite.storage import MemoryStorage
-from scheduler_lite.wire import MAX_REQUEST_BYTES
+from scheduler_lite.storage import JobSpec, JobStatus, MemoryStorage
+from scheduler_lite.wire import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, MAX_REQUEST_BYTES, short
 from tests.scheduler.serving import answering
 from tests.scheduler.test_daemon_fakes import make_config
 
@@ -211,3 +212,99 @@ def test_close_leaves_a_socket_that_is_no_longer_its_own(server: Server) -> None
     server.start()
     server.close()
     assert not server.path.exists()  # its own socket it removes
+
+
+# -- list: pages -----------------------------------------------------------------------------------
+
+
+def add_jobs(server: Server, n: int) -> list[str]:
+    """Jobs put in the store directly (a submission through the socket starts a shell per job)."""
+    return [server.daemon.storage.add_job(JobSpec("A", JobKind.AUTO, 1, ("/bin/true",), "/", 0.0, uid=ME.uid)).id
+            for _ in range(n)]
+
+
+def listed(answer: dict[str, Any]) -> tuple[list[str], bool, int, str | None]:
+    assert answer["ok"] is True, answer
+    page = answer["result"]
+    assert set(page) == {"jobs", "more", "remaining", "next_cursor"}
+    return [j["id"] for j in page["jobs"]], page["more"], page["remaining"], page["next_cursor"]
+
+
+def test_list_answers_a_page_and_the_cursor_of_the_next(listening: Server) -> None:
+    jobs = add_jobs(listening, 7)
+    first = call_socket(listening.path, "list", {"limit": 3})  # through the socket: the wire's fields
+    assert first == {"jobs": first["jobs"], "more": True, "remaining": 4, "next_cursor": jobs[4]}
+    assert [j["id"] for j in first["jobs"]] == jobs[4:]  # the newest, oldest first
+    assert listed(listening.handle(ME, "list", {"limit": 3, "cursor": jobs[4]})) == (jobs[1:4], True, 1, jobs[1])
+    assert listed(listening.handle(ME, "list", {"limit": 3, "cursor": jobs[1]})) == (jobs[:1], False, 0, None)
+    assert listed(listening.handle(ME, "list", {"limit": 7})) == (jobs, False, 0, None)
+    # A cursor without a limit: the default page (DEFAULT_LIST_LIMIT); a null limit is no limit.
+    assert listed(listening.handle(ME, "list", {"cursor": jobs[6]})) == (jobs[:6], False, 0, None)
+    many = add_jobs(listening, DEFAULT_LIST_LIMIT + 5)
+    assert listed(listening.handle(ME, "list", {"limit": None, "cursor": "job-999999"})) == (
+        many[5:], True, 12, many[5])
+
+
+def test_jobs_submitted_between_pages_shift_nothing(server: Server) -> None:
+    jobs = add_jobs(server, 6)
+    assert listed(server.handle(ME, "list", {"limit": 2})) == (jobs[4:], True, 4, jobs[4])
+    newer = add_jobs(server, 3)
+    assert listed(server.handle(ME, "list", {"limit": 2, "cursor": jobs[4]})) == (jobs[2:4], True, 2, jobs[2])
+    assert listed(server.handle(ME, "list", {"limit": 2, "cursor": jobs[2]})) == (jobs[:2], False, 0, None)
+    assert listed(server.handle(ME, "list", {"limit": 2})) == (newer[1:], True, 7, newer[1])
+
+
+def test_list_pages_only_the_states_asked_for(server: Server) -> None:
+    jobs = add_jobs(server, 8)
+    for job in jobs[1::2]:  # job-2, 4, 6, 8
+        server.daemon.storage.update_job(job, state=JobStatus.FINISHED)
+    server.daemon.storage.update_job(jobs[0], state=JobStatus.FAILED)
+    ended = ["finished", "failed"]
+    assert listed(server.handle(ME, "list", {"states": ["finished"], "limit": 3})) == (
+        [jobs[3], jobs[5], jobs[7]], True, 1, jobs[3])
+    assert listed(server.handle(ME, "list", {"states": ended, "limit": 3, "cursor": jobs[3]})) == (
+        [jobs[0], jobs[1]], False, 0, None)
+    assert listed(server.handle(ME, "list", {"states": ["queued"], "limit": 2})) == (
+        [jobs[4], jobs[6]], True, 1, jobs[4])
+
+
+@pytest.mark.parametrize("limit", [0, -1, MAX_LIST_LIMIT + 1, 10**30, True, "10", 2.5, [5], {}])
+def test_a_bad_list_limit_is_refused_naming_it_and_the_range(server: Server, limit: Any) -> None:
+    add_jobs(server, 2)
+    answer = server.handle(ME, "list", {"limit": limit})
+    assert answer["ok"] is False, answer
+    assert answer["error"] == f"limit {short(limit)} is invalid: accepted an integer in [1, {MAX_LIST_LIMIT}]"
+
+
+@pytest.mark.parametrize("cursor", ["", "job-0", "job-01", "7", 7, "job-1 ", "job-\u0661", "job-1_0",
+                                    "job-99999999999999999999", ["job-1"]])
+def test_a_bad_list_cursor_is_refused_naming_it(server: Server, cursor: Any) -> None:
+    add_jobs(server, 2)
+    answer = server.handle(ME, "list", {"limit": 5, "cursor": cursor})
+    assert answer["ok"] is False, answer
+    assert answer["error"] == (f"cursor {short(cursor)} is invalid: accepted a job id (job-N), e.g. the next_cursor "
+                               "of the previous answer")
+
+
+def test_a_list_request_from_before_pages_gets_the_list_it_reads_bounded(listening: Server) -> None:
+    """A client that sends no limit (or cursor) reads a list of jobs, as before paging: it gets
+    one, oldest first, of the newest MAX_LIST_LIMIT jobs (every job ever submitted outgrew an
+    answer), never the page object it could not read."""
+    jobs = add_jobs(listening, MAX_LIST_LIMIT + 10)
+    listening.daemon.storage.update_job(jobs[-1], state=JobStatus.RUNNING)
+    for args in ({}, {"states": None}, {"states": None, "limit": None, "cursor": None}):
+        old = call_socket(listening.path, "list", args)
+        assert isinstance(old, list) and [j["id"] for j in old] == jobs[10:], args
+    assert [j["id"] for j in call_socket(listening.path, "list", {"states": ["running"]})] == [jobs[-1]]
+    assert len(call_socket(listening.path, "list", {"states": ["queued"]})) == MAX_LIST_LIMIT
+    answer = listening.handle(ME, "list", {"offset": 3})
+    assert answer["error"] == "argument 'offset' is unknown: accepted states, limit, cursor"
+
+
+def test_a_page_hides_other_users_env_as_a_list_did(server: Server) -> None:
+    server.policy = AccessPolicy(0, "root", server.policy.members)  # as a root daemon, serving both
+    server.daemon.storage.add_job(JobSpec("A", JobKind.AUTO, 1, ("/bin/true",), "/", 0.0, env=(("TOKEN", "s"),),
+                                          uid=ME.uid))
+    assert server.handle(OTHER, "list", {"limit": 1})["result"]["jobs"][0]["env"] == {"TOKEN": "<hidden>"}
+    assert server.handle(OTHER, "list", {})["result"][0]["env"] == {"TOKEN": "<hidden>"}
+    assert server.handle(ME, "list", {"limit": 1})["result"]["jobs"][0]["env"] == {"TOKEN": "s"}

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage import (
+    JobPage,
     JobSpec,
     JobStatus,
     MemoryStorage,
@@ -165,3 +167,115 @@ def test_share_restartable_and_migrating_round_trip(storage: Storage) -> None:
     assert storage.update_job(job.id, migrating=True).migrating is True
     assert storage.get_job(job.id).migrating is True  # type: ignore[union-attr]
     assert storage.update_job(job.id, migrating=False).migrating is False
+
+
+# -- pages of jobs (`list`) ----------------------------------------------------------------------
+
+
+def ids(page: JobPage) -> list[str]:
+    return [j.id for j in page.jobs]
+
+
+def walk(storage: Storage, limit: int, states: Sequence[JobStatus] | None = None) -> list[list[str]]:
+    """Every page, newest first, each page's cursor the previous page's next_cursor."""
+    pages, cursor = [], None
+    while len(pages) <= 1000:  # a page that fails to move on would loop
+        page = storage.jobs_page(limit, cursor, states)
+        pages.append(ids(page))
+        assert page.more is (page.remaining > 0) and (page.next_cursor is None) is (not page.more)
+        if not page.more:
+            return pages
+        assert page.next_cursor == page.jobs[0].id
+        cursor = page.next_cursor
+    raise AssertionError(f"no last page after {len(pages)}: {pages[-3:]}")
+
+
+def test_a_page_is_the_newest_jobs_in_submission_order_and_says_what_remains(storage: Storage) -> None:
+    empty = storage.jobs_page(5)
+    assert (empty.jobs, empty.remaining, empty.more, empty.next_cursor) == ((), 0, False, None)
+    jobs = [storage.add_job(spec()).id for _ in range(6)]  # job-1 .. job-6
+    first = storage.jobs_page(4)
+    assert (ids(first), first.remaining, first.more, first.next_cursor) == (jobs[2:], 2, True, jobs[2])
+    last = storage.jobs_page(4, first.next_cursor)
+    assert (ids(last), last.remaining, last.more, last.next_cursor) == (jobs[:2], 0, False, None)
+    # Boundaries: a page that ends exactly at the oldest job, one larger than the store, limit 1.
+    exact = storage.jobs_page(3, jobs[3])
+    assert (ids(exact), exact.remaining, exact.next_cursor) == (jobs[:3], 0, None)
+    assert (ids(storage.jobs_page(6)), storage.jobs_page(6).remaining) == (jobs, 0)
+    assert (ids(storage.jobs_page(100)), storage.jobs_page(100).remaining) == (jobs, 0)
+    assert [ids(storage.jobs_page(1, c)) for c in (None, jobs[5], jobs[1])] == [[jobs[5]], [jobs[4]], [jobs[0]]]
+    assert walk(storage, 2) == [jobs[4:], jobs[2:4], jobs[:2]]
+    assert walk(storage, 4) == [jobs[2:], jobs[:2]]
+    # The cursor is a position, not a lookup: the oldest job's id gives an empty page; an id past
+    # the newest (a job never submitted) the newest jobs.
+    assert storage.jobs_page(3, jobs[0]) == JobPage((), 0)
+    assert ids(storage.jobs_page(2, "job-999")) == jobs[4:]
+
+
+def test_a_cursor_is_stable_when_jobs_are_submitted_between_pages(storage: Storage) -> None:
+    """A keyset, not an offset: jobs submitted after the first page shift nothing; none is shown
+    twice or skipped (with OFFSET 3 the second page would repeat job-7..9 after three submissions)."""
+    old = [storage.add_job(spec()).id for _ in range(10)]
+    first = storage.jobs_page(3)
+    assert ids(first) == old[7:] and first.remaining == 7
+    new = [storage.add_job(spec()).id for _ in range(3)]
+    second = storage.jobs_page(3, first.next_cursor)
+    assert ids(second) == old[4:7] and second.remaining == 4
+    storage.update_job(old[2], state=JobStatus.FINISHED)  # a state change moves nothing either
+    rest = walk_from(storage, 3, second.next_cursor)
+    assert rest == [old[1:4], old[:1]]
+    assert ids(storage.jobs_page(3)) == new  # a new first page starts at the newest
+
+
+def walk_from(storage: Storage, limit: int, cursor: str | None) -> list[list[str]]:
+    pages: list[list[str]] = []
+    while cursor is not None and len(pages) <= 1000:
+        page = storage.jobs_page(limit, cursor)
+        pages.append(ids(page))
+        cursor = page.next_cursor
+    return pages
+
+
+def test_a_state_filter_applies_before_the_page_is_cut(storage: Storage) -> None:
+    jobs = [storage.add_job(spec()) for _ in range(9)]
+    for j in jobs[::3]:  # job-1, job-4, job-7
+        storage.update_job(j.id, state=JobStatus.FINISHED)
+    storage.update_job(jobs[8].id, state=JobStatus.RUNNING)
+    done = [JobStatus.FINISHED]
+    first = storage.jobs_page(2, None, done)
+    assert (ids(first), first.remaining, first.next_cursor) == ([jobs[3].id, jobs[6].id], 1, jobs[3].id)
+    assert walk(storage, 2, done) == [[jobs[3].id, jobs[6].id], [jobs[0].id]]
+    both = [JobStatus.FINISHED, JobStatus.RUNNING]
+    assert walk(storage, 2, both) == [[jobs[6].id, jobs[8].id], [jobs[0].id, jobs[3].id]]
+    assert walk(storage, 10, [JobStatus.QUEUED]) == [[jobs[i].id for i in (1, 2, 4, 5, 7)]]
+    assert storage.jobs_page(5, None, [JobStatus.CANCELLED]) == JobPage((), 0)
+    # A cursor that is not one of the filter's jobs works as well (the oldest shown may change state).
+    assert ids(storage.jobs_page(5, jobs[5].id, done)) == [jobs[0].id, jobs[3].id]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pages_agree_with_reading_every_job(storage: Storage, seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(rng.choice([1, 7, 40])):
+        job = storage.add_job(spec())
+        storage.update_job(job.id, state=rng.choice(list(JobStatus)))
+    for states in (None, [JobStatus.QUEUED], [JobStatus.FINISHED, JobStatus.FAILED], list(JobStatus)):
+        everything = [j.id for j in storage.list_jobs(states)]
+        for limit in (1, 3, 7, 100):
+            expected = [everything[max(0, end - limit):end] for end in range(len(everything), 0, -limit)] or [[]]
+            assert walk(storage, limit, states) == expected, (seed, states, limit)
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 2.0, "3", None])
+def test_a_page_limit_is_a_positive_integer(storage: Storage, limit: object) -> None:
+    storage.add_job(spec())
+    with pytest.raises(StorageError, match="page limit .* is invalid: accepted an integer >= 1"):
+        storage.jobs_page(limit)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cursor", ["", "job-", "job-0", "job-01", "job-1x", "job-\u0661", "x-1", "JOB-1",
+                                    "job-99999999999999999999", 7])
+def test_a_cursor_is_a_job_id(storage: Storage, cursor: object) -> None:
+    storage.add_job(spec())
+    with pytest.raises(StorageError, match="is not a job id: accepted job-N"):
+        storage.jobs_page(5, cursor)  # type: ignore[arg-type]

@@ -13,11 +13,13 @@ import pytest
 from scheduler_lite.model import JobKind
 from scheduler_lite.storage import (
     SCHEMA_VERSION,
+    JobPage,
     JobSpec,
     JobStatus,
     SqliteStorage,
     StorageError,
 )
+from scheduler_lite.storage import sqlite as sqlite_module
 from scheduler_lite.storage.sqlite import MIGRATIONS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,4 +114,58 @@ def test_a_version_1_store_is_migrated_and_keeps_its_jobs(tmp_path: Path) -> Non
     # 3 -> 4: no share stated, not restartable, not being migrated
     assert (job.requested_share, job.restartable, job.migrating) == (None, False, False)
     assert job.launched_at is None  # 4 -> 5: its launch's time is started_at (status reads that)
+    store.close()
+
+
+def test_a_page_of_a_store_with_100k_jobs_reads_the_page_not_the_store(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`list` on a long-lived workstation: 100,000 jobs inserted directly. A page builds only its
+    own jobs, and the database's work (virtual machine steps) stays far below reading every job,
+    as `list` did: about 40 steps a job, 4 million here. Near the newest jobs, where `list` reads,
+    a page takes fewer steps than the store has jobs; deep in the store, or with a state most jobs
+    are in, counting the older ones reads their index entries (a few steps each), never a row."""
+    db = tmp_path / "s.db"
+    SqliteStorage(db).close()  # the current schema
+    states = ["finished"] * 90 + ["failed"] * 6 + ["cancelled"] * 2 + ["queued", "running"]
+    raw = sqlite3.connect(db)
+    raw.executemany("INSERT INTO jobs (seq, id, tenant, kind, num_gpus, command, workdir, submit_time, state) "
+                    "VALUES (?, ?, 'A', 'auto', 1, '[\"python\", \"train.py\"]', '/tmp', 0.0, ?)",
+                    ((seq, f"job-{seq}", states[seq % 100]) for seq in range(1, 100_001)))
+    raw.commit()
+    raw.close()
+
+    built: list[str] = []
+    real_job = sqlite_module._job
+    monkeypatch.setattr(sqlite_module, "_job", lambda row: built.append(row[1]) or real_job(row))
+    store = SqliteStorage(db)
+    hundreds = [0]
+
+    def count() -> int:
+        hundreds[0] += 1
+        return 0
+
+    store._db.set_progress_handler(count, 100)  # called every 100 virtual machine steps
+
+    def page(limit: int, before: str | None = None, wanted: list[JobStatus] | None = None) -> tuple[JobPage, int]:
+        built.clear()
+        hundreds[0] = 0
+        found = store.jobs_page(limit, before, wanted)
+        assert built == [j.id for j in found.jobs]  # the page's rows, and no other, became jobs
+        return found, hundreds[0] * 100
+
+    first, steps = page(50)
+    assert [j.id for j in first.jobs] == [f"job-{n}" for n in range(99_951, 100_001)]
+    assert (first.remaining, first.next_cursor) == (99_950, "job-99951") and steps < 100_000, steps
+    second, steps = page(50, first.next_cursor)
+    assert second.jobs[-1].id == "job-99950" and second.remaining == 99_900 and steps < 100_000, steps
+    running, steps = page(50, None, [JobStatus.QUEUED, JobStatus.RUNNING])  # 2% of the jobs
+    assert [j.id for j in running.jobs][-2:] == ["job-99998", "job-99999"] and running.remaining == 1_950
+    assert steps < 100_000, steps
+    middle, steps = page(50, "job-50001")
+    assert [j.id for j in middle.jobs] == [f"job-{n}" for n in range(49_951, 50_001)] and middle.remaining == 49_950
+    assert steps < 500_000, steps
+    finished, steps = page(50, None, [JobStatus.FINISHED])  # 90% of the jobs
+    assert finished.jobs[-1].id == "job-100000" and finished.remaining == 90_000 - 50 and steps < 500_000, steps
+    largest, steps = page(500)
+    assert len(largest.jobs) == 500 and largest.remaining == 99_500 and steps < 100_000, steps
     store.close()
