@@ -564,3 +564,28 @@ def test_list_help_says_what_it_shows_and_how_to_see_more(capsys: pytest.Capture
     assert f"list the newest jobs ({DEFAULT_LIST_LIMIT} unless --limit or --all), oldest first" in out
     assert f"--limit N show the newest N jobs (default {DEFAULT_LIST_LIMIT})" in out
     assert "--all show every job" in out and "--json prints the same jobs as one JSON list" in out
+
+
+def test_show_says_how_many_older_events_it_left_out(cfg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The daemon answers the newest SHOW_EVENTS events and counts the rest; the CLI printed the
+    # count untested (a job writing bad stats.json for days has thousands of events).
+    from scheduler_lite.server import SHOW_EVENTS
+
+    _, out, _ = run(capsys, "--config", cfg, "submit", "--tenant", "B", "--", "true")
+    job = out.strip()
+    store = SqliteStorage(load_config(Path(cfg)).db_path)  # a second connection, as another process would
+    try:
+        for i in range(SHOW_EVENTS + 7):
+            store.add_event(float(i), "stats_error", job, error=f"bad stats {i}")
+    finally:
+        store.close()
+    rc, out, _ = run(capsys, "--config", cfg, "show", job)
+    assert rc == 0
+    # 8 older ones: "submitted" and the first 7 errors.
+    assert f"\nevents (the newest {SHOW_EVENTS}; 8 not shown):\n" in out
+    lines = out.split("\nevents")[1].splitlines()
+    assert lines[2].endswith("error=bad stats 7") and lines[-1].endswith(f"error=bad stats {SHOW_EVENTS + 6}")
+    assert len(lines) == 2 + SHOW_EVENTS  # the heading, the table's header, the events
+    other = run(capsys, "--config", cfg, "submit", "--tenant", "B", "--", "true")[1].strip()
+    rc, out, _ = run(capsys, "--config", cfg, "show", other)
+    assert rc == 0 and "\nevents:\n" in out and "not shown" not in out
