@@ -53,6 +53,13 @@ JOB_DIR_VARIABLE: Final = "SCHEDULER_LITE_JOB_DIR"  # in the environment of ever
 # Interpreters tried for the wrapper of a job that runs as another user (the first it can run).
 WRAPPER_PYTHONS: Final = (sys.executable, "/usr/bin/python3")
 _MAX_EXIT_FILE_BYTES: Final = 64
+# Popen returns once execve has closed the child's close-on-exec descriptors, before the kernel
+# has put the new program's arguments in place: until then /proc/<pid>/cmdline reads empty (for
+# milliseconds, longer on a loaded machine). `adopt` waits up to this long for the command line
+# of a live process before it judges by it (without the wait, a restart right after a launch took
+# the job for a reused pid, recorded it as ended and SIGKILLed it as its own leftover).
+EXEC_GRACE_S: Final = 5.0
+_PF_KTHREAD: Final = 0x00200000  # in the flags of /proc/<pid>/stat: a kernel thread (never a command line)
 
 # The wrapper (Python 3.6+: /usr/bin/python3 may be old). argv: -c, its name, the command. It
 # catches SIGTERM/SIGINT/SIGHUP (the command still gets them: a cancel signals the whole group;
@@ -211,12 +218,32 @@ def wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:
     return out
 
 
-def _has_name(pid: int, name: str) -> bool:
+def _cmdline(pid: int) -> bytes | None:
+    """/proc/<pid>/cmdline, None if it cannot be read (gone). Empty for a process inside execve
+    (see EXEC_GRACE_S), a kernel thread, or one whose memory is already released as it exits."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return False
-    return name.encode() in argv[:5]
+        return None
+
+
+def _has_name(pid: int, name: str) -> bool:
+    cmdline = _cmdline(pid)
+    return cmdline is not None and name.encode() in cmdline.split(b"\0")[:5]
+
+
+def _await_exec(pid: int, start_ticks: int | None, timeout_s: float, poll_s: float = 0.01) -> None:
+    """Return once `pid` (the process started at `start_ticks`, when given) is not inside execve:
+    its command line is in place, or it is gone, a zombie, a kernel thread, or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fields = _proc_stat(pid)
+        if (fields is None or fields[0] == "Z" or int(fields[6]) & _PF_KTHREAD
+                or (start_ticks is not None and int(fields[19]) != start_ticks)):
+            return
+        if _cmdline(pid) != b"" or time.monotonic() >= deadline:
+            return
+        time.sleep(poll_s)
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -289,16 +316,21 @@ class Launcher:
 
         The pid must name a process with the recorded start time (when one was recorded) and
         with the launch token in its command line (when there is a token): a pid reused by
-        another process reads as the job having ended.
+        another process reads as the job having ended. A live process whose command line is
+        still empty (inside execve) is waited for, up to EXEC_GRACE_S.
         """
         if token and start_ticks is None:
+            _await_exec(pid, None, EXEC_GRACE_S)
             if not _has_name(pid, process_name(job_id, token)):
                 return _recorded_or_unknown(job_dir)
             start_ticks = process_start_ticks(pid)
         handle = ProcessHandle(pid, start_ticks, job_dir)
         ended = self.poll(handle)
-        if ended is None and token and not _has_name(pid, process_name(job_id, token)):
-            return _recorded_or_unknown(job_dir)
+        if ended is None and token:
+            # Recorded right after Popen returned, its command line may not be in place yet.
+            _await_exec(pid, start_ticks, EXEC_GRACE_S)
+            if not _has_name(pid, process_name(job_id, token)):
+                return _recorded_or_unknown(job_dir)
         return handle if ended is None else ended
 
     @staticmethod

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_lite import launcher
 from scheduler_lite.config import Config, parse_config
 from scheduler_lite.daemon import LOCK_FILE, Daemon, StateDirLostError, job_environment, lock_state_dir
-from scheduler_lite.launcher import EXIT_STATUS_FILE
+from scheduler_lite.launcher import EXIT_STATUS_FILE, ExitInfo, Launcher, LaunchSpec, ProcessHandle
 from scheduler_lite.model import Place, Reject, Role, SetComputeShare, SetMemoryLimit
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from scheduler_lite.submission import make_job_spec, submit_job
@@ -343,6 +344,63 @@ def test_queued_jobs_of_a_tenant_removed_from_the_config_fail_while_its_running_
         assert record.reason == "tenant 'B' is not configured" and record.started_at is None
     assert report.launched == () and d2.book.jobs_on(0) == (running,)
     assert d2.job(running).state is JobStatus.RUNNING and "adopted" in [e.kind for e in d2.storage.events(running)]  # type: ignore[union-attr]
+
+
+def empty_cmdline_for(monkeypatch: pytest.MonkeyPatch, pid: int, reads: int | None) -> list[int]:
+    """/proc/<pid>/cmdline reads empty, as the kernel shows it while the process is inside execve
+    (after Popen has returned, before the new program's arguments are in place), for the first
+    `reads` reads (None: for good). Returns the list the reads are counted in."""
+    path, real, seen = Path(f"/proc/{pid}/cmdline"), Path.read_bytes, []
+
+    def read_bytes(self: Path) -> bytes:
+        if self == path:
+            seen.append(1)
+            if reads is None or len(seen) <= reads:
+                return b""
+        return real(self)
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    return seen
+
+
+def test_a_restart_while_the_jobs_wrapper_is_still_inside_execve_adopts_it(
+        tmp_path: Path, daemons: list[Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart right after a launch may find the wrapper's command line still empty (a CI run
+    on a loaded machine did: the test above). The job is the recorded pid and start time: the new
+    daemon waits for its command line, then adopts it. Without the wait it took it for a reused
+    pid: recorded it as failed ('exit status unknown') and SIGKILLed the live wrapper as the
+    job's leftover."""
+    d1 = new_daemon(daemons, tmp_path)
+    job = d1.submit(fake_command(), tenant="A", kind="guarantee", env=JOB_ENV)
+    d1.tick()
+    pid = d1.job(job).pid  # type: ignore[union-attr]
+    assert pid is not None
+    daemons.remove(d1)
+    del d1
+
+    reads = empty_cmdline_for(monkeypatch, pid, reads=3)
+    d2 = new_daemon(daemons, tmp_path)
+    monkeypatch.undo()
+    record = d2.job(job)
+    assert record is not None and record.state is JobStatus.RUNNING and record.pid == pid, record
+    assert len(reads) > 3  # it looked again until the command line was there
+    assert d2.book.jobs_on(0) == (job,) and "adopted" in [e.kind for e in d2.storage.events(job)]
+    assert d2.launcher.poll(d2._live[job].handle) is None  # alive: not killed as a leftover
+    assert d2.run_until(lambda d: steps_of(d, job) >= 1, timeout=20, interval=0.02)  # and watched
+
+
+def test_adopt_waits_for_a_command_line_only_so_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that never shows the launch's name (within launcher.EXEC_GRACE_S) is not the job."""
+    job_dir = tmp_path / "job"
+    handle = Launcher().start(LaunchSpec("job-1", ["sleep", "30"], tmp_path, dict(os.environ), job_dir, "t1"))
+    try:
+        monkeypatch.setattr(launcher, "EXEC_GRACE_S", 0.3)
+        reads = empty_cmdline_for(monkeypatch, handle.pid, reads=None)
+        assert Launcher().adopt(handle.pid, handle.start_ticks, job_dir, "t1", "job-1") == ExitInfo(None)
+        assert len(reads) > 2  # it waited, then gave up
+        monkeypatch.undo()
+        assert isinstance(Launcher().adopt(handle.pid, handle.start_ticks, job_dir, "t1", "job-1"), ProcessHandle)
+    finally:
+        Launcher().stop(handle, grace_s=1)
 
 
 def test_an_exit_status_above_128_is_recorded_as_an_exit_status(tmp_path: Path, daemons: list[Daemon]) -> None:
