@@ -21,10 +21,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from scheduler_lite import client as client_module
 from scheduler_lite import server as server_module
 from scheduler_lite.auth import AccessPolicy, TenantMembers, identity_of_uid
 from scheduler_lite.client import call_socket
@@ -122,11 +124,75 @@ def test_one_uid_s_excess_connections_are_refused_with_one_line(tmp_path: Path,
         finally:
             for s in held:
                 s.close()
-        # Every connection, refused or served, gave its slot back: two at once are served again.
+        # Every connection, refused or served, gives its slot back. A connection's thread does so
+        # after it has closed it, so its client may see the answer (or the EOF) a moment before:
+        # a raw connection opened in that moment is refused, which the client retries (below), but
+        # these two do not. So: wait for the slots, then two at once are served again.
+        wait_until_no_slot_is_held(server, os.getuid())
         with connect(server.path) as a, connect(server.path) as b:
             for s in (a, b):
                 s.sendall(b'{"version": 1, "op": "ping"}\n')
                 assert json.loads(read_until_closed(s))["ok"] is True
+
+
+def wait_until_no_slot_is_held(server: Server, uid: int) -> None:
+    """Until `uid` holds none of the server's per-uid connection slots (a slot never given back fails)."""
+    guard = time.monotonic() + GUARD_S
+    while True:
+        with server._per_uid_lock:
+            held = server._per_uid.get(uid, 0)
+        if not held:
+            return
+        assert time.monotonic() < guard, f"uid {uid} still holds {held} connection slots {GUARD_S} s after closing all"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("order", ["request after the refusal", "request before the refusal"])
+def test_a_client_over_the_limit_reads_the_refusal_and_retries_whatever_the_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    """The server refuses at the accept, without reading: the client's request may reach a
+    connection already closed (its write fails with EPIPE) or one closed with the request unread
+    (ECONNRESET after the line). Either way the client reads the refusal line and retries: no
+    traceback. Each interleaving is forced here, not left to the scheduler."""
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS_PER_UID", 1)
+    monkeypatch.setattr(client_module, "TIMEOUT_S", GUARD_S)
+    refused, sent = threading.Event(), threading.Event()
+    sends: list[str] = []  # how each of the client's writes went
+    refuse = server_module._refuse
+
+    def refusing(conn: socket.socket, uid: int) -> None:
+        first = not refused.is_set()
+        if first and order == "request before the refusal":
+            sent.wait(GUARD_S)  # the client's request is in the connection, unread
+        refuse(conn, uid)  # the line written, the connection closed
+        if first:
+            held.close()  # the retry is served once the server gives this slot back
+            refused.set()
+
+    class Client(socket.socket):
+        def sendall(self, data: Any, flags: int = 0) -> None:  # type: ignore[override]
+            first = not sends
+            if first and order == "request after the refusal":
+                refused.wait(GUARD_S)
+            try:
+                super().sendall(data, flags)
+            except OSError as e:
+                sends.append(type(e).__name__)
+                raise
+            finally:
+                sent.set()
+            sends.append("sent")
+
+    monkeypatch.setattr(server_module, "_refuse", refusing)
+    monkeypatch.setattr(client_module, "socket", SimpleNamespace(**{**vars(socket), "socket": Client}))
+    with listening(tmp_path / "state") as server:
+        held = connect(server.path)  # the uid's one slot (accepted first: one thread accepts, in order)
+        try:
+            result = call_socket(server.path, "ping", {})
+        finally:
+            held.close()
+    assert refused.is_set() and result["uid"] == os.getuid()
+    assert sends[0] == ("BrokenPipeError" if order == "request after the refusal" else "sent"), sends
 
 
 # Another user's ping, raw (the checkout's virtualenv may not be usable by that user).
