@@ -96,6 +96,10 @@ class ClusterBook:
         # GPUs per (utilisation bucket, rung of stated share): may_have_room's counts.
         self._rung_counts: list[list[int]] = [[0] * (SHARE_RUNGS + 1) for _ in range(UTILISATION_BUCKETS)]
         self._rung_of: dict[int, int] = dict.fromkeys(self.gpus, 0)
+        # Read-only views of the live mappings, made once: a snapshot per pass (23k in a 20k-job
+        # simulation) needs no new ones, and a view shows its mapping as it is when read.
+        self._views = (MappingProxyType(self.gpus), MappingProxyType(self.jobs), MappingProxyType(self.tenants),
+                       MappingProxyType(self.reservations))
         for g in self.gpus.values():
             b = _bucket(g.utilisation)
             self._buckets[b][g.id] = None
@@ -245,14 +249,8 @@ class ClusterBook:
     # -- snapshot -------------------------------------------------------------------------------
 
     def snapshot(self, now: float) -> ClusterState:
-        return ClusterState(
-            now=now,
-            gpus=MappingProxyType(self.gpus),
-            jobs=MappingProxyType(self.jobs),
-            tenants=MappingProxyType(self.tenants),
-            reservations=MappingProxyType(self.reservations),
-            index=self,
-        )
+        gpus, jobs, tenants, reservations = self._views
+        return ClusterState(now, gpus, jobs, tenants, reservations, self)
 
     # -- mutations ------------------------------------------------------------------------------
 
@@ -261,7 +259,8 @@ class ClusterBook:
             raise BookError(f"job {job.id!r} submitted twice")
         if job.tenant not in self.tenants:
             raise BookError(f"job {job.id!r}: unknown tenant {job.tenant!r}")
-        job = _evolve(job, state=JobState.PENDING, role=None, placement=())
+        if job.state is not JobState.PENDING or job.role is not None or job.placement:
+            job = _evolve(job, state=JobState.PENDING, role=None, placement=())  # else as it is: frozen
         self.jobs[job.id] = job
         self._enqueue(job)
 
@@ -302,7 +301,7 @@ class ClusterBook:
             self._dequeue(job)
             self._drop_reservation(job_id)
         state = JobState.FAILED if failed else JobState.FINISHED
-        self.jobs[job_id] = _evolve(job, state=state, placement=())
+        self.jobs[job_id] = _ended(job, state, ())
 
     def apply_all(self, decisions: Iterable[GlobalDecision]) -> None:
         for d in decisions:
@@ -378,7 +377,7 @@ class ClusterBook:
                 if gpu in self._reserved:
                     raise BookError(f"place {job.id!r}: GPU {gpu} reserved for another job")
         self._dequeue(job)
-        job = _evolve(job, state=JobState.RUNNING, role=d.role, placement=tuple(d.gpus))
+        job = _placed(job, JobState.RUNNING, d.role, tuple(d.gpus))
         self.jobs[job.id] = job
         for gpu in d.gpus:
             if d.role is Role.GUARANTEE:
@@ -477,6 +476,20 @@ def _make_evolve() -> Callable[..., Job]:
 
 
 _evolve = _make_evolve()
+
+
+def _make_with(*changed: str) -> Callable[..., Job]:
+    """A Job with the `changed` fields given positionally, the rest as in `job`: the book's two
+    most frequent updates (40k records in a 20k-job simulation) without `_evolve`'s 13 tests."""
+    args = ", ".join(n if n in changed else f"job.{n}" for n in _JOB_FIELDS)
+    source = f"def _with(job, {', '.join(changed)}):\n    return Job({args})\n"
+    namespace: dict[str, object] = {"Job": Job}
+    exec(source, namespace)  # noqa: S102 - the source is built from the dataclass's own field names
+    return namespace["_with"]  # type: ignore[return-value]
+
+
+_placed = _make_with("state", "role", "placement")
+_ended = _make_with("state", "placement")
 
 
 def _bucket(utilisation: float) -> int:

@@ -359,7 +359,7 @@ def _opportunistic_only(
     if len(opps) == 1:
         _limit(out, gid, opps[0], mem)
         return out, CoordinatorMemo(opportunistic=ids)
-    fits = sum(j.memory_demand_bytes for j in opps) <= mem
+    fits = demands_fit([j.memory_demand_bytes for j in opps], mem)
     if fits or ids != memo.opportunistic or memo.guarantee_job is not None:
         # Every demand met and the rest split evenly, or (too little for all) the smallest
         # demands met first; then, if not all fit, trials move memory between them.
@@ -400,6 +400,14 @@ def _opportunistic_only(
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def demands_fit(demands: Sequence[int], memory_bytes: int) -> bool:
+    """Whether these memory demands fit on one GPU together. On a GPU without a guarantee job the
+    coordinator then meets every demand and reads no step times (memory trials, the only reader
+    there, run only when they do not fit): a caller may leave the steps out of such a view, and
+    need not ask for a round when only the step times changed."""
+    return sum(demands) <= memory_bytes
 
 
 def _aggregate_progress(opps: list[LocalJob], since: float, window: int) -> float | None:
@@ -487,4 +495,4 @@ def _share_out(total: int, demands: Sequence[int]) -> list[int]:
     return limits
 
 
-__all__ = ["CoordinatorConfig", "CoordinatorMemo", "Phase", "is_degraded", "is_stable", "round"]
+__all__ = ["CoordinatorConfig", "CoordinatorMemo", "Phase", "demands_fit", "is_degraded", "is_stable", "round"]

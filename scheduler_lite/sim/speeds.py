@@ -117,6 +117,10 @@ class JobSpeeds:
         ganged: dict[int, tuple[float, int, bool]] = {}
         for g in gpus:
             jobs = self.on_gpu[g]
+            if not jobs:  # its last job left: nothing runs, nothing is held
+                if gpu_util[g] or gpu_mem[g] or gpu_busy[g]:
+                    self._gpu_totals(g, 0.0, 0, False)
+                continue
             if len(jobs) != 1:
                 util, mem_used, gang = self._shared_gpu(g, jobs, touched, None)
                 if gang:
@@ -147,14 +151,18 @@ class JobSpeeds:
                 self._gpu_totals(g, u, mem_used, True)
         gang_speed = self._held_back(gpus, touched, ganged) if ganged else {}
         watch = self.policy.coordinated and not self.periodic
+        guarantee = Role.GUARANTEE
         for jid, sj in touched.items():
             speed = gang_speed[jid] if jid in gang_speed else sj.gpu_speed[sj.gpus[0]]
             if abs(speed - sj.speed) > 1e-12:
-                for g in sj.gpus:
+                # The deferred rounds of a lone guarantee job read its steps: those due up to now
+                # run first, at the old speed. From 0 (its start) none is: its first round, due
+                # now, has no steps to read at either speed (no step ended since), and it was
+                # deferred now. A lone opportunistic job's rounds read no steps: they wait as
+                # they were.
+                for g in sj.gpus if sj.role is guarantee and sj.speed > 0 else ():
                     if g in self.deferred:
-                        # A round due now sees the job's old speed. From 0 that view has no steps,
-                        # as has a view at the new speed now (no step ended since): it can wait.
-                        self._catch_up(g, inclusive=sj.speed > 0, still_alone=True)
+                        self._catch_up(g, inclusive=True, still_alone=True)
                 self._settle(sj)
                 sj.speed = speed
                 sj.changed_at = self.now
