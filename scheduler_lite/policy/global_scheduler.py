@@ -301,7 +301,7 @@ class _Pass:
         # (on a 6,504-GPU cluster most of a pass's time went to rescanning them).
         unstated = self.cfg.unknown_requested_share
         below = self.cfg.utilisation_threshold
-        if len(jobs) == 1:  # the common pass: one scan, no buffer (same GPUs as the loop below)
+        if len(jobs) == 1 and jobs[0].num_gpus == 1:  # the common pass: one scan, no buffer
             job = jobs[0]
             share = self._request(job)
             if not self.idx.may_have_room(below, share, job.num_gpus):
@@ -333,8 +333,12 @@ class _Pass:
             demand = job.memory_demand_bytes
             fits: list[int] = []
             tight: list[int] = []  # share fits, memory does not (universal memory spills the rest)
+            # A gang takes the first NVLink group to offer n GPUs that fit (a gang over several
+            # groups runs slower: docs/simulator.md, "Locality"); without one, see _one_group.
+            in_group: dict[str, list[int]] = {}
+            group_done = n == 1
             i = 0
-            while len(fits) < n:
+            while not group_done if n > 1 else len(fits) < n:
                 if i == len(buffer):
                     if exhausted:
                         break
@@ -351,9 +355,13 @@ class _Pass:
                     continue
                 if memory_free(g) >= demand:
                     fits.append(g)
-                elif len(tight) < n:
+                    if n > 1:
+                        same = in_group.setdefault(self.s.gpus[g].nvlink_group, [])
+                        same.append(g)
+                        group_done = len(same) == n
+                elif n > 1 or len(tight) < n:
                     tight.append(g)
-            chosen = (fits + tight)[:n]
+            chosen = (fits + tight)[:n] if n == 1 else self._one_group(fits, tight, n)
             if len(chosen) < n:
                 failed.append((n, share))
                 if exhausted and not buffer:
@@ -363,6 +371,19 @@ class _Pass:
             chosen_set = set(chosen)
             buffer = [b for b in buffer if b[0] not in chosen_set]
             opp_taken.update(chosen)
+
+    def _one_group(self, fits: list[int], tight: list[int], n: int) -> list[int]:
+        """A gang's n GPUs: a group with n that fit (the first found), else a group with n counting
+        those without the memory (the group of the earliest), else the first n of all."""
+        for ordered in (fits, fits + tight):
+            groups: dict[str, list[int]] = {}
+            for g in ordered:
+                groups.setdefault(self.s.gpus[g].nvlink_group, []).append(g)
+            for g in ordered:
+                inside = groups[self.s.gpus[g].nvlink_group]
+                if len(inside) >= n:
+                    return inside[:n]
+        return (fits + tight)[:n]
 
     def _peek_opp_gpu(self) -> int | None:
         if not self.opp_buffer:

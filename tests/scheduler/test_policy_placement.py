@@ -150,3 +150,26 @@ def test_may_have_room_never_denies_room_that_is_there_and_sees_a_full_cluster(s
     assert not b.may_have_room(1.0, 0.05, 2)
     b.set_utilisation(3, 0.9)  # the one GPU with room, now above the threshold
     assert not b.may_have_room(0.8, 0.05, 1)
+
+
+def test_an_opportunistic_gang_takes_its_gpus_inside_one_nvlink_group():
+    # Least utilised first alternates between the two groups (n0: GPUs 0-3, n1: GPUs 4-7); a gang
+    # took the first two (0 and 4), spread over both groups, and ran slower for it.
+    b = book(nodes=2, per_node=4)
+    for gpu, u in enumerate((0.10, 0.20, 0.40, 0.50, 0.15, 0.25, 0.45, 0.55)):
+        b.set_utilisation(gpu, u)
+    b.submit(_opp("pair", 0.3).with_(num_gpus=2))
+    assert schedule(b.snapshot(0.0), SHARE) == [Place("pair", (0, 1), Role.OPPORTUNISTIC)]
+    b.submit(_opp("three", 0.3, t=2.0).with_(num_gpus=3))
+    b.apply_all(schedule(b.snapshot(0.0), SHARE))
+    placed = b.jobs["three"].placement
+    assert len(placed) == 3 and len({b.gpus[g].nvlink_group for g in placed}) == 1, placed
+
+
+def test_a_gang_no_group_can_hold_is_spread_rather_than_kept_waiting():
+    b = book(nodes=2, per_node=2)
+    for gpu in (1, 3):  # one GPU of each group taken whole by a guarantee job
+        b.submit(job(f"g{gpu}").with_(requested_share=1.0))
+        b.apply(Place(f"g{gpu}", (gpu,), Role.GUARANTEE))
+    b.submit(_opp("pair", 0.5).with_(num_gpus=2))
+    assert schedule(b.snapshot(0.0), SHARE) == [Place("pair", (0, 2), Role.OPPORTUNISTIC)]
