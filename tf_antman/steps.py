@@ -66,6 +66,9 @@ class MemoryLimits:
 
     def request(self, limit: int) -> None:
         with self._lock:
+            # The allocator holds it as its pending limit too (memory_stats()["pending_limit"]);
+            # its step_boundary applies it again at the boundary's end: the same value, a no-op.
+            self._native.request_limit(limit)
             self._requested = limit
             self._user_requested_at = self._clock()
 
@@ -75,6 +78,8 @@ class MemoryLimits:
             if user_at is not None and received_at is not None and user_at > received_at:
                 return  # a newer user request wins (pending, or put into force at this boundary)
             self._native.set_limit_now(limit)
+            if user_at is not None:  # the allocator's pending limit is the older request: the
+                self._native.request_limit(limit)  # boundary's end re-applies this, not that
             self._requested = self._user_requested_at = None  # the older request is replaced
 
     def boundary_begins(self) -> None:
