@@ -84,6 +84,8 @@ class MemoryLimits:
 
     def boundary_begins(self) -> None:
         """A step ended: the pending user request goes into force now, before the agent runs."""
+        if self._requested is None:  # the common case, read without the lock (on every step)
+            return
         with self._lock:
             if self._requested is not None:
                 self._native.set_limit_now(self._requested)
