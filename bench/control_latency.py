@@ -58,8 +58,8 @@ def run_job(job_dir: Path, mode: str) -> None:
     import keras
     import numpy as np
 
+    from tests.protocol.simulated_job import SimulatedJob
     from tf_antman.agent import JobAgent
-    from tf_antman.protocol.simulated import SimulatedJob
 
     job = SimulatedJob(devices=1, in_use_bytes=512 << 20)
     agent = JobAgent(job_dir, job, job, **MODES[mode])

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.protocol.protocol_helpers import read_stats, wait_for
+from tests.protocol.simulated_job import Applied, SimulatedJob
 from tf_antman.agent import JobAgent, ShareNotEnforced
 from tf_antman.holds import SHARE_ZERO, HoldClock
 from tf_antman.protocol import (
@@ -30,7 +31,6 @@ from tf_antman.protocol import (
     temp_dir,
 )
 from tf_antman.protocol.schema import MAX_BYTES, MAX_FIELD_CHARS, MAX_REASON_CHARS
-from tf_antman.protocol.simulated import Applied, SimulatedJob
 
 HOUR = 3600.0
 ROOT = Path(__file__).resolve().parents[2]
@@ -382,7 +382,7 @@ def test_one_agent_per_job_directory(tmp_path: Path, agents) -> None:
     assert sum(t.name == "tf_antman-write-stats.json" for t in threading.enumerate()) == 1
     other = subprocess.run(
         [sys.executable, "-c", "import sys; from tf_antman.agent import JobAgent; "
-         "from tf_antman.protocol.simulated import SimulatedJob; from tf_antman.protocol import JobDirBusy\n"
+         "from tests.protocol.simulated_job import SimulatedJob; from tf_antman.protocol import JobDirBusy\n"
          "try:\n    JobAgent(sys.argv[1], SimulatedJob(), SimulatedJob())\nexcept JobDirBusy:\n    sys.exit(3)",
          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=False)
     assert other.returncode == 3, other.stderr

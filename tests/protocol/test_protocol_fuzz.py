@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.protocol.protocol_helpers import read_stats, wait_for
+from tests.protocol.simulated_job import SimulatedJob
 from tf_antman.agent import JobAgent
 from tf_antman.protocol import Control, MemoryLimit, Stats, control_path, temp_dir
 from tf_antman.protocol.schema import (
@@ -30,7 +31,6 @@ from tf_antman.protocol.schema import (
     MAX_DEVICE_INDEX,
     MAX_SEQ,
 )
-from tf_antman.protocol.simulated import SimulatedJob
 
 CASES = 2000
 DEVICES = 2

@@ -1,8 +1,9 @@
 """A pure-Python stand-in for the native library: an actuator and a stats source in one object.
 
-Used by tests and by bench/control_latency.py, where no allocator exists. It records every setting
-it receives (with the time it took effect) and reports the settings in force back as figures, as the
-native library does, so a test can check both sides of the protocol against one object.
+Used by tests and by bench/control_latency.py, where no allocator exists; kept out of the wheel
+(no job uses it). It records every setting it receives (with the time it took effect) and reports
+the settings in force back as figures, as the native library does, so a test can check both sides
+of the protocol against one object.
 """
 
 from __future__ import annotations
