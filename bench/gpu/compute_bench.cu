@@ -1,21 +1,37 @@
 // bench/gpu compute half: real kernels on one CUDA stream, gated by the op manager through the
 // CUDA event gate of libantman_core.so (C API: cc/core/antman_ops.h, cc/core/cuda_gate.h).
-// No TensorFlow, no Bazel: bench/gpu/build_compute.sh builds it, bench/gpu/run.py drives it.
+// No TensorFlow, no Bazel: bench/gpu/build_compute.sh builds it, bench/gpu/check.py drives it.
 //
 //   compute_bench probe                       exit 0 if a CUDA device is usable, else 77
-//   compute_bench share [--quick]             achieved share at 25/50/75% (one JSON line)
+//   compute_bench share [--quick] [--kernel-us U --host-us H]
+//                                             phases at share 1 (the job's natural share), then
+//                                             0.25 / 0.5 / 0.75; one JSON line of raw counts
 //   compute_bench guarantee --iters N --kernels K
 //                                             K kernels at share 1: wall time (one JSON line)
 //   compute_bench opportunist --iters N --share S
-//                                             kernels at share S until SIGTERM; prints READY
-//                                             once running, a JSON line at the end
+//                                             warms up at share 1, then kernels at share S
+//                                             until SIGTERM; prints READY once at S, a JSON
+//                                             line at the end (kernels done, wall seconds)
 //
-// The share is measured independently of the manager: the bench records its own CUDA events
-// right around every kernel (inside the gate's) and divides the sum of the kernels' event
-// intervals by the span from the first kernel's start to the last kernel's end. The manager's
-// own figure is printed beside it for comparison only.
+// Long kernels (default): FMA and SAXPY kernels alternating, ~0.5 ms each, launched back to
+// back. Short kernels (--kernel-us U): FMA kernels of ~U us with H us of host work (a spin on
+// the host clock) between launches, as a PyTorch job's small ops are.
+// The share is judged by witnesses outside the gate, never by the gate's or the bench's CUDA
+// events (which share the gate's stream and its bias):
+//  - CUPTI kernel activity records (start/end stamped by the GPU for every kernel of this
+//    process, CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, which does not serialise kernels), inside
+//    a window read with cuptiGetTimestamp on the same clock; libcupti is loaded at run time
+//    (dlopen: CUPTI_LIB, else libcupti.so.13 / libcupti.so on the loader's path), and its
+//    absence is reported ("cupti_error"), never fatal;
+//  - the work done: kernels completed per second in each phase (the caller divides by the
+//    natural phase's rate);
+//  - NVML utilisation, sampled by the caller (bench/gpu/check.py) over "phase_epoch_s".
+// The caller (check.py) computes the figures from these raw counts. The manager's own figure is
+// printed beside them for comparison only.
 // Exit status: 0 done, 1 a failed check or CUDA error, 2 usage, 77 no CUDA device or driver.
 #include <cuda_runtime.h>
+#include <cupti_activity.h>  // types only: libcupti is loaded with dlopen (Cupti below)
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -25,7 +41,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "cc/core/antman_ops.h"
@@ -34,7 +53,7 @@
 namespace {
 
 constexpr int kSkip = 77;
-constexpr int kJsonVersion = 1;
+constexpr int kJsonVersion = 2;
 
 #define CUDA_OK(expr)                                                                   \
   do {                                                                                  \
@@ -78,12 +97,22 @@ double NowS() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Wall-clock time (Unix epoch), for matching phases with NVML samples taken by run.py.
+// Wall-clock time (Unix epoch), for matching phases with NVML samples taken by check.py.
 double EpochS() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// The job: alternating compute- and bandwidth-bound kernels on one stream.
+// Host work between two launches: a spin on the host clock (a sleep would give the thread away
+// and last far longer than a few microseconds).
+void HostWork(double us) {
+  if (us <= 0) return;
+  const double end = NowS() + us * 1e-6;
+  while (NowS() < end) {
+  }
+}
+
+// The job: on one stream, alternating compute- and bandwidth-bound kernels (long mode), or FMA
+// kernels only (short mode, with host work between launches).
 struct Job {
   cudaStream_t stream = nullptr;
   float* compute_buf = nullptr;
@@ -93,6 +122,8 @@ struct Job {
   size_t saxpy_n = 0;
   int iters = 1;
   int blocks = 0;
+  bool fma_only = false;
+  double host_us = 0;
   long launched = 0;
 
   void Init(int iters_in) {
@@ -112,11 +143,12 @@ struct Job {
     CUDA_OK(cudaDeviceSynchronize());
   }
   void Launch() {
-    if (launched++ % 2 == 0) {
+    if (fma_only || launched % 2 == 0) {
       FmaChain<<<blocks, 256, 0, stream>>>(compute_buf, compute_n, iters);
     } else {
       Saxpy<<<blocks, 256, 0, stream>>>(x, y, saxpy_n, 1.0001f);
     }
+    ++launched;
   }
   ~Job() {
     cudaFree(compute_buf);
@@ -159,21 +191,134 @@ struct Gated {
   }
 };
 
+// CUPTI kernel activity records, the share's witness outside the gate. Loaded with dlopen so
+// that the bench runs (without this witness) where libcupti is absent.
+class Cupti {
+ public:
+  // Loads libcupti and enables kernel records; false with error() set if it cannot. Must run
+  // before the CUDA context is created, so that every kernel of the process is recorded.
+  bool Start() {
+    const char* env = std::getenv("CUPTI_LIB");
+    const char* names[] = {env, "libcupti.so.13", "libcupti.so"};
+    for (const char* n : names) {
+      if (n == nullptr || *n == '\0') continue;
+      lib_ = dlopen(n, RTLD_NOW | RTLD_LOCAL);
+      if (lib_ != nullptr) break;
+    }
+    if (lib_ == nullptr) return Fail(std::string("libcupti not found (CUPTI_LIB, libcupti.so.13): ") + dlerror());
+    enable_ = reinterpret_cast<decltype(enable_)>(dlsym(lib_, "cuptiActivityEnable"));
+    register_ = reinterpret_cast<decltype(register_)>(dlsym(lib_, "cuptiActivityRegisterCallbacks"));
+    flush_ = reinterpret_cast<decltype(flush_)>(dlsym(lib_, "cuptiActivityFlushAll"));
+    next_ = reinterpret_cast<decltype(next_)>(dlsym(lib_, "cuptiActivityGetNextRecord"));
+    stamp_ = reinterpret_cast<decltype(stamp_)>(dlsym(lib_, "cuptiGetTimestamp"));
+    if (!enable_ || !register_ || !flush_ || !next_ || !stamp_) return Fail("libcupti lacks a symbol");
+    self_ = this;
+    if (register_(&Requested, &Completed) != CUPTI_SUCCESS) return Fail("cuptiActivityRegisterCallbacks failed");
+    if (enable_(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS)
+      return Fail("cuptiActivityEnable(CONCURRENT_KERNEL) failed");
+    ok_ = true;
+    return true;
+  }
+  bool ok() const { return ok_; }
+  const std::string& error() const { return error_; }
+  uint64_t Now() {
+    uint64_t t = 0;
+    if (ok_ && stamp_(&t) != CUPTI_SUCCESS) t = 0;
+    return t;
+  }
+  // Union of the recorded kernels' [start, end) inside [from, to) (ns on CUPTI's clock), after
+  // flushing every buffer; -1 without CUPTI.
+  int64_t BusyNs(uint64_t from, uint64_t to) {
+    if (!ok_) return -1;
+    flush_(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+    std::vector<std::pair<uint64_t, uint64_t>> in;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& k : kernels_) {
+        const uint64_t a = std::max(k.first, from), b = std::min(k.second, to);
+        if (a < b) in.emplace_back(a, b);
+      }
+    }
+    std::sort(in.begin(), in.end());
+    uint64_t busy = 0, cur_a = 0, cur_b = 0;
+    bool open = false;
+    for (const auto& k : in) {
+      if (open && k.first <= cur_b) {
+        cur_b = std::max(cur_b, k.second);
+        continue;
+      }
+      if (open) busy += cur_b - cur_a;
+      cur_a = k.first;
+      cur_b = k.second;
+      open = true;
+    }
+    if (open) busy += cur_b - cur_a;
+    return static_cast<int64_t>(busy);
+  }
+
+ private:
+  bool Fail(const std::string& why) {
+    error_ = why;
+    ok_ = false;
+    return false;
+  }
+  static void CUPTIAPI Requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+    *size = 8 << 20;
+    *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, *size));
+    *max_records = 0;
+  }
+  static void CUPTIAPI Completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+    Cupti* self = self_;
+    CUpti_Activity* record = nullptr;
+    std::vector<std::pair<uint64_t, uint64_t>> got;
+    while (self->next_(buffer, valid, &record) == CUPTI_SUCCESS) {
+      if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL ||
+          record->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
+        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
+        got.emplace_back(k->start, k->end);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->kernels_.insert(self->kernels_.end(), got.begin(), got.end());
+    }
+    std::free(buffer);
+  }
+
+  static Cupti* self_;
+  void* lib_ = nullptr;
+  bool ok_ = false;
+  std::string error_;
+  CUptiResult (*enable_)(CUpti_ActivityKind) = nullptr;
+  CUptiResult (*register_)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc) = nullptr;
+  CUptiResult (*flush_)(uint32_t) = nullptr;
+  CUptiResult (*next_)(uint8_t*, size_t, CUpti_Activity**) = nullptr;
+  CUptiResult (*stamp_)(uint64_t*) = nullptr;
+  std::mutex mu_;
+  std::vector<std::pair<uint64_t, uint64_t>> kernels_;
+};
+Cupti* Cupti::self_ = nullptr;
+
 // Iterations of FmaChain for about `target_ms` per kernel on this GPU.
 int Calibrate(Job& job, double target_ms) {
   cudaEvent_t a, b;
   CUDA_OK(cudaEventCreate(&a));
   CUDA_OK(cudaEventCreate(&b));
-  int iters = 1024;
-  for (int round = 0; round < 12; ++round) {
+  int iters = 64;
+  for (int round = 0; round < 16; ++round) {
+    // Several kernels between the events, so that the launch of one does not dominate a
+    // ~20 us target.
+    constexpr int kReps = 10;
     CUDA_OK(cudaEventRecord(a, job.stream));
-    FmaChain<<<job.blocks, 256, 0, job.stream>>>(job.compute_buf, job.compute_n, iters);
+    for (int r = 0; r < kReps; ++r)
+      FmaChain<<<job.blocks, 256, 0, job.stream>>>(job.compute_buf, job.compute_n, iters);
     CUDA_OK(cudaEventRecord(b, job.stream));
     CUDA_OK(cudaEventSynchronize(b));
     float ms = 0;
     CUDA_OK(cudaEventElapsedTime(&ms, a, b));
-    if (ms > 0.8 * target_ms && ms < 1.25 * target_ms) break;
-    iters = std::max(1, static_cast<int>(iters * target_ms / std::max(ms, 0.001f)));
+    ms /= kReps;
+    if (ms > 0.85 * target_ms && ms < 1.2 * target_ms) break;
+    iters = std::max(1, static_cast<int>(iters * target_ms / std::max(ms, 0.0005f)));
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -181,96 +326,87 @@ int Calibrate(Job& job, double target_ms) {
 }
 
 struct Phase {
-  double achieved;      // sum of kernel event intervals / span (the bench's own events)
-  double manager;       // the manager's achieved_share_window (comparison only)
+  double target;
   long kernels;
-  double mean_kernel_ms;
-  double epoch_start;   // measured part of the phase, Unix time
+  double seconds;       // measured part, host clock (launch of the first kernel to the sync)
+  double epoch_start;   // the same part, Unix time (for NVML samples)
   double epoch_end;
+  int64_t busy_ns;      // CUPTI: union of this process's kernels inside the window; -1 without
+  int64_t window_ns;    // CUPTI: the window; -1 without
+  double manager;       // the manager's achieved_share_window (comparison only)
 };
 
-// Runs the job at `share` for `seconds` after `warmup_s`, timing every kernel with its own events.
-Phase RunPhase(Job& job, Gated& g, double share, double warmup_s, double seconds) {
+// Runs the job at `share` for `seconds` after `warmup_s`.
+Phase RunPhase(Job& job, Gated& g, Cupti& cupti, double share, double warmup_s, double seconds) {
   ANTMAN_OK_OR_DIE(antman_opm_set_share(g.opm, share));
   double t_end = NowS() + warmup_s;
-  while (NowS() < t_end) g.Run(job.stream, [&] { job.Launch(); });
-  std::vector<cudaEvent_t> ev;
-  ev.reserve(1 << 16);
-  const double epoch_start = EpochS();
-  t_end = NowS() + seconds;
-  while (NowS() < t_end && ev.size() + 2 <= (size_t{1} << 16)) {
-    cudaEvent_t a, b;
-    CUDA_OK(cudaEventCreate(&a));
-    CUDA_OK(cudaEventCreate(&b));
-    g.Run(job.stream, [&] {
-      CUDA_OK(cudaEventRecord(a, job.stream));
-      job.Launch();
-      CUDA_OK(cudaEventRecord(b, job.stream));
-    });
-    ev.push_back(a);
-    ev.push_back(b);
+  while (NowS() < t_end) {
+    g.Run(job.stream, [&] { job.Launch(); });
+    HostWork(job.host_us);
   }
   CUDA_OK(cudaStreamSynchronize(job.stream));
+  const uint64_t c0 = cupti.Now();
+  const double epoch_start = EpochS();
+  const double t0 = NowS();
+  t_end = t0 + seconds;
+  long kernels = 0;
+  while (NowS() < t_end) {
+    g.Run(job.stream, [&] { job.Launch(); });
+    HostWork(job.host_us);
+    ++kernels;
+  }
+  CUDA_OK(cudaStreamSynchronize(job.stream));
+  const double t1 = NowS();
+  const uint64_t c1 = cupti.Now();
   const double epoch_end = EpochS();
   ANTMAN_OK_OR_DIE(antman_gate_drain(g.gate));
   antman_opm_stats st;
   ANTMAN_OK_OR_DIE(antman_opm_get_stats(g.opm, &st));
-  double busy_ms = 0;
-  for (size_t i = 0; i < ev.size(); i += 2) {
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
-    busy_ms += ms;
-  }
-  float span_ms = 0;
-  CUDA_OK(cudaEventElapsedTime(&span_ms, ev.front(), ev.back()));
-  for (cudaEvent_t e : ev) cudaEventDestroy(e);
-  const long kernels = static_cast<long>(ev.size() / 2);
-  return Phase{busy_ms / span_ms, st.achieved_share_window, kernels, busy_ms / kernels,
-               epoch_start, epoch_end};
+  const int64_t busy = cupti.ok() ? cupti.BusyNs(c0, c1) : -1;
+  const int64_t window = cupti.ok() ? static_cast<int64_t>(c1 - c0) : -1;
+  return Phase{share, kernels, t1 - t0, epoch_start, epoch_end, busy, window, st.achieved_share_window};
 }
 
-int Share(bool quick) {
+int Share(bool quick, double kernel_us, double host_us) {
+  Cupti cupti;
+  cupti.Start();  // before the first CUDA call of this mode: every kernel gets a record
   Job job;
   job.Init(1);
-  job.iters = Calibrate(job, 0.5);
+  const bool short_mode = kernel_us > 0;
+  job.fma_only = short_mode;
+  job.host_us = host_us;
+  job.iters = Calibrate(job, short_mode ? kernel_us / 1000.0 : 0.5);
   Gated g(1.0);
   const double seconds = quick ? 1.5 : 4.0;
-  // share 1 first: the job's natural share (it cannot be held above what it uses by itself).
-  Phase natural = RunPhase(job, g, 1.0, 0.3, seconds);
-  const double targets[] = {0.25, 0.5, 0.75};
-  std::string achieved = "[", manager = "[", kernels = "[";
-  char span[128];
-  std::snprintf(span, sizeof(span), "[[%.6f, %.6f]", natural.epoch_start, natural.epoch_end);
-  std::string phases = span;
-  double worst = 0;
-  for (int i = 0; i < 3; ++i) {
-    Phase p = RunPhase(job, g, targets[i], 0.3, seconds);
-    const double expected = std::min(targets[i], natural.achieved);
-    worst = std::max(worst, 100.0 * std::fabs(p.achieved - expected));
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "%s%.4f", i ? ", " : "", p.achieved);
-    achieved += buf;
-    std::snprintf(buf, sizeof(buf), "%s%.4f", i ? ", " : "", p.manager);
-    manager += buf;
-    std::snprintf(buf, sizeof(buf), "%s%ld", i ? ", " : "", p.kernels);
-    kernels += buf;
-    std::snprintf(span, sizeof(span), ", [%.6f, %.6f]", p.epoch_start, p.epoch_end);
-    phases += span;
+  const double targets[] = {1.0, 0.25, 0.5, 0.75};  // share 1 first: the job's natural share
+  std::string phases = "[";
+  for (int i = 0; i < 4; ++i) {
+    const Phase p = RunPhase(job, g, cupti, targets[i], 0.3, seconds);
+    char buf[512];
+    std::snprintf(buf, sizeof(buf),
+                  "%s{\"target\": %.2f, \"kernels\": %ld, \"seconds\": %.6f, \"epoch\": [%.6f, %.6f], "
+                  "\"busy_ns\": %lld, \"window_ns\": %lld, \"manager_share_window\": %.4f}",
+                  i ? ", " : "", p.target, p.kernels, p.seconds, p.epoch_start, p.epoch_end,
+                  static_cast<long long>(p.busy_ns), static_cast<long long>(p.window_ns), p.manager);
+    phases += buf;
   }
+  phases += "]";
   antman_gate_stats gs;
   ANTMAN_OK_OR_DIE(antman_gate_get_stats(g.gate, &gs));
+  std::string cupti_error;
+  for (char c : cupti.error()) {
+    if (c != '"' && c != '\\' && static_cast<unsigned char>(c) >= 0x20) cupti_error += c;
+  }
   std::printf(
-      "{\"bench\": \"gpu_compute_share\", \"version\": %d, \"quick\": %s, "
-      "\"share_targets\": [0.25, 0.5, 0.75], \"share_achieved\": %s], "
-      "\"share_error_points_max\": %.3f, \"natural_share\": %.4f, \"mean_kernel_ms\": %.4f, "
-      "\"fma_iters\": %d, \"kernels\": %s], \"manager_share_window\": %s], "
-      "\"gate_ops_completed\": %lld, \"gate_errors\": %lld, \"gate_anchors\": %lld, "
-      "\"gate_anchor_uncertainty_ns\": %lld, \"phase_epoch_s\": %s]}\n",
-      kJsonVersion, quick ? "true" : "false", achieved.c_str(), worst, natural.achieved,
-      natural.mean_kernel_ms, job.iters, kernels.c_str(), manager.c_str(),
-      static_cast<long long>(gs.ops_completed), static_cast<long long>(gs.errors),
-      static_cast<long long>(gs.anchors), static_cast<long long>(gs.anchor_uncertainty_ns),
-      phases.c_str());
+      "{\"bench\": \"gpu_compute_share\", \"version\": %d, \"quick\": %s, \"mode\": \"%s\", "
+      "\"kernel_us_target\": %.1f, \"host_us\": %.1f, \"fma_iters\": %d, \"cupti\": %s, "
+      "\"cupti_error\": %s%s%s, \"phases\": %s, \"gate_ops_completed\": %lld, \"gate_errors\": %lld, "
+      "\"gate_anchors\": %lld, \"gate_anchor_uncertainty_ns\": %lld}\n",
+      kJsonVersion, quick ? "true" : "false", short_mode ? "short" : "long",
+      short_mode ? kernel_us : 500.0, host_us, job.iters, cupti.ok() ? "true" : "false",
+      cupti.ok() ? "" : "\"", cupti.ok() ? "null" : cupti_error.c_str(), cupti.ok() ? "" : "\"",
+      phases.c_str(), static_cast<long long>(gs.ops_completed), static_cast<long long>(gs.errors),
+      static_cast<long long>(gs.anchors), static_cast<long long>(gs.anchor_uncertainty_ns));
   return gs.errors == 0 ? 0 : 1;
 }
 
@@ -297,9 +433,18 @@ int Opportunist(int iters, double share) {
   std::signal(SIGINT, OnTerm);
   Job job;
   job.Init(iters);
-  Gated g(share);
+  // Warm-up at share 1: at share 0 the gate holds every op at its admission, so a warm-up there
+  // would never end.
+  Gated g(1.0);
   for (int i = 0; i < 20; ++i) g.Run(job.stream, [&] { job.Launch(); });
   CUDA_OK(cudaStreamSynchronize(job.stream));
+  ANTMAN_OK_OR_DIE(antman_opm_set_share(g.opm, share));
+  // A held op (share 0) blocks the loop inside admit, where the flag is not read: on the stop
+  // signal this thread opens the gate (share 1) so that the loop sees the flag and ends.
+  std::thread waker([&] {
+    while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    antman_opm_set_share(g.opm, 1.0);
+  });
   std::printf("READY\n");
   std::fflush(stdout);
   const double t0 = NowS();
@@ -308,20 +453,23 @@ int Opportunist(int iters, double share) {
     g.Run(job.stream, [&] { job.Launch(); });
     ++kernels;
   }
+  const double t_stop = NowS();
   CUDA_OK(cudaStreamSynchronize(job.stream));
-  const double wall = NowS() - t0;
+  waker.join();
   antman_opm_stats st;
   ANTMAN_OK_OR_DIE(antman_opm_get_stats(g.opm, &st));
+  // kernels launched between READY and the stop: the caller turns them into a busy fraction with
+  // the kernel time measured alone (the work this process got done, not the gate's figure).
   std::printf("{\"bench\": \"gpu_compute_opportunist\", \"version\": %d, \"share\": %.3f, "
-              "\"kernels\": %ld, \"kernels_per_s\": %.2f, \"manager_share_window\": %.4f}\n",
-              kJsonVersion, share, kernels, kernels / wall, st.achieved_share_window);
+              "\"kernels\": %ld, \"wall_s\": %.6f, \"manager_share_window\": %.4f}\n",
+              kJsonVersion, share, kernels, t_stop - t0, st.achieved_share_window);
   return 0;
 }
 
 int Usage(const char* argv0) {
   std::fprintf(stderr,
-               "usage: %s probe | share [--quick] | guarantee --iters N --kernels K | "
-               "opportunist --iters N --share S\n", argv0);
+               "usage: %s probe | share [--quick] [--kernel-us U --host-us H] | "
+               "guarantee --iters N --kernels K | opportunist --iters N --share S\n", argv0);
   return 2;
 }
 
@@ -332,7 +480,7 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   bool quick = false;
   long iters = -1, kernels = -1;
-  double share = -1;
+  double share = -1, kernel_us = 0, host_us = 0;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -343,6 +491,10 @@ int main(int argc, char** argv) {
       kernels = std::strtol(argv[++i], nullptr, 10);
     } else if (a == "--share" && i + 1 < argc) {
       share = std::strtod(argv[++i], nullptr);
+    } else if (a == "--kernel-us" && i + 1 < argc) {
+      kernel_us = std::strtod(argv[++i], nullptr);
+    } else if (a == "--host-us" && i + 1 < argc) {
+      host_us = std::strtod(argv[++i], nullptr);
     } else {
       return Usage(argv[0]);
     }
@@ -363,6 +515,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--share: %g is outside the accepted range [0, 1]\n", share);
     return 2;
   }
+  if (!(kernel_us == 0 || (kernel_us >= 5 && kernel_us <= 10000))) {
+    std::fprintf(stderr, "--kernel-us: %g is outside the accepted range [5, 10000]\n", kernel_us);
+    return 2;
+  }
+  if (!(host_us >= 0 && host_us <= 10000)) {
+    std::fprintf(stderr, "--host-us: %g is outside the accepted range [0, 10000]\n", host_us);
+    return 2;
+  }
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
@@ -370,10 +530,14 @@ int main(int argc, char** argv) {
                 "driver: %s\"}\n", kJsonVersion, cudaGetErrorString(e));
     return kSkip;
   }
+  if (mode == "share") {
+    // CUPTI first (Share), then the context.
+    CUDA_OK(cudaSetDevice(0));
+    return Share(quick, kernel_us, host_us);
+  }
   CUDA_OK(cudaSetDevice(0));
   CUDA_OK(cudaFree(nullptr));  // the primary context, which the gate also uses
   if (mode == "probe") return 0;
-  if (mode == "share") return Share(quick);
   if (mode == "guarantee") return Guarantee(static_cast<int>(iters), kernels);
   return Opportunist(static_cast<int>(iters), share);
 }

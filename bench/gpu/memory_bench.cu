@@ -2,12 +2,16 @@
 // sources, run on a machine with a CUDA driver. Prints ONE JSON line on stdout (flat keys, listed
 // in docs/gpu-path.md, "The memory bench"); progress goes to stderr.
 //
-//   memory_bench [--quick]
+//   memory_bench [--quick] [--shrink-gib N]
 //
 // Four measurements, each judged by something outside the mechanism it measures:
-//  shrink     cached device memory released by a limit of 0, timed around the call and checked
-//             against the driver's free memory; baseline in the same run: cudaFree of regions of
-//             the same sizes (paper: 16.3 GB in 17 ms).
+//  shrink     cached device memory (N GiB; default 2 with --quick, else 16) released by a limit
+//             of 0, timed by the bench's steady clock around the call (not the allocator's own
+//             timers) and checked against the driver's free memory; baseline in the same run:
+//             cudaFree of regions of the same sizes (paper: 16.3 GB in 17 ms). Twice: on an idle
+//             GPU (shrink_*) and with a kernel of another stream spinning across each shrink
+//             (shrink_inflight_*; shrink_inflight_kernel_running_after counts the shrinks that
+//             returned before that kernel ended).
 //  limit      worker threads allocate, touch and free through the universal allocator while a
 //             changer thread moves the limit (now and at step boundaries) and an observer thread
 //             samples the allocator's statistics; the device region source is wrapped by a
@@ -31,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -174,7 +179,35 @@ bool MakeBackend(uint64_t host_capacity, antman::Backend* b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-void BenchShrink(bool quick, Json* out) {
+// Spins until the GPU's global timer (ns) passes `until_ns`: a kernel that is still running
+// while the shrink runs, on memory of its own (not the allocator's).
+__global__ void SpinUntil(unsigned long long until_ns, unsigned long long* out) {
+  unsigned long long t = 0;
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t < until_ns);
+  if (threadIdx.x == 0 && blockIdx.x == 0) *out = t;
+}
+
+__global__ void ReadTimer(unsigned long long* out) {
+  unsigned long long t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  *out = t;
+}
+
+// `in_flight`: a kernel on another stream spins for kSpinMs across each timed shrink; the key
+// prefix is then "shrink_inflight_". `shrink_gib` 0: the default size (2 GiB quick, 16 full).
+void BenchShrink(bool quick, uint64_t shrink_gib, bool in_flight, Json* out) {
+  const std::string key = in_flight ? "shrink_inflight_" : "shrink_";
+  auto K = [&](const char* k) { return key + k; };
+  constexpr double kSpinMs = 300;
+  unsigned long long* spin_buf = nullptr;
+  cudaStream_t spin_stream = nullptr;
+  if (in_flight) {
+    cudaMalloc(&spin_buf, sizeof(unsigned long long));
+    cudaStreamCreateWithFlags(&spin_stream, cudaStreamNonBlocking);
+  }
+  int kernels_running = 0;  // shrinks that returned while the spinning kernel still ran
   antman::Backend backend;
   if (!MakeBackend(0, &backend)) {
     Check(false, "shrink: backend");
@@ -182,8 +215,8 @@ void BenchShrink(bool quick, Json* out) {
   }
   RecordingSource source(backend.device.get());
   const size_t free0 = DriverFree();
-  uint64_t bytes = quick ? 2 * GiB : 16 * GiB;
-  if (!quick && free0 < 20 * GiB) bytes = std::max<uint64_t>(GiB, free0 / 2 / GiB * GiB);
+  uint64_t bytes = shrink_gib > 0 ? shrink_gib * GiB : (quick ? 2 * GiB : 16 * GiB);
+  if (free0 < bytes + 4 * GiB) bytes = std::max<uint64_t>(GiB, free0 / 2 / GiB * GiB);
   const int reps = quick ? 2 : 5;
   antman::UniversalOptions o;
   o.device_capacity = free0;
@@ -211,11 +244,26 @@ void BenchShrink(bool quick, Json* out) {
     antman_mem_stats before;
     mem.GetStats(&before);
     const size_t free_before = DriverFree();
+    if (in_flight) {
+      // The GPU's own clock now, then a kernel that spins kSpinMs past it.
+      ReadTimer<<<1, 1, 0, spin_stream>>>(spin_buf);
+      unsigned long long now_ns = 0;
+      cudaMemcpyAsync(&now_ns, spin_buf, sizeof(now_ns), cudaMemcpyDeviceToHost, spin_stream);
+      cudaStreamSynchronize(spin_stream);
+      SpinUntil<<<1, 32, 0, spin_stream>>>(now_ns + static_cast<unsigned long long>(kSpinMs * 1e6),
+                                           spin_buf);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // it has started
+    }
     source.Record(true);
+    // The bench's steady clock around the call, not the allocator's own timers.
     const auto t0 = std::chrono::steady_clock::now();
     const antman::ShrinkResult r = mem.SetLimit(0);
     const auto t1 = std::chrono::steady_clock::now();
     source.Record(false);
+    if (in_flight) {
+      kernels_running += cudaStreamQuery(spin_stream) == cudaErrorNotReady;
+      cudaStreamSynchronize(spin_stream);
+    }
     const size_t free_after = DriverFree();
     ours_ms.push_back(Ms(t1 - t0));
     rates.push_back(r.bytes_freed / double(GiB) / std::max(ours_ms.back(), 1e-6));
@@ -240,16 +288,24 @@ void BenchShrink(bool quick, Json* out) {
                  rep, r.bytes_freed / double(GiB), (unsigned long long)r.regions_freed,
                  ours_ms.back(), raw_ms.back());
   }
-  Check(driver_got_it_back, "shrink: released bytes back in the driver's free memory");
-  out->Num("shrink_gib", freed_bytes / double(GiB));
-  out->Int("shrink_regions", regions);
-  out->Int("shrink_reps", reps);
-  out->Num("shrink_ms_median", Median(ours_ms));
-  out->Num("shrink_ms_max", *std::max_element(ours_ms.begin(), ours_ms.end()));
-  out->Num("shrink_gib_per_ms", Median(rates));  // median over repetitions of freed / time
-  out->Num("shrink_gib_per_ms_min", *std::min_element(rates.begin(), rates.end()));
-  out->Num("shrink_baseline_cudafree_ms_median", Median(raw_ms));
-  out->Bool("shrink_driver_free_ok", driver_got_it_back);
+  Check(driver_got_it_back, in_flight ? "shrink (kernels in flight): released bytes back in the driver's free memory"
+                                       : "shrink: released bytes back in the driver's free memory");
+  out->Num(K("gib").c_str(), freed_bytes / double(GiB));
+  out->Int(K("regions").c_str(), regions);
+  out->Int(K("reps").c_str(), reps);
+  out->Num(K("ms_median").c_str(), Median(ours_ms));
+  out->Num(K("ms_max").c_str(), *std::max_element(ours_ms.begin(), ours_ms.end()));
+  out->Num(K("gib_per_ms").c_str(), Median(rates));  // median over repetitions of freed / time
+  out->Num(K("gib_per_ms_min").c_str(), *std::min_element(rates.begin(), rates.end()));
+  out->Num(K("baseline_cudafree_ms_median").c_str(), Median(raw_ms));
+  out->Bool(K("driver_free_ok").c_str(), driver_got_it_back);
+  if (in_flight) {
+    // How many shrinks returned while the spinning kernel still ran (it did not wait for it).
+    out->Int("shrink_inflight_kernel_running_after", kernels_running);
+    out->Num("shrink_inflight_spin_ms", kSpinMs);
+    cudaStreamDestroy(spin_stream);
+    cudaFree(spin_buf);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -529,11 +585,18 @@ void BenchFit(Json* out) {
 
 int main(int argc, char** argv) {
   bool quick = false;
+  long shrink_gib = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--shrink-gib") == 0 && i + 1 < argc) {
+      shrink_gib = std::strtol(argv[++i], nullptr, 10);
+      if (shrink_gib < 1 || shrink_gib > 1024) {
+        std::fprintf(stderr, "--shrink-gib: %ld is outside the accepted range [1, 1024]\n", shrink_gib);
+        return 2;
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--shrink-gib N]\n", argv[0]);
       return 2;
     }
   }
@@ -558,7 +621,8 @@ int main(int argc, char** argv) {
   out.Int("driver_version", driver);
   out.Num("device_memory_gib", prop.totalGlobalMem / double(GiB));
 
-  BenchShrink(quick, &out);
+  BenchShrink(quick, static_cast<uint64_t>(shrink_gib), false, &out);
+  BenchShrink(quick, static_cast<uint64_t>(shrink_gib), true, &out);
   BenchLimit(quick, &out);
   BenchFallback(quick, &out);
   BenchFit(&out);
