@@ -18,11 +18,12 @@ import shutil
 import sys
 import time
 import unicodedata
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
-from scheduler_lite.client import ClientError, call, cluster_status, job_record
+from scheduler_lite.client import AnswerLost, ClientError, NoDaemon, call, cluster_status, job_record
 from scheduler_lite.config import CONFIG_ENV, Config, resolve_config
 from scheduler_lite.devices import DeviceError
 from scheduler_lite.isolation import SESSION_VARIABLES
@@ -127,7 +128,12 @@ def _sim_argv(argv: list[str]) -> list[str] | None:
 
 # submit's options that take a value: the token after them is not the job's command.
 SUBMIT_VALUE_OPTIONS: Final = frozenset({"--tenant", "--gpus", "--type", "--workdir", "--env", "--memory", "--name",
-                                         "--steps", "--duration", "--share", "--config"})
+                                         "--steps", "--duration", "--share", "--request-id", "--config"})
+# An interrupted submit (the answer lost: the daemon died or restarted) is sent again with the
+# same request id for this long, every SUBMIT_RETRY_PAUSE_S: the daemon answers with the job
+# recorded the first time, or records it now. Then the CLI gives up, saying how to check.
+SUBMIT_RETRY_S: Final = 30.0
+SUBMIT_RETRY_PAUSE_S: Final = 0.5
 
 
 def _global_options(argv: list[str]) -> tuple[str | None, bool, list[str]]:
@@ -215,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the command resumes from its own checkpoints: the scheduler may stop it (SIGTERM, "
                          "jobs.cancel_grace_s) and start it again on an idle GPU when it is held at a low share")
     sp.add_argument("--name", default="", help="a label shown by list")
+    sp.add_argument("--request-id", metavar="ID",
+                    help="this submission's id (1-64 of A-Z a-z 0-9 _ . : -; default: a new random one): the "
+                         "same submit repeated with the same id answers the job recorded the first time")
     sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="[--] COMMAND ...",
                     help="the job's command; everything from its first word on is the job's, options included")
 
@@ -287,14 +296,42 @@ def cmd_submit(config: Config, args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or os.getcwd()).absolute()
     _check_command(command[0], workdir, dict(env))
     session = {k: os.environ[k] for k in SESSION_VARIABLES if k in os.environ}
-    result = call(config, "submit", command=command, tenant=args.tenant, gpus=args.gpus, kind=args.kind,
-                  workdir=str(workdir), env=env, session_env=session, memory_bytes=memory, name=args.name,
-                  steps=args.steps, duration_s=args.duration, share=args.share, restartable=args.restartable)
+    result = _submit(config, args.request_id or uuid.uuid4().hex,
+                     {"command": command, "tenant": args.tenant, "gpus": args.gpus, "kind": args.kind,
+                      "workdir": str(workdir), "env": env, "session_env": session, "memory_bytes": memory,
+                      "name": args.name, "steps": args.steps, "duration_s": args.duration, "share": args.share,
+                      "restartable": args.restartable})
     if args.json:
         _print_json(result)
     else:
         print(result["id"])
     return 0
+
+
+def _submit(config: Config, request_id: str, request: dict[str, Any]) -> dict[str, Any]:
+    """The submit request, sent again with the same request id while its answer is lost: safe,
+    since the daemon records one job per request id and submitter (a repeat is answered with it)."""
+    give_up = time.monotonic() + SUBMIT_RETRY_S
+    lost: AnswerLost | None = None
+    told = False
+    while True:
+        try:
+            result: dict[str, Any] = call(config, "submit", request_id=request_id, **request)
+            return result
+        except AnswerLost as e:
+            lost = e
+        except NoDaemon:
+            if lost is None:  # never sent: nothing can have been recorded
+                raise
+        if time.monotonic() >= give_up:
+            raise UserError(f"{lost} during submit: the job may have been recorded. Check with `{PROG} list`, or "
+                            f"repeat this submit with --request-id {request_id}: it answers with the job recorded "
+                            "the first time, or records it now") from None
+        if not told:  # once: the daemon may take a while to come back
+            print(f"{PROG}: {lost}; sending the submit again with the same request id ({request_id}) for up to "
+                  f"{SUBMIT_RETRY_S:g} s", file=sys.stderr)
+            told = True
+        time.sleep(SUBMIT_RETRY_PAUSE_S)
 
 
 def cmd_list(config: Config, args: argparse.Namespace) -> int:

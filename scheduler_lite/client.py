@@ -30,6 +30,15 @@ class ClientError(Exception):
     """The daemon refused the request, or cannot be reached; the message is one line."""
 
 
+class AnswerLost(ClientError):
+    """The request was sent but no answer came back (the daemon died, or closed the connection):
+    it may or may not have been carried out. A submit with a request id can be sent again safely."""
+
+
+class NoDaemon(ClientError):
+    """Nothing listens on the socket: the request was not sent."""
+
+
 def call(config: Config, op: str, **args: Any) -> Any:
     # The command that starts this config's daemon: a bare `serve` would start one on the default
     # config, in another state directory, and the next command would fail again.
@@ -66,8 +75,8 @@ def _exchange(path: Path, request: bytes, state_dir: Path | None, serve: str) ->
             sock.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError):
             where = state_dir if state_dir is not None else path.parent
-            raise ClientError(f"no scheduler-lite daemon is serving {where} (no socket at {path}); start it with "
-                              f"'{serve}' (docs/scheduler.md)") from None
+            raise NoDaemon(f"no scheduler-lite daemon is serving {where} (no socket at {path}); start it with "
+                           f"'{serve}' (docs/scheduler.md)") from None
         except PermissionError:
             raise ClientError(f"cannot connect to {path}: permission denied (that daemon serves only its own "
                               "user)") from None
@@ -77,7 +86,7 @@ def _exchange(path: Path, request: bytes, state_dir: Path | None, serve: str) ->
             pass  # refused before reading the request: its one line is there to read
         data = _read_answer(sock)
     except TimeoutError:
-        raise ClientError(f"the daemon did not answer within {TIMEOUT_S:.0f} s") from None
+        raise AnswerLost(f"the daemon did not answer within {TIMEOUT_S:.0f} s") from None
     finally:
         sock.close()
     try:
@@ -106,8 +115,11 @@ def _read_answer(sock: socket.socket) -> bytes:
         if chunk.endswith(b"\n"):
             break
     if not chunks:
-        raise ClientError("the daemon closed the connection without an answer (see its log)")
-    return b"".join(chunks)
+        raise AnswerLost("the daemon closed the connection without an answer (see its log)")
+    data = b"".join(chunks)
+    if not data.endswith(b"\n"):  # cut off mid-line: the daemon died while sending it
+        raise AnswerLost("the daemon closed the connection in the middle of its answer (see its log)")
+    return data
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,4 +148,4 @@ def cluster_status(doc: dict[str, Any]) -> ClusterStatus:
                          tuple(doc.get("absent_nodes") or ()))  # absent before this field existed
 
 
-__all__ = ["ClientError", "call", "call_socket", "cluster_status", "job_record"]
+__all__ = ["AnswerLost", "ClientError", "NoDaemon", "call", "call_socket", "cluster_status", "job_record"]

@@ -49,13 +49,14 @@ from scheduler_lite.auth import (
     tenants_of,
 )
 from scheduler_lite.config import Config, file_identity
+from scheduler_lite.faults import Faults
 from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user
 from scheduler_lite.model import JobKind
 from scheduler_lite.state_dir import check_state_dir, secure_state_dir
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
 from scheduler_lite.storage.base import seq_of
-from scheduler_lite.submission import SubmitError, make_job_spec, request_cancel, submit_job
+from scheduler_lite.submission import SubmitError, make_job_spec, request_cancel, submit_once
 from scheduler_lite.wire import (
     DEFAULT_LIST_LIMIT,
     MAX_LIST_LIMIT,
@@ -150,6 +151,7 @@ class Server:
         self._sock: socket.socket | None = None
         self._socket_id: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
+        self._faults = Faults(os.environ)  # the crash tests' "submitted" point (scheduler_lite.faults)
         self._handlers: dict[str, Callable[[Identity, Mapping[str, Any]], Any]] = {
             "ping": self._ping, "submit": self._submit, "cancel": self._cancel, "list": self._list,
             "show": self._show, "status": self._status, "logs": self._logs, "tenants": self._tenants,
@@ -314,7 +316,7 @@ class Server:
 
     def _submit(self, who: Identity, args: Mapping[str, Any]) -> Any:
         only(args, ("command", "tenant", "gpus", "kind", "workdir", "env", "session_env", "memory_bytes", "name",
-                    "steps", "duration_s", "share", "restartable"))
+                    "steps", "duration_s", "share", "restartable", "request_id"))
         command = strings(args, "command", MAX_COMMAND_WORDS, required=True, empty_after_first=True)
         tenant = string(args, "tenant", MAX_NAME)
         gpus = integer(args, "gpus", default=1)
@@ -339,6 +341,7 @@ class Server:
         restartable = args.get("restartable", False)
         if not isinstance(restartable, bool):
             raise RequestError(f"restartable {restartable!r} is invalid: accepted true or false")
+        request_id = string(args, "request_id", 64)  # its form: make_job_spec
         chosen = check_submit(self.policy, who, tenant)
         # The session's variables that --env does not set are recorded with the job (and count
         # towards its size limit, in make_job_spec).
@@ -352,11 +355,17 @@ class Server:
         spec = make_job_spec(self.config, command, tenant=chosen, gpus=gpus, kind=kind, workdir=physical,
                              workdir_resolved=True, env=env, memory_bytes=memory, name=name, expected_steps=steps,
                              expected_duration_s=duration, requested_share=share, restartable=restartable,
-                             now=self.daemon.clock())
+                             now=self.daemon.clock(), request_id=request_id)
         spec = dataclasses.replace(spec, uid=who.uid, user=who.user)
-        record = submit_job(self.daemon.storage, spec)
-        log.info("%s submitted by %s (uid %d) to tenant %s", record.id, who.user, who.uid, record.tenant)
-        return {"id": record.id, "job": job_dict(record, who, self.policy)}
+        record, new = submit_once(self.daemon.storage, spec)
+        if new:
+            log.info("%s submitted by %s (uid %d) to tenant %s", record.id, who.user, who.uid, record.tenant)
+        else:
+            log.info("%s: a retried submit by %s (uid %d), request id %r, answered with the job recorded the "
+                     "first time", record.id, who.user, who.uid, request_id)
+        # Committed: a crash from here on loses only the answer (the client's retry finds the job).
+        self._faults.at("submitted")
+        return {"id": record.id, "job": job_dict(record, who, self.policy), "repeated": not new}
 
     def _cancel(self, who: Identity, args: Mapping[str, Any]) -> Any:
         only(args, ("jobs",))

@@ -19,6 +19,7 @@ from typing import Final
 from scheduler_lite.config import MAX_BYTES, Config
 from scheduler_lite.model import JobKind
 from scheduler_lite.storage import JobRecord, JobSpec, Storage
+from scheduler_lite.storage.base import REQUEST_ID
 from tf_antman.config import VARIABLES as ANTMAN_VARIABLES
 from tf_antman.units import format_bytes
 
@@ -62,6 +63,7 @@ def make_job_spec(
     requested_share: float | None = None,
     restartable: bool = False,
     now: float | None = None,
+    request_id: str | None = None,
 ) -> JobSpec:
     """Validate a submission against the config; SubmitError (one line) when it cannot run here.
 
@@ -152,12 +154,16 @@ def make_job_spec(
                           "e.g. 0.5; leave it out to state none")
     if not isinstance(restartable, bool):
         raise SubmitError(f"--restartable {restartable!r} is invalid: accepted true or false")
+    if request_id is not None and (not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None):
+        raise SubmitError(f"--request-id {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
+                          "A-Z a-z 0-9 _ . : -")
     return JobSpec(
         tenant=tenant, kind=job_kind, num_gpus=gpus, command=tuple(command), workdir=stored_workdir,
         submit_time=time.time() if now is None else now, env=tuple(pairs), memory_bytes=memory_bytes, name=name,
         expected_steps=expected_steps,
         expected_duration_s=None if expected_duration_s is None else float(expected_duration_s),
         requested_share=None if requested_share is None else float(requested_share), restartable=restartable,
+        request_id=request_id,
     )
 
 
@@ -166,12 +172,35 @@ def submission_bytes(command: Sequence[str], env: Iterable[tuple[str, str]]) -> 
     return len(json.dumps(list(command))) + len(json.dumps([list(p) for p in env]))
 
 
+# What a retried submission must repeat to be the same one (JobSpec's fields but the time).
+_SAME_SUBMISSION: Final = ("tenant", "kind", "num_gpus", "command", "workdir", "env", "memory_bytes", "name",
+                           "expected_steps", "expected_duration_s", "requested_share", "restartable")
+
+
 def submit_job(storage: Storage, spec: JobSpec) -> JobRecord:
+    return submit_once(storage, spec)[0]
+
+
+def submit_once(storage: Storage, spec: JobSpec) -> tuple[JobRecord, bool]:
+    """Record the submission, or find it: with a request id that its submitter already used, the
+    job recorded then (and False: nothing new was written). A retry that asks for something else
+    under the same id is refused, naming the first differing field: the id stands for one
+    submission, and silently answering the first job would hide the change."""
     with storage.transaction():
+        if spec.request_id is not None:
+            first = storage.job_by_request(spec.uid, spec.request_id)
+            if first is not None:
+                for name in _SAME_SUBMISSION:
+                    if getattr(first, name) != getattr(spec, name):
+                        raise SubmitError(f"--request-id {spec.request_id!r} was used for {first.id}, whose {name} "
+                                          "differs from this submission's: accepted the same submission again, "
+                                          "or a new request id")
+                return first, False
         record = storage.add_job(spec)
         storage.add_event(spec.submit_time, "submitted", record.id, tenant=spec.tenant, kind=str(spec.kind),
-                          gpus=spec.num_gpus, command=list(spec.command))
-    return record
+                          gpus=spec.num_gpus, command=list(spec.command),
+                          **({} if spec.request_id is None else {"request_id": spec.request_id}))
+    return record, True
 
 
 def request_cancel(storage: Storage, job_id: str, now: float) -> JobRecord:
@@ -197,4 +226,4 @@ def quota_warning(config: Config, gpu_count: int) -> str | None:
 
 
 __all__ = ["MAX_SUBMISSION_BYTES", "RESERVED_ENV", "USER_ANTMAN_VARIABLES", "SubmitError", "largest_gpu_bytes",
-           "make_job_spec", "quota_warning", "request_cancel", "submission_bytes", "submit_job"]
+           "make_job_spec", "quota_warning", "request_cancel", "submission_bytes", "submit_job", "submit_once"]

@@ -13,6 +13,12 @@ a previous answer's `next_cursor`) its answer is `{"jobs": [...], "more", "remai
 cursor, oldest first. A request with neither, as clients before paging send, is answered as it
 was, a list of jobs, but only the newest MAX_LIST_LIMIT of them.
 
+`submit` takes `request_id` (added within version 1; 1-64 of A-Z a-z 0-9 _ . : -): the store
+records one job per request id and submitter, so a submit sent again after its answer was lost
+(the daemon died after committing it) is answered with the job recorded the first time, marked
+`"repeated": true`; the same id with a different submission is refused. The CLI sends a new
+random id with each submit and retries with it while the answer is lost (scheduler_lite.cli).
+
 A malformed or out-of-range argument raises `RequestError`, whose message names the field and
 what is accepted; the server answers it as the request's one-line error.
 """

@@ -20,10 +20,12 @@ from typing import Any, Final, Protocol
 
 from scheduler_lite.model import JobKind, Role
 
-SCHEMA_VERSION: Final = 5  # PRAGMA user_version of a current SQLite database
+SCHEMA_VERSION: Final = 6  # PRAGMA user_version of a current SQLite database
 MAX_EVENTS: Final = 100_000  # events kept; older ones are pruned (prune_events) so the table stays bounded
 MAX_SEQ: Final = (1 << 63) - 1  # SQLite's largest integer: a cursor past it names no job
 _JOB_ID: Final = re.compile(r"job-([1-9][0-9]{0,18})")  # job_id_for's form, ASCII digits only
+# A submission's request id (JobSpec.request_id): what the client generated, ASCII, short.
+REQUEST_ID: Final = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 class JobStatus(enum.StrEnum):
@@ -71,6 +73,10 @@ class JobSpec:
     # The user declares that the command resumes from its own checkpoints when started again:
     # the daemon may stop it (SIGTERM, jobs.cancel_grace_s) and start it on other GPUs (migration).
     restartable: bool = False
+    # The client's id for this submission (REQUEST_ID's form): a retried submit with the same
+    # submitter and id finds the job recorded the first time instead of adding a second
+    # (Storage.job_by_request). None: the submitter gave none (the library, an older client).
+    request_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +121,7 @@ class JobRecord:
     # its first start (its runtime) and starts a new process. None: before schema 5 (read
     # `started_at`) or not booked.
     launched_at: float | None = None
+    request_id: str | None = None  # JobSpec.request_id; None before schema 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +174,14 @@ class Storage(Protocol):
         ...
 
     def add_job(self, spec: JobSpec) -> JobRecord:
-        """Store a queued job under a new id (unique for the life of the store)."""
+        """Store a queued job under a new id (unique for the life of the store). StorageError when
+        `spec.request_id` is set and a job of the same submitter (`uid`, None for the daemon's
+        own user) already carries it: a submission is recorded once."""
+        ...
+
+    def job_by_request(self, uid: int | None, request_id: str) -> JobRecord | None:
+        """The job submitted by `uid` (None: the daemon's own user, library submissions) with
+        this request id, if any; another submitter's job with the same id is not found."""
         ...
 
     def get_job(self, job_id: str) -> JobRecord | None: ...
@@ -231,6 +245,17 @@ def seq_of(job_id: object) -> int:
     if match is None or int(match[1]) > MAX_SEQ:
         raise StorageError(f"{str(job_id)[:60]!r} is not a job id: accepted job-N, N in [1, {MAX_SEQ}]")
     return int(match[1])
+
+
+def check_request_id(request_id: object) -> str | None:
+    if request_id is not None and (not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None):
+        raise StorageError(f"request id {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
+                           "A-Z a-z 0-9 _ . : -")
+    return request_id
+
+
+def duplicate_request(uid: int | None, request_id: str, job_id: str) -> StorageError:
+    return StorageError(f"request id {request_id!r} of uid {uid} is already recorded as {job_id}")
 
 
 def check_limit(limit: int) -> int:

@@ -24,7 +24,9 @@ from scheduler_lite.storage.base import (
     StorageError,
     check_fields,
     check_limit,
+    check_request_id,
     check_states,
+    duplicate_request,
     iter_sorted_placements,
     job_id_for,
     seq_of,
@@ -62,6 +64,11 @@ class MemoryStorage:
             self._depth = 0
 
     def add_job(self, spec: JobSpec) -> JobRecord:
+        check_request_id(spec.request_id)
+        if spec.request_id is not None:
+            first = self.job_by_request(spec.uid, spec.request_id)
+            if first is not None:
+                raise duplicate_request(spec.uid, spec.request_id, first.id)
         with self.transaction():
             self._seq += 1
             record = JobRecord(
@@ -70,10 +77,14 @@ class MemoryStorage:
                 submit_time=spec.submit_time, env=tuple(spec.env), memory_bytes=spec.memory_bytes,
                 name=spec.name, expected_steps=spec.expected_steps,
                 expected_duration_s=spec.expected_duration_s, uid=spec.uid, user=spec.user,
-                requested_share=spec.requested_share, restartable=spec.restartable,
+                requested_share=spec.requested_share, restartable=spec.restartable, request_id=spec.request_id,
             )
             self._jobs[record.id] = record
             return record
+
+    def job_by_request(self, uid: int | None, request_id: str) -> JobRecord | None:
+        # A scan: the memory store holds a test's or a library user's few jobs.
+        return next((j for j in self._jobs.values() if j.request_id == request_id and j.uid == uid), None)
 
     def get_job(self, job_id: str) -> JobRecord | None:
         return self._jobs.get(job_id)

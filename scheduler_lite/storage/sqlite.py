@@ -31,7 +31,9 @@ from scheduler_lite.storage.base import (
     StorageError,
     check_fields,
     check_limit,
+    check_request_id,
     check_states,
+    duplicate_request,
     job_id_for,
     seq_of,
 )
@@ -108,6 +110,14 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     ALTER TABLE jobs ADD COLUMN launched_at REAL
     """,
+    # 5 -> 6: the client's request id (an interrupted submit retried finds its first job). One
+    # per submitter: the index's -1 stands for NULL (the daemon's own user), which a unique index
+    # would otherwise treat as distinct from every other NULL.
+    """
+    ALTER TABLE jobs ADD COLUMN request_id TEXT;
+    CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_request ON jobs(IFNULL(uid, -1), request_id)
+        WHERE request_id IS NOT NULL
+    """,
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -115,7 +125,7 @@ _JOB_COLUMNS: Final = (
     "seq, id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state, "
     "role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, "
     "cancel_requested, control_seq, expected_steps, expected_duration_s, launch_token, uid, user, "
-    "requested_share, restartable, migrating, launched_at"
+    "requested_share, restartable, migrating, launched_at, request_id"
 )
 _JSON_COLUMNS: Final = frozenset({"placement"})
 _ALL_STATES: Final = ", ".join(f"'{s}'" for s in JobStatus)  # every row's state: the (state, seq) index covers all
@@ -186,15 +196,20 @@ class SqliteStorage:
     # -- jobs -------------------------------------------------------------------------------------
 
     def add_job(self, spec: JobSpec) -> JobRecord:
+        check_request_id(spec.request_id)
         with self.transaction():
+            if spec.request_id is not None:
+                first = self.job_by_request(spec.uid, spec.request_id)
+                if first is not None:
+                    raise duplicate_request(spec.uid, spec.request_id, first.id)
             cur = self._db.execute(
                 "INSERT INTO jobs (id, tenant, kind, num_gpus, command, workdir, submit_time, env, "
                 "memory_bytes, name, state, expected_steps, expected_duration_s, uid, user, requested_share, "
-                "restartable) VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "restartable, request_id) VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (spec.tenant, str(spec.kind), spec.num_gpus, json.dumps(list(spec.command)), spec.workdir,
                  spec.submit_time, json.dumps([list(kv) for kv in spec.env]), spec.memory_bytes, spec.name,
                  str(JobStatus.QUEUED), spec.expected_steps, spec.expected_duration_s, spec.uid, spec.user,
-                 spec.requested_share, int(spec.restartable)),
+                 spec.requested_share, int(spec.restartable), spec.request_id),
             )
             seq = cur.lastrowid
             assert seq is not None
@@ -205,6 +220,12 @@ class SqliteStorage:
 
     def get_job(self, job_id: str) -> JobRecord | None:
         row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else _job(row)
+
+    def job_by_request(self, uid: int | None, request_id: str) -> JobRecord | None:
+        # The same expression as the unique index's, so the lookup is an index search.
+        row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE IFNULL(uid, -1) = ? AND request_id = ?",
+                               (-1 if uid is None else uid, request_id)).fetchone()
         return None if row is None else _job(row)
 
     def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
@@ -374,7 +395,7 @@ def _job(row: tuple[Any, ...]) -> JobRecord:
     (seq, job_id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state,
      role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, cancel, control_seq,
      expected_steps, expected_duration_s, launch_token, uid, user, requested_share, restartable, migrating,
-     launched_at) = row
+     launched_at, request_id) = row
     return JobRecord(
         id=job_id, seq=seq, tenant=tenant, kind=JobKind(kind), num_gpus=num_gpus,
         command=tuple(json.loads(command)), workdir=workdir, submit_time=submit_time,
@@ -385,5 +406,5 @@ def _job(row: tuple[Any, ...]) -> JobRecord:
         cancel_requested=bool(cancel), control_seq=control_seq, expected_steps=expected_steps,
         expected_duration_s=expected_duration_s, launch_token=launch_token, uid=uid, user=user,
         requested_share=requested_share, restartable=bool(restartable), migrating=bool(migrating),
-        launched_at=launched_at,
+        launched_at=launched_at, request_id=request_id,
     )

@@ -279,3 +279,27 @@ def test_a_cursor_is_a_job_id(storage: Storage, cursor: object) -> None:
     storage.add_job(spec())
     with pytest.raises(StorageError, match="is not a job id: accepted job-N"):
         storage.jobs_page(5, cursor)  # type: ignore[arg-type]
+
+
+def test_a_request_id_is_recorded_once_per_submitter(storage: Storage) -> None:
+    first = storage.add_job(spec(uid=1000, request_id="r-1"))
+    assert first.request_id == "r-1"
+    assert storage.job_by_request(1000, "r-1") == first
+    assert storage.job_by_request(1001, "r-1") is None  # another user's id is another submission
+    assert storage.job_by_request(1000, "r-2") is None
+    with pytest.raises(StorageError, match="request id 'r-1' of uid 1000 is already recorded as job-1"):
+        storage.add_job(spec(uid=1000, request_id="r-1"))
+    other = storage.add_job(spec(uid=1001, request_id="r-1"))
+    mine = storage.add_job(spec(request_id="r-1"))  # the daemon's own user (uid None): one per id too
+    assert storage.job_by_request(None, "r-1") == mine and storage.job_by_request(1001, "r-1") == other
+    with pytest.raises(StorageError, match="already recorded as job-3"):
+        storage.add_job(spec(request_id="r-1"))
+    assert [j.id for j in storage.list_jobs()] == ["job-1", "job-2", "job-3"]
+    assert storage.add_job(spec()).request_id is None  # none given: no limit on those
+
+
+@pytest.mark.parametrize("request_id", ["", "a b", "x" * 65, "é", 7])
+def test_a_request_id_has_a_bounded_plain_form(storage: Storage, request_id: object) -> None:
+    with pytest.raises(StorageError, match="request id .* is invalid: accepted 1-64 characters"):
+        storage.add_job(spec(request_id=request_id))
+    assert storage.list_jobs() == []

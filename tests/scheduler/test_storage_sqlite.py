@@ -107,14 +107,33 @@ def test_a_version_1_store_is_migrated_and_keeps_its_jobs(tmp_path: Path) -> Non
     raw.commit()
     raw.close()
     store = SqliteStorage(db)
-    assert store.schema_version() == SCHEMA_VERSION == 5
+    assert store.schema_version() == SCHEMA_VERSION == 6
     job = store.get_job("job-1")
     assert job is not None and (job.launch_token, job.expected_steps, job.expected_duration_s) == (None, None, None)
     assert (job.uid, job.user) == (None, "")  # 2 -> 3: submitted before users were known
     # 3 -> 4: no share stated, not restartable, not being migrated
     assert (job.requested_share, job.restartable, job.migrating) == (None, False, False)
     assert job.launched_at is None  # 4 -> 5: its launch's time is started_at (status reads that)
+    assert job.request_id is None  # 5 -> 6: submitted without a request id
     store.close()
+
+
+def test_a_request_id_survives_a_reopen_and_is_unique_in_the_file(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    store = SqliteStorage(db)
+    store.add_job(JobSpec(tenant="A", kind=JobKind.GUARANTEE, num_gpus=1, command=("x",), workdir="/",
+                          submit_time=0.0, uid=1000, request_id="r-1"))
+    store.close()
+    again = SqliteStorage(db)  # as a restarted daemon opens it
+    found = again.job_by_request(1000, "r-1")
+    assert found is not None and found.id == "job-1"
+    again.close()
+    # The unique index holds even for a writer that skips add_job's lookup.
+    raw = sqlite3.connect(db)
+    with pytest.raises(sqlite3.IntegrityError):
+        raw.execute("INSERT INTO jobs (id, tenant, kind, num_gpus, command, workdir, submit_time, state, uid, "
+                    "request_id) VALUES ('x', 'A', 'auto', 1, '[]', '/', 0, 'queued', 1000, 'r-1')")
+    raw.close()
 
 
 def test_a_page_of_a_store_with_100k_jobs_reads_the_page_not_the_store(tmp_path: Path,
