@@ -30,10 +30,7 @@ using tensorflow::AsyncOpKernel;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelContext;
 
-bool IsWaiting(const OpKernel* kernel) {
-  absl::string_view type = kernel->type_string_view();
-  return IsWaitingOpType(std::string_view(type.data(), type.size()));
-}
+bool IsWaiting(const OpKernel* kernel) { return IsWaitingKernel(*kernel); }
 
 class EmulatedDevice : public tensorflow::ThreadPoolDevice {
  public:

@@ -78,10 +78,7 @@ void WarnUnmanaged(int physical_gpus) {
   }
 }
 
-bool IsWaiting(const OpKernel* kernel) {
-  absl::string_view type = kernel->type_string_view();
-  return IsWaitingOpType(std::string_view(type.data(), type.size()));
-}
+bool IsWaiting(const OpKernel* kernel) { return IsWaitingKernel(*kernel); }
 
 // Device time from TF's event manager: an event recorded on the compute stream
 // after the launch, polled by TF's own thread (the mechanism TF uses to free

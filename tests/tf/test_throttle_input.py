@@ -131,6 +131,10 @@ def test_waiting_op_list_names_real_tensorflow_ops() -> None:
     assert len(r["names"]) > 20
     assert "IteratorGetNext" in r["names"] and "EagerPyFunc" in r["names"]
     assert r["missing"] == []
+    # XLA's compile kernel is host work and NCCL's wait for peers: neither is charged (issue 30).
+    # XLA's run kernels are device work: gated (a call op XLA launches, tests/tf/test_xla.py).
+    assert {"_XlaCompile", "NcclAllReduce", "_NcclReduceRecv"} <= set(r["names"])
+    assert not {"_XlaRun", "XlaLaunch", "XlaLaunchV2"} & set(r["names"])
 
 
 def test_coordinator_share_controls_during_tf_keras_train_on_batch_and_custom_loop(tmp_path: Path) -> None:
