@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -26,6 +27,8 @@ struct CudaGate::Op {
   int64_t provisional_ns = 0;
   bool charge = true;   // Begin: the gate charges the manager; BeginTimed: `done` is told
   bool failed = false;  // an event could not be recorded: charge nothing
+  bool captured = false;  // BeginTimed on a capturing stream: no events, done(0, 0)
+  int64_t end_host_ns = 0;  // manager's clock when End was called (all launches made)
   CudaGate::Done done;
 };
 
@@ -65,13 +68,48 @@ void ResolveGateDriver(void* lib, GateDriver* d, std::string* missing) {
   }
   ResolveDriverSymbol(lib, "cuStreamCreate", &d->cuStreamCreate, missing);
   ResolveDriverSymbol(lib, "cuStreamDestroy_v2", &d->cuStreamDestroy, missing);
+  // Both since CUDA 10; optional so that an older or partial driver still times ops.
+  ResolveDriverSymbol(lib, "cuStreamIsCapturing", &d->cuStreamIsCapturing, &absent);
+  ResolveDriverSymbol(lib, "cuThreadExchangeStreamCaptureMode",
+                      &d->cuThreadExchangeStreamCaptureMode, &absent);
 }
+
+// Puts the calling thread in CU_STREAM_CAPTURE_MODE_RELAXED for its lifetime, then restores the
+// thread's mode. cuda.h (cuThreadExchangeStreamCaptureMode): a thread in the default GLOBAL mode
+// may not make "potentially unsafe" calls (event queries and synchronisations among them) while
+// any thread captures in GLOBAL mode (torch.cuda.graph's default), and such a call invalidates
+// that capture; a RELAXED thread may, except on events recorded inside a capture, and the gate
+// never records one (Begin skips capturing streams).
+class RelaxedCaptureMode {
+ public:
+  explicit RelaxedCaptureMode(const GateDriver* d) : d_(d) {
+    if (d_->cuThreadExchangeStreamCaptureMode == nullptr) return;
+    mode_ = kCuCaptureModeRelaxed;
+    swapped_ = d_->cuThreadExchangeStreamCaptureMode(&mode_) == kCuSuccess;
+  }
+  ~RelaxedCaptureMode() {
+    if (swapped_) d_->cuThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  const GateDriver* const d_;
+  int mode_ = 0;
+  bool swapped_ = false;
+};
+
+constexpr int kCuErrorStreamCaptureImplicit = 906;  // CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
 
 }  // namespace
 
 // Loaded once per process, like the memory backend's table (cuda_driver_loader.h).
 const GateDriver* LoadGateDriver(std::string* err) {
   return LoadDriverTable<GateDriver>("libcuda.so.1", ResolveGateDriver, err);
+}
+
+const GateDriver* LoadGateDriverFrom(const char* library, std::string* err) {
+  return LoadDriverTable<GateDriver>(library, ResolveGateDriver, err);
 }
 
 std::string ValidateGateConfig(const antman_gate_config& c) {
@@ -242,6 +280,9 @@ int CudaGate::Reanchor(std::string* err) {
   int64_t best_host = 0;
   int64_t best_round_trip = std::numeric_limits<int64_t>::max();
   std::string failure;
+  // The sync below runs on the launching thread, which may be capturing (or another thread may):
+  // relaxed, it does not invalidate a capture (the anchor stream itself never captures).
+  RelaxedCaptureMode relaxed(d_);
   InContext([&] {
     for (int attempt = 0; attempt < kAnchorTries && best_round_trip > kGoodAnchorNs;
          ++attempt) {
@@ -289,15 +330,45 @@ int CudaGate::Reanchor(std::string* err) {
   return ANTMAN_OK;
 }
 
+bool CudaGate::Capturing(void* stream) const {
+  if (d_->cuStreamIsCapturing == nullptr) return false;
+  int status = kCuCaptureStatusNone;
+  const int rc = const_cast<CudaGate*>(this)->InContext(
+      [&] { return d_->cuStreamIsCapturing(stream, &status); });
+  // IMPLICIT: `stream` is the legacy stream while a blocking stream captures; using it now
+  // would join that capture. Any other error: the record below reports it as before.
+  if (rc == kCuErrorStreamCaptureImplicit) return true;
+  return rc == kCuSuccess && status != kCuCaptureStatusNone;
+}
+
 int CudaGate::Begin(void* stream, Op** out, std::string* err) {
   *out = nullptr;
   if (manager_->unthrottled()) return ANTMAN_OK;
+  // Work captured into a CUDA graph does not run now: nothing to admit or time, and an event
+  // recorded here would be a graph node that may never be queried. Replays are not gated.
+  if (Capturing(stream)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++ext_.ops_captured;
+    return ANTMAN_OK;
+  }
   manager_->Admit(OpManager::Timing::kDevice);
   return RecordStart(stream, /*charge=*/true, manager_->Launched(), out, err);
 }
 
 int CudaGate::BeginTimed(void* stream, Op** out, std::string* err) {
   *out = nullptr;
+  if (Capturing(stream)) {
+    // The timing contract wants `done` once per op: it goes through the queue as (0, 0).
+    auto* op = new Op;
+    op->stream = stream;
+    op->charge = false;
+    op->failed = true;
+    op->captured = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    ++ext_.ops_captured;
+    *out = op;
+    return ANTMAN_OK;
+  }
   return RecordStart(stream, /*charge=*/false, 0, out, err);
 }
 
@@ -366,6 +437,9 @@ int CudaGate::RecordStart(void* stream, bool charge, int64_t provisional, Op** o
 
 int CudaGate::End(Op* op, std::string* err) {
   if (op == nullptr) return ANTMAN_OK;
+  // Every launch of the op has been made by now (the contract of end): from here on, until the
+  // end event completes, the stream only has this op's work and what preceded it.
+  op->end_host_ns = manager_->NowNs();
   const int rc =
       op->failed ? kCuSuccess : InContext([&] { return d_->cuEventRecord(op->end, op->stream); });
   if (rc != kCuSuccess) {
@@ -389,9 +463,16 @@ antman_gate_stats CudaGate::stats() const {
   return stats_;
 }
 
+GateExtStats CudaGate::ext_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ext_;
+}
+
 void CudaGate::PollLoop() {
   void* pushed = nullptr;
   const bool have_context = d_->cuCtxPushCurrent(ctx_) == kCuSuccess;
+  // This thread's event queries must not invalidate a capture another thread runs.
+  RelaxedCaptureMode relaxed(d_);
   // Previous op's end per stream, read and written by this thread only.
   std::unordered_map<void*, int64_t> stream_end;
   std::unique_lock<std::mutex> lock(mu_);
@@ -411,6 +492,7 @@ void CudaGate::PollLoop() {
       continue;
     }
     int64_t busy = 0;
+    int64_t host_gap = 0;
     bool charged = false;
     if (rc == kCuSuccess) {
       float start_to_end = 0.0f;
@@ -422,8 +504,21 @@ void CudaGate::PollLoop() {
       if (rc == kCuSuccess && std::isfinite(start_to_end) && std::isfinite(anchor_to_start)) {
         auto floor_it = stream_end.find(op->stream);
         const int64_t floor_ns = floor_it == stream_end.end() ? 0 : floor_it->second;
-        const HostInterval iv = PlaceOnHostClock(op->anchor->host_ns, anchor_to_start,
-                                                 start_to_end, floor_ns, manager_->NowNs());
+        HostInterval iv = PlaceOnHostClock(op->anchor->host_ns, anchor_to_start, start_to_end,
+                                           floor_ns, manager_->NowNs());
+        // Device time only. The start event completes when the stream's earlier work has; on
+        // an idle stream that is at begin, before the op's host work (argument handling, host
+        // allocations, a synchronising free) and its launches. Until end was called the
+        // stream may have idled waiting for those launches, so that span is not charged: from
+        // max(start, end call) to the end event the stream holds only this op's queued work
+        // (streams run in order). Exact when the device is behind the host (GPU-bound
+        // work); otherwise it undercounts kernels that completed before end was called,
+        // never charges host time. docs/op-manager.md, "What the gate charges".
+        if (op->end_host_ns > iv.start_ns) {
+          const int64_t clip = std::min(op->end_host_ns, iv.end_ns);
+          host_gap += clip - iv.start_ns;
+          iv.start_ns = clip;
+        }
         stream_end[op->stream] = iv.end_ns;
         if (op->charge) {
           manager_->DeviceDone(op->provisional_ns, iv.start_ns, iv.end_ns);
@@ -444,12 +539,14 @@ void CudaGate::PollLoop() {
     if (op->start != nullptr) free_events_.push_back(op->start);
     if (op->end != nullptr) free_events_.push_back(op->end);
     ReleaseAnchorLocked(op->anchor);
+    const bool captured = op->captured;
     delete op;
     --stats_.ops_pending;
     if (charged) {
       ++stats_.ops_completed;
       stats_.device_busy_ns += busy;
-    } else {
+      ext_.host_gap_ns += host_gap;
+    } else if (!captured) {
       ++stats_.errors;
     }
   }
@@ -534,6 +631,17 @@ int antman_gate_get_stats(antman_gate* gate, antman_gate_stats* out) {
   if (out == nullptr) return antman::SetLastError(ANTMAN_ERR_INVALID, "out: must not be NULL");
   *out = gate->gate->stats();
   return ANTMAN_OK;
+}
+
+size_t antman_gate_get_ext_stats(antman_gate* gate, antman_gate_ext_stats* out, size_t size) {
+  if (gate == nullptr || out == nullptr) return 0;
+  const antman::GateExtStats e = gate->gate->ext_stats();
+  antman_gate_ext_stats s{};
+  s.ops_captured = e.ops_captured;
+  s.host_gap_ns = e.host_gap_ns;
+  const size_t n = std::min(size, sizeof(s));
+  std::memcpy(out, &s, n);
+  return n;
 }
 
 }  // extern "C"

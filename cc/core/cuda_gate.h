@@ -15,7 +15,22 @@
  *        paused, or has max_pending_device_ops launches not completed),
  *        charges the profiled op time provisionally and records a start event
  *        on `stream`.
- * end:   records an end event on `stream` and queues the op.
+ * end:   records an end event on `stream` and queues the op. Call it after
+ *        the op's last launch: the time of this call bounds what is charged.
+ * Charged: device time only, [max(start event, end call), end event) on the
+ *        manager's clock. An idle stream stamps the start event at begin, so
+ *        the op's host work (argument handling, host allocations, a
+ *        synchronising free) and the launches would otherwise count as busy;
+ *        from the end call on, the stream holds only this op's queued work.
+ *        Exact when the device runs behind the host; for an op whose kernels
+ *        finish before its end call it undercounts them (host time is never
+ *        charged). antman_gate_ext_stats.host_gap_ns sums what was left out.
+ * Capture: begin checks cuStreamIsCapturing first; on a stream capturing into
+ *        a CUDA graph (or the legacy stream while a blocking stream captures)
+ *        the op is let through uncharged (op = NULL, counted in ops_captured):
+ *        no event is recorded or queried there. The gate's own threads query
+ *        and synchronise in CU_STREAM_CAPTURE_MODE_RELAXED, so they do not
+ *        invalidate a capture running elsewhere in the process.
  * A poller thread of the gate waits for the queued ops' end events in the
  * order end was called (poll: cuEventQuery every poll_interval_ns) and calls
  * device_done with the kernel interval [start event, end event) placed on the
@@ -76,6 +91,15 @@ typedef struct {
   int64_t events_created;     /* pool size: events ever created */
 } antman_gate_stats;
 
+/* Figures added after ABI version 1. Fields are only ever appended: a caller
+ * passes sizeof of the struct it was compiled with and gets that many bytes. */
+typedef struct {
+  int64_t ops_captured;  /* begin calls on a stream capturing into a CUDA graph:
+                            let through, not admitted, not charged, no event */
+  int64_t host_gap_ns;   /* time between an op's start event and its end call
+                            that was not charged (host work; see below) */
+} antman_gate_ext_stats;
+
 typedef struct antman_gate antman_gate;
 typedef struct antman_gate_op antman_gate_op;
 
@@ -90,6 +114,10 @@ int antman_gate_end(antman_gate* gate, antman_gate_op* op);
 /* Waits until every ended op has been charged. */
 int antman_gate_drain(antman_gate* gate);
 int antman_gate_get_stats(antman_gate* gate, antman_gate_stats* out);
+/* Fills min(size, sizeof(antman_gate_ext_stats)) bytes of *out; returns that
+ * count (0 for a NULL gate or out). */
+size_t antman_gate_get_ext_stats(antman_gate* gate, antman_gate_ext_stats* out,
+                                 size_t size);
 
 #ifdef __cplusplus
 }

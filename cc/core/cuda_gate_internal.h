@@ -40,14 +40,28 @@ struct GateDriver {
   int (*cuStreamCreate)(void** stream, unsigned int flags);
   int (*cuStreamDestroy)(void* stream);
   int (*cuGetErrorString)(int result, const char** text);  // may be null
+  // Optional (null: streams are taken as never capturing, the thread's capture
+  // mode is left alone). Appended: tables built by tests leave them null.
+  int (*cuStreamIsCapturing)(void* stream, int* status);
+  int (*cuThreadExchangeStreamCaptureMode)(int* mode);
 };
 
 constexpr int kCuSuccess = 0;
 constexpr int kCuErrorNotReady = 600;     // CUDA_ERROR_NOT_READY
 constexpr unsigned kCuStreamNonBlocking = 1;  // CU_STREAM_NON_BLOCKING
+constexpr int kCuCaptureStatusNone = 0;       // CU_STREAM_CAPTURE_STATUS_NONE
+constexpr int kCuCaptureModeRelaxed = 2;      // CU_STREAM_CAPTURE_MODE_RELAXED
 
 // libcuda.so.1 through dlopen, once per process; nullptr and *err if absent.
 const GateDriver* LoadGateDriver(std::string* err);
+// The same from another path (tests load the fake driver, cc/core/testdata).
+const GateDriver* LoadGateDriverFrom(const char* library, std::string* err);
+
+// Extra figures (cuda_gate.h, antman_gate_ext_stats).
+struct GateExtStats {
+  int64_t ops_captured = 0;    // begin calls on a capturing stream: passed, uncharged
+  int64_t host_gap_ns = 0;     // [start event, end call) time not charged (host work)
+};
 
 // "" if valid, else the bad field and its accepted range.
 std::string ValidateGateConfig(const antman_gate_config& config);
@@ -99,12 +113,16 @@ class CudaGate {
   // device reported an error). The manager is not charged by the gate. A
   // BeginTimed that fails (ANTMAN_ERR_DEVICE) still returns an op: pass it to
   // EndTimed as usual and `done(0, 0)` follows, so `done` always runs once.
+  // On a stream capturing into a CUDA graph BeginTimed records nothing and
+  // returns an op whose `done` is told (0, 0) (counted in ops_captured, not
+  // errors). Intervals are clipped as in Begin/End (cuda_gate.h, "Charged").
   // This is the DeviceTimer contract of cc/tf/device_timer.h (Before/After).
   using Done = std::function<void(int64_t start_ns, int64_t end_ns)>;
   int BeginTimed(void* stream, Op** op, std::string* err);
   int EndTimed(Op* op, Done done, std::string* err);
   void Drain();
   antman_gate_stats stats() const;
+  GateExtStats ext_stats() const;
 
  private:
   struct Anchor {
@@ -127,6 +145,10 @@ class CudaGate {
   int RecordStart(void* stream, bool charge, int64_t provisional, Op** out, std::string* err);
   // Records and synchronizes a new anchor; best of a few tries.
   int Reanchor(std::string* err);
+  // Whether work on `stream` is being captured into a CUDA graph (or the
+  // legacy stream is unusable because a blocking stream captures): then the
+  // gate records no event and queries nothing for the op.
+  bool Capturing(void* stream) const;
   void PollLoop();
   void Complete(Op* op);
 
@@ -148,6 +170,7 @@ class CudaGate {
   std::unordered_map<void*, int64_t> stream_end_ns_;  // floor per stream
   bool stopping_ = false;
   antman_gate_stats stats_{};
+  GateExtStats ext_{};
   std::thread poller_;
 };
 

@@ -331,6 +331,40 @@ TEST(ChargesKernelIntervalsInOrderAndRecyclesEvents) {
   EXPECT_EQ(rig.gate->stats().ops_completed, 12);
 }
 
+TEST(HostWorkBeforeTheLaunchIsNotCharged) {
+  // Issue 29/30: the start event is recorded at begin; on an idle stream the
+  // device stamps it at once, so the op's host work would count as busy.
+  Rig rig(0.5);
+  REQUIRE(rig.gate != nullptr);
+  const int64_t t = rig.clock.NowNs();
+  CudaGate::Op* op = rig.Begin(Stream(1));
+  rig.clock.Advance(10 * kMs);  // host work, then the launch, then end
+  rig.End(op);
+  rig.clock.Advance(1 * kMs);   // the kernel runs
+  CompleteNext(t);              // start: the idle stream stamps it at begin
+  CompleteNext(t + 11 * kMs);   // end: a 1 ms kernel launched at t + 10 ms
+  rig.gate->Drain();
+  EXPECT_EQ(rig.gate->stats().device_busy_ns, 1 * kMs);
+  EXPECT_EQ(rig.manager->stats().busy_ns, 1 * kMs);
+  EXPECT_EQ(rig.gate->ext_stats().host_gap_ns, 10 * kMs);
+  // A stream behind the host: the start event completes after end was called,
+  // and the whole interval is the op's (nothing clipped).
+  const int64_t u = rig.clock.NowNs();
+  op = rig.Begin(Stream(1));
+  rig.clock.Advance(1 * kMs);
+  rig.End(op);
+  rig.clock.Advance(7 * kMs);
+  CompleteNext(u + 5 * kMs);
+  CompleteNext(u + 8 * kMs);
+  rig.gate->Drain();
+  EXPECT_EQ(rig.gate->stats().device_busy_ns, 4 * kMs);
+  EXPECT_EQ(rig.gate->ext_stats().host_gap_ns, 10 * kMs);
+  auto iv = rig.Intervals();
+  REQUIRE(iv.size() == 2u);
+  EXPECT_EQ(iv[0].first, t + 10 * kMs);
+  EXPECT_EQ(iv[1].first, u + 5 * kMs);
+}
+
 TEST(AnchorKeepsPlacementPreciseOverHours) {
   Rig rig(0.5);
   REQUIRE(rig.gate != nullptr);
