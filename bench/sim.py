@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
 from scheduler_lite.policy.registry import POLICIES, PolicySpec
+from scheduler_lite.sim.alibaba import alibaba_v2023
 from scheduler_lite.sim.engine import simulate
 from scheduler_lite.sim.perf import PerfModel, load_perf_model
-from scheduler_lite.sim.workload import alibaba_v2023, default_trace_dir, paper_recipe
+from scheduler_lite.sim.workload import default_trace_dir, paper_recipe
 
 CURVE_POLICIES = ("yarn-cs", "gandiva", "tf-antman")
 LOADS = (0.8, 1.0, 1.5, 2.0, 3.0)  # offered GPU-seconds per second over the cluster's GPUs

@@ -37,7 +37,13 @@ from scheduler_lite.model import GIB, Gpu, JobKind
 from scheduler_lite.model import Tenant as _Tenant
 from scheduler_lite.policy.validation import ConfigError, check_int, check_range
 from scheduler_lite.sim.perf import PerfModel
-from scheduler_lite.sim.workload import MAX_SUBMIT_TIME_S, PREDICTION_ERROR_SIGMA, TraceJob, Workload
+from scheduler_lite.sim.workload import (
+    MAX_SUBMIT_TIME_S,
+    PREDICTION_ERROR_SIGMA,
+    TraceJob,
+    Workload,
+    default_trace_dir,
+)
 
 # GPU memory per model of the Alibaba node list. G2 and G3 are undisclosed: assumed 32 GiB.
 GPU_MEMORY_GIB = {"P100": 16, "T4": 16, "V100M16": 16, "V100M32": 32, "A10": 24, "G2": 32, "G3": 32}
@@ -237,4 +243,13 @@ def load_alibaba(
     return Workload(name, tuple(cluster), (_Tenant("alibaba", len(cluster)),), tuple(jobs), skipped)
 
 
-__all__ = ["load_alibaba", "peak_demand", "read_nodes"]
+def alibaba_v2023(perf: PerfModel, trace_dir: Path | None = None, *, seed: int = 0,
+                  gpus: int | None = None, peak_ratio: float | None = None,
+                  time_compression: float = 1.0) -> Workload:
+    """The 2023 trace from `trace_dir` (default: the development checkout's)."""
+    base = (trace_dir or default_trace_dir()) / "alibaba-gpu-v2023"
+    return load_alibaba(perf, base / "openb_pod_list_default.csv", base / "openb_node_list_gpu_node.csv",
+                        seed=seed, gpus=gpus, peak_ratio=peak_ratio, time_compression=time_compression)
+
+
+__all__ = ["alibaba_v2023", "load_alibaba", "peak_demand", "read_nodes"]

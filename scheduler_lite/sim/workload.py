@@ -3,7 +3,7 @@
 (a) `paper_recipe`: AntMan §5.2: 9 models in 5 equally likely families (Table 3), tenants A
     (64-GPU quota, guarantee jobs) and B (no quota, opportunistic jobs), run times drawn from
     the Philly distribution (shipped as quantiles), 8 nodes x 8 V100-32GB.
-(b) `alibaba_v2023`: the 8,152-task Alibaba GPU trace, through sim/alibaba.py (any pod and node
+(b) `alibaba.alibaba_v2023`: the 8,152-task Alibaba GPU trace (sim/alibaba.py: any pod and node
     list of that format, on a scaled cluster); see docs/simulator.md.
 """
 
@@ -167,16 +167,5 @@ def default_trace_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 
-def alibaba_v2023(perf: PerfModel, trace_dir: Path | None = None, *, seed: int = 0,
-                  gpus: int | None = None, peak_ratio: float | None = None,
-                  time_compression: float = 1.0) -> Workload:
-    """The 2023 trace from `trace_dir` (default: the development checkout's); see sim/alibaba.py."""
-    from scheduler_lite.sim.alibaba import load_alibaba  # alibaba.py imports this module
-
-    base = (trace_dir or default_trace_dir()) / "alibaba-gpu-v2023"
-    return load_alibaba(perf, base / "openb_pod_list_default.csv", base / "openb_node_list_gpu_node.csv",
-                        seed=seed, gpus=gpus, peak_ratio=peak_ratio, time_compression=time_compression)
-
-
-__all__ = ["MAX_SUBMIT_TIME_S", "PREDICTION_ERROR_SIGMA", "TraceJob", "Workload", "alibaba_v2023", "paper_recipe",
+__all__ = ["MAX_SUBMIT_TIME_S", "PREDICTION_ERROR_SIGMA", "TraceJob", "Workload", "default_trace_dir", "paper_recipe",
            "uniform_cluster"]
