@@ -11,10 +11,13 @@ import contextlib
 import math
 import numbers
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tf_antman import activation, config, units
+from tf_antman import config, units
 from tf_antman.config import ConfigError, Settings
+
+if TYPE_CHECKING:
+    from tf_antman import activation
 
 __all__ = [
     "ConfigError", "Settings", "compute_stats", "device_info", "enable", "is_active",
@@ -23,15 +26,31 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> Any:
+    """`tf_antman.activation`, loaded on first use: the scheduler imports tf_antman.protocol, which
+    runs this file, and must not load the training runtime (activation, its native loader, import
+    and step hooks) with it."""
+    if name == "activation":
+        import importlib
+
+        return importlib.import_module("tf_antman.activation")
+    raise AttributeError(f"module 'tf_antman' has no attribute {name!r}")
+
+
 def enable(**options: Any) -> Settings:
     """Turns tf-antman on from code. Options are the ANTMAN_* variables in lower case without
     the prefix (device_memory="2GiB", compute_share=0.5, ...); they override the environment."""
+    from tf_antman import activation
+
     state = activation.activate(config.enable_environment(options))
     assert state is not None
     return state.settings
 
 
 def _state() -> activation.Active:
+    from tf_antman import activation
+
     state = activation.active() or _torch_state()
     if state is None:
         raise RuntimeError("tf-antman is not active: set ANTMAN_ENABLE=1 or call tf_antman.enable()")
@@ -47,6 +66,8 @@ def _torch_state() -> Any:
 
 
 def is_active() -> bool:
+    from tf_antman import activation
+
     return activation.active() is not None or _torch_state() is not None
 
 
