@@ -32,6 +32,17 @@ if ! .venv/bin/python -c "import tensorflow, tf_keras, numpy, pynvml, watchdog, 
   .venv/bin/pip install -q -r requirements-dev.txt
 fi
 
+# PyTorch's real-torch tests (tests/torch) and the compile check of the extensions' CUDA branch
+# run on a CUDA build of torch in a side venv, never in .venv (TensorFlow's): PyPI's torch for
+# Linux x86-64 is that build (+cu130: its CUDA headers match the machine's nvcc 13), about 5.5 GB
+# and a minute to install from the local wheel cache (docs/pytorch.md).
+TORCH_PIN=torch==2.14.1
+if ! .torchvenv/bin/python -c "import torch, ninja, numpy, watchdog, absl, pytest; assert torch.__version__.startswith('2.14.1')" >/dev/null 2>&1; then
+  echo "== creating .torchvenv ($TORCH_PIN, for tests/torch)"
+  python3 -m venv .torchvenv
+  .torchvenv/bin/pip install -q "$TORCH_PIN" ninja numpy watchdog absl-py pytest
+fi
+
 echo "== building native libraries with Bazel"
 TF_ANTMAN_PYTHON=$ROOT/.venv/bin/python .venv/bin/python setup.py -q build_native
 

@@ -5,12 +5,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export TF_ANTMAN_PYTHON=$PWD/.venv/bin/python
+# PyTorch jobs in tests run on .torchvenv's CUDA build of torch, on the CPU (setup.sh).
+export TF_ANTMAN_TORCH_PYTHON=$PWD/.torchvenv/bin/python
 
 echo "== ruff"
 .venv/bin/ruff check tf_antman scheduler_lite tests bench examples setup.py
 
 echo "== C++ unit tests (bazel test //cc/...)"
 bazel test //cc/...
+
+# The tests that import torch in their own process (they skip in .venv, which has none), before
+# the main run so that its summary stays the last line; .torchvenv/bin on the PATH for ninja (the
+# op hook's build).
+echo "== PyTorch tests in .torchvenv"
+PATH=$PWD/.torchvenv/bin:$PATH .torchvenv/bin/python -m pytest -q -p no:cacheprovider tests/torch/test_real_torch.py
 
 echo "== Python tests"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,4 +1,5 @@
-"""With a real PyTorch (skipped where torch is not installed, as in CI): the op hook built with
+"""With a real PyTorch (skipped where torch is not installed: scripts/test.sh runs this file
+again in .torchvenv, which has PyPI's CUDA build of torch, on the CPU): the op hook built with
 torch.utils.cpp_extension gates ops on every thread, including autograd's, and only while the
 share is below 1. Runs on CPU tensors in the hook's host-timed mode; needs libantman_core.so.
 On a GPU machine bench/gpu_colocate.py covers the device-timed mode."""
@@ -97,4 +98,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hold_the_next_job(compute: Compu
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
-    assert not (build_dir / "lock").exists()
+    if getattr(cpp_extension, "FileLock", None) is None:  # torch <= 2.13: the file is the lock
+        assert not (build_dir / "lock").exists()
+    else:  # torch 2.14: an OS lock on a file that stays; nothing to remove, nothing to warn about
+        assert "left by a build that did not finish" not in done.stderr

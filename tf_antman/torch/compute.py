@@ -72,12 +72,22 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             stale = build_dir / "lock"
-            if stale.exists():
+            if stale.exists() and _torch_lock_is_a_baton():
                 log.warning("removing %s, left by a build that did not finish", stale)
                 stale.unlink(missing_ok=True)
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _torch_lock_is_a_baton() -> bool:
+    """Whether cpp_extension's `lock` file blocks by existing (a FileBaton: torch 2.13 and older),
+    so one left behind is stale. torch 2.14 holds an OS lock on that file instead (its FileLock),
+    which stays after every build and blocks nobody: removing it then would only log a false
+    warning at each job start."""
+    from torch.utils import cpp_extension
+
+    return getattr(cpp_extension, "FileLock", None) is None
 
 
 class Compute:
