@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from _procs import forget, kill_group, start_child  # bench/_procs.py, beside this module
+
 REPO = Path(__file__).resolve().parent.parent
 JOB = [sys.executable, str(REPO / "bench" / "_torch_job.py")]
 NO_GPU_EXIT = 77
@@ -126,9 +128,18 @@ class Started:
 
 
 def start(prof: Profile, args: list[str], antman: dict[str, str] | None) -> Started:
+    """Starts a job in a session of its own, listed by bench/_procs.py: killed with its group at
+    its deadline, and at any exit of the bench."""
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    return Started(subprocess.Popen([*JOB, *args, *prof.job_args], env=env_for(antman), stdout=out, stderr=err),
+    return Started(start_child([*JOB, *args, *prof.job_args], env=env_for(antman), stdout=out, stderr=err),
                    out, err)
+
+
+def kill(job: Started) -> None:
+    """SIGKILL to the job's process group; reaped and unlisted."""
+    kill_group(job.proc)
+    job.proc.wait()
+    forget(job.proc)
 
 
 def finish(job: Started, t0: float, deadline_s: float = 3600.0) -> tuple[float, str, dict]:
@@ -138,10 +149,10 @@ def finish(job: Started, t0: float, deadline_s: float = 3600.0) -> tuple[float, 
     try:
         p.wait(timeout=max(1.0, deadline_s - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
+        kill(job)
         job.output()
         return time.monotonic() - t0, f"unfinished after {deadline_s:.0f} s (killed)", {}
+    forget(p)
     jct = time.monotonic() - t0
     out, err = job.output()
     result = next((json.loads(x) for x in reversed(out.splitlines()) if x.startswith("{")), {})
@@ -158,12 +169,12 @@ def wait_first_step(job: Started, log: Path, t0: float, timeout_s: float, what: 
     deadline = t0 + timeout_s
     while not read_log(log):
         if job.proc.poll() is not None:
+            forget(job.proc)
             _, err = job.output()
             raise SystemExit(f"gpu_colocate: {what}: A ended (rc {job.proc.returncode}) before its first step: "
                              f"{err.strip()[-1500:]}")
         if time.monotonic() >= deadline:
-            job.proc.kill()
-            job.proc.wait()
+            kill(job)
             _, err = job.output()
             raise SystemExit(f"gpu_colocate: {what}: A made no step within {timeout_s:.0f} s of its start "
                              f"(killed); its stderr: {err.strip()[-1500:]}")
@@ -209,10 +220,17 @@ def autoload_like_the_wheel(tmp: Path) -> None:
     tensorflow, which GPU machines need not have), so the same line goes into a sitecustomize
     module on PYTHONPATH, which every job (also those the daemon starts) inherits. It runs the
     interpreter's own sitecustomize too, if there is one, since it shadows it."""
+    site = write_sitecustomize(tmp)
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO), old) if p)
+
+
+def write_sitecustomize(tmp: Path) -> Path:
+    """tmp/site/sitecustomize.py with the wheel's .pth line (and the chain to the interpreter's
+    own sitecustomize); returns tmp/site, the folder to put first on PYTHONPATH."""
     from tf_antman.importhook import PTH_LINE
 
     site = tmp / "site"
-    site.mkdir()
+    site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(PTH_LINE + CHAIN_SITECUSTOMIZE)
-    old = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO), old) if p)
+    return site

@@ -1,6 +1,6 @@
 """bench/gpu memory half: builds with nvcc from the core's sources (no Bazel, no TensorFlow) and
 either skips (exit 77, no CUDA driver or device) or passes its checks with the JSON keys that
-bench/gpu/run.py merges."""
+bench/gpu/check.py reads (step memory)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD = REPO / "bench" / "gpu" / "build.sh"
-KEYS = ("shrink_gib_per_ms", "limit_overshoot_bytes", "host_fallback_ok", "host_fallback_slowdown")
+KEYS = ("shrink_gib_per_ms", "shrink_inflight_gib_per_ms", "shrink_inflight_kernel_running_after",
+        "limit_overshoot_bytes", "host_fallback_ok", "host_fallback_slowdown")
 
 
 def _nvcc() -> str | None:

@@ -1,8 +1,12 @@
-"""Running bench/gpu's binaries without letting one hang or crash the bench (run.py): each in its
-own process group, killed whole at its timeout; their JSON line, exit status and error text kept
-for the one JSON line run.py prints whatever happened. Every child group started here is listed
-until its leader is reaped, so that run.py can kill them all when it is itself stopped (SIGTERM,
-SIGINT: a device call's time limit, Ctrl-C) or exits: none is left loading a warm GPU."""
+"""Processes of the benches that start jobs on a GPU (bench/gpu/check.py, bench/gpu_colocate.py),
+run so that none can outlive the bench: each child in its own session (its own process group),
+killed whole at its timeout; a child's JSON line, exit status and error text kept for the bench's
+record whatever happened. Every child group started here is listed until its leader is reaped,
+and on any exit of the bench (a normal one, an exception, SIGTERM or SIGINT: a device call's time
+limit, Ctrl-C) every listed group is SIGKILLed, then every process still descended from the bench
+(/proc: jobs that a scheduler_lite daemon inside the bench started in sessions of their own, and
+their children), so that none is left loading a GPU. A process that left both (a daemon that
+double-forked to init) is out of reach; the benches start none."""
 
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-SKIP = 77  # a binary's "no device": exit status of the skip convention (run.py)
+SKIP = 77  # a binary's "no device": exit status of the skip convention
 ERROR_TAIL = 1500  # characters of a failed binary's stderr kept in the JSON line
 MARGIN_S = 5.0  # of --budget, kept for stopping processes and printing the line
 KILL_WAIT_S = 10.0  # at most this long for a SIGKILLed process to be reaped (uninterruptible sleep)
@@ -26,34 +31,114 @@ KILL_WAIT_S = 10.0  # at most this long for a SIGKILLed process to be reaped (un
 # cannot have been reused while its leader is unreaped). Changed only in the main thread.
 _live: set[int] = set()
 _starting = False  # inside start_child(): a signal then waits for the new child to be listed
-_stop_signal: int | None = None
+_stop_signal: int | None = None  # the first stop signal received
+_pending: int | None = None  # a stop signal that came inside start_child(), handled on its way out
+_raise_on_stop = False  # install_stop_handlers(raise_in_main=True): finally blocks run first
+_on_stop: Callable[[int], None] | None = None
+
+
+class Stopped(SystemExit):
+    """Raised in the main thread by SIGTERM / SIGINT when the bench asked for it (its finally
+    blocks then stop what they started); exit status 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 def kill_all() -> None:
-    """SIGKILL to every listed child group (at exit, on SIGTERM / SIGINT)."""
+    """SIGKILL to every listed child group, then to every process still descended from this one
+    (at exit, on SIGTERM / SIGINT)."""
     for pgid in list(_live):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    kill_descendants()
+
+
+def descendants(root: int | None = None) -> list[int]:
+    """Process ids descended from `root` (default: this process), read from /proc; [] where
+    there is no /proc."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1].isdigit():
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_descendants() -> list[int]:
+    """SIGKILLs every descendant of this process and its process group (never this process's own
+    group); twice, for children forked while the first pass ran. Returns the pids signalled."""
+    own = os.getpgrp()
+    hit: list[int] = []
+    for _ in range(2):
+        for pid in descendants():
+            try:
+                pgid = os.getpgid(pid)
+                if pgid != own:
+                    os.killpg(pgid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+                hit.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return hit
 
 
 def _stop_now(signum: int) -> None:
+    if _raise_on_stop:
+        raise Stopped(signum)
     kill_all()
-    os.write(2, f"bench/gpu: stopped by {signal.Signals(signum).name}: child processes killed\n".encode())
+    if _on_stop is not None:
+        try:
+            _on_stop(signum)
+        except Exception:  # noqa: BLE001, S110 - nothing may keep the bench from exiting
+            pass
+    os.write(2, f"bench: stopped by {signal.Signals(signum).name}: child processes killed\n".encode())
     os._exit(128 + signum)
 
 
 def _on_signal(signum: int, _frame: object) -> None:
-    global _stop_signal
+    global _stop_signal, _pending
+    if _stop_signal is not None:  # already stopping (a second signal during the clean-up)
+        return
     _stop_signal = signum
-    if not _starting:
+    if _starting:
+        _pending = signum
+    else:
         _stop_now(signum)
 
 
-def install_stop_handlers() -> None:
-    """SIGTERM and SIGINT kill every child group and end the process (128 + the signal); a
-    normal exit kills what is left too."""
+def install_stop_handlers(raise_in_main: bool = False,
+                          on_stop: Callable[[int], None] | None = None) -> None:
+    """SIGTERM and SIGINT stop the bench; a normal exit kills what is left too (atexit).
+    Default: every child group and descendant is SIGKILLed at once, `on_stop(signum)` runs (it
+    may write a last record), and the process ends with 128 + the signal. `raise_in_main`:
+    Stopped is raised in the main thread instead, so that the bench's finally blocks stop what
+    they started (a daemon's jobs, with a grace) before it exits; atexit then kills what is left."""
+    global _raise_on_stop, _on_stop
+    _raise_on_stop = raise_in_main
+    _on_stop = on_stop
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _on_signal)
     atexit.register(kill_all)
@@ -61,7 +146,7 @@ def install_stop_handlers() -> None:
 
 def start_child(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
     """Popen in a new session (its own process group), listed until reaped (see forget)."""
-    global _starting
+    global _starting, _pending
     _starting = True
     try:
         proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
@@ -69,8 +154,9 @@ def start_child(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
         return proc
     finally:
         _starting = False
-        if _stop_signal is not None:  # a signal came while the child was being started
-            _stop_now(_stop_signal)
+        if _pending is not None:  # a signal came while the child was being started
+            signum, _pending = _pending, None
+            _stop_now(signum)
 
 
 def forget(proc: subprocess.Popen) -> None:
@@ -84,20 +170,27 @@ class BenchError(RuntimeError):
 
 
 class Budget:
-    """The whole command's wall-time allowance: every process gets at most what is left of it."""
+    """The whole command's wall-time allowance: every process gets at most what is left of it,
+    less `margin` s kept for stopping processes and writing the last record."""
 
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
+    def __init__(self, seconds: float, margin: float = MARGIN_S) -> None:
+        self.seconds = seconds
+        self.margin = margin
+        self.start = time.monotonic()
+        self.end = self.start + seconds
 
     def timeout(self, cap: float, what: str) -> float:
-        left = self.end - MARGIN_S - time.monotonic()
-        if left < 1.0:
+        left = self.end - self.margin - time.monotonic()
+        if left < min(1.0, self.margin):
             raise BenchError(f"{what}: not run, --budget spent")
         return min(cap, left)
 
     def left(self) -> float:
         """Seconds left of the whole allowance (the margin included)."""
         return self.end - time.monotonic()
+
+    def used(self) -> float:
+        return time.monotonic() - self.start
 
 
 def describe_rc(rc: int) -> str:
@@ -114,11 +207,13 @@ def tail(text: str, n: int = ERROR_TAIL) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-def run_captured(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
+def run_captured(cmd: list[str], timeout: float, env: dict[str, str] | None = None
+                 ) -> tuple[int | None, str, str]:
     """Runs `cmd` in its own process group; (exit status or None if killed at `timeout`, stdout,
     stderr). The whole group is killed at the timeout, so a child holding the pipes cannot hang
     the bench."""
-    proc = start_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+    proc = start_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                       env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
