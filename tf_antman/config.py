@@ -145,7 +145,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ANTMAN_DEVICE_ID", "int", "0", f"0..{MAX_DEVICE_INDEX}",
              "Which device this job runs on (the emulated device's id, reported in statistics).",
              _int_range(0, MAX_DEVICE_INDEX)),
-    Variable("ANTMAN_DEVICE_MEMORY", "size", "4GiB (emulated); the GPU's free memory (cuda)",
+    Variable("ANTMAN_DEVICE_MEMORY", "size", "4GiB (emulated); TensorFlow's memory limit of the GPU (cuda)",
              "64MiB..1PiB",
              "Emulated: capacity of the device's memory (a budget in host RAM). Cuda: the most of "
              "each GPU's memory the job may use (device_select.native_memory).",

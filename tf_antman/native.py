@@ -134,6 +134,24 @@ class Native:
             names.append(name.decode())
         return names
 
+    def check_gpu_options(self, config_proto: bytes) -> str:
+        """Empty when the GPU device factory accepts a serialized tensorflow.ConfigProto's GPU
+        options, else its one-line refusal (cc/tf/gpu_options.h)."""
+        buf = ctypes.create_string_buffer(1024)
+        rc = self.lib.antman_rt_check_gpu_options(config_proto, len(config_proto), buf, len(buf))
+        if rc == 2:
+            raise NativeError("config_proto: not a serialized tensorflow.ConfigProto")
+        return buf.value.decode(errors="replace") if rc else ""
+
+    def plan_gpu_memory(self, antman_capacity: int, antman_limit: int, tf_limit: int) -> tuple[int, int, str]:
+        """(capacity, limit, note) of a GPU's memory from ANTMAN_DEVICE_MEMORY, ANTMAN_MEMORY_LIMIT
+        (0 = unset) and TF's own limit for the device (cc/tf/gpu_options.h)."""
+        capacity, limit = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        note = ctypes.create_string_buffer(1024)
+        self.lib.antman_rt_plan_gpu_memory(antman_capacity, antman_limit, tf_limit, ctypes.byref(capacity),
+                                           ctypes.byref(limit), note, len(note))
+        return int(capacity.value), int(limit.value), note.value.decode(errors="replace")
+
     def check_invariants(self) -> str:
         """Empty when the allocator's invariants hold, else what broke."""
         buf = ctypes.create_string_buffer(512)
@@ -181,6 +199,11 @@ def load() -> Native:
     lib.antman_rt_waiting_op.argtypes = [i32]
     lib.antman_rt_waiting_op.restype = ctypes.c_char_p
     lib.antman_rt_check_invariants.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.antman_rt_check_gpu_options.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    lib.antman_rt_check_gpu_options.restype = i32
+    lib.antman_rt_plan_gpu_memory.argtypes = [u64, u64, ctypes.c_int64, ctypes.POINTER(u64), ctypes.POINTER(u64),
+                                              ctypes.c_char_p, ctypes.c_size_t]
+    lib.antman_rt_plan_gpu_memory.restype = None
     version = lib.antman_rt_abi_version()
     if version != ABI_VERSION:
         raise NativeError(f"{path} has ABI version {version}, this package expects {ABI_VERSION}")

@@ -11,8 +11,10 @@
 #include "cc/core/opm_stats.h"
 #include "cc/tf/allocator.h"
 #include "cc/tf/gpu_device.h"
+#include "cc/tf/gpu_options.h"
 #include "cc/tf/op_classes.h"
 #include "cc/tf/runtime.h"
+#include "tensorflow/core/protobuf/config.pb.h"
 
 #define ANTMAN_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -125,6 +127,31 @@ ANTMAN_EXPORT const char* antman_rt_waiting_op(int i) {
     if (k == i) return names[k];
   }
   return nullptr;
+}
+
+// The GPU device factory's refusal of TF's GPU options (gpu_options.h), for a serialized
+// tensorflow.ConfigProto: 0 accepted, 1 refused (the line in `out`), 2 not a ConfigProto.
+ANTMAN_EXPORT int antman_rt_check_gpu_options(const void* config_proto, size_t len, char* out,
+                                              size_t outlen) {
+  tensorflow::ConfigProto config;
+  if (config_proto == nullptr || !config.ParseFromArray(config_proto, static_cast<int>(len))) {
+    CopyError("config_proto: not a serialized tensorflow.ConfigProto", out, outlen);
+    return 2;
+  }
+  const std::string why = antman::RefusedGpuOptions(config.gpu_options());
+  CopyError(why, out, outlen);
+  return why.empty() ? 0 : 1;
+}
+
+// The capacity and initial limit a GPU's memory gets (gpu_options.h, PlanGpuMemory).
+ANTMAN_EXPORT void antman_rt_plan_gpu_memory(uint64_t antman_capacity, uint64_t antman_limit,
+                                             int64_t tf_limit, uint64_t* capacity,
+                                             uint64_t* limit, char* note, size_t notelen) {
+  const antman::GpuMemoryPlan plan =
+      antman::PlanGpuMemory(antman_capacity, antman_limit, tf_limit);
+  if (capacity != nullptr) *capacity = plan.capacity;
+  if (limit != nullptr) *limit = plan.limit;
+  CopyError(plan.note, note, notelen);
 }
 
 ANTMAN_EXPORT int antman_rt_set_share(double share) {

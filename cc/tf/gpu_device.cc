@@ -31,6 +31,7 @@
 #include "cc/core/cuda_gate_internal.h"
 #include "cc/tf/allocator.h"
 #include "cc/tf/device_timer.h"
+#include "cc/tf/gpu_options.h"
 #include "cc/tf/op_classes.h"
 #include "cc/tf/runtime.h"
 #include "tensorflow/core/common_runtime/device_factory.h"
@@ -277,6 +278,10 @@ class AntmanGpuDeviceFactory final : public tensorflow::BaseGPUDeviceFactory {
                              const std::string& name_prefix,
                              std::vector<std::unique_ptr<tensorflow::Device>>* devices) override {
     g_create_calls.fetch_add(1);
+    // Before TF builds anything for the GPUs: options tf-antman cannot honour are refused in one
+    // line (the error of the first op, or of the Session's creation).
+    std::string refused = RefusedGpuOptions(options.config.gpu_options());
+    if (!refused.empty()) return absl::InvalidArgumentError(refused);
     absl::Status status = BaseGPUDeviceFactory::CreateDevices(options, name_prefix, devices);
     if (status.ok() && g_devices.load() == 0) {
       std::vector<std::string> physical;  // TF's own listing, not counted as a list call of ours
@@ -298,9 +303,14 @@ class AntmanGpuDeviceFactory final : public tensorflow::BaseGPUDeviceFactory {
                                                                             &platform_id);
     antman_mem* mem = nullptr;
     OpManager* op_manager = nullptr;
-    std::string why = id_status.ok() ? Runtime::Get().CudaDevice(platform_id.value(), &mem,
-                                                                 &op_manager)
+    // TF's own limit for this device (its allocator's bytes_limit, from its memory options and
+    // system reserve) is the memory's capacity unless ANTMAN_DEVICE_MEMORY is lower.
+    std::string note;
+    std::string why = id_status.ok() ? Runtime::Get().CudaDevice(platform_id.value(),
+                                                                 tf_memory_limit.value(), &mem,
+                                                                 &op_manager, &note)
                                      : std::string(id_status.message());
+    if (!note.empty()) LOG(WARNING) << note;
     tsl::Allocator* allocator = nullptr;
     int64_t limit = tf_memory_limit.value();
     GpuState& state = State();

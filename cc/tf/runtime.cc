@@ -2,6 +2,7 @@
 
 #include "cc/tf/emulated_device.h"
 #include "cc/tf/gpu_device.h"
+#include "cc/tf/gpu_options.h"
 #include "cc/tf/python_gil.h"
 
 namespace antman {
@@ -11,7 +12,8 @@ Runtime& Runtime::Get() {
   return *rt;
 }
 
-std::string Runtime::AddDeviceLocked(int key, int backend, int ordinal, Device** out) {
+std::string Runtime::AddDeviceLocked(int key, int backend, int ordinal, uint64_t capacity,
+                                     uint64_t limit, Device** out) {
   auto it = devices_.find(key);
   if (it != devices_.end()) {
     *out = &it->second;
@@ -20,8 +22,8 @@ std::string Runtime::AddDeviceLocked(int key, int backend, int ordinal, Device**
   antman_mem_config mc{};
   mc.backend = backend;
   mc.device_ordinal = ordinal;
-  mc.device_capacity = config_.device_capacity;
-  mc.limit = config_.limit;
+  mc.device_capacity = capacity;
+  mc.limit = limit;
   mc.host_capacity = config_.host_capacity;
   char err[512] = {0};
   antman_mem* mem = nullptr;
@@ -49,7 +51,8 @@ std::string Runtime::Configure(const RuntimeConfig& config) {
   share_ = config.compute_share;
   if (config.backend == ANTMAN_BACKEND_EMULATED) {
     Device* d = nullptr;
-    why = AddDeviceLocked(0, ANTMAN_BACKEND_EMULATED, config.device_id, &d);
+    why = AddDeviceLocked(0, ANTMAN_BACKEND_EMULATED, config.device_id, config_.device_capacity,
+                          config_.limit, &d);
     if (!why.empty()) return why;
   }
   configured_ = true;
@@ -64,13 +67,22 @@ std::string Runtime::Configure(const RuntimeConfig& config) {
   return "";
 }
 
-std::string Runtime::CudaDevice(int ordinal, antman_mem** mem, OpManager** manager) {
+std::string Runtime::CudaDevice(int ordinal, int64_t tf_limit, antman_mem** mem,
+                                OpManager** manager, std::string* note) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!configured_.load() || config_.backend != ANTMAN_BACKEND_CUDA) {
     return "tf-antman is not configured for ANTMAN_DEVICE=cuda";
   }
   Device* d = nullptr;
-  std::string why = AddDeviceLocked(ordinal, ANTMAN_BACKEND_CUDA, ordinal, &d);
+  // Only the first TF device object of a GPU sizes its memory; later ones (a new Session with
+  // other options) share it as it is.
+  GpuMemoryPlan plan;
+  if (devices_.count(ordinal) == 0) {
+    plan = PlanGpuMemory(config_.device_capacity, config_.limit, tf_limit);
+  }
+  std::string why =
+      AddDeviceLocked(ordinal, ANTMAN_BACKEND_CUDA, ordinal, plan.capacity, plan.limit, &d);
+  if (note != nullptr) *note = why.empty() ? plan.note : "";
   if (!why.empty()) return why;
   *mem = d->mem;
   *manager = d->op_manager.get();

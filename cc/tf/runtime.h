@@ -50,8 +50,12 @@ class Runtime {
   // The memory and manager of CUDA device `ordinal` (CUDA_VISIBLE_DEVICES
   // numbering), created on first use and kept for the life of the process:
   // every TF device object for that GPU (eager context, each Session) draws on
-  // the same budget. Returns "" or why the memory could not be created.
-  std::string CudaDevice(int ordinal, antman_mem** mem, OpManager** manager);
+  // the same budget. `tf_limit` is TF's own memory limit for the device (<= 0
+  // unknown): the memory's capacity follows PlanGpuMemory (gpu_options.h); a
+  // note about an ANTMAN_* setting it overrides goes to `note` once per GPU.
+  // Returns "" or why the memory could not be created.
+  std::string CudaDevice(int ordinal, int64_t tf_limit, antman_mem** mem, OpManager** manager,
+                         std::string* note);
 
   // Calls `f` for every device created so far, in creation order.
   void ForEachDevice(const std::function<void(antman_mem*, OpManager*)>& f) const;
@@ -80,7 +84,8 @@ class Runtime {
     std::unique_ptr<OpManager> op_manager;
   };
   Runtime() = default;
-  std::string AddDeviceLocked(int key, int backend, int ordinal, Device** out);
+  std::string AddDeviceLocked(int key, int backend, int ordinal, uint64_t capacity,
+                              uint64_t limit, Device** out);
 
   mutable std::mutex mu_;
   RuntimeConfig config_;
