@@ -11,8 +11,11 @@ and validated by them, so the ranges live in one place (scheduler_lite/policy/).
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
+import pwd
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +39,7 @@ DEVICE_KINDS: Final = ("emulated", "nvml")
 MIB: Final = 1 << 20
 MIN_DEVICE_BYTES: Final = 64 * MIB  # ANTMAN_DEVICE_MEMORY's lower bound (docs/configuration.md)
 MAX_BYTES: Final = 1 << 50
+MAX_CONFIG_BYTES: Final = 1 << 20  # a config file's size: a real one is a few KiB
 MAX_DEVICE_ID: Final = 1023  # a GPU id of this machine (a job sees its GPUs as 0.. through ANTMAN_DEVICE_ID)
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 C = TypeVar("C")
@@ -130,10 +134,36 @@ class Config:
 # ----------------------------------------------------------------------------------------------
 
 
+def read_config_file(path: Path) -> str:
+    """The text of a config file: a regular file (links to one are followed) of at most
+    MAX_CONFIG_BYTES. Opened without blocking and checked before a byte is read: a FIFO would
+    hang `serve` and every client until someone wrote to it, and /dev/zero would be read until
+    memory ran out. ConfigError (one line) for anything else; OSError if it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise ConfigError(str(path), "<file>", f"a regular file of at most {MAX_CONFIG_BYTES} bytes (this is "
+                              f"{_file_kind(found.st_mode)})")
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)  # a regular file: O_NONBLOCK changes nothing here
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(str(path), "<file>", f"a regular file of at most {MAX_CONFIG_BYTES} bytes (this one "
+                              f"is {max(found.st_size, len(data))} bytes or more)")
+    finally:
+        os.close(fd)
+    return data.decode("utf-8")
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
 def load_config(path: Path) -> Config:
     """Read and validate a config file; ConfigError for a bad value, OSError if unreadable."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(read_config_file(path))
     except OSError as err:
         # Say which file it is: "No such file or directory: nope.toml" does not (same errno, so
         # the same exception class: callers catching FileNotFoundError still do).
@@ -339,6 +369,25 @@ def _accounts(field: str, value: object) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and _ACCOUNT_RE.match(v) for v in value):
         raise ConfigError(field, _short(value), ACCOUNT_RULE)
     return tuple(value)
+
+
+def check_accounts(config: Config) -> None:
+    """Refuse (ConfigError naming the field) a tenant's `users`/`groups` or an `access` name that
+    no account on this machine has: a typo would otherwise lock its person out of the tenant, or
+    leave the daemon without its admin, silently. Checked by `serve` (the daemon's machine decides
+    who exists), not by the pure parser: clients and the simulator read the same file."""
+    checks: list[tuple[str, frozenset[str] | tuple[str, ...], bool]] = []
+    for i, members in enumerate(config.access.members):  # in the order of [[tenants]]
+        checks += [(f"tenants[{i}].users", members.users, True), (f"tenants[{i}].groups", members.groups, False)]
+    checks += [("access.admins", config.access.admins, True), ("access.admin_groups", config.access.admin_groups, False)]
+    for field_name, names, is_user in checks:
+        for name in sorted(names):
+            try:
+                pwd.getpwnam(name) if is_user else grp.getgrnam(name)
+            except KeyError:
+                what = "user" if is_user else "group"
+                raise ConfigError(field_name, name, f"names of {what}s that exist on this machine (no {what} "
+                                  f"{name!r}: `getent {'passwd' if is_user else 'group'} {name}` finds none)") from None
 
 
 def _access(t: _Table, members: tuple[TenantMembers, ...]) -> AccessConfig:

@@ -48,7 +48,7 @@ from scheduler_lite.auth import (
     policy_from_config,
     tenants_of,
 )
-from scheduler_lite.config import Config, file_identity
+from scheduler_lite.config import Config, check_accounts, file_identity
 from scheduler_lite.faults import Faults
 from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user
 from scheduler_lite.model import JobKind
@@ -534,6 +534,7 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
 
     multi_user = os.geteuid() == 0
     check_state_dir(config)
+    check_accounts(config)
     lock = lock_state_dir(config.state_dir)  # first: a second `serve` is told another daemon runs
     stop_metrics = None
     try:
@@ -550,8 +551,8 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
         secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
         try:
             if config.cluster is not None:  # cluster mode: the global scheduler (imports Ray)
-                from scheduler_lite.cluster.scheduler import ClusterDaemon
-                daemon: Daemon = ClusterDaemon(config, storage)
+                from scheduler_lite.cluster.host import cluster_daemon
+                daemon: Daemon = cluster_daemon(config, storage)
             else:
                 daemon = Daemon(config, storage)
             server = Server(daemon, config)

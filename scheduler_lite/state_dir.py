@@ -13,8 +13,11 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import Final
 
 from scheduler_lite.config import Config, ConfigError
+
+LOCK_FILE: Final = "daemon.lock"  # the daemon's lock (scheduler_lite.daemon.lock_state_dir)
 
 
 def check_state_dir(config: Config) -> None:
@@ -35,6 +38,13 @@ def check_state_dir(config: Config) -> None:
     given = str(written or config.state_dir)
     for state in dict.fromkeys(p for p in (written, config.state_dir) if p is not None):
         _check_state_path(state if state.is_absolute() else Path.cwd() / state, given)
+    # The lock is opened O_NOFOLLOW (root truncates and writes it): a link there failed with a
+    # bare "Too many levels of symbolic links". Said here, with the path and what to do.
+    lock = config.state_dir / LOCK_FILE
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(lock).st_mode):
+            raise ConfigError("paths.state_dir", given, f"a directory of the scheduler's own: {lock} is not a regular "
+                              "file (a symbolic link?), and serve truncates and writes it; remove it")
 
 
 def _check_state_path(state: Path, given: str) -> None:
