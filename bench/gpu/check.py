@@ -141,18 +141,19 @@ class Check:
 
     def program(self, name: str) -> list[str]:
         """The command that runs program `name` (a stand-in in the rehearsal)."""
-        if self.stand_ins is not None:
-            return [str(self.stand_ins / name)]
-        return {
-            "gpu_procs": [self.python, str(HERE / "gpu_procs.py")],
-            "build": ["bash", str(HERE / "prepare.sh"), "--bench-only", str(self.bin)],
-            "memory_bench": [str(self.bin / "memory_bench")],
-            "compute_bench": [str(self.bin / "compute_bench")],
-            "op_hook_build": [self.python, "-c", "from tf_antman.torch.compute import build_hook; "
-                              "build_hook(True)"],
-            "torch_smoke": [self.python, str(HERE / "torch_smoke.py")],
-            "gpu_colocate": [self.python, str(REPO / "bench" / "gpu_colocate.py")],
+        program, args = {  # the program, and the arguments a stand-in gets too
+            "gpu_procs": ([self.python, str(HERE / "gpu_procs.py")], []),
+            "build": (["bash", str(HERE / "prepare.sh")], ["--bench-only", str(self.bin)]),
+            "memory_bench": ([str(self.bin / "memory_bench")], []),
+            "compute_bench": ([str(self.bin / "compute_bench")], []),
+            "op_hook_build": ([self.python, "-c", "from tf_antman.torch.compute import build_hook; "
+                               "build_hook(True)"], []),
+            "torch_smoke": ([self.python, str(HERE / "torch_smoke.py")], []),
+            "gpu_colocate": ([self.python, str(REPO / "bench" / "gpu_colocate.py")], []),
         }[name]
+        if self.stand_ins is not None:
+            program = [str(self.stand_ins / name)]
+        return [*program, *args]
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record)
