@@ -4,9 +4,14 @@ is given fake drivers, resolve() fake probes."""
 from __future__ import annotations
 
 import ctypes
+import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_py
 from tf_antman import config, device_select
 from tf_antman.device_select import CudaProbe, DeviceUnavailable
 from tf_antman.units import GiB
@@ -35,14 +40,76 @@ def loader(driver: FakeDriver | None):
 
 
 def test_probe_counts_gpus_and_names_each_failure() -> None:
-    assert device_select.probe_cuda(loader(FakeDriver(count=3))) == CudaProbe(3, "")
-    missing = device_select.probe_cuda(loader(None))
+    probe = device_select.probe_in_process
+    assert probe(loader(FakeDriver(count=3))) == CudaProbe(3, "")
+    missing = probe(loader(None))
     assert missing.gpus == 0 and "libcuda.so.1 cannot be loaded" in missing.problem
-    assert "cuInit returned 999" in device_select.probe_cuda(loader(FakeDriver(init_rc=999))).problem
+    assert "cuInit returned 999" in probe(loader(FakeDriver(init_rc=999))).problem
     # CUDA_ERROR_NO_DEVICE is an answer, not a failure: no GPU (cuda then says "reports no GPU").
-    assert device_select.probe_cuda(loader(FakeDriver(init_rc=100))) == CudaProbe(0, "")
-    bad_count = device_select.probe_cuda(loader(FakeDriver(count_rc=3)))
+    assert probe(loader(FakeDriver(init_rc=100))) == CudaProbe(0, "")
+    bad_count = probe(loader(FakeDriver(count_rc=3)))
     assert "cuDeviceGetCount returned 3" in bad_count.problem
+
+
+FAKE_LIBCUDA = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+/* Records which process initialised it, in $FAKE_CUDA_LOG. */
+int cuInit(unsigned flags) {
+  FILE* f = fopen(getenv("FAKE_CUDA_LOG"), "a");
+  if (f) { fprintf(f, "%d\n", (int)getpid()); fclose(f); }
+  return flags == 0 ? 0 : 1;
+}
+int cuDeviceGetCount(int* n) { *n = 2; return 0; }
+"""
+
+
+def test_the_job_process_never_initialises_cuda(tmp_path: Path) -> None:
+    """The probe's cuInit runs in a child: after it, the job's process has not loaded libcuda at
+    all, so a later fork (multiprocessing) inherits no CUDA state (issue 30). A fake libcuda.so.1
+    logs the pid of every cuInit."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the fake libcuda.so.1")
+    (tmp_path / "fake.c").write_text(FAKE_LIBCUDA)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "fake.c")],
+                   check=True)
+    log = tmp_path / "cuinit.log"
+    job = run_py("""
+        import os
+        from tf_antman import device_select
+        probe = device_select.probe_cuda()
+        emit({"pid": os.getpid(), "gpus": probe.gpus, "problem": probe.problem,
+              "libcuda_mapped": "libcuda.so.1" in open("/proc/self/maps").read()})
+    """, LD_LIBRARY_PATH=str(tmp_path), FAKE_CUDA_LOG=str(log))
+    r = job.result
+    assert r["gpus"] == 2 and r["problem"] == "", r  # the fake driver answered, through the child
+    callers = [int(x) for x in log.read_text().split()]
+    assert len(callers) == 1 and callers[0] != r["pid"], (callers, r["pid"])
+    assert r["libcuda_mapped"] is False
+
+
+def fake_run(stdout: str = "", stderr: str = "", rc: int = 0, raises: Exception | None = None):
+    def run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        assert args[1:3] == ["-S", "-c"]  # no site: the .pth hook cannot activate tf-antman there
+        if raises is not None:
+            raise raises
+        return subprocess.CompletedProcess(args, rc, stdout, stderr)
+    return run
+
+
+def test_a_probe_child_that_fails_is_one_line() -> None:
+    ok = device_select.probe_cuda(fake_run(json.dumps({"init_rc": 0, "count_rc": 0, "count": 4})))
+    assert ok == CudaProbe(4, "")
+    died = device_select.probe_cuda(fake_run(stderr="Traceback ...\nSegfault-ish: boom\n", rc=-11))
+    assert died.gpus == 0 and died.problem == "the CUDA probe process failed (Segfault-ish: boom)"
+    silent = device_select.probe_cuda(fake_run(rc=-9))
+    assert silent.problem == "the CUDA probe process failed (exit status -9)"
+    hung = device_select.probe_cuda(fake_run(raises=subprocess.TimeoutExpired("python", 120)))
+    assert hung.problem.startswith("the CUDA probe process could not run (TimeoutExpired")
+    for p in (died, silent, hung):
+        assert "\n" not in p.problem
 
 
 def settings(device: str) -> config.Settings:

@@ -3,14 +3,21 @@
 `auto` becomes `cuda` when the CUDA driver loads and reports at least one GPU, else `emulated`.
 `cuda` is refused, with one line saying why, when it cannot be served. The probe asks the driver
 itself (libcuda.so.1: cuInit, cuDeviceGetCount), so CUDA_VISIBLE_DEVICES is respected; it runs only
-for `auto` and `cuda`, never for `emulated`.
+for `auto` and `cuda`, never for `emulated`, and in a child process: a cuInit in the job's own
+process before TensorFlow (or PyTorch) initialises CUDA would leave a CUDA-initialised parent, and
+the children of a later fork (multiprocessing pools, tf.data service workers) could not use CUDA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import inspect
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from tf_antman import config
 from tf_antman.config import Settings
@@ -31,22 +38,65 @@ class CudaProbe:
     problem: str  # "" when the driver works; else why not, one line
 
 
-def probe_cuda(load: Callable[[str], ctypes.CDLL] = ctypes.CDLL) -> CudaProbe:
-    """Asks the CUDA driver how many GPUs this process may use."""
+PROBE_TIMEOUT_S = 120.0  # cuInit on a machine with many GPUs takes seconds, not minutes
+
+
+def driver_answers(load: Callable[[str], Any]) -> dict[str, Any]:
+    """What the driver says, raw. Runs in the probe's child process (its source is sent there:
+    only `ctypes` and the argument may be used here)."""
+    import ctypes
+
     try:
         lib = load("libcuda.so.1")
     except OSError as e:
-        return CudaProbe(0, f"no CUDA driver (libcuda.so.1 cannot be loaded: {e})")
+        return {"load_error": str(e)}
     rc = lib.cuInit(0)
+    if rc != 0:
+        return {"init_rc": rc}
+    count = ctypes.c_int(0)
+    return {"init_rc": 0, "count_rc": lib.cuDeviceGetCount(ctypes.byref(count)), "count": count.value}
+
+
+def judge(answers: Mapping[str, Any]) -> CudaProbe:
+    """The probe's verdict on the driver's raw answers."""
+    if "load_error" in answers:
+        return CudaProbe(0, f"no CUDA driver (libcuda.so.1 cannot be loaded: {answers['load_error']})")
+    rc = answers["init_rc"]
     if rc == CUDA_ERROR_NO_DEVICE:  # a driver, but no GPU visible to this process
         return CudaProbe(0, "")
     if rc != 0:
         return CudaProbe(0, f"the CUDA driver failed to initialise (cuInit returned {rc})")
-    count = ctypes.c_int(0)
-    rc = lib.cuDeviceGetCount(ctypes.byref(count))
-    if rc != 0:
-        return CudaProbe(0, f"the CUDA driver cannot count GPUs (cuDeviceGetCount returned {rc})")
-    return CudaProbe(count.value, "")
+    if answers["count_rc"] != 0:
+        return CudaProbe(0, f"the CUDA driver cannot count GPUs (cuDeviceGetCount returned {answers['count_rc']})")
+    return CudaProbe(int(answers["count"]), "")
+
+
+def probe_in_process(load: Callable[[str], Any] = ctypes.CDLL) -> CudaProbe:
+    """Asks the CUDA driver in this process (tests with fake drivers; the child runs the same)."""
+    return judge(driver_answers(load))
+
+
+def _child_source() -> str:
+    return ("from __future__ import annotations\nimport ctypes, json, sys\n" + inspect.getsource(driver_answers)
+            + "sys.stdout.write(json.dumps(driver_answers(ctypes.CDLL)))\n")
+
+
+def probe_cuda(run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> CudaProbe:
+    """Asks the CUDA driver how many GPUs this process may use, from a child process with this
+    process's environment (CUDA_VISIBLE_DEVICES included), so that this one never calls cuInit.
+    The child is `python -S`: no site-packages .pth, so tf-antman's own import hook cannot
+    activate there."""
+    try:
+        done = run([sys.executable, "-S", "-c", _child_source()], capture_output=True, text=True,
+                   timeout=PROBE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return CudaProbe(0, f"the CUDA probe process could not run ({type(e).__name__}: {e})")
+    try:
+        answers = json.loads(done.stdout)
+    except ValueError:
+        tail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        return CudaProbe(0, f"the CUDA probe process failed ({tail[0]})")
+    return judge(answers)
 
 
 def resolve_device(requested: str, environ: Mapping[str, str],

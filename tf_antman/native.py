@@ -180,13 +180,31 @@ def _preload_tf_framework() -> None:
     ctypes.CDLL(str(fw), mode=os.RTLD_LOCAL | os.RTLD_NOW)
 
 
+def load_failure(path: Path, error: OSError) -> str:
+    """One line for a library the dynamic linker refused. An undefined symbol is the installed
+    TensorFlow's: the library is built against the standard tensorflow==2.21.0 wheel, a CUDA build
+    whose framework library exports TF's GPU device classes (docs/gpu-path.md); tensorflow-cpu,
+    another version or another build lacks some, whichever ANTMAN_DEVICE is asked for."""
+    text = str(error).strip()
+    if "undefined symbol" in text:
+        symbol = text.rsplit("undefined symbol:", 1)[-1].strip()
+        return (f"{path.name} cannot link against the installed TensorFlow (undefined symbol {symbol}): "
+                "tf-antman needs the standard tensorflow==2.21.0 wheel (a CUDA build; tensorflow-cpu "
+                "lacks TF's GPU device classes, whichever ANTMAN_DEVICE is set); install it, or unset "
+                "the ANTMAN_* variables to run without tf-antman")
+    return f"{path} cannot be loaded: {text}"
+
+
 def load() -> Native:
     path = lib_path()
     if not path.exists():
         raise NativeError(f"{path} is missing: build it with `python setup.py build_native` "
                           "(or install the tf-antman wheel)")
     _preload_tf_framework()
-    lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    try:
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    except OSError as e:
+        raise NativeError(load_failure(path, e)) from None
     u64, dbl, i32 = ctypes.c_uint64, ctypes.c_double, ctypes.c_int
     lib.antman_rt_abi_version.restype = i32
     lib.antman_rt_configure.argtypes = [i32, i32, u64, u64, u64, dbl, ctypes.c_char_p, ctypes.c_size_t]

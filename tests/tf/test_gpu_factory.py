@@ -5,7 +5,12 @@ refused in one line."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import textwrap
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import run_py
 
@@ -102,3 +107,31 @@ def test_cuda_without_driver_is_refused_in_one_line() -> None:
     last = job.stderr.strip().splitlines()[-1]
     assert last.startswith("tf_antman.device_select.DeviceUnavailable: ANTMAN_DEVICE=cuda refused:")
     assert "libcuda.so.1" in last and last.endswith("use ANTMAN_DEVICE=emulated or auto")
+
+
+FOREIGN_TF = r"""
+/* Stands for libtf_antman.so built against another TensorFlow build: it needs a symbol of TF's
+   GPU device that tensorflow-cpu's framework library does not export. */
+extern void _ZN10tensorflow13BaseGPUDeviceD2Ev(void);
+void antman_uses_gpu_device(void) { _ZN10tensorflow13BaseGPUDeviceD2Ev(); }
+"""
+
+
+def test_a_tensorflow_without_the_gpu_classes_is_one_line_even_emulated(tmp_path: Path) -> None:
+    """tensorflow-cpu lacks TF's GPU device classes, so libtf_antman.so does not link; `import
+    tensorflow` (the import hook activates tf-antman) ends in one line naming the wheel, not the
+    dynamic linker's OSError, with ANTMAN_DEVICE=emulated too. The library is stood in for by one
+    with exactly that undefined symbol (no tensorflow-cpu is installed here)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the stand-in library")
+    (tmp_path / "foreign.c").write_text(FOREIGN_TF)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "libtf_antman.so"), str(tmp_path / "foreign.c")],
+                   check=True)
+    job = run_py("import tensorflow as tf\nemit({'reached': True})", ANTMAN_DEVICE="emulated",
+                 TF_ANTMAN_LIB_DIR=str(tmp_path))
+    assert job.rc != 0 and '"reached"' not in job.stdout
+    last = job.stderr.strip().splitlines()[-1]
+    assert last.startswith("tf_antman.native.NativeError: libtf_antman.so cannot link against the installed "
+                           "TensorFlow (undefined symbol _ZN10tensorflow13BaseGPUDeviceD2Ev)"), last
+    assert "tensorflow==2.21.0" in last and "tensorflow-cpu" in last
