@@ -10,9 +10,10 @@ times as the round before, so the coordinator would return no decisions and the 
 whose rounds decide nothing has them deferred and run only if something happens on its GPU
 before it leaves (`_catch_up`).
 
-`CoordinatorRounds` is a part of `engine.Simulator` (a mixin, not an object of its own: an
-object that pointed back at the simulator would make a reference cycle, see sim/nogc.py); it
-reads the simulator's state declared below and schedules through `Simulator._set_round`.
+`CoordinatorRounds` is a part of `engine.Simulator`, handed the clock, the driver and the jobs
+on each GPU at construction; it plans rounds on the clock (`Clock.set_round`). It also keeps the
+migration policy's input (`low_shares`: running opportunistic jobs the coordinator's shares
+strand), since its rounds move the shares.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from scheduler_lite.sim.simjob import SimJob
 
 if TYPE_CHECKING:
     from scheduler_lite.driver import Driver
-    from scheduler_lite.policy.book import ClusterBook
     from scheduler_lite.policy.coordinator import CoordinatorConfig
     from scheduler_lite.policy.migration import MigrationConfig
+    from scheduler_lite.sim.clock import Clock
 
 # Step-time noise: one cycle of draws; a job's samples start at its own offset, and each speed
 # epoch at another, so neighbouring jobs and epochs do not see the same sequence.
@@ -42,68 +43,79 @@ class InvariantError(AssertionError):
 
 
 class CoordinatorRounds:
-    # The simulator's state these methods read (set in Simulator.__init__).
-    now: float
-    periodic: bool
-    interval: float
-    ccfg: CoordinatorConfig
-    driver: Driver
-    book: ClusterBook
-    migration: MigrationConfig | None
-    noise: list[float]
-    mem: dict[int, int]
-    jobs: dict[str, SimJob]
-    on_gpu: dict[int, dict[str, SimJob]]
-    counters: dict[str, int]
-    round_at: dict[int, float | None]
-    anchor: dict[int, float]  # time of the GPU's last change-driven round
-    deferred: dict[int, float]
+    def __init__(self, clock: Clock, driver: Driver, *, on_gpu: dict[int, dict[str, SimJob]],
+                 jobs: dict[str, SimJob], mem: dict[int, int], ccfg: CoordinatorConfig, periodic: bool,
+                 noise: list[float], counters: dict[str, int], migration: MigrationConfig | None) -> None:
+        self.clock = clock
+        self.driver = driver
+        self.book = driver.book
+        self.on_gpu = on_gpu
+        self.jobs = jobs  # by book id
+        self.mem = mem
+        self.ccfg = ccfg
+        self.interval = ccfg.round_interval_s
+        self.periodic = periodic
+        self.noise = noise
+        self.counters = counters
+        self.migration = migration
+        self.anchor: dict[int, float] = {}  # time of the GPU's last change-driven round
+        # Next round of a GPU whose only job's rounds decide nothing (`alone`), run only if
+        # something happens there before the job leaves (catch_up).
+        self.deferred: dict[int, float] = {}
+        # Running opportunistic jobs below the migration policy's stranded share (its input).
+        self.low_shares: dict[str, float] = {}
 
-    def _set_round(self, gpu: int, at: float | None) -> None:
-        raise NotImplementedError  # Simulator's: it owns the event heap
+    def track_share(self, sj: SimJob) -> None:
+        """Keep `low_shares` current for the migration policy."""
+        if self.migration is None:
+            return
+        share = min((sj.shares.get(g, 1.0) for g in sj.gpus), default=1.0)
+        if sj.state == "running" and sj.role is Role.OPPORTUNISTIC and share < self.migration.stranded_share:
+            self.low_shares[sj.book_id] = share
+        else:
+            self.low_shares.pop(sj.book_id, None)
 
-    def _track_share(self, sj: SimJob) -> None:
-        raise NotImplementedError  # Simulator's: the migration policy's input
-
-    def _round(self, gpu: int, changed: bool) -> bool:
+    def round(self, gpu: int, changed: bool) -> bool:
+        """Run the GPU's coordinator round now if it can decide something; True if it decided."""
+        now = self.clock.now
         if changed:
-            self.anchor[gpu] = self.now
+            self.anchor[gpu] = now
         if not self.on_gpu[gpu]:
             # The coordinator's documented answer for a GPU without jobs: no decisions, a fresh
             # memo. Not asking saves a tenth of all rounds (every last departure).
-            self.driver.memos.pop(gpu, None)
-            self._set_round(gpu, None)
+            self.driver.round(now, gpu, GpuView(self.book.gpus[gpu], ()))
+            self.clock.set_round(gpu, None)
             return False
-        if changed and not self.periodic and self._alone(gpu):
+        if changed and not self.periodic and self.alone(gpu):
             # A lone job's round after a change decides nothing either (its placement, its own
             # surge that still fits, a neighbour leaving it all it needs): it waits with the
             # later ones and runs, at this time, only if something happens here before the job
-            # leaves (_catch_up). Step samples are indexed by step number, so a round run late
+            # leaves (catch_up). Step samples are indexed by step number, so a round run late
             # reads what it would have read now. (Until session 14 only a job not stepping yet
             # was deferred here: 3.6k of the 20k-job run's 36k rounds ran at once for nothing.)
-            self.deferred[gpu] = self.now
-            self._set_round(gpu, None)
+            self.deferred[gpu] = now
+            self.clock.set_round(gpu, None)
             return False
         self.counters["rounds"] += 1
-        decisions = self.driver.round(self.now, gpu, self._view(gpu))  # applied to sj.limits/shares
-        memo = self.driver.memos[gpu]  # the round on a GPU with jobs left one
+        decisions = self.driver.round(now, gpu, self._view(gpu))  # applied to sj.limits/shares
+        memo = self.driver.memo(gpu)  # the round on a GPU with jobs left one
         if self.migration is not None:
             for d in decisions:
                 if isinstance(d, SetComputeShare):
-                    self._track_share(self.jobs[d.job_id])
+                    self.track_share(self.jobs[d.job_id])
         if self.periodic:
-            at = self._tick_after(gpu, self.now) if self.on_gpu[gpu] else None
+            at = self._tick_after(gpu, now) if self.on_gpu[gpu] else None
         elif memo.next_round_at is not None:
             at = self._tick_at_or_after(gpu, memo.next_round_at)
         else:
             at = None
-        if at is not None and not self.periodic and self._alone(gpu):
+        if at is not None and not self.periodic and self.alone(gpu):
             self.deferred[gpu] = at
             at = None
-        self._set_round(gpu, at)
+        self.clock.set_round(gpu, at)
         return bool(decisions)
 
-    def _alone(self, gpu: int) -> bool:
+    def alone(self, gpu: int) -> bool:
         """A lone job whose rounds decide nothing: a guarantee job with all its memory on the
         GPU, or an opportunistic job holding the whole GPU at a full share (the coordinator's
         answer for it; the driver places it so).
@@ -120,44 +132,45 @@ class CoordinatorRounds:
             return sj.limits.get(gpu, 0) >= sj.demand
         return sj.limits.get(gpu, 0) == self.mem[gpu] and sj.shares.get(gpu, 1.0) == 1.0
 
-    def _catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None:
-        """Run the deferred rounds of a lone job (`_alone`) before its GPU changes.
+    def catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None:
+        """Run the deferred rounds of a lone job (`alone`) before its GPU changes.
 
         Rounds due before now see the GPU as it was then (nothing changed since, or this would
         have run earlier). A round due exactly now runs here when the change is not one that
         gives the GPU a round now anyway (`inclusive`), as periodic rounds would.
         """
         at = self.deferred.pop(gpu, None)
-        now = self.now
+        clock = self.clock
+        now = clock.now
         while at is not None and (at < now - 1e-9 or (inclusive and at <= now + 1e-9)):
-            self.now = at
+            clock.now = at
             self.counters["rounds"] += 1
             decisions = self.driver.round(at, gpu, self._view(gpu))
             if decisions:
                 raise InvariantError(f"GPU {gpu}: a lone job's round decided {decisions}")
             memo = self.driver.memo(gpu)
             at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
-        self.now = now
-        if at is not None and still_alone and self._alone(gpu):
+        clock.now = now
+        if at is not None and still_alone and self.alone(gpu):
             # Only the job's speed changed (e.g. from 0 at its start): the rounds still to come
             # read the new speed whenever they run, so they can wait as before.
             self.deferred[gpu] = at
         elif at is not None and at > now + 1e-9:
-            self._set_round(gpu, at)
+            self.clock.set_round(gpu, at)
 
     def _tick_after(self, gpu: int, t: float) -> float:
         """First grid point of the GPU strictly after `t` (and after now)."""
         anchor = self.anchor[gpu]
-        k = math.floor((max(t, self.now) - anchor) / self.interval + 1e-9) + 1
+        k = math.floor((max(t, self.clock.now) - anchor) / self.interval + 1e-9) + 1
         return anchor + k * self.interval
 
     def _tick_at_or_after(self, gpu: int, t: float) -> float:
         anchor = self.anchor[gpu]
         k = math.ceil((t - anchor) / self.interval - 1e-9)
-        now_k = math.floor((self.now - anchor) / self.interval + 1e-9) + 1
+        now_k = math.floor((self.clock.now - anchor) / self.interval + 1e-9) + 1
         return anchor + max(k, now_k) * self.interval
 
-    def _watch(self, sj: SimJob) -> None:
+    def watch(self, sj: SimJob) -> None:
         """The job's speed changed: the coordinators that read its steps look again."""
         for g in sj.gpus:
             jobs = self.on_gpu[g]
@@ -168,10 +181,10 @@ class CoordinatorRounds:
                     continue  # only the guarantee job's steps are read on its GPU
             elif demands_fit([o.demand for o in jobs.values()], self.mem[g]):
                 continue  # opportunistic jobs whose demands fit: their steps are not read
-            at = self._tick_after(g, self.now)
-            pending = self.round_at.get(g)
+            at = self._tick_after(g, self.clock.now)
+            pending = self.clock.round_at.get(g)
             if pending is None or pending > at:
-                self._set_round(g, at)
+                self.clock.set_round(g, at)
 
     def _view(self, gpu: int) -> GpuView:
         local = []
@@ -182,7 +195,7 @@ class CoordinatorRounds:
         trials = (len(jobs) > 1 and self.book.guarantee_holder(gpu) is None
                   and not demands_fit([sj.demand for sj in jobs.values()], self.mem[gpu]))
         guarantee = Role.GUARANTEE
-        now = self.now
+        now = self.clock.now
         for jid, sj in jobs.items():
             steps: tuple[StepSample, ...] = ()
             watched = trials or sj.role is guarantee
@@ -215,7 +228,7 @@ class CoordinatorRounds:
     def _draw_steps(self, sj: SimJob) -> tuple[StepSample, ...]:
         step = sj.step / sj.speed
         start = sj.changed_at
-        last = int((self.now - start) / step)
+        last = int((self.clock.now - start) / step)
         first = max(1, last - self.ccfg.detector_window + 1)
         count = last - first + 1
         if count <= 0:

@@ -1,16 +1,17 @@
 """How fast each simulated job runs, and what its GPUs add to the cluster's totals.
 
-After each batch of events the engine hands `_recompute` the GPUs whose jobs changed (arrived,
+After each batch of events the engine hands `recompute` the GPUs whose jobs changed (arrived,
 left, entered or left a CPU phase, had a share or limit moved by a round): the performance model
 (sim/perf.py, sim/interference.py) gives every job on them its speed on each GPU, a gang runs at
 its slowest GPU's speed times its locality factor (and its GPUs and co-runners see it at that
 speed, `_held_back`), and a job whose speed moved has its work so far
-settled (`_settle`: progress is integrated between speed changes, not stepped) and its next
-progress event planned again (`Simulator._reschedule`). The GPUs' utilisation, memory in use and
+settled (`settle`: progress is integrated between speed changes, not stepped) and its next
+progress event planned again (`Clock.reschedule`). The GPUs' utilisation, memory in use and
 busy flags feed the run's integrals, advanced only when a total changes (`_integrate`).
 
-`JobSpeeds` is a part of `engine.Simulator`, as `CoordinatorRounds` is (rounds.py says why a mixin:
-no reference cycle); it reads the simulator's state declared below.
+`JobSpeeds` is a part of `engine.Simulator`, handed the clock, the coordinator rounds (a speed
+change may run a lone job's deferred rounds first, and makes the coordinators that read the job's
+steps look again) and the jobs on each GPU at construction.
 """
 
 from __future__ import annotations
@@ -20,86 +21,73 @@ import math
 from typing import TYPE_CHECKING
 
 from scheduler_lite.model import Role
+from scheduler_lite.sim.clock import work_tolerance
 from scheduler_lite.sim.simjob import SimJob
 
 if TYPE_CHECKING:
     from scheduler_lite.policy.registry import PolicySpec
+    from scheduler_lite.sim.clock import Clock
     from scheduler_lite.sim.perf import PerfModel
-
-WORK_TOLERANCE_S = 1e-6  # solo-seconds of work left that count as done (float round-off)
-
-
-def work_tolerance(now: float, speed: float) -> float:
-    """Solo-seconds of work within which a target (finish, surge, phase edge) counts as reached.
-
-    WORK_TOLERANCE_S, or the work the job does in one step of the clock if that is more. Above
-    ~8.6e9 s the spacing of the float clock exceeds 1e-6 s: a gap smaller than one step's work
-    cannot be reached by a later event (now + gap / speed rounds to now), so an event planned
-    for it would fire at the same time for ever. With this bound, a gap left after a progress
-    event is planned at least one clock step later, and every run ends whatever its times.
-    """
-    step = speed * math.ulp(now)
-    return step if step > WORK_TOLERANCE_S else WORK_TOLERANCE_S
-
+    from scheduler_lite.sim.rounds import CoordinatorRounds
 
 class JobSpeeds:
-    # The simulator's state these methods read (set in Simulator.__init__).
-    now: float
-    perf: PerfModel
-    policy: PolicySpec
-    periodic: bool
-    on_gpu: dict[int, dict[str, SimJob]]
-    deferred: dict[int, float]
-    gpu_util: dict[int, float]
-    gpu_mem: dict[int, int]
-    gpu_busy: dict[int, bool]
-    util_sum: float
-    mem_sum: int
-    busy_gpus: int
-    util_integral: float
-    mem_integral: float
-    busy_integral: float
-    integrated_to: float
-
-    if TYPE_CHECKING:  # the simulator's and CoordinatorRounds' (not stubs: they would shadow them)
-        def _stale(self, gpu: int) -> None: ...
-        def _reschedule(self, sj: SimJob) -> None: ...
-        def _catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None: ...
-        def _watch(self, sj: SimJob) -> None: ...
+    def __init__(self, clock: Clock, rounds: CoordinatorRounds, *, perf: PerfModel, policy: PolicySpec,
+                 on_gpu: dict[int, dict[str, SimJob]], periodic: bool) -> None:
+        self.clock = clock
+        self.rounds = rounds
+        self.perf = perf
+        self.policy = policy
+        self.on_gpu = on_gpu
+        self.periodic = periodic
+        self.gpu_util = dict.fromkeys(on_gpu, 0.0)
+        self.gpu_mem = dict.fromkeys(on_gpu, 0)
+        self.gpu_busy = dict.fromkeys(on_gpu, False)
+        self.util_sum = 0.0
+        self.mem_sum = 0
+        self.busy_gpus = 0
+        # Integrals of the three totals over time, advanced only when a total changes (to
+        # `integrated_to`): events that change nothing (a round that decides nothing) do not
+        # split the sums, so the figures do not depend on how many such events the engine runs.
+        self.util_integral = 0.0
+        self.mem_integral = 0.0
+        self.busy_integral = 0.0
+        self.integrated_to = 0.0
 
     def _integrate(self) -> None:
         """Add the totals held since the last change to the integrals (a total changes next)."""
-        dt = self.now - self.integrated_to
+        now = self.clock.now
+        dt = now - self.integrated_to
         if dt > 0:
             self.util_integral += self.util_sum * dt
             self.mem_integral += self.mem_sum * dt
             self.busy_integral += self.busy_gpus * dt
-            self.integrated_to = self.now
+            self.integrated_to = now
 
-    def _settle(self, sj: SimJob) -> None:
-        dt = self.now - sj.last_t
+    def settle(self, sj: SimJob) -> None:
+        now = self.clock.now
+        dt = now - sj.last_t
         if dt > 0 and sj.speed > 0:
             sj.remaining -= sj.speed * dt
             sj.work_done += sj.speed * dt
         if dt > 0 and sj.state == "running":
             sj.busy_gpu_s += dt * len(sj.gpus)
-        sj.last_t = self.now
+        sj.last_t = now
 
-    def _set_phase(self, sj: SimJob) -> None:
+    def set_phase(self, sj: SimJob) -> None:
         """Its phase and next phase edge at its work done (an edge within `work_tolerance`
-        counts as reached, the same bound _progress and _reschedule use: an edge they call
+        counts as reached, the same bound JobLifecycle.progress and Clock.reschedule use: an edge they call
         reached must be passed here): at a (re)start, which may repeat or redo work, and at each
         edge. Between two calls its work only grows, so `edge_at` alone tells _progress and
         _reschedule when the phase changes next."""
         edges = sj.trace.cpu_phases
         if edges:
-            done = sj.trace.runtime_s - sj.remaining + work_tolerance(self.now, sj.speed)
+            done = sj.trace.runtime_s - sj.remaining + work_tolerance(self.clock.now, sj.speed)
             i = bisect.bisect_right(edges, done)
             sj.cpu = i % 2 == 1  # odd: inside a CPU phase
             sj.u = 0.0 if sj.cpu else sj.trace.utilisation
             sj.edge_at = edges[i] if i < len(edges) else math.inf
 
-    def _recompute(self, gpus: set[int]) -> None:
+    def recompute(self, gpus: set[int]) -> None:
         """Speeds of the jobs on `gpus`, and the GPUs' totals, from the performance model.
 
         A gang runs at its gang speed: its slowest GPU's speed times its locality factor. On its
@@ -152,6 +140,7 @@ class JobSpeeds:
         gang_speed = self._held_back(gpus, touched, ganged) if ganged else {}
         watch = self.policy.coordinated and not self.periodic
         guarantee = Role.GUARANTEE
+        deferred = self.rounds.deferred
         for jid, sj in touched.items():
             speed = gang_speed[jid] if jid in gang_speed else sj.gpu_speed[sj.gpus[0]]
             if abs(speed - sj.speed) > 1e-12:
@@ -161,15 +150,15 @@ class JobSpeeds:
                 # deferred now. A lone opportunistic job's rounds read no steps: they wait as
                 # they were.
                 for g in sj.gpus if sj.role is guarantee and sj.speed > 0 else ():
-                    if g in self.deferred:
-                        self._catch_up(g, inclusive=True, still_alone=True)
-                self._settle(sj)
+                    if g in deferred:
+                        self.rounds.catch_up(g, inclusive=True, still_alone=True)
+                self.settle(sj)
                 sj.speed = speed
-                sj.changed_at = self.now
+                sj.changed_at = self.clock.now
                 sj.epoch += 1
-                self._reschedule(sj)
+                self.clock.reschedule(sj)
                 if watch:
-                    self._watch(sj)
+                    self.rounds.watch(sj)
 
     def _shared_gpu(self, g: int, jobs: dict[str, SimJob], touched: dict[str, SimJob],
                     gangs: dict[str, float] | None) -> tuple[float, int, bool]:
@@ -286,7 +275,7 @@ class JobSpeeds:
         if new_util:
             self.util_sum += util - self.gpu_util[g]
             self.gpu_util[g] = util
-            self._stale(g)
+            self.clock.stale(g)
         if new_mem:
             self.mem_sum += mem_used - self.gpu_mem[g]
             self.gpu_mem[g] = mem_used

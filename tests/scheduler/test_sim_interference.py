@@ -116,20 +116,20 @@ def test_a_co_runner_of_a_slowed_gang_sees_the_gang_held_back():
 def test_every_gpu_reads_what_its_jobs_run_at_after_every_recomputation(name, monkeypatch):
     # A gang's speed can change through one of its GPUs; the readings of its other GPUs (and
     # their co-runners) must follow, though nothing changed there.
-    from scheduler_lite.sim.engine import Simulator
+    from scheduler_lite.sim.speeds import JobSpeeds
     from scheduler_lite.sim.workload import paper_recipe
 
-    original = Simulator._recompute
+    original = JobSpeeds.recompute
     checked = [0]
 
     def checking(self, gpus):  # type: ignore[no-untyped-def]
         original(self, gpus)
         for g, jobs in self.on_gpu.items():
             reading = min(1.0, sum(sj.u * sj.speed for sj in jobs.values()))
-            assert self.gpu_util[g] == pytest.approx(reading, abs=1e-9), (g, self.now)
+            assert self.gpu_util[g] == pytest.approx(reading, abs=1e-9), (g, self.clock.now)
         checked[0] += 1
 
-    monkeypatch.setattr(Simulator, "_recompute", checking)
+    monkeypatch.setattr(JobSpeeds, "recompute", checking)
     wl = paper_recipe(PERF, num_jobs=60, seed=1, nodes=2, gpus_per_node=4, quota_a=8, load=2.0)
     assert any(j.num_gpus > 1 for j in wl.jobs)
     simulate(wl, POLICIES[name], PERF, seed=1)

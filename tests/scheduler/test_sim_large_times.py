@@ -17,7 +17,8 @@ import pytest
 from scheduler_lite.policy.registry import POLICIES
 from scheduler_lite.policy.validation import ConfigError
 from scheduler_lite.sim.alibaba import load_alibaba
-from scheduler_lite.sim.engine import Simulator, simulate
+from scheduler_lite.sim.engine import simulate
+from scheduler_lite.sim.lifecycle import JobLifecycle
 from scheduler_lite.sim.perf import load_perf_model
 from scheduler_lite.sim.workload import MAX_SUBMIT_TIME_S, paper_recipe
 
@@ -35,16 +36,16 @@ class Spinning(AssertionError):
 @pytest.fixture
 def bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail a run that makes more progress events than MAX_PROGRESS_EVENTS (a livelock)."""
-    original = Simulator._progress
+    original = JobLifecycle.progress
     count = [0]
 
-    def counting(self: Simulator, sj, dirty):  # type: ignore[no-untyped-def]
+    def counting(self: JobLifecycle, sj, dirty):  # type: ignore[no-untyped-def]
         count[0] += 1
         if count[0] > MAX_PROGRESS_EVENTS:
-            raise Spinning(f"{count[0]} progress events, the clock at {self.now!r}")
+            raise Spinning(f"{count[0]} progress events, the clock at {self.clock.now!r}")
         return original(self, sj, dirty)
 
-    monkeypatch.setattr(Simulator, "_progress", counting)
+    monkeypatch.setattr(JobLifecycle, "progress", counting)
 
 
 def _one_pod(tmp_path: Path):  # type: ignore[no-untyped-def]
