@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from scheduler_lite.config import Config, parse_config  # noqa: E402
 from scheduler_lite.daemon import Daemon  # noqa: E402
 from scheduler_lite.storage import SqliteStorage  # noqa: E402
+from scheduler_lite.testing import stop_all_jobs  # noqa: E402
 
 TICK_S = 0.05
 JOB = r"""
@@ -88,8 +89,9 @@ def one_run(mode: str, work: Path, address: str, n: int) -> dict[str, float]:
                    "node_timeout_s": 30}
     cfg = config(state, cluster)
     if mode == "cluster":
-        from scheduler_lite.cluster.scheduler import ClusterDaemon
-        d: Daemon = ClusterDaemon(cfg, SqliteStorage(cfg.db_path))
+        from scheduler_lite.cluster.host import cluster_daemon
+
+        d: Daemon = cluster_daemon(cfg, SqliteStorage(cfg.db_path))
     else:
         d = Daemon(cfg, SqliteStorage(cfg.db_path))
     env = {"PYTHONPATH": str(REPO)}
@@ -108,12 +110,12 @@ def one_run(mode: str, work: Path, address: str, n: int) -> dict[str, float]:
         applied = wait_file(d, out.with_suffix(".control"))
         return {"start_s": started - submitted, "control_s": applied - before, "tick_s": tick_s}
     finally:
-        d.stop_all_jobs(grace_s=1)
+        stop_all_jobs(d, grace_s=1)
         if mode == "cluster":
             import ray
 
-            from scheduler_lite.cluster.nodes import agent_name
-            ray.kill(ray.get_actor(agent_name("n1"), namespace=cfg.cluster.namespace))  # type: ignore[union-attr]
+            from scheduler_lite.cluster.nodes import actor_name
+            ray.kill(ray.get_actor(actor_name("n1"), namespace=cfg.cluster.namespace))  # type: ignore[union-attr]
 
 
 def restart_run(work: Path, address: str, n: int) -> float:
@@ -186,13 +188,13 @@ node_timeout_s = 30
     finally:
         second.terminate()
         second.wait()
-        d = __import__("scheduler_lite.cluster.scheduler", fromlist=["ClusterDaemon"]).ClusterDaemon(
+        d = __import__("scheduler_lite.cluster.host", fromlist=["cluster_daemon"]).cluster_daemon(
             cfg, SqliteStorage(cfg.db_path))
-        d.stop_all_jobs(grace_s=1)
+        stop_all_jobs(d, grace_s=1)
         import ray
 
-        from scheduler_lite.cluster.nodes import agent_name
-        ray.kill(ray.get_actor(agent_name("n1"), namespace=namespace))
+        from scheduler_lite.cluster.nodes import actor_name
+        ray.kill(ray.get_actor(actor_name("n1"), namespace=namespace))
 
 
 def summary(xs: list[float]) -> dict[str, float]:

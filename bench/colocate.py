@@ -33,6 +33,7 @@ from _common import REPO, job_env, table
 sys.path.insert(0, str(REPO / "examples"))
 import demo  # noqa: E402
 
+from scheduler_lite.testing import run_until, stop_all_jobs  # noqa: E402
 from tf_antman.units import MiB  # noqa: E402
 
 DEVICE = 128 * MiB
@@ -110,15 +111,15 @@ def table2(a_steps: int, b_steps: int, arrival: float, tmp: Path) -> dict[str, d
     d = demo.make_daemon(tmp / "antman", f"{DEVICE}B", round_s=2, min_memory="16MiB")
     a_id = d.submit([sys.executable, str(REPO / "examples" / "colocate_job.py"), *a_args], tenant="batch",
                     kind="opportunistic", name="A")
-    d.run_until(lambda d: d.job(a_id).started_at is not None, timeout=60)
+    run_until(d, lambda d: d.job(a_id).started_at is not None, timeout=60)
     time.sleep(max(0.0, arrival - 0.5))
     b_id = d.submit([sys.executable, str(REPO / "examples" / "colocate_job.py"), *b_args], tenant="research",
                     kind="guarantee", memory_bytes=B_NEED, name="B")
-    d.run_until(lambda d: d.job(a_id).state.done and d.job(b_id).state.done, timeout=3600)
+    run_until(d, lambda d: d.job(a_id).state.done and d.job(b_id).state.done, timeout=3600)
     ra, rb = d.job(a_id), d.job(b_id)
     res["tf-antman"] = {"A": ra.ended_at - ra.started_at, "A_state": ra.state.value,
                         "B": rb.ended_at - rb.submit_time, "B_state": rb.state.value}
-    d.stop_all_jobs()
+    stop_all_jobs(d)
     return res
 
 

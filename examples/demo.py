@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from scheduler_lite.config import parse_config  # noqa: E402
 from scheduler_lite.daemon import Daemon  # noqa: E402
 from scheduler_lite.storage import SqliteStorage  # noqa: E402
+from scheduler_lite.testing import run_until, stop_all_jobs  # noqa: E402
 from tf_antman.units import format_bytes  # noqa: E402
 
 JOB = [sys.executable, str(REPO / "examples" / "colocate_job.py")]
@@ -109,7 +110,7 @@ def run_scenario(quick: bool, out_dir: Path, live: bool = True, rg_width: int = 
         print("== measuring the guarantee job alone (baseline)", flush=True)
         d = make_daemon(out_dir / "solo", memory, round_s=2)
         solo = d.submit(rg_cmd, tenant="research", kind="guarantee", name="rg-solo")
-        d.run_until(lambda d: d.job(solo).state.done, timeout=1200)
+        run_until(d, lambda d: d.job(solo).state.done, timeout=1200)
         result["rg_solo_ms"] = statistics.median(job_steps_ms(d, solo)[2:])
         result["rg_solo_jct_s"] = d.job(solo).ended_at - d.job(solo).started_at
         print(f"   guarantee job alone: {result['rg_solo_ms']:.2f} ms/step (median of its progress lines)\n")
@@ -136,7 +137,7 @@ def run_scenario(quick: bool, out_dir: Path, live: bool = True, rg_width: int = 
         job = d.status().gpu(0).job(ops[0])
         return job is not None and (job.step or 0) >= 100
 
-    d.run_until(first_op_running, timeout=300)
+    run_until(d, first_op_running, timeout=300)
     rg = d.submit(rg_cmd, tenant="research", kind="guarantee", name="rg")
     names[rg] = "guarantee"
     print(f"[{time.monotonic() - tl.t0:6.1f}s] guarantee job {rg} submitted", flush=True)
@@ -145,7 +146,7 @@ def run_scenario(quick: bool, out_dir: Path, live: bool = True, rg_width: int = 
         watch(d)
         return all(d.job(j).state.done for j in [rg, *ops])
 
-    d.run_until(all_done, timeout=3600)
+    run_until(d, all_done, timeout=3600)
     records = {j: d.job(j) for j in [rg, *ops]}
     rg_ms = job_steps_ms(d, rg)
     result.update({
@@ -159,7 +160,7 @@ def run_scenario(quick: bool, out_dir: Path, live: bool = True, rg_width: int = 
     if "rg_solo_ms" in result:
         result["rg_slowdown"] = result["rg_colocated_ms"] / result["rg_solo_ms"] - 1
     (out_dir / "timeline.json").write_text(json.dumps(tl.rows))
-    d.stop_all_jobs()
+    stop_all_jobs(d)
     return result
 
 

@@ -19,23 +19,23 @@ Each tick, in this order (the simulator runs the same steps on its model, sim/en
 Submission, the job environment and status live in scheduler_lite.submission, .jobenv and .status;
 the CLI calls those, never the loop.
 
-Everything that touches a job's process or files goes through a few small methods (`_launch`,
-`_load_stats`, `_send_control`, `_prepare_job_dir`, `_find_pid`, `_recorded_exit`,
-`_control_seq_on_disk`, `read_log`): cluster mode (scheduler_lite.cluster) runs the same loop with
-them carried out by node agents.
+Everything that touches a job's process or files goes through the daemon's job host
+(scheduler_lite.jobhost): `LocalJobHost` runs the jobs on this machine; in cluster mode
+(scheduler_lite.cluster) a `ClusterJobHost` runs them on Ray nodes, with the same loop here.
 
 Steps 3 and 5, the exchange with the running jobs (their stats read, their controls written),
-live in scheduler_lite.job_controls, a part of Daemon as recovery is.
+are scheduler_lite.job_controls; taking over the jobs of a store at the start is
+scheduler_lite.recovery. Both work on the daemon's job table (scheduler_lite.tick.JobTable).
 
 The store (scheduler_lite.storage) is the truth: a new Daemon on the same store takes over the
 jobs it records (scheduler_lite.recovery). The clock is injected: tests drive `tick(now)`
-themselves. A tick's report and the record of each running job: scheduler_lite.tick; the crash
-tests' fault points: scheduler_lite.faults.
+themselves (scheduler_lite.testing has the loops tests, benches and examples use). A tick's
+report and the record of each running job: scheduler_lite.tick; the crash tests' fault points:
+scheduler_lite.faults.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import logging
@@ -45,68 +45,27 @@ import signal
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Final
 
 from scheduler_lite.config import Config, file_identity
-from scheduler_lite.devices import DeviceBackend, open_devices
 from scheduler_lite.driver import Driver, Launch
 from scheduler_lite.faults import Faults
-from scheduler_lite.isolation import (
-    INITIAL_CONTROL_SEQ,
-    base_environment,
-    job_user,
-    prepare_job_dir,
-    read_log,
-)
+from scheduler_lite.isolation import INITIAL_CONTROL_SEQ
 from scheduler_lite.job_controls import JobControls
-from scheduler_lite.jobenv import MIN_ENV_LIMIT, job_environment
-from scheduler_lite.launcher import (
-    EXIT_STATUS_FILE,
-    PID_FILE,
-    STDERR_FILE,
-    STDOUT_FILE,
-    ExitInfo,
-    Launcher,
-    LaunchError,
-    LaunchSpec,
-    ProcessHandle,
-    after_sigkill,
-    describe_exit,
-)
-from scheduler_lite.model import (
-    Gpu,
-    JobKind,
-    Reject,
-    Reserve,
-    Role,
-    Tenant,
-    Unreserve,
-    Upgrade,
-)
+from scheduler_lite.jobenv import MIN_ENV_LIMIT
+from scheduler_lite.jobhost import JobHost, LocalJobHost
+from scheduler_lite.launcher import ExitInfo, LaunchError, after_sigkill, describe_exit
+from scheduler_lite.model import Gpu, JobKind, JobState, Place, Reject, Reserve, Role, Tenant, Unreserve, Upgrade
+from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.global_scheduler import schedule
-from scheduler_lite.recovery import Recovery
-from scheduler_lite.status import (
-    ClusterStatus,
-    GpuStatus,
-    JobOnGpu,
-    TenantStatus,
-    build_status,
-    read_job_stats,
-)
+from scheduler_lite.recovery import Recovery, book_job
+from scheduler_lite.status import ClusterStatus, build_status
 from scheduler_lite.storage import MAX_EVENTS, JobRecord, JobStatus, Storage
-from scheduler_lite.submission import (
-    RESERVED_ENV,
-    USER_ANTMAN_VARIABLES,
-    SubmitError,
-    make_job_spec,
-    quota_warning,
-    request_cancel,
-    submit_job,
-)
-from scheduler_lite.tick import ControlWrite, LiveJob, TickLog, TickReport
+from scheduler_lite.submission import make_job_spec, quota_warning, request_cancel, submit_job
+from scheduler_lite.tick import JobTable, LiveJob, TickLog, TickReport
 
 log = logging.getLogger("scheduler_lite")
 
@@ -126,8 +85,11 @@ class StateDirLostError(OSError):
 # ----------------------------------------------------------------------------------------------
 
 
-class Daemon(Recovery, JobControls):
-    """The scheduler as a library: `tick(now)` does one round; `serve()` loops until SIGTERM."""
+class Daemon:
+    """The scheduler as a library: `tick(now)` does one round; `serve()` loops until SIGTERM.
+
+    `host`: where the jobs run (scheduler_lite.jobhost); this machine's GPUs and processes
+    (`LocalJobHost`) unless given."""
 
     def __init__(
         self,
@@ -135,23 +97,12 @@ class Daemon(Recovery, JobControls):
         storage: Storage,
         clock: Callable[[], float] = time.time,
         *,
-        devices: DeviceBackend | None = None,
-        launcher: Launcher | None = None,
+        host: JobHost | None = None,
     ) -> None:
         self.config = config
         self.storage = storage
         self.clock = clock
-        self.devices = devices if devices is not None else open_devices(config.devices)
-        self.launcher = launcher if launcher is not None else Launcher()
-        self.gpus: dict[int, Gpu] = {g.id: g for g in self.devices.inventory()}
-        self._live: dict[str, LiveJob] = {}
-        # Migrations under way: the old process (stopping) and the launch that follows its end.
-        self._stopping: dict[str, LiveJob] = {}
-        self._moves: dict[str, Launch] = {}
-        self._booked: list[Launch] = []  # booked this tick, started after the rounds
-        self._round_sig: dict[int, tuple[tuple[str, Role], ...]] = {}
-        self._last_round: dict[int, float] = {}
-        self._util_samples: dict[int, deque[tuple[float, float]]] = {g: deque() for g in self.gpus}
+        self.host: JobHost = host if host is not None else LocalJobHost(config)
         self._last_schedule = -math.inf
         self._dirty = True
         self._ticks = 0
@@ -164,16 +115,37 @@ class Daemon(Recovery, JobControls):
             if record.tenant not in known:  # dropped from the config while its job ran
                 tenants.append(Tenant(record.tenant, 0))
                 known.add(record.tenant)
-        self.driver = Driver(self.gpus.values(), tenants, policy=schedule,  # type: ignore[arg-type]
-                             scheduler_config=config.scheduler, coordinator_config=config.coordinator)
-        self.book = self.driver.book
-        warning = quota_warning(config, len(self.gpus))
+        gpus = {g.id: g for g in self.host.devices.inventory()}
+        driver = Driver(gpus.values(), tenants, policy=self.host.policy(schedule),  # type: ignore[arg-type]
+                        scheduler_config=config.scheduler, coordinator_config=config.coordinator)
+        self.jobs = JobTable(driver, gpus)
+        self.controls = JobControls(config, storage, self.host, self.jobs, self._faults)
+        warning = quota_warning(config, len(gpus))
         if warning:
             log.warning("%s", warning)
         with storage.transaction():
             for t in config.tenants:
                 storage.set_quota(t.name, t.gpu_quota)
-        self._recover(now)
+        self.host.attach(self)
+        self._recovery = Recovery(config, clock, storage, self.host, self.jobs, self)
+        self._recovery.recover(now)
+
+    # The job table's parts, as status, tests and benches read them.
+    @property
+    def driver(self) -> Driver:
+        return self.jobs.driver
+
+    @property
+    def book(self) -> ClusterBook:
+        return self.jobs.driver.book
+
+    @property
+    def gpus(self) -> dict[int, Gpu]:
+        return self.jobs.gpus
+
+    @property
+    def _live(self) -> dict[str, LiveJob]:
+        return self.jobs.live
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -211,22 +183,22 @@ class Daemon(Recovery, JobControls):
         return self.config.jobs_dir / job_id
 
     def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
-        """Up to `limit` bytes of a started job's stdout/stderr from `offset` (`logs`); a hook: in
-        a cluster the job's node reads it."""
-        assert record.job_dir is not None
-        return read_log(Path(record.job_dir) / (STDERR_FILE if stderr else STDOUT_FILE), offset, limit)
+        """Up to `limit` bytes of a started job's stdout/stderr from `offset` (`logs`), read by the
+        job's host (on its node in a cluster)."""
+        return self.host.read_log(record, stderr, offset, limit)
 
     def tick(self, now: float | None = None) -> TickReport:
         now = self.clock() if now is None else now
+        self.host.refresh(now)  # a cluster's nodes: reports, losses, joins
         out = TickLog(now)
         self._ingest(now, out)
         self._reap(now, out)
-        self._observe(now)
+        self.controls.observe(now)
         waiting = self.book.pending_count() > 0
         if self._dirty or (waiting and now - self._last_schedule >= self.config.daemon.schedule_interval_s):
             self._schedule(now, out)
         self._migrate(now, out)
-        self._coordinate(now, out)
+        self.controls.coordinate(now, out)
         self._start_booked(now, out)
         self._ticks += 1
         if self._ticks % PRUNE_EVERY_TICKS == 0:
@@ -237,21 +209,10 @@ class Daemon(Recovery, JobControls):
         utilisation = {g: self.book.gpus[g].utilisation for g in self.gpus}
         phases = {g: str(m.phase) for g, m in self.driver.memos.items()}
         stats = {j: (live.stats, live.stats_error) for j, live in self._live.items()}
-        return build_status(self.config, self.storage, list(self.gpus.values()), self.clock(), stats,
-                            utilisation, phases, self.book.reservations)
-
-    def run_until(self, predicate: Callable[[Daemon], bool], timeout: float,
-                  interval: float | None = None) -> bool:
-        """tick() until predicate(self) holds (True) or `timeout` real seconds pass (False)."""
-        deadline = time.monotonic() + timeout
-        pause = self.config.daemon.tick_interval_s if interval is None else interval
-        while True:
-            self.tick()
-            if predicate(self):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
+        status = build_status(self.config, self.storage, list(self.gpus.values()), self.clock(), stats,
+                              utilisation, phases, self.book.reservations)
+        absent = self.host.absent()
+        return replace(status, absent_nodes=absent) if absent else status
 
     def serve(self, between_ticks: Callable[[float], None] | None = None) -> None:
         """Tick every daemon.tick_interval_s until SIGTERM/SIGINT (or stop()); jobs keep running.
@@ -308,29 +269,63 @@ class Daemon(Recovery, JobControls):
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def stop_all_jobs(self, grace_s: float | None = None) -> None:
-        """Stop every running job now (blocking) and record it: for tests and demos, not shutdown."""
-        grace = self.config.jobs.cancel_grace_s if grace_s is None else grace_s
-        for job_id in list(self._stopping):  # mid-migration: stopped, not started again
-            with contextlib.suppress(Exception):
-                self.storage.update_job(job_id, cancel_requested=True)
-            live = self._stopping.pop(job_id)
-            self._moves.pop(job_id, None)
-            ended = self.launcher.stop(live.handle, grace)
-            self._live[job_id] = live
-            self._finish(job_id, ended, self.clock(), None)
-        for job_id in list(self._live):
-            with contextlib.suppress(Exception):
-                self.storage.update_job(job_id, cancel_requested=True)
-            ended = self.launcher.stop(self._live[job_id].handle, grace)
-            self._finish(job_id, ended, self.clock(), None)
+    # -- what the job host may ask (jobhost.HostedJobs) ------------------------------------------
+
+    def live_jobs(self) -> Mapping[str, LiveJob]:
+        return self.jobs.live
+
+    def booked_launches(self) -> Sequence[Launch]:
+        return list(self.jobs.booked)
+
+    def lose(self, job_id: str, now: float) -> LiveJob | None:
+        live = self.jobs.live.pop(job_id, None)
+        self.jobs.booked = [b for b in self.jobs.booked if b.job_id != job_id]
+        self.driver.finish(job_id, now, failed=True)
+        self._dirty = True
+        return live
+
+    def changed(self) -> None:
+        self._dirty = True
+
+    def adopt(self, record: JobRecord, now: float, launched_pid: int | None) -> None:
+        self._recovery.readopt(record, now, launched_pid)
+
+    def gpus_changed(self, gpus: Sequence[Gpu], now: float, size_known: bool) -> None:
+        """Rebuild the driver over the host's GPUs now, keeping jobs and settings.
+
+        The book has no GPU removal: a new one is filled with the running jobs (their settings
+        kept) and the queued ones. Measured solo step times and coordinator memos start afresh;
+        reservations are recomputed by the next pass. `size_known`: queued jobs that waited for
+        the host's size and can never run fail now, with the reason.
+        """
+        old = self.driver
+        new = Driver(gpus, old.book.tenants.values(), policy=old.policy, scheduler_config=old.scheduler_config,
+                     coordinator_config=old.ccfg)
+        ids = {g.id for g in gpus}
+        for job in old.book.jobs.values():
+            if job.state is JobState.RUNNING and job.role is not None and set(job.placement) <= ids:
+                new.restore(job, Place(job.id, job.placement, job.role), old.settings[job.id], now)
+            elif job.state is JobState.PENDING:
+                new.submit(job)
+        self.jobs.driver = new
+        self.jobs.gpus = {g.id: g for g in gpus}
+        self.controls.gpus_changed()
+        self._dirty = True
+        if not size_known:
+            return
+        for job in [j for j in self.book.jobs.values() if j.state is JobState.PENDING]:
+            record = self.storage.get_job(job.id)
+            problem = self._cannot_run(record) if record is not None else None
+            if problem is not None:
+                self._reject(job.id, problem, now, None)
+                self.driver.finish(job.id, now, failed=True)
 
     # -- 1. ingest --------------------------------------------------------------------------------
 
     def _ingest(self, now: float, out: TickLog) -> None:
         for record in self.storage.list_jobs([JobStatus.QUEUED, JobStatus.RUNNING]):
             new = record.state is JobStatus.QUEUED and record.id not in self.book.jobs
-            if new and not self._enqueue(record, now, out):
+            if new and not self.enqueue(record, now, out):
                 continue
             if not record.cancel_requested:
                 continue
@@ -346,28 +341,35 @@ class Daemon(Recovery, JobControls):
                 live = self._live.get(record.id)
                 if live is not None and live.stop_sent_at is None:
                     live.stop_sent_at = now
-                    self.launcher.signal(live.handle, signal.SIGTERM)
+                    self.host.signal(live.handle, signal.SIGTERM)
                     self.storage.add_event(now, "stopping", record.id, signal="SIGTERM")
 
-    def _enqueue(self, record: JobRecord, now: float, out: TickLog | None) -> bool:
+    def enqueue(self, record: JobRecord, now: float, out: TickLog | None) -> bool:
         """Into the book; False (and the job failed) when it can never run here."""
         problem = self._cannot_run(record)
         if problem is not None:
             self._reject(record.id, problem, now, out)
             return False
-        self.driver.submit(self._book_job(record))
+        self.driver.submit(book_job(record, self.gpus.values()))
         self._dirty = True
         if out is not None:
             out.picked_up.append(record.id)
         return True
 
     def _cannot_run(self, record: JobRecord) -> str | None:
-        """Why the job can never run here (the reason it fails with), or None. Cluster mode adds its own."""
+        """Why the job can never run here (the reason it fails with), or None: the host's
+        reasons first; while the host's size is not known (a node away), a job too big for the
+        GPUs here waits for it."""
+        problem = self.host.cannot_run(record)
+        if problem is not None:
+            return problem
         largest = max((g.memory_bytes for g in self.gpus.values()), default=0)
         # The config, not the book: the book also holds tenants dropped from the config while a
         # job of theirs ran (quota 0, until it ends); their queued jobs must not run.
         if self.config.tenant(record.tenant) is None:
             return f"tenant {record.tenant!r} is not configured"
+        if not self.host.size_known():
+            return None
         if record.num_gpus > len(self.gpus):
             return f"needs {record.num_gpus} GPUs; this machine has {len(self.gpus)}"
         if record.memory_bytes is not None and not 0 < record.memory_bytes <= largest:
@@ -386,40 +388,41 @@ class Daemon(Recovery, JobControls):
 
     def _reap(self, now: float, out: TickLog) -> None:
         grace = self.config.jobs.cancel_grace_s
-        for job_id, live in list(self._stopping.items()):
-            ended = self.launcher.poll(live.handle)
+        for job_id, live in list(self.jobs.stopping.items()):
+            ended = self.host.poll(live.handle)
             if ended is not None:
                 ended = after_sigkill(ended, live.killed)
-                del self._stopping[job_id]
-                self.launcher.cleanup(live.handle)  # the rest of its group: nothing of it may outlive it
-                self._restart_moved(job_id, self._moves.pop(job_id), ended, now, out)
+                del self.jobs.stopping[job_id]
+                self.host.cleanup(live.handle)  # the rest of its group: nothing of it may outlive it
+                self.restart_moved(job_id, self.jobs.moves.pop(job_id), ended, now, out)
             elif not live.killed and now - (live.stop_sent_at or now) >= grace:
                 live.killed = True
-                self.launcher.signal(live.handle, signal.SIGKILL)
+                self.host.signal(live.handle, signal.SIGKILL)
                 self.storage.add_event(now, "stopping", job_id, signal="SIGKILL", why="migration")
         for job_id, live in list(self._live.items()):
-            ended = self.launcher.poll(live.handle)
+            ended = self.host.poll(live.handle)
             if ended is not None:
                 self._faults.at("ended")
                 # An adopted job (not our child) killed by our SIGKILL has no status of its own.
-                self._finish(job_id, after_sigkill(ended, live.killed), now, out)
+                self.finish(job_id, after_sigkill(ended, live.killed), now, out)
             elif (live.stop_sent_at is not None and not live.killed
                   and now - live.stop_sent_at >= self.config.jobs.cancel_grace_s):
                 live.killed = True
-                self.launcher.signal(live.handle, signal.SIGKILL)
+                self.host.signal(live.handle, signal.SIGKILL)
                 self.storage.add_event(now, "stopping", job_id, signal="SIGKILL")
 
-    def _finish(self, job_id: str, ended: ExitInfo, now: float, out: TickLog | None) -> None:
+    def finish(self, job_id: str, ended: ExitInfo, now: float, out: TickLog | None) -> None:
+        """A running job ended: its end recorded, its GPUs and quota released."""
         live = self._live.pop(job_id)
-        self.launcher.cleanup(live.handle)
+        self.host.cleanup(live.handle)
         record = self.storage.get_job(job_id) or live.record
-        state = self._record_end(record, ended, now, None)
+        state = self.record_end(record, ended, now, None)
         self.driver.finish(job_id, now, failed=state is not JobStatus.FINISHED)
         self._dirty = True
         if out is not None:
             out.ended.append((job_id, state, ended.exit_code))
 
-    def _record_end(self, record: JobRecord, ended: ExitInfo, now: float, note: str | None) -> JobStatus:
+    def record_end(self, record: JobRecord, ended: ExitInfo, now: float, note: str | None) -> JobStatus:
         if record.cancel_requested:
             state = JobStatus.CANCELLED
         elif ended.exit_code == 0:
@@ -456,7 +459,7 @@ class Daemon(Recovery, JobControls):
                     live = self._live.get(d.job_id)
                     if live is not None:
                         live.record = self.storage.get_job(d.job_id) or live.record
-                        self._write_control(d.job_id, now, out)  # its share is 1 now
+                        self.controls.write_control(d.job_id, now, out)  # its share is 1 now
                 case Reject():
                     self._reject(d.job_id, d.reason, now, out)
         for launch in launches:
@@ -469,7 +472,12 @@ class Daemon(Recovery, JobControls):
 
     def _migrate(self, now: float, out: TickLog) -> None:
         """Move stranded restartable jobs (policy/migration.py, as in the simulator): book the
-        move, record it (`migrating`, new GPUs and settings), then SIGTERM the old process."""
+        move, record it (`migrating`, new GPUs and settings), then SIGTERM the old process.
+
+        Not on a host that cannot restart a job elsewhere (a cluster, yet: a move to another
+        node would need the job's checkpoints on storage both nodes share)."""
+        if not self.host.migrates:
+            return
         cfg = self.config.migration
         restartable = [j for j, live in self._live.items() if live.record.restartable and live.stop_sent_at is None]
         low = self.driver.stranded(restartable, cfg.stranded_share) if restartable else {}
@@ -489,32 +497,29 @@ class Daemon(Recovery, JobControls):
             log.info("%s: held at share %.2f on GPU(s) %s; moving it to %s", move.job_id, low[move.job_id],
                      list(old), list(launch.gpus))
             live.stop_sent_at = now
-            self._stopping[move.job_id] = live
-            self._moves[move.job_id] = launch
-            self.launcher.signal(live.handle, signal.SIGTERM)
+            self.jobs.stopping[move.job_id] = live
+            self.jobs.moves[move.job_id] = launch
+            self.host.signal(live.handle, signal.SIGTERM)
             self.storage.add_event(now, "stopping", move.job_id, signal="SIGTERM", why="migration")
             out.migrating.append(move)
             self._dirty = True
 
-    def _restart_moved(self, job_id: str, launch: Launch, ended: ExitInfo, now: float, out: TickLog | None) -> None:
+    def restart_moved(self, job_id: str, launch: Launch, ended: ExitInfo, now: float, out: TickLog | None) -> None:
         """The old process of a migrated job has ended: book its launch on the new GPUs (started
         at step 6 like any other), unless it was cancelled meanwhile. Its exit status is not an
         end: a restartable job stopped by SIGTERM resumes from its checkpoints."""
         record = self.storage.get_job(job_id)
         assert record is not None
         if record.cancel_requested or job_id not in self.driver.settings:
-            state = self._record_end(record, ended, now, "stopped while migrating")
+            state = self.record_end(record, ended, now, "stopped while migrating")
             if job_id in self.driver.settings:
                 self.driver.finish(job_id, now, failed=state is not JobStatus.FINISHED)
             self._dirty = True
             if out is not None:
                 out.ended.append((job_id, state, ended.exit_code))
             return
-        job_dir = Path(record.job_dir) if record.job_dir else self.job_dir(job_id)
-        # The old launch's pid and exit files would make a restart adopt (or end) the new one.
-        for stale in (PID_FILE, EXIT_STATUS_FILE):
-            with contextlib.suppress(FileNotFoundError):
-                (job_dir / stale).unlink()
+        # The old launch's pid and exit files go when the host prepares the new launch (by them a
+        # restart would adopt, or end, the new one).
         self.storage.add_event(now, "migrated", job_id, exit=describe_exit(ended.exit_code), gpus=list(launch.gpus))
         try:
             self._book_launch(launch, now, started_at=record.started_at)
@@ -530,7 +535,7 @@ class Daemon(Recovery, JobControls):
         `started_at`: kept from the first launch when a migrated job starts again (its runtime);
         `launched_at` is this launch's (how long the process now running has run)."""
         booked = self.storage.get_job(launch.job_id)
-        job_dir = self._prepare_job_dir(launch, None if booked is None else booked.uid)
+        job_dir = self.host.prepare(launch, None if booked is None else booked.uid)
         with self.storage.transaction():
             self.storage.update_job(launch.job_id, state=JobStatus.RUNNING, role=launch.role, placement=launch.gpus,
                                     job_dir=str(job_dir), started_at=now if started_at is None else started_at,
@@ -538,16 +543,8 @@ class Daemon(Recovery, JobControls):
                                     control_seq=INITIAL_CONTROL_SEQ, migrating=False)
             for g in launch.gpus:
                 self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
-        self._booked.append(launch)
+        self.jobs.booked.append(launch)
         self._faults.at("booked")
-
-    def _prepare_job_dir(self, launch: Launch, uid: int | None) -> Path:
-        """The job's directory, made ready before the booking is recorded (hook: in a cluster the
-        directory is on the job's node, made ready there when the job starts)."""
-        job_dir = self.job_dir(launch.job_id)
-        # Owned by the daemon, open to the job's user for its stats only (scheduler_lite.isolation).
-        prepare_job_dir(job_dir, job_user(uid))
-        return job_dir
 
     def _launch_failed(self, launch: Launch, now: float, out: TickLog, reason: str) -> None:
         """Release the booking (driver and store): the job failed, its GPUs are free again."""
@@ -564,7 +561,7 @@ class Daemon(Recovery, JobControls):
     # -- 6. launch --------------------------------------------------------------------------------
 
     def _start_booked(self, now: float, out: TickLog) -> None:
-        booked, self._booked = self._booked, []
+        booked, self.jobs.booked = self.jobs.booked, []
         for launch in booked:
             if launch.job_id not in self.driver.settings:  # released meanwhile
                 continue
@@ -580,7 +577,7 @@ class Daemon(Recovery, JobControls):
         assert record is not None and record.launch_token is not None and record.job_dir is not None
         job_dir = Path(record.job_dir)
         limit, share = launch.memory_limit_bytes(), launch.compute_share()
-        handle = self._launch(launch, record, job_dir)
+        handle = self.host.start(launch, record, job_dir, [self.gpus[g] for g in launch.gpus])
         self._faults.at("started")
         with self.storage.transaction():
             record = self.storage.update_job(launch.job_id, pid=handle.pid, pid_start=handle.start_ticks)
@@ -591,16 +588,6 @@ class Daemon(Recovery, JobControls):
                                    compute_share=share)
         self._live[launch.job_id] = LiveJob(record, handle, job_dir, control_seq=record.control_seq)
         out.launched.append(launch.job_id)
-
-    def _launch(self, launch: Launch, record: JobRecord, job_dir: Path) -> ProcessHandle:
-        """Start the job's process with the launch settings (hook: on its node in a cluster)."""
-        gpus = [self.gpus[g] for g in launch.gpus]
-        user = job_user(record.uid)
-        env = job_environment(self.config, record, gpus, launch.memory_limit_bytes(), launch.compute_share(),
-                              job_dir, base=base_environment(user))
-        assert record.launch_token is not None
-        return self.launcher.start(LaunchSpec(launch.job_id, record.command, Path(record.workdir), env, job_dir,
-                                              record.launch_token, user))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -631,10 +618,3 @@ def lock_state_dir(state_dir: Path) -> int:
     os.write(fd, str(os.getpid()).encode())
     return fd
 
-
-# Names kept importable from here for library users (the CLI imports their own modules).
-__all__ = [
-    "RESERVED_ENV", "USER_ANTMAN_VARIABLES", "ClusterStatus", "ControlWrite", "Daemon", "DaemonLockedError",
-    "GpuStatus", "JobOnGpu", "StateDirLostError", "SubmitError", "TenantStatus", "TickReport", "build_status",
-    "job_environment", "lock_state_dir", "make_job_spec", "read_job_stats", "request_cancel", "submit_job",
-]

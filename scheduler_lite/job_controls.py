@@ -1,15 +1,14 @@
 """The daemon's exchange with its running jobs: their stats read, their controls written.
 
-Steps 3 and 5 of a tick (scheduler_lite.daemon): `_observe` reads every running job's stats.json
+Steps 3 and 5 of a tick (scheduler_lite.daemon): `observe` reads every running job's stats.json
 and hands what it says to the driver (step samples, peak memory, solo step time, remaining time)
-with the GPUs' utilisation; `_coordinate` runs the coordinator's rounds and writes the changed
-settings into the running jobs' control.json files (`_write_control`, which the schedule step
+with the GPUs' utilisation; `coordinate` runs the coordinator's rounds and writes the changed
+settings into the running jobs' control.json files (`write_control`, which the schedule step
 also calls when a job is upgraded).
 
-`JobControls` is a part of `daemon.Daemon` (a mixin, as scheduler_lite.recovery is: it works on
-the daemon's own state declared below, set in Daemon.__init__). Its file hooks (`_load_stats`,
-`_send_control`) are overridden by cluster mode (scheduler_lite.cluster.scheduler), which takes
-what the job's nodes reported and writes through their agents.
+`JobControls` works on the daemon's job table (scheduler_lite.tick) through its job host
+(scheduler_lite.jobhost), which reads the stats and writes the controls on this machine or on
+the job's nodes; it keeps its own state: the GPUs' utilisation window and each GPU's last round.
 """
 
 from __future__ import annotations
@@ -20,16 +19,14 @@ import statistics
 from collections import deque
 from typing import TYPE_CHECKING
 
-from scheduler_lite.devices import DeviceBackend, JobLoad, job_load
-from scheduler_lite.driver import Driver, Reading, estimate_remaining_s
+from scheduler_lite.devices import JobLoad, job_load
+from scheduler_lite.driver import Reading, estimate_remaining_s
 from scheduler_lite.faults import Faults
-from scheduler_lite.isolation import read_job_stats as read_job_stats_file
-from scheduler_lite.jobenv import process_control
-from scheduler_lite.model import Gpu, Role, SetComputeShare, SetMemoryLimit, StepSample
-from scheduler_lite.policy.book import ClusterBook
+from scheduler_lite.jobhost import JobHost
+from scheduler_lite.model import Role, SetComputeShare, SetMemoryLimit, StepSample
 from scheduler_lite.storage import Storage
-from scheduler_lite.tick import ControlWrite, LiveJob, TickLog
-from tf_antman.protocol import Control, MemoryLimit, ProtocolError, Stats, clip_text, write_control
+from scheduler_lite.tick import ControlWrite, JobTable, LiveJob, TickLog
+from tf_antman.protocol import Control, MemoryLimit, ProtocolError, clip_text
 
 if TYPE_CHECKING:
     from scheduler_lite.config import Config
@@ -41,41 +38,46 @@ STATS_ERROR_MAX_CHARS = 300  # of the message kept (status shows the latest)
 
 
 class JobControls:
-    # The daemon's state these methods read and fill (set in Daemon.__init__).
-    config: Config
-    storage: Storage
-    devices: DeviceBackend
-    driver: Driver
-    book: ClusterBook
-    gpus: dict[int, Gpu]
-    _live: dict[str, LiveJob]
-    _faults: Faults
-    _util_samples: dict[int, deque[tuple[float, float]]]
-    _round_sig: dict[int, tuple[tuple[str, Role], ...]]
-    _last_round: dict[int, float]
+    """Steps 3 and 5 of the daemon's tick, on its job table."""
+
+    def __init__(self, config: Config, storage: Storage, host: JobHost, table: JobTable, faults: Faults) -> None:
+        self.config = config
+        self.storage = storage
+        self.host = host
+        self.table = table
+        self.faults = faults
+        self.util_samples: dict[int, deque[tuple[float, float]]] = {g: deque() for g in table.gpus}
+        self.round_sig: dict[int, tuple[tuple[str, Role], ...]] = {}
+        self.last_round: dict[int, float] = {}
+
+    def gpus_changed(self) -> None:
+        """The table's GPUs changed (a cluster's node lost or joined): windows kept for the GPUs
+        still here, every GPU's next round due."""
+        self.util_samples = {g: self.util_samples.get(g, deque()) for g in self.table.gpus}
+        self.round_sig = {}
 
     # -- 3. observe -------------------------------------------------------------------------------
 
-    def _observe(self, now: float) -> None:
+    def observe(self, now: float) -> None:
         window = self.config.daemon.utilisation_window_s
-        loads: dict[int, list[JobLoad]] = {g: [] for g in self.gpus}
-        for job_id, live in self._live.items():
-            self._faults.at("observe")
+        loads: dict[int, list[JobLoad]] = {g: [] for g in self.table.gpus}
+        for job_id, live in self.table.live.items():
+            self.faults.at("observe")
             self._read_stats(job_id, live, now)
             stepping = now - live.last_progress_at <= window
             for gpu in live.record.placement:
                 loads[gpu].append(job_load(live.stats, stepping))
-        readings = self.devices.utilisation(loads)
-        for gpu, samples in self._util_samples.items():
+        readings = self.host.devices.utilisation(loads)
+        for gpu, samples in self.util_samples.items():
             samples.append((now, readings.get(gpu, 0.0)))
             while samples and samples[0][0] < now - window:
                 samples.popleft()
             average = statistics.fmean(u for _, u in samples)
-            self.driver.observe_utilisation(gpu, round(average, 6), now - window)
+            self.table.driver.observe_utilisation(gpu, round(average, 6), now - window)
 
     def _read_stats(self, job_id: str, live: LiveJob, now: float) -> None:
         try:
-            stats = self._load_stats(job_id, live)
+            stats = self.host.stats(job_id, live)
         except (ProtocolError, OSError) as e:
             # The job's user writes the file: what it says is clipped, and logged escaped (a
             # newline or terminal escape in a key forged lines in the daemon's log).
@@ -99,48 +101,44 @@ class JobControls:
                 live.samples.append(StepSample(now, ms / 1000.0))
             live.last_progress_at = now
         if stats.step > 0:
-            self.driver.first_step(job_id, now)
+            self.table.driver.first_step(job_id, now)
         live.last_step = stats.step
         live.stats = stats
         for index, gpu in enumerate(live.record.placement):
             device = next((d for d in stats.devices if d.device == index), None)
             if device is not None:
-                self.driver.observe_memory(job_id, gpu, device.step_peak_bytes + device.host_in_use_bytes)
-        self.driver.observe_steps(job_id, live.samples)
+                self.table.driver.observe_memory(job_id, gpu, device.step_peak_bytes + device.host_in_use_bytes)
+        self.table.driver.observe_steps(job_id, live.samples)
         step_s = None if stats.step_ms_median is None else stats.step_ms_median / 1000.0
         started = live.record.started_at if live.record.started_at is not None else now
         remaining = estimate_remaining_s(step=stats.step, step_s=step_s, expected_steps=live.record.expected_steps,
                                          expected_duration_s=live.record.expected_duration_s,
                                          running_s=now - started)
-        self.book.update_hints(job_id, mean_step_time_s=step_s, estimated_remaining_s=remaining)
-
-    def _load_stats(self, job_id: str, live: LiveJob) -> Stats | None:
-        """The job's stats.json (hook: the cluster scheduler takes what the job's node reported)."""
-        return read_job_stats_file(live.job_dir, live.record.uid)
+        self.table.book.update_hints(job_id, mean_step_time_s=step_s, estimated_remaining_s=remaining)
 
     # -- 5. coordinate ----------------------------------------------------------------------------
 
-    def _coordinate(self, now: float, out: TickLog) -> None:
+    def coordinate(self, now: float, out: TickLog) -> None:
         interval = self.config.coordinator.round_interval_s
-        for gpu in self.gpus:
-            ids = self.book.jobs_on(gpu)
-            sig = tuple((j, self.book.jobs[j].role or Role.OPPORTUNISTIC) for j in ids)
-            memo = self.driver.memo(gpu)
-            changed = sig != self._round_sig.get(gpu)
+        for gpu in self.table.gpus:
+            ids = self.table.book.jobs_on(gpu)
+            sig = tuple((j, self.table.book.jobs[j].role or Role.OPPORTUNISTIC) for j in ids)
+            memo = self.table.driver.memo(gpu)
+            changed = sig != self.round_sig.get(gpu)
             due = bool(ids) and (
-                now - self._last_round.get(gpu, -math.inf) >= interval
+                now - self.last_round.get(gpu, -math.inf) >= interval
                 or (memo.next_round_at is not None and now >= memo.next_round_at)
             )
             if not (changed or due):
                 continue
-            view = self.driver.view(gpu, {j: self._reading(j, gpu) for j in ids})
-            decisions = self.driver.round(now, gpu, view)
-            self._round_sig[gpu] = sig
-            self._last_round[gpu] = now
+            view = self.table.driver.view(gpu, {j: self._reading(j, gpu) for j in ids})
+            decisions = self.table.driver.round(now, gpu, view)
+            self.round_sig[gpu] = sig
+            self.last_round[gpu] = now
             touched: dict[str, None] = {}
             for d in decisions:
                 out.decisions.append(d)
-                if d.job_id not in self._live:
+                if d.job_id not in self.table.live:
                     continue  # booked, not started: it starts with these settings
                 match d:
                     case SetMemoryLimit():
@@ -151,27 +149,27 @@ class JobControls:
                                                previous=d.previous)
                 touched[d.job_id] = None
             for job_id in touched:  # in decision order: shrinks before grows
-                self._write_control(job_id, now, out)
-                self._faults.at("control")
+                self.write_control(job_id, now, out)
+                self.faults.at("control")
 
     def _reading(self, job_id: str, gpu: int) -> Reading:
-        live = self._live.get(job_id)
+        live = self.table.live.get(job_id)
         if live is None:
             return Reading()
         device = live.device_stats(gpu)
         return Reading(steps=tuple(live.samples), spill_bytes=0 if device is None else device.host_in_use_bytes)
 
-    def _write_control(self, job_id: str, now: float, out: TickLog) -> None:
-        live = self._live[job_id]
+    def write_control(self, job_id: str, now: float, out: TickLog) -> None:
+        live = self.table.live[job_id]
         placement = live.record.placement
-        settings = self.driver.settings[job_id]
+        settings = self.table.driver.settings[job_id]
         control = Control(
             seq=live.control_seq + 1,
             memory_limits=tuple(MemoryLimit(i, settings.limits[g]) for i, g in enumerate(placement)),
             compute_share=min(settings.shares[g] for g in placement),
         )
         try:
-            self._send_control(job_id, live, control)
+            self.host.write_control(job_id, live, control)
         except OSError as e:
             log.warning("%s: cannot write control.json: %s", job_id, e)
             self.storage.add_event(now, "control_error", job_id, error=str(e))
@@ -182,7 +180,3 @@ class JobControls:
             for g in placement:
                 self.storage.set_placement(job_id, g, settings.limits[g], settings.shares[g])
         out.controls.append(ControlWrite(job_id, control))
-
-    def _send_control(self, job_id: str, live: LiveJob, control: Control) -> None:
-        """Write the job's control.json (hook: the job's node writes it in a cluster); OSError if not."""
-        write_control(live.job_dir, process_control(control))

@@ -1,7 +1,8 @@
-"""What one daemon tick reports, and what the daemon tracks of each running job.
+"""What one daemon tick reports, and what the daemon tracks of its jobs.
 
-Shared by the daemon (scheduler_lite.daemon), its crash recovery (scheduler_lite.recovery) and
-cluster mode (scheduler_lite.cluster.scheduler), which runs the same loop over node agents.
+Shared by the daemon (scheduler_lite.daemon), its crash recovery (scheduler_lite.recovery), its
+exchange with the running jobs (scheduler_lite.job_controls) and the job hosts
+(scheduler_lite.jobhost, scheduler_lite.cluster.host).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from scheduler_lite.driver import Driver, Launch
 from scheduler_lite.launcher import ProcessHandle
-from scheduler_lite.model import Decision, StepSample
+from scheduler_lite.model import Decision, Gpu, StepSample
+from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.migration import Migrate
 from scheduler_lite.storage import JobRecord, JobStatus
 from tf_antman.protocol import Control, DeviceStats, Stats
@@ -78,3 +81,21 @@ class LiveJob:
             return None
         index = self.record.placement.index(gpu)
         return next((d for d in self.stats.devices if d.device == index), None)
+
+
+@dataclass
+class JobTable:
+    """What the daemon holds of its jobs between ticks; its recovery and its job controls work on
+    the same table (each is handed it). The driver is replaced when a cluster's GPUs change."""
+
+    driver: Driver
+    gpus: dict[int, Gpu]
+    live: dict[str, LiveJob] = field(default_factory=dict)
+    # Migrations under way: the old process (stopping) and the launch that follows its end.
+    stopping: dict[str, LiveJob] = field(default_factory=dict)
+    moves: dict[str, Launch] = field(default_factory=dict)
+    booked: list[Launch] = field(default_factory=list)  # booked this tick, started after the rounds
+
+    @property
+    def book(self) -> ClusterBook:
+        return self.driver.book

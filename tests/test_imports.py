@@ -25,9 +25,6 @@ RUNTIME = ("tf_antman.activation", "tf_antman.importhook", "tf_antman.native", "
 # Circles closed only by imports inside functions (deferred until the function runs). Known, not
 # wanted: each is an entry here until its modules are split (issue 31).
 FUNCTION_LEVEL_CIRCLES = {
-    # cluster/: global scheduling, the node side and the Ray user API in one circle (H31a's split).
-    frozenset({"scheduler_lite.cluster.actors", "scheduler_lite.cluster.agent", "scheduler_lite.cluster.nodes",
-               "scheduler_lite.cluster.tasks"}),
     # The job side: the step tracker starts the job agent (jobside), which types the tracker.
     frozenset({"tf_antman.jobside", "tf_antman.steps"}),
     # Activation installs the hooks, the hooks find the active state at call time.

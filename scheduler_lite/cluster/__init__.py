@@ -1,9 +1,11 @@
-"""scheduler_lite across machines: one global scheduler and one node agent per node, on Ray.
+"""scheduler_lite across machines: one global scheduler and one node host per node, on Ray.
 
-docs/cluster.md tells how to run it. Nothing here imports Ray at import time: the config
-(`cluster.config`), the Ray options helper (`ray_options`) and `request_placement` (until it
-asks the node agent) work without it; the agent and the
-cluster scheduler import it when they start.
+docs/cluster.md tells how to run it. Three concerns: global scheduling over nodes (`host`: the
+daemon's job host for a cluster, with `node_loss`, `nodes`, `placement`, `parts`), the node side
+(`node_host`), and the API for Ray users (`options`, `tasks`, `actors`, `booking`). Nothing here
+imports Ray at import time: the config (`cluster.config`), the Ray options helper (`ray_options`)
+and `request_placement` (until it asks the node host) work without it; the node host and the
+cluster's job host import it when they start.
 """
 
 from scheduler_lite.cluster.config import ClusterConfig

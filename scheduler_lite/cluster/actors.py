@@ -8,11 +8,11 @@ same node pin and environment, but the booking lives as long as the actor:
     ray.get(trainer.train.remote(steps=100))
     ray.kill(trainer)                                     # its worker exits: the booking ends
 
-- The actor's constructor first claims the booking (`tasks._claim`: its pid into the job
+- The actor's constructor first claims the booking (`booking.claim`: its pid into the job
   directory, refused if the booking was released or claimed already), then runs the class's own
-  `__init__`. The node agent adopts the actor's worker process from then on, exactly as a task's.
-- The booking ends when that process is gone (`ray.kill`, `exit_actor`, a crash): the agent
-  already ends a booking whose claiming process is gone (`NodeAgent._poll_task`). An actor's
+  `__init__`. The node host adopts the actor's worker process from then on, exactly as a task's.
+- The booking ends when that process is gone (`ray.kill`, `exit_actor`, a crash): the node
+  host already ends a booking whose claiming process is gone (`NodeHost._poll_task`). An actor's
   worker is its own (Ray never reuses it), so it lives exactly as long as the actor. How it
   ended: a graceful exit (Python runs `atexit`) records exit status 0 (job `finished`), a
   constructor that raises 1; a `ray.kill` or a crash records nothing (`failed`, exit unknown).
@@ -25,13 +25,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from scheduler_lite.cluster.tasks import RELEASED_FILE, _claim, write_number
+from scheduler_lite.cluster.booking import RELEASED_FILE, claim, write_number
 from scheduler_lite.launcher import EXIT_STATUS_FILE
-
-if TYPE_CHECKING:
-    from scheduler_lite.cluster.tasks import RayPlacement
 
 # Options of a Ray task that an actor does not take (Ray rejects them for actors).
 _TASK_ONLY = ("max_calls", "max_retries")
@@ -45,7 +42,7 @@ def booked_class(job_id: str, cls: type) -> type:
         raise TypeError(f"cls={cls!r} is invalid: accepted a plain class (not one decorated with @ray.remote)")
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        job_dir = _claim(job_id, "actor", exclusive=True)
+        job_dir = claim(job_id, "actor", exclusive=True)
         try:
             cls.__init__(self, *args, **kwargs)
         except BaseException:
@@ -67,7 +64,15 @@ def _ended_gracefully(job_dir: Path) -> None:
             write_number(job_dir / EXIT_STATUS_FILE, 0)
 
 
-def actor_options(placement: RayPlacement, runtime_env: Any = None) -> dict[str, Any]:
+class Placement(Protocol):
+    """What an actor takes of a booking (scheduler_lite.cluster.tasks.RayPlacement)."""
+
+    job_id: str
+
+    def options(self, runtime_env: Any = None) -> dict[str, Any]: ...
+
+
+def actor_options(placement: Placement, runtime_env: Any = None) -> dict[str, Any]:
     """Options for an actor under `placement`: the task's (node pin, environment) without the
     task-only ones, and no restart or task retry."""
     opts = {k: v for k, v in placement.options(runtime_env).items() if k not in _TASK_ONLY}
@@ -75,7 +80,7 @@ def actor_options(placement: RayPlacement, runtime_env: Any = None) -> dict[str,
     return opts
 
 
-def actor_class(placement: RayPlacement, cls: type, **ray_options: Any) -> Any:
+def actor_class(placement: Placement, cls: type, **ray_options: Any) -> Any:
     """`cls` as a Ray actor class under `placement` (extra Ray options, such as num_cpus or
     max_concurrency, are passed on; `resources`, `runtime_env` env vars and restarts are the
     booking's)."""

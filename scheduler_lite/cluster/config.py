@@ -3,7 +3,7 @@
     [cluster]
     kind = "ray"
     address = "auto"              # what ray.init(address=...) gets
-    nodes = ["gpu-a", "gpu-b"]    # one node agent each, where Ray resource "antman_node_<name>" is
+    nodes = ["gpu-a", "gpu-b"]    # one node host each, where Ray resource "antman_node_<name>" is
 
 Parsed without importing Ray: a config with a bad `[cluster]` table is refused with the field and
 its accepted range on any machine, and the single-machine path never imports Ray.
@@ -27,7 +27,7 @@ ON_NODE_LOSS: Final = ("requeue", "fail")
 GPU_ID_STRIDE: Final = 100  # node i holds global GPU ids [i * 100, i * 100 + 99]
 MAX_NODES: Final = 64
 NODE_RESOURCE_PREFIX: Final = "antman_node_"
-FENCE_FRACTION: Final = 0.5  # of node_timeout_s: an agent stops its jobs before the global requeues them
+FENCE_FRACTION: Final = 0.5  # of node_timeout_s: a node actor stops its jobs before the global requeues them
 REPORT_WAIT_S: Final = 2.0  # a tick waits this long at most for the nodes' reports
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 NAME_RULE: Final = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
@@ -40,13 +40,13 @@ class ClusterConfig:
     kind: str  # "ray"
     address: str  # ray.init(address=...): "auto", "ray://host:10001", "host:6379"
     nodes: tuple[str, ...]  # node names, in GPU id order (GPU_ID_STRIDE)
-    namespace: str = "scheduler-lite"  # Ray namespace of the node agents (named, detached actors)
+    namespace: str = "scheduler-lite"  # Ray namespace of the node hosts (named, detached actors)
     span_tenants: tuple[str, ...] = ()  # tenants whose multi-GPU jobs may span nodes
     on_node_loss: str = "requeue"  # a lost node's jobs: back to their queue, or failed
     # Job directories on each node; None: <state_dir>/nodes/<node>/jobs (distinct per node, so
     # several raylets on one machine never share one).
     jobs_dir: Path | None = None
-    node_timeout_s: float = 10.0  # a node agent silent this long is lost (a dead actor is lost at once)
+    node_timeout_s: float = 10.0  # a node host silent this long is lost (a dead actor is lost at once)
 
     def node_index(self, node: str) -> int:
         return self.nodes.index(node)
@@ -65,18 +65,18 @@ class ClusterConfig:
 
     @staticmethod
     def resource(node: str) -> str:
-        """The Ray custom resource that marks the node an agent must run on."""
+        """The Ray custom resource that marks the node a node actor must run on."""
         return NODE_RESOURCE_PREFIX + node
 
 
 def check_fencing(cluster: ClusterConfig, tick_interval_s: float) -> None:
-    """An agent fences (kills its jobs) after node_timeout_s x FENCE_FRACTION without a report
-    call; a tick reaches each agent once per tick_interval_s plus up to REPORT_WAIT_S of waiting
+    """A node actor fences (kills its jobs) after node_timeout_s x FENCE_FRACTION without a report
+    call; a tick reaches each actor once per tick_interval_s plus up to REPORT_WAIT_S of waiting
     for a slow node's report, so a shorter fence would kill healthy jobs as a matter of course."""
     least = (tick_interval_s + REPORT_WAIT_S) / FENCE_FRACTION
     if cluster.node_timeout_s < least:
         raise ConfigError("cluster.node_timeout_s", cluster.node_timeout_s,
-                          f"at least {least:g} s with daemon.tick_interval_s = {tick_interval_s:g}: an agent stops "
+                          f"at least {least:g} s with daemon.tick_interval_s = {tick_interval_s:g}: a node actor stops "
                           f"its jobs after {FENCE_FRACTION:g} x node_timeout_s without a tick, which must outlast "
                           f"one tick (tick_interval_s + up to {REPORT_WAIT_S:g} s waiting for the nodes' reports)")
 

@@ -1,4 +1,4 @@
-"""A job over several nodes: one part per node (scheduler_lite.cluster.agent runs each part).
+"""A job over several nodes: one part per node (scheduler_lite.cluster.actor runs each part).
 
 Pure functions of a placement (global GPU ids, scheduler_lite.cluster.config): the nodes of a job
 in rank order, each part's launch token and device indices, and the translation between the
@@ -16,7 +16,7 @@ from tf_antman.protocol import Control, MemoryLimit, Stats
 
 def part_token(token: str, rank: int) -> str:
     """The launch token of a job's part on its rank-th node: the daemon's sweep and the node
-    agent must spell it alike, or the agent kills a part the store says runs."""
+    actor must spell it alike, or the actor kills a part the store says runs."""
     return f"{token}.{rank}"
 
 

@@ -10,15 +10,15 @@ the task a job of the running global scheduler (`scheduler-lite serve` in cluste
 1. The client submits through the scheduler's socket (the same `submit` as the CLI, so the same
    access checks, tenants and quotas) a one-GPU job whose command is the marker `TASK_COMMAND`.
 2. Algorithm 1 books it (guarantee or opportunistic, tenant quota); the global scheduler asks the
-   node agent of the chosen GPU to `expect` it instead of starting a process: the agent makes its
+   node host of the chosen GPU to `expect` it instead of starting a process: the node host makes its
    job directory ready and keeps its environment (`job_environment`, as for any job).
-3. The client reads that environment from the agent (through Ray: the agent is a named actor) and
+3. The client reads that environment from the node host (through Ray: it is a named actor) and
    builds Ray options that pin the task to the node (its `antman_node_<node>` resource).
 4. The task's wrapper (`_run_booked`, in the Ray worker) writes its pid into the job directory
-   (the agent adopts the process: `claim`), refuses to run if the booking was released meanwhile,
+   (the node host adopts the process: `booking.claim`), refuses to run if the booking was released meanwhile,
    runs the function, and records its exit status. tf-antman in the worker writes stats.json and
    follows control.json in that directory, so the coordinator watches and adjusts it exactly like
-   a job the agent started.
+   a job the node host started.
 5. The booking ends when the exit status is recorded, the worker process is gone, or no task
    claimed it within `TASK_CLAIM_TIMEOUT_S`; the global scheduler then releases GPU and quota.
 
@@ -26,7 +26,7 @@ Ray actors get the same booking through `RayPlacement.actor` (scheduler_lite.clu
 
 Why the socket and not a Ray actor for the global scheduler: the socket already carries
 submission with its checks (who may submit to which tenant, ranges) and crash safety (the store);
-Ray only carries what lives on the node (the environment, from the agent that made it).
+Ray only carries what lives on the node (the environment, from the node host that made it).
 """
 
 from __future__ import annotations
@@ -36,41 +36,25 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from scheduler_lite.cluster.booking import (
+    RELEASED_FILE,
+    TASK_CLAIM_TIMEOUT_S,
+    TASK_COMMAND,
+    PlacementError,
+    claim,
+    is_ray_task,
+    task_env,
+    write_number,
+)
 from scheduler_lite.cluster.options import KINDS, _bytes
-from scheduler_lite.launcher import EXIT_STATUS_FILE, PID_FILE
-from tf_antman.protocol import atomic_write_text
+from scheduler_lite.launcher import EXIT_STATUS_FILE
 
 if TYPE_CHECKING:
     from scheduler_lite.config import Config
 
-TASK_COMMAND: Final = "scheduler-lite:ray-task"  # the command of a Ray task's booking: no process to start
-RELEASED_FILE: Final = "released"  # in the job dir: the booking is over, a task starting now must not run
-TASK_CLAIM_TIMEOUT_S: Final = 300.0  # a booking no task claimed (wrote its pid) within this is released
 NODE_SHARE: Final = 0.001  # of the node's `antman_node_<node>` resource a pinned task takes
-_KEPT_PREFIXES: Final = ("ANTMAN_", "SCHEDULER_LITE_")
-
-
-class PlacementError(RuntimeError):
-    """The booking was refused, failed, released, or did not come in time; one line."""
-
-
-def is_ray_task(command: tuple[str, ...] | list[str]) -> bool:
-    return len(command) == 1 and command[0] == TASK_COMMAND
-
-
-def task_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The part of a job environment a Ray task gets: tf-antman's and scheduler_lite's variables
-    and the GPU (Ray keeps the rest of the worker's environment)."""
-    out = {k: v for k, v in env.items() if k.startswith(_KEPT_PREFIXES)}
-    if "CUDA_VISIBLE_DEVICES" in env:
-        out["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
-        out["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # our GPU, not one Ray assigns
-        if "CUDA_DEVICE_ORDER" in env:  # the indices are NVML's: CUDA must count as it does
-            out["CUDA_DEVICE_ORDER"] = env["CUDA_DEVICE_ORDER"]
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,40 +99,9 @@ class RayPlacement:
         return actor_class(self, cls, **ray_options)
 
 
-def write_number(path: Path, value: int) -> None:
-    """A pid or an exit status, as the launcher's wrapper writes them (one line, replaced whole)."""
-    atomic_write_text(path, f"{value}\n", fsync=False)
-
-
-def _claim(job_id: str, what: str = "task", exclusive: bool = False) -> Path:
-    """In the Ray worker: make this process the booking's (pid file); its job directory.
-
-    `exclusive`: refuse if a process claimed it already (an actor class made for one booking,
-    instantiated twice): the pid file is linked into place, which fails if it exists."""
-    job_dir = Path(os.environ.get("ANTMAN_JOB_DIR", ""))
-    if os.environ.get("SCHEDULER_LITE_JOB_ID") != job_id or not job_dir.is_dir():
-        raise PlacementError(f"{job_id}: this worker does not run under its booking (ANTMAN_JOB_DIR missing)")
-    pid_file = job_dir / PID_FILE
-    if not exclusive:
-        write_number(pid_file, os.getpid())  # first: the agent adopts the process from here on
-    else:
-        tmp = pid_file.with_name(f".{PID_FILE}.{os.getpid()}")
-        tmp.write_text(f"{os.getpid()}\n")
-        try:
-            os.link(tmp, pid_file)  # atomic, and fails if another process claimed the booking
-        except FileExistsError:
-            raise PlacementError(f"{job_id}: the booking was claimed already (pid file "
-                                 f"{pid_file.read_text().strip()}): one {what} per booking") from None
-        finally:
-            tmp.unlink()
-    if (job_dir / RELEASED_FILE).exists():  # after the pid: a release racing with us sees the pid
-        raise PlacementError(f"{job_id}: the booking was released before the {what} started")
-    return job_dir
-
-
 def _run_booked(job_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """In the Ray worker: claim the booking (pid file), run `fn`, record how it ended."""
-    job_dir = _claim(job_id)
+    job_dir = claim(job_id)
     code = 1
     try:
         result = fn(*args, **kwargs)
@@ -212,7 +165,7 @@ def _wait_placed(config: Config, job_id: str, deadline: float, poll_s: float) ->
     import ray
 
     from scheduler_lite.client import ClientError, call
-    from scheduler_lite.cluster.nodes import agent_name
+    from scheduler_lite.cluster.nodes import actor_name
 
     cc = config.cluster
     assert cc is not None
@@ -229,8 +182,8 @@ def _wait_placed(config: Config, job_id: str, deadline: float, poll_s: float) ->
         if job["state"] == "running" and job.get("placement"):
             gpu = int(job["placement"][0])
             node = cc.node_of(gpu)
-            agent = ray.get_actor(agent_name(node), namespace=cc.namespace)
-            env = ray.get(agent.task_options.remote(job_id), timeout=30)
+            actor = ray.get_actor(actor_name(node), namespace=cc.namespace)
+            env = ray.get(actor.task_options.remote(job_id), timeout=30)
             if env is not None:
                 return RayPlacement(job_id, node, gpu, str(job["role"]), env["ANTMAN_JOB_DIR"], dict(env))
         if time.monotonic() >= deadline:
@@ -238,4 +191,5 @@ def _wait_placed(config: Config, job_id: str, deadline: float, poll_s: float) ->
         time.sleep(poll_s)
 
 
-__all__ = ["TASK_COMMAND", "PlacementError", "RayPlacement", "is_ray_task", "request_placement", "task_env"]
+__all__ = ["RELEASED_FILE", "TASK_CLAIM_TIMEOUT_S", "TASK_COMMAND", "PlacementError", "RayPlacement", "is_ray_task",
+           "request_placement", "task_env"]

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from scheduler_lite.cluster.nodes import agent_name
+from scheduler_lite.cluster.nodes import actor_name
 from scheduler_lite.config import Config, parse_config
+from scheduler_lite.testing import stop_all_jobs
 from tests.scheduler.configs import merge_tables, scheduler_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,8 +90,8 @@ def namespace(ray_cluster: RayCluster) -> Iterator[str]:
     yield ns
     for d in ray_cluster.made:
         with contextlib.suppress(Exception):
-            d.stop_all_jobs(grace_s=1)
+            stop_all_jobs(d, grace_s=1)
     ray_cluster.made.clear()
     for node in NODES:
         with contextlib.suppress(Exception):
-            ray.kill(ray.get_actor(agent_name(node), namespace=ns))
+            ray.kill(ray.get_actor(actor_name(node), namespace=ns))

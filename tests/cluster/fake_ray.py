@@ -2,7 +2,7 @@
 
 `FakeRay` stands in for the `ray` module where `Nodes` uses it (scheduler_lite.cluster.nodes:
 named detached actors, `.remote()` calls, `wait`, `get`, `kill`, `nodes()`). Each actor is a real
-`NodeAgent` in this process (no fencing thread: a test fences an agent with `FakeActor.fence`) and
+`NodeHost` in this process (no fencing thread: a test fences an agent with `FakeActor.fence`) and
 its jobs are real processes, so what a fault leaves running is real. A test can:
 
 - freeze an agent (`freeze`, as SIGSTOP): its calls queue up and time out; `resume` (SIGCONT)
@@ -24,8 +24,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
-from scheduler_lite.cluster.agent import NodeAgent
-from scheduler_lite.cluster.nodes import agent_name
+from scheduler_lite.cluster.node_host import NodeHost
+from scheduler_lite.cluster.nodes import actor_name
 from scheduler_lite.config import Config
 
 _pids = itertools.count(900_000)  # each agent its own "pid": a new agent is told by it
@@ -60,7 +60,7 @@ class FakeRef:
 class FakeActor:
     """A node agent behind Ray's calling convention."""
 
-    def __init__(self, agent: NodeAgent) -> None:
+    def __init__(self, agent: NodeHost) -> None:
         self.agent = agent
         self.pid = next(_pids)
         self.frozen = False
@@ -87,7 +87,7 @@ class FakeActor:
         if method == "info":
             return {**value, "pid": self.pid}
         if method == "report":
-            return replace(value, agent_pid=self.pid)
+            return replace(value, host_pid=self.pid)
         return value
 
     def freeze(self) -> None:
@@ -115,7 +115,7 @@ class FakeActor:
 
 
 class _ActorClass:
-    def __init__(self, ray: FakeRay, cls: type[NodeAgent]) -> None:
+    def __init__(self, ray: FakeRay, cls: type[NodeHost]) -> None:
         self.ray, self.cls = ray, cls
 
     def options(self, *, name: str, get_if_exists: bool = False, **_: object) -> Any:
@@ -140,7 +140,7 @@ class FakeRay:
         self.actors: dict[str, FakeActor] = {}
 
     def agent(self, node: str) -> FakeActor:
-        return self.actors[agent_name(node)]
+        return self.actors[actor_name(node)]
 
     def is_initialized(self) -> bool:
         return True
@@ -149,7 +149,7 @@ class FakeRay:
         offered = [f"antman_node_{n}" for n in sorted(self.alive)] + sorted(self.extra)
         return [{"Alive": True, "Resources": {r: 1.0}} for r in offered]
 
-    def remote(self, **_: object) -> Callable[[type[NodeAgent]], _ActorClass]:
+    def remote(self, **_: object) -> Callable[[type[NodeHost]], _ActorClass]:
         return lambda cls: _ActorClass(self, cls)
 
     def get_actor(self, name: str, namespace: str | None = None) -> FakeActor:

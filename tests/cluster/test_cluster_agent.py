@@ -6,7 +6,7 @@ import signal
 import time
 from pathlib import Path
 
-from scheduler_lite.cluster.agent import NodeAgent
+from scheduler_lite.cluster.node_host import NodeHost
 from scheduler_lite.launcher import wrappers_under
 from scheduler_lite.model import GIB, Gpu, JobKind
 from scheduler_lite.storage import JobRecord
@@ -20,19 +20,19 @@ def record(job_id: str, token: str) -> JobRecord:
                      env=tuple(JOB_ENV.items()), launch_token=token)
 
 
-def start(agent: NodeAgent, job_id: str, token: str = "t1") -> int:
+def start(agent: NodeHost, job_id: str, token: str = "t1") -> int:
     pid, _, job_dir = agent.start(record(job_id, token), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 1.0, {})
     assert Path(job_dir) == agent.jobs_dir / job_id
     return pid
 
 
-def alive(agent: NodeAgent) -> list[str]:
+def alive(agent: NodeHost) -> list[str]:
     return [name for _, name in wrappers_under(agent.jobs_dir)]
 
 
 def test_agent_fences_its_jobs_when_the_global_scheduler_goes_silent(tmp_path: Path) -> None:
     config = cluster_config(tmp_path, "ns")
-    agent = NodeAgent("n0", config)
+    agent = NodeHost("n0", config)
     agent.fence_s = 0.5  # a config refuses so short a fence for its tick (check_fencing): the agent alone
     try:
         start(agent, "job-1")
@@ -56,7 +56,7 @@ def test_an_agent_resuming_after_a_long_silence_fences_before_it_answers(tmp_pat
     first, whichever thread runs first; what it fenced is kept, with the launch, for a global
     scheduler that starts (`info`) until the job is launched here again."""
     config = cluster_config(tmp_path, "ns")
-    agent = NodeAgent("n0", config, fence=False)  # no fencing thread: only the calls check
+    agent = NodeHost("n0", config, fence=False)  # no fencing thread: only the calls check
     try:
         start(agent, "job-1")
         assert wait_for(lambda: alive(agent) == ["scheduler-lite:job-1:t1.0"], timeout=20)
@@ -75,7 +75,7 @@ def test_an_agent_resuming_after_a_long_silence_fences_before_it_answers(tmp_pat
 def test_find_ignores_a_pid_file_of_another_launch(tmp_path: Path) -> None:
     """The pid file names a live process of launch `a`: asked for launch `b`, the agent finds none."""
     config = cluster_config(tmp_path, "ns")
-    agent = NodeAgent("n0", config, fence=False)
+    agent = NodeHost("n0", config, fence=False)
     try:
         pid = start(agent, "job-1", "a")
         assert wait_for(lambda: (agent.jobs_dir / "job-1" / "pid").exists(), timeout=20)
@@ -87,14 +87,14 @@ def test_find_ignores_a_pid_file_of_another_launch(tmp_path: Path) -> None:
 
 def test_sweep_keeps_the_parts_the_store_counts_and_kills_the_rest(tmp_path: Path) -> None:
     config = cluster_config(tmp_path, "ns")
-    agent = NodeAgent("n0", config, fence=False)
+    agent = NodeHost("n0", config, fence=False)
     try:
         start(agent, "job-1", "a")
         start(agent, "job-2", "b")
         assert wait_for(lambda: len(alive(agent)) == 2, timeout=20)
         # A fresh agent on the same node (the old one died, its processes did not) knows nothing:
         # the sweep finds the leftovers by name and job directory.
-        fresh = NodeAgent("n0", config, fence=False)
+        fresh = NodeHost("n0", config, fence=False)
         assert fresh.sweep([("job-1", "a.0")]) == (["job-2"], {})
         assert wait_for(lambda: [n.split(":")[1] for n in alive(agent)] == ["job-1"], timeout=10)
         assert agent.report().parts["job-2"].exit is not None  # the old agent sees it gone
@@ -121,11 +121,11 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
 
     import pytest
 
-    from scheduler_lite.cluster import agent as agent_module
+    from scheduler_lite.cluster import node_host as agent_module
     from scheduler_lite.cluster.tasks import PlacementError, _run_booked
 
     config = cluster_config(tmp_path, "ns")
-    agent = NodeAgent("n0", config, fence=False)
+    agent = NodeHost("n0", config, fence=False)
     pid, _, job_dir = agent.expect(task_record("job-1", "t"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
     assert pid == 0 and alive(agent) == []  # Ray starts the task, not the agent
     env = agent.task_options("job-1")
@@ -211,7 +211,7 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
     at_exit: list[object] = []  # the actor's atexit hook, kept out of pytest's own exit
     monkeypatch.setattr(actors.atexit, "register", lambda fn, *args: at_exit.append((fn, args)))
     config = cluster_config(tmp_path, "ns")
-    agent = NodeAgent("n0", config, fence=False)
+    agent = NodeHost("n0", config, fence=False)
     gpu = [Gpu(0, "n0", GIB, "nv")]
     _, _, job_dir = agent.expect(task_record("job-1", "t"), 0, gpu, 256 << 20, 0.5, {})
     monkeypatch.setenv("ANTMAN_JOB_DIR", job_dir)

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from scheduler_lite.cluster import ray_options
+from scheduler_lite.cluster.host import ClusterJobHost
 from scheduler_lite.cluster.parts import merge_stats, split_control
-from scheduler_lite.cluster.scheduler import ClusterDaemon, node_aware
+from scheduler_lite.cluster.placement import node_aware
 from scheduler_lite.config import parse_config
 from scheduler_lite.jobenv import process_control
 from scheduler_lite.model import Gpu, Job, JobKind, Place, Reserve, Role, Tenant
@@ -135,7 +136,7 @@ def test_node_aware_holds_a_gang_only_on_a_node_that_can_hold_it() -> None:
 
 def test_single_machine_path_does_not_import_ray() -> None:
     code = ("import sys, scheduler_lite.cli, scheduler_lite.server, scheduler_lite.daemon, scheduler_lite.cluster; "
-            "import scheduler_lite.cluster.scheduler; assert 'ray' not in sys.modules, 'ray imported'")
+            "import scheduler_lite.cluster.host; assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -154,17 +155,17 @@ def test_a_gang_control_is_split_per_node_in_job_device_order() -> None:
 
 
 def test_each_part_process_gets_one_limit_the_tightest_of_its_gpus() -> None:
-    """What ClusterDaemon._send_control writes: a part's process manages device 0 only (tf-antman
+    """What ClusterJobHost.write_control writes: a part's process manages device 0 only (tf-antman
     refuses a control naming another), so n0's two GPUs' limits become one."""
     placement = (0, 100, 1)
     control = Control(seq=7, memory_limits=(MemoryLimit(0, 10), MemoryLimit(1, 11), MemoryLimit(2, 9)),
                       compute_share=0.5)
     sent: dict[str, Control] = {}
-    # The daemon's own method, on just what it reads: the nodes' calls and the node of a GPU.
+    # The host's own method, on just what it reads: the nodes' calls and the node of a GPU.
     daemon = SimpleNamespace(cc=SimpleNamespace(node_of=_node_of),
                              nodes=SimpleNamespace(call=lambda node, method, job_id, part: sent.__setitem__(node, part)))
     live = SimpleNamespace(record=SimpleNamespace(placement=placement))
-    ClusterDaemon._send_control(daemon, "job-1", live, control)  # type: ignore[arg-type]
+    ClusterJobHost.write_control(daemon, "job-1", live, control)  # type: ignore[arg-type]
     assert sent == {"n0": Control(seq=7, memory_limits=(MemoryLimit(0, 9),), compute_share=0.5),
                     "n1": Control(seq=7, memory_limits=(MemoryLimit(0, 11),), compute_share=0.5)}
     one = Control(seq=8, memory_limits=(MemoryLimit(0, 5),), compute_share=None)

@@ -15,13 +15,21 @@ from pathlib import Path
 import pytest
 
 from scheduler_lite.cli import main
-from scheduler_lite.cluster.scheduler import ClusterDaemon
+from scheduler_lite.cluster.host import ClusterJobHost, cluster_daemon
+from scheduler_lite.daemon import Daemon
 from scheduler_lite.launcher import wrappers_under
 from scheduler_lite.model import Place, Role
 from scheduler_lite.storage import JobStatus, SqliteStorage
+from scheduler_lite.testing import run_until
 from tests.cluster.conftest import NODES, REPO, STORE, RayCluster, cluster_config
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import JOB_ENV, fake_command, wait_for
+
+
+def host(d: Daemon) -> ClusterJobHost:
+    """The global scheduler's job host (its nodes, its cluster config)."""
+    assert isinstance(d.host, ClusterJobHost)
+    return d.host
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -44,7 +52,7 @@ def tf_job() -> list[str]:
             "--steps", "100000", "--print-every", "50"]
 
 
-def step_of(d: ClusterDaemon, job_id: str) -> int:
+def step_of(d: Daemon, job_id: str) -> int:
     placement = d.book.jobs[job_id].placement
     job = d.status().gpu(placement[0]).job(job_id) if placement else None
     return 0 if job is None or job.step is None else job.step
@@ -119,7 +127,7 @@ def test_global_scheduler_killed_mid_launch_restarts_without_starting_twice(
                 p.wait()
         # The jobs outlive the scheduler by design: stop them through a scheduler of this store.
         config = cluster_config(state, namespace)
-        d = ClusterDaemon(config, SqliteStorage(config.db_path))
+        d = cluster_daemon(config, SqliteStorage(config.db_path))
         ray_cluster.made.append(d)
 
 
@@ -132,25 +140,25 @@ def test_restart_with_a_stopped_agent_keeps_healthy_jobs_and_runs_nothing_twice(
     log = tmp_path / "runs.log"
     env = {**JOB_ENV, "FAKE_RUNS_LOG": str(log)}
     config = cluster_config(tmp_path, namespace)
-    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    d = cluster_daemon(config, SqliteStorage(config.db_path))
     ray_cluster.made.append(d)
     healthy = d.submit(fake_command(), tenant="B", kind="guarantee", gpus=2, env=env)
     lonely = d.submit(fake_command(), tenant="A", kind="guarantee", env=env)
-    assert d.run_until(lambda d: sorted(runs(log)) == sorted([healthy, lonely]), timeout=60, interval=0.1)
-    node = d.cc.node_of(d.book.jobs[lonely].placement[0])
-    home = d.cc.node_of(d.book.jobs[healthy].placement[0])
+    assert run_until(d, lambda d: sorted(runs(log)) == sorted([healthy, lonely]), timeout=60, interval=0.1)
+    node = host(d).cc.node_of(d.book.jobs[lonely].placement[0])
+    home = host(d).cc.node_of(d.book.jobs[healthy].placement[0])
     assert node != home
     pid = d.storage.get_job(healthy).pid  # type: ignore[union-attr]
-    stopped = d.nodes.agent_pids[node]
+    stopped = host(d).nodes.actor_pids[node]
     os.kill(stopped, signal.SIGSTOP)  # and the global scheduler dies (d is not ticked again)
     try:
-        again = ClusterDaemon(config, SqliteStorage(config.db_path))
+        again = cluster_daemon(config, SqliteStorage(config.db_path))
         ray_cluster.made.append(again)
-        assert node not in again.nodes.agents and home in again.nodes.agents
+        assert node not in host(again).nodes.actors and home in host(again).nodes.actors
         assert "adopted" in [e.kind for e in again.storage.events(healthy)]
         assert again.storage.get_job(healthy).pid == pid  # type: ignore[union-attr]
         assert again.storage.get_job(lonely).state is JobStatus.RUNNING  # type: ignore[union-attr]
-        assert again.run_until(lambda d: runs(log).count(lonely) == 2, timeout=90, interval=0.1)
+        assert run_until(again, lambda d: runs(log).count(lonely) == 2, timeout=90, interval=0.1)
         assert [e.detail["reason"] for e in again.storage.events(lonely) if e.kind == "requeued"] == [
             f"node {node} lost"]
         assert sorted(w for n in NODES for w in wrappers(tmp_path, n)) == sorted([healthy, lonely])
@@ -164,7 +172,7 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     log = tmp_path / "runs.log"
     env = {**JOB_ENV, "FAKE_RUNS_LOG": str(log)}
     config = cluster_config(tmp_path, namespace)
-    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    d = cluster_daemon(config, SqliteStorage(config.db_path))
     ray_cluster.made.append(d)
     b1 = d.submit(fake_command(), tenant="B", kind="guarantee", env=env)
     b2 = d.submit(fake_command(), tenant="B", kind="guarantee", env=env)
@@ -174,8 +182,8 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     assert Place(gang, (100, 101, 200), Role.GUARANTEE) in d.tick().decisions
     opp = d.submit(tf_job(), tenant="C", kind="opportunistic", env=env)  # real TF under tf-antman
     assert Place(opp, (201,), Role.OPPORTUNISTIC) in d.tick().decisions
-    assert d.run_until(lambda d: sorted(runs(log)) == sorted([b1, b2, gang, gang]), timeout=60, interval=0.1)
-    assert d.run_until(lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
+    assert run_until(d, lambda d: sorted(runs(log)) == sorted([b1, b2, gang, gang]), timeout=60, interval=0.1)
+    assert run_until(d, lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
     assert d.book.quota_used("A") == 3 and d.book.quota_used("B") == 2
 
     # Node n2 goes away: its raylet is removed, and its processes with it (on this one machine
@@ -183,17 +191,17 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
     for pid, _ in wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
         os.killpg(pid, signal.SIGKILL)
-    assert d.run_until(lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
+    assert run_until(d, lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
     assert sorted(d.gpus) == [0, 1, 100, 101]
     assert {g.node for g in d.status().gpus} == {"n0", "n1"}
     # The gang's part on n1 was stopped before anything else: it must not run next to a rerun.
     # (run_until keeps ticking: an agent that hears nothing for node_timeout_s / 2 fences its jobs)
-    assert d.run_until(lambda d: gang not in wrappers(tmp_path, "n1"), timeout=4, interval=0.1)
+    assert run_until(d, lambda d: gang not in wrappers(tmp_path, "n1"), timeout=4, interval=0.1)
     # Requeued once nothing of them can run on n2: its Ray node is gone, so node_timeout_s after
     # its last answer (an agent still running there, cut off, has fenced them by then).
     for job in (gang, opp):
         assert [e.detail["reason"] for e in d.storage.events(job) if e.kind == "lost"] == ["node n2 lost"]
-    assert d.run_until(lambda d: all("requeued" in [e.kind for e in d.storage.events(job)] for job in (gang, opp)),
+    assert run_until(d, lambda d: all("requeued" in [e.kind for e in d.storage.events(job)] for job in (gang, opp)),
                        timeout=60, interval=0.1)
     for job in (gang, opp):
         events = [e for e in d.storage.events(job) if e.kind == "requeued"]
@@ -203,9 +211,9 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     tenants = {t.name: t for t in d.status().tenants}
     assert tenants["A"].quota_used == 0 and tenants["B"].quota_used == 2
     # The opportunistic TF job starts again on a surviving node and trains there; the gang waits.
-    assert d.run_until(lambda d: len(d.book.jobs[opp].placement) == 1, timeout=60, interval=0.1)
+    assert run_until(d, lambda d: len(d.book.jobs[opp].placement) == 1, timeout=60, interval=0.1)
     assert d.book.jobs[opp].placement[0] in (0, 1, 100, 101)
-    assert d.run_until(lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
+    assert run_until(d, lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
     assert [e.kind for e in d.storage.events(opp)].count("launched") == 2
     assert d.storage.get_job(gang).state is JobStatus.QUEUED  # type: ignore[union-attr]
     # Nothing ran twice: one process per job (part) alive, the B jobs untouched.
@@ -216,11 +224,11 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     # n2 comes back (a new raylet with its resource): swept, its GPUs join, the gang runs again.
     ray_cluster.nodes["n2"] = ray_cluster.cluster.add_node(num_cpus=1, object_store_memory=STORE,
                                                            resources={"antman_node_n2": 1})
-    assert d.run_until(lambda d: 200 in d.gpus and 201 in d.gpus, timeout=90, interval=0.2)
-    assert d.run_until(lambda d: d.storage.get_job(gang).state is JobStatus.RUNNING, timeout=60,  # type: ignore[union-attr]
+    assert run_until(d, lambda d: 200 in d.gpus and 201 in d.gpus, timeout=90, interval=0.2)
+    assert run_until(d, lambda d: d.storage.get_job(gang).state is JobStatus.RUNNING, timeout=60,  # type: ignore[union-attr]
                        interval=0.1)
     assert len(d.book.jobs[gang].placement) == 3 and d.book.quota_used("A") == 3
-    assert d.run_until(lambda d: runs(log).count(gang) == 4, timeout=60, interval=0.1)
+    assert run_until(d, lambda d: runs(log).count(gang) == 4, timeout=60, interval=0.1)
 
 
 def test_node_lost_with_on_node_loss_fail(ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
@@ -229,27 +237,27 @@ def test_node_lost_with_on_node_loss_fail(ray_cluster: RayCluster, namespace: st
     log = tmp_path / "runs.log"
     env = {**JOB_ENV, "FAKE_RUNS_LOG": str(log)}
     config = cluster_config(tmp_path, namespace, cluster={"on_node_loss": "fail"})
-    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    d = cluster_daemon(config, SqliteStorage(config.db_path))
     ray_cluster.made.append(d)
-    assert d.run_until(lambda d: 200 in d.gpus and 201 in d.gpus, timeout=60, interval=0.2)
+    assert run_until(d, lambda d: 200 in d.gpus and 201 in d.gpus, timeout=60, interval=0.2)
     b = d.submit(fake_command(), tenant="B", kind="guarantee", gpus=2, env=env)
     assert Place(b, (0, 1), Role.GUARANTEE) in d.tick().decisions
     gang = d.submit(fake_command(), tenant="A", kind="guarantee", gpus=3, env=env)
     assert Place(gang, (100, 101, 200), Role.GUARANTEE) in d.tick().decisions
-    assert d.run_until(lambda d: sorted(runs(log)) == sorted([b, gang, gang]), timeout=60, interval=0.1)
+    assert run_until(d, lambda d: sorted(runs(log)) == sorted([b, gang, gang]), timeout=60, interval=0.1)
     assert d.book.quota_used("A") == 3
 
     ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
     for pid, _ in wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
         os.killpg(pid, signal.SIGKILL)
-    assert d.run_until(lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
+    assert run_until(d, lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
     record = d.storage.get_job(gang)
     assert record is not None and record.state is JobStatus.FAILED and record.reason == "node n2 lost"
     assert [e.kind for e in d.storage.events(gang)].count("requeued") == 0
-    assert d.run_until(lambda d: wrappers(tmp_path, "n1") == [], timeout=4, interval=0.1)  # its n1 part stopped
+    assert run_until(d, lambda d: wrappers(tmp_path, "n1") == [], timeout=4, interval=0.1)  # its n1 part stopped
     assert d.book.quota_used("A") == 0 and d.book.quota_used("B") == 2
     # Failed means failed: a few more passes, nothing reruns it; B's job runs on.
-    d.run_until(lambda d: False, timeout=1.5, interval=0.1)
+    run_until(d, lambda d: False, timeout=1.5, interval=0.1)
     assert runs(log).count(gang) == 2 and wrappers(tmp_path, "n0") == [b]
     assert d.storage.get_job(gang).state is JobStatus.FAILED  # type: ignore[union-attr]
 
@@ -262,16 +270,16 @@ def test_jobs_fenced_by_a_silent_global_scheduler_are_requeued(ray_cluster: RayC
     ended with an unknown status."""
     log = tmp_path / "runs.log"
     config = cluster_config(tmp_path, namespace, cluster={"node_timeout_s": 6})  # fences after 3 s
-    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    d = cluster_daemon(config, SqliteStorage(config.db_path))
     ray_cluster.made.append(d)
     job = d.submit(fake_command(), tenant="A", kind="guarantee", env={**JOB_ENV, "FAKE_RUNS_LOG": str(log)})
-    assert d.run_until(lambda d: runs(log) == [job], timeout=60, interval=0.1)
-    node = d.cc.node_of(d.book.jobs[job].placement[0])
+    assert run_until(d, lambda d: runs(log) == [job], timeout=60, interval=0.1)
+    node = host(d).cc.node_of(d.book.jobs[job].placement[0])
     assert wait_for(lambda: wrappers(tmp_path, node) == [], timeout=20, interval=0.2)  # the stall: no ticks
     d.tick()  # requeued, and (the same tick) placed again
     [requeued] = [e for e in d.storage.events(job) if e.kind == "requeued"]
     assert "(fencing)" in requeued.detail["reason"]
-    assert d.run_until(lambda d: runs(log) == [job, job], timeout=60, interval=0.1)  # runs again, once
+    assert run_until(d, lambda d: runs(log) == [job, job], timeout=60, interval=0.1)  # runs again, once
     assert not any(e.kind == "exited" for e in d.storage.events(job))
 
 
@@ -281,20 +289,20 @@ def test_a_job_too_big_for_the_nodes_left_waits_for_the_node_away(ray_cluster: R
     failing at pick-up; when n2 joins it runs, and a job that can never run on the whole cluster
     fails then, with the reason."""
     config = cluster_config(tmp_path, namespace)
-    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    d = cluster_daemon(config, SqliteStorage(config.db_path))
     ray_cluster.made.append(d)
-    if "n2" in d.nodes.agents:  # run alone (the tests above leave it removed)
+    if "n2" in host(d).nodes.actors:  # run alone (the tests above leave it removed)
         ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
-        assert d.run_until(lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
-    assert "n2" not in d.nodes.agents and sorted(d.gpus) == [0, 1, 100, 101]
+        assert run_until(d, lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
+    assert "n2" not in host(d).nodes.actors and sorted(d.gpus) == [0, 1, 100, 101]
     big = d.submit(fake_command(), tenant="A", kind="opportunistic", gpus=5, env=JOB_ENV)  # A may span
     never = d.submit(fake_command(), tenant="B", kind="opportunistic", gpus=3, env=JOB_ENV)  # B may not
-    d.run_until(lambda d: False, timeout=1.0, interval=0.1)
+    run_until(d, lambda d: False, timeout=1.0, interval=0.1)
     assert d.storage.get_job(big).state is JobStatus.QUEUED  # type: ignore[union-attr]
     assert d.storage.get_job(never).state is JobStatus.QUEUED  # type: ignore[union-attr]
     ray_cluster.nodes["n2"] = ray_cluster.cluster.add_node(num_cpus=1, object_store_memory=STORE,
                                                            resources={"antman_node_n2": 1})
-    assert d.run_until(lambda d: d.storage.get_job(big).state is JobStatus.RUNNING, timeout=90, interval=0.2)
+    assert run_until(d, lambda d: d.storage.get_job(big).state is JobStatus.RUNNING, timeout=90, interval=0.2)
     record = d.storage.get_job(never)
     assert record is not None and record.state is JobStatus.FAILED
     assert record.reason == "needs 3 GPUs; the largest node has 2 and tenant 'B' may not span nodes (cluster.span_tenants)"

@@ -6,22 +6,24 @@ import json
 import sys
 from pathlib import Path
 
-from scheduler_lite.cluster.scheduler import ClusterDaemon
+from scheduler_lite.cluster.host import cluster_daemon
+from scheduler_lite.daemon import Daemon
 from scheduler_lite.model import Place, Reserve, Role, SetComputeShare
 from scheduler_lite.storage import JobStatus, SqliteStorage
+from scheduler_lite.testing import run_until
 from tests.cluster.conftest import REPO, RayCluster, cluster_config
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import JOB_ENV, fake_command
 
 
-def new_daemon(rc: RayCluster, state: Path, namespace: str, **sections: dict) -> ClusterDaemon:
+def new_daemon(rc: RayCluster, state: Path, namespace: str, **sections: dict) -> Daemon:
     config = cluster_config(state, namespace, **sections)
-    d = ClusterDaemon(config, SqliteStorage(config.db_path))
+    d = cluster_daemon(config, SqliteStorage(config.db_path))
     rc.made.append(d)
     return d
 
 
-def step_of(d: ClusterDaemon, job_id: str, gpu: int) -> int:
+def step_of(d: Daemon, job_id: str, gpu: int) -> int:
     job = d.status().gpu(gpu).job(job_id)
     return 0 if job is None or job.step is None else job.step
 
@@ -42,7 +44,7 @@ def test_algorithm_1_over_nodes_and_gangs(ray_cluster: RayCluster, namespace: st
     second = d.tick()
     assert Place(gang, (100, 101, 200), Role.GUARANTEE) in second.decisions
     # One process per node, each with its own job directory on its node, both stepping.
-    assert d.run_until(lambda d: all(step_of(d, gang, g) >= 2 for g in (100, 101, 200)), timeout=60, interval=0.1)
+    assert run_until(d, lambda d: all(step_of(d, gang, g) >= 2 for g in (100, 101, 200)), timeout=60, interval=0.1)
     for node in ("n1", "n2"):
         stats = json.loads((tmp_path / "nodes" / node / "jobs" / gang / "stats.json").read_text())
         assert stats["step"] >= 1
@@ -58,8 +60,8 @@ def test_algorithm_1_over_nodes_and_gangs(ray_cluster: RayCluster, namespace: st
     assert d.storage.get_job(b).state is JobStatus.QUEUED  # type: ignore[union-attr]
     # Its node frees up: it starts there, both GPUs on n0.
     d.cancel(one)
-    assert d.run_until(lambda d: d.book.jobs[b].placement == (0, 1), timeout=60, interval=0.1)
-    assert d.run_until(lambda d: step_of(d, b, 1) >= 1, timeout=60, interval=0.1)
+    assert run_until(d, lambda d: d.book.jobs[b].placement == (0, 1), timeout=60, interval=0.1)
+    assert run_until(d, lambda d: step_of(d, b, 1) >= 1, timeout=60, interval=0.1)
     assert d.book.quota_used("A") == 3 and d.book.quota_used("B") == 2
 
 
@@ -80,7 +82,7 @@ def test_guarantee_job_protected_on_its_node(ray_cluster: RayCluster, namespace:
     assert Place(one, (200,), Role.GUARANTEE) in d.tick().decisions
     opp = d.submit(tf_job(), tenant="C", kind="opportunistic", env=JOB_ENV)
     assert Place(opp, (201,), Role.OPPORTUNISTIC) in d.tick().decisions
-    assert d.run_until(lambda d: step_of(d, opp, 201) >= 20, timeout=120, interval=0.2)
+    assert run_until(d, lambda d: step_of(d, opp, 201) >= 20, timeout=120, interval=0.2)
     alone = d.status().gpu(201).job(opp)
     assert alone is not None and alone.compute_share == 1.0
     # A guarantee job arrives on the same GPU of n2: the coordinator (run by the global scheduler,
@@ -90,14 +92,14 @@ def test_guarantee_job_protected_on_its_node(ray_cluster: RayCluster, namespace:
     assert Place(g, (201,), Role.GUARANTEE) in arrival.decisions
     assert SetComputeShare(opp, 201, floor, 1.0) in arrival.decisions
 
-    def protected(d: ClusterDaemon) -> bool:
+    def protected(d: Daemon) -> bool:
         o = d.status().gpu(201).job(opp)
         return o is not None and o.compute_share == floor and o.memory_limit_bytes == min_memory
 
-    assert d.run_until(protected, timeout=120, interval=0.2), [
+    assert run_until(d, protected, timeout=120, interval=0.2), [
         (j.job_id, j.compute_share, j.memory_limit_bytes, j.target_compute_share, j.controls_pending)
         for j in d.status().gpu(201).jobs] + [(e.kind, e.detail) for e in d.storage.events(opp)]
-    assert d.run_until(lambda d: step_of(d, g, 201) >= 5, timeout=120, interval=0.2)
+    assert run_until(d, lambda d: step_of(d, g, 201) >= 5, timeout=120, interval=0.2)
     view = d.status().gpu(201)
     assert view.node == "n2" and view.job(g).compute_share == 1.0  # type: ignore[union-attr]
 
@@ -295,7 +297,7 @@ def test_ray_task_placed_and_protected_by_the_global_scheduler(ray_cluster: RayC
                 p.kill()
                 p.wait()
         stop.touch()
-        from scheduler_lite.cluster.scheduler import ClusterDaemon as _CD
+        from scheduler_lite.cluster.host import cluster_daemon as _CD
         d = _CD(config, SqliteStorage(config.db_path))
         ray_cluster.made.append(d)
 
@@ -408,6 +410,6 @@ def test_ray_actor_booked_runs_under_its_booking_until_killed(ray_cluster: RayCl
         if serve.poll() is None:
             serve.kill()
             serve.wait()
-        from scheduler_lite.cluster.scheduler import ClusterDaemon as _CD
+        from scheduler_lite.cluster.host import cluster_daemon as _CD
         d = _CD(config, SqliteStorage(config.db_path))
         ray_cluster.made.append(d)

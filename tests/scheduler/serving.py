@@ -17,6 +17,7 @@ from scheduler_lite.daemon import Daemon, lock_state_dir
 from scheduler_lite.server import Server
 from scheduler_lite.state_dir import secure_state_dir
 from scheduler_lite.storage import SqliteStorage
+from scheduler_lite.testing import stop_all_jobs
 
 
 @contextmanager
@@ -41,7 +42,7 @@ def serving(config_path: str | Path, *, ticks: bool = False) -> Iterator[Server]
                 else:
                     while not daemon.stopping:
                         server.serve_requests(0.05)
-                daemon.stop_all_jobs(grace_s=1.0)
+                stop_all_jobs(daemon, grace_s=1.0)
             finally:
                 server.close()
         except BaseException as e:  # noqa: BLE001 - handed to the test

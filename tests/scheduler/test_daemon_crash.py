@@ -31,6 +31,7 @@ from scheduler_lite.launcher import EXIT_STATUS_FILE, process_running, wrappers_
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage import JobRecord, JobSpec, JobStatus, SqliteStorage
 from scheduler_lite.submission import request_cancel, submit_job
+from scheduler_lite.testing import stop_all_jobs
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import JOB_ENV, REPO, fake_command, wait_for
 
@@ -198,7 +199,7 @@ def test_a_started_job_without_pid_or_pid_file_is_found_by_its_launch_token(tmp_
         assert store.get_job(started).state is JobStatus.RUNNING  # type: ignore[union-attr]
         assert store.get_job(never).state is JobStatus.QUEUED  # type: ignore[union-attr]
         assert [e.kind for e in store.events(never)][-1] == "requeued"
-        d.stop_all_jobs(grace_s=1)
+        stop_all_jobs(d, grace_s=1)
     finally:
         proc.kill()
         proc.wait()

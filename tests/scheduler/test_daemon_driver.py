@@ -12,6 +12,7 @@ import pytest
 from scheduler_lite.config import parse_config
 from scheduler_lite.daemon import Daemon
 from scheduler_lite.storage import SqliteStorage
+from scheduler_lite.testing import run_until, stop_all_jobs
 from tests.scheduler.test_daemon_fakes import JOB_ENV, MIB, REPO, fake_command, make_config, wait_for
 
 SLOW_START = {**JOB_ENV, "FAKE_START_DELAY_S": "30"}  # no stats during the test, as a TF job starting
@@ -22,7 +23,7 @@ def daemons() -> Iterator[list[Daemon]]:
     made: list[Daemon] = []
     yield made
     for d in made:
-        d.stop_all_jobs(grace_s=1)
+        stop_all_jobs(d, grace_s=1)
 
 
 class Clock:
@@ -95,7 +96,7 @@ def test_example_config_guarantee_then_opportunistic_use_both_gpus(tmp_path: Pat
     # Submitted before the same tick: one pass, the same split.
     g2 = d.submit(fake_command(), tenant="research", kind="guarantee", env=SLOW_START)
     o2 = d.submit(fake_command(), tenant="batch", kind="opportunistic", env=SLOW_START)
-    d.stop_all_jobs(grace_s=1)
+    stop_all_jobs(d, grace_s=1)
     d.tick()
     assert d.job(g2).placement == (0,) and d.job(o2).placement == (1,)  # type: ignore[union-attr]
 
@@ -136,7 +137,7 @@ def test_status_shows_the_settings_in_force_and_what_is_pending(tmp_path: Path, 
     assert before.launched == (opp,)
     row = d.status().gpu(0).job(opp)
     assert row is not None and row.memory_limit_bytes is None and row.target_memory_limit_bytes == 1 << 30
-    assert d.run_until(lambda d: d.status().gpu(0).job(opp).memory_limit_bytes is not None,  # type: ignore[union-attr]
+    assert run_until(d, lambda d: d.status().gpu(0).job(opp).memory_limit_bytes is not None,  # type: ignore[union-attr]
                        timeout=20, interval=0.05)
     # A slow guarantee job: the coordinator waits for its steps and decides nothing more.
     d.submit(fake_command(step_s=5.0), tenant="A", kind="guarantee", memory_bytes=512 * MIB, env=JOB_ENV)
@@ -147,7 +148,7 @@ def test_status_shows_the_settings_in_force_and_what_is_pending(tmp_path: Path, 
     assert row.target_memory_limit_bytes == config.coordinator.min_memory_bytes
     assert row.target_compute_share == config.coordinator.floor_share
     assert row.controls_pending == 1
-    assert d.run_until(lambda d: d.status().gpu(0).job(opp).controls_pending == 0,  # type: ignore[union-attr]
+    assert run_until(d, lambda d: d.status().gpu(0).job(opp).controls_pending == 0,  # type: ignore[union-attr]
                        timeout=20, interval=0.05)
     row = d.status().gpu(0).job(opp)
     assert row is not None and row.memory_limit_bytes == config.coordinator.min_memory_bytes
@@ -160,7 +161,7 @@ def test_measured_demand_solo_step_and_remaining_time(tmp_path: Path, daemons: l
     daemons.append(d)
     opp = d.submit(fake_command(demand=900 * MIB), tenant="B", kind="opportunistic", env=JOB_ENV)
     # Alone at full share: its solo step time is measured (the coordinator's trial-and-error reference).
-    assert d.run_until(lambda d: d.driver.solo_step_s(opp) is not None, timeout=20, interval=0.02)
+    assert run_until(d, lambda d: d.driver.solo_step_s(opp) is not None, timeout=20, interval=0.02)
     solo = d.driver.solo_step_s(opp)
     assert solo is not None and 0.02 <= solo < 0.5
     # A guarantee job without --memory: the whole GPU until measured, then its peak plus headroom.
@@ -178,7 +179,7 @@ def test_measured_demand_solo_step_and_remaining_time(tmp_path: Path, daemons: l
     def measured(d: Daemon) -> bool:
         return d.driver.memo(0).anchor_s is not None
 
-    assert d.run_until(measured, timeout=30, interval=0.02)
+    assert run_until(d, measured, timeout=30, interval=0.02)
     c = config.coordinator
     headroom = max(int(300 * MIB * c.demand_headroom), c.min_memory_bytes)  # at least min_memory
     g_limit = d.driver.settings[g].limits[0]

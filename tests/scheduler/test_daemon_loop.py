@@ -16,11 +16,13 @@ import pytest
 
 from scheduler_lite import launcher
 from scheduler_lite.config import Config, parse_config
-from scheduler_lite.daemon import LOCK_FILE, Daemon, StateDirLostError, job_environment, lock_state_dir
+from scheduler_lite.daemon import LOCK_FILE, Daemon, StateDirLostError, lock_state_dir
+from scheduler_lite.jobenv import job_environment
 from scheduler_lite.launcher import EXIT_STATUS_FILE, ExitInfo, Launcher, LaunchSpec, ProcessHandle
 from scheduler_lite.model import Place, Reject, Role, SetComputeShare, SetMemoryLimit
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from scheduler_lite.submission import make_job_spec, submit_job
+from scheduler_lite.testing import run_until, stop_all_jobs
 from tests.protocol.test_protocol_schema import stats_doc
 from tests.scheduler.configs import scheduler_config
 from tests.scheduler.test_daemon_fakes import (
@@ -40,7 +42,7 @@ def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
     made: list[Daemon] = []
     yield made
     for d in made:
-        d.stop_all_jobs(grace_s=1)
+        stop_all_jobs(d, grace_s=1)
 
 
 def new_daemon(made: list[Daemon], state: Path, clock=None, **sections: dict) -> Daemon:
@@ -61,7 +63,7 @@ def test_guarantee_arrival_shrinks_the_opportunistic_job(tmp_path: Path, daemons
     first = d.tick()
     assert first.picked_up == (opp,) and first.launched == (opp,)
     assert Place(opp, (0,), Role.OPPORTUNISTIC) in first.decisions
-    assert d.run_until(lambda d: steps_of(d, opp) >= 3, timeout=20, interval=0.02)
+    assert run_until(d, lambda d: steps_of(d, opp) >= 3, timeout=20, interval=0.02)
     alone = d.status().gpu(0).job(opp)
     assert alone is not None and alone.memory_limit_bytes == 1 << 30 and alone.host_in_use_bytes == 0
 
@@ -79,9 +81,9 @@ def test_guarantee_arrival_shrinks_the_opportunistic_job(tmp_path: Path, daemons
     def shrunk(d: Daemon) -> bool:
         job = d.status().gpu(0).job(opp)
         return job is not None and job.in_use_bytes == min_memory
-    assert d.run_until(shrunk, timeout=20, interval=0.02)
+    assert run_until(d, shrunk, timeout=20, interval=0.02)
     # Status shows what the job reports in force: nothing for the guarantee job until its stats.
-    assert d.run_until(lambda d: steps_of(d, g) >= 1, timeout=20, interval=0.02)
+    assert run_until(d, lambda d: steps_of(d, g) >= 1, timeout=20, interval=0.02)
     view = d.status().gpu(0)
     o, gj = view.job(opp), view.job(g)
     assert o is not None and o.host_in_use_bytes == 600 * MIB - min_memory
@@ -99,7 +101,7 @@ def test_a_job_on_two_gpus_applies_the_coordinators_shrink(tmp_path: Path, daemo
     d = new_daemon(daemons, tmp_path, gpus=2)
     opp = d.submit(fake_command(demand=600 * MIB), tenant="B", kind="opportunistic", gpus=2, env=JOB_ENV)
     assert Place(opp, (0, 1), Role.OPPORTUNISTIC) in d.tick().decisions
-    assert d.run_until(lambda d: steps_of(d, opp) >= 3, timeout=20, interval=0.02)
+    assert run_until(d, lambda d: steps_of(d, opp) >= 3, timeout=20, interval=0.02)
     g = d.submit(fake_command(demand=512 * MIB), tenant="A", kind="guarantee", memory_bytes=512 * MIB, env=JOB_ENV)
     arrival = d.tick()
     (placed,) = [x for x in arrival.decisions if isinstance(x, Place) and x.job_id == g]
@@ -111,7 +113,7 @@ def test_a_job_on_two_gpus_applies_the_coordinators_shrink(tmp_path: Path, daemo
     def applied(d: Daemon) -> bool:
         stats = read_stats(d.job_dir(opp))
         return stats is not None and stats.control_seq_applied == control.seq
-    assert d.run_until(applied, timeout=20, interval=0.02)
+    assert run_until(d, applied, timeout=20, interval=0.02)
     stats = read_stats(d.job_dir(opp))
     assert stats is not None and stats.controls_rejected == 0
     assert stats.devices[0].limit_bytes == min_memory
@@ -124,10 +126,10 @@ def test_restart_keeps_queued_readopts_running_and_keeps_finished(tmp_path: Path
     d1 = new_daemon(daemons, tmp_path)
     ok = d1.submit(fake_command(steps=2), tenant="A", kind="guarantee", env=JOB_ENV)
     bad = d1.submit(fake_command(steps=2, exit_code=3), tenant="A", kind="guarantee", env=JOB_ENV)
-    assert d1.run_until(lambda d: d.job(bad).state.done, timeout=30, interval=0.02)  # type: ignore[union-attr]
+    assert run_until(d1, lambda d: d.job(bad).state.done, timeout=30, interval=0.02)  # type: ignore[union-attr]
     running = d1.submit(fake_command(), tenant="A", kind="guarantee", env=JOB_ENV)
     queued = d1.submit(fake_command(), tenant="A", kind="guarantee", env=JOB_ENV)  # quota 1: waits
-    assert d1.run_until(lambda d: steps_of(d, running) >= 2, timeout=20, interval=0.02)
+    assert run_until(d1, lambda d: steps_of(d, running) >= 2, timeout=20, interval=0.02)
     pid = d1.job(running).pid  # type: ignore[union-attr]
     d1.tick()
     daemons.remove(d1)  # the daemon "crashes": nothing is stopped, nothing more is written
@@ -143,11 +145,11 @@ def test_restart_keeps_queued_readopts_running_and_keeps_finished(tmp_path: Path
     assert report.launched == () and report.ended == ()  # the queued job still waits for quota
     assert d2.job(running).pid == pid  # type: ignore[union-attr]
     before = steps_of(d2, running)
-    assert d2.run_until(lambda d: steps_of(d, running) > before, timeout=20, interval=0.02)  # still watched
+    assert run_until(d2, lambda d: steps_of(d, running) > before, timeout=20, interval=0.02)  # still watched
     assert "adopted" in [e.kind for e in d2.storage.events(running)]
 
     d2.cancel(running)  # the re-adopted job can be stopped; its exit frees the quota for the queued one
-    assert d2.run_until(lambda d: d.job(queued).state is JobStatus.RUNNING, timeout=20, interval=0.02)  # type: ignore[union-attr]
+    assert run_until(d2, lambda d: d.job(queued).state is JobStatus.RUNNING, timeout=20, interval=0.02)  # type: ignore[union-attr]
     cancelled = d2.job(running)
     assert cancelled is not None and cancelled.state is JobStatus.CANCELLED
     assert cancelled.exit_code == -signal.SIGTERM
@@ -170,7 +172,7 @@ def test_a_cancel_the_daemon_died_before_acting_on_still_sends_sigterm(tmp_path:
     del d1
 
     d2 = new_daemon(daemons, tmp_path / "state")
-    assert d2.run_until(lambda d: d.job(job).state.done, timeout=20, interval=0.02)  # type: ignore[union-attr]
+    assert run_until(d2, lambda d: d.job(job).state.done, timeout=20, interval=0.02)  # type: ignore[union-attr]
     assert (work / "got").read_text() == "TERM\n"  # it could checkpoint: a SIGTERM, not a bare SIGKILL
     record = d2.job(job)
     assert record is not None and record.state is JobStatus.CANCELLED and record.exit_code == 0
@@ -192,7 +194,7 @@ def test_a_cancel_signalled_before_a_restart_keeps_its_grace_period(tmp_path: Pa
     del d1
 
     d2 = new_daemon(daemons, tmp_path / "state")
-    assert d2.run_until(lambda d: d.job(job).state.done, timeout=20, interval=0.02)  # type: ignore[union-attr]
+    assert run_until(d2, lambda d: d.job(job).state.done, timeout=20, interval=0.02)  # type: ignore[union-attr]
     assert (work / "got").read_text() == "TERM\n"  # not signalled twice
     record = d2.job(job)
     assert record is not None and record.state is JobStatus.CANCELLED and record.exit_code == -signal.SIGKILL
@@ -384,8 +386,8 @@ def test_a_restart_while_the_jobs_wrapper_is_still_inside_execve_adopts_it(
     assert record is not None and record.state is JobStatus.RUNNING and record.pid == pid, record
     assert len(reads) > 3  # it looked again until the command line was there
     assert d2.book.jobs_on(0) == (job,) and "adopted" in [e.kind for e in d2.storage.events(job)]
-    assert d2.launcher.poll(d2._live[job].handle) is None  # alive: not killed as a leftover
-    assert d2.run_until(lambda d: steps_of(d, job) >= 1, timeout=20, interval=0.02)  # and watched
+    assert d2.host.poll(d2._live[job].handle) is None  # alive: not killed as a leftover
+    assert run_until(d2, lambda d: steps_of(d, job) >= 1, timeout=20, interval=0.02)  # and watched
 
 
 def test_adopt_waits_for_a_command_line_only_so_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -408,7 +410,7 @@ def test_an_exit_status_above_128_is_recorded_as_an_exit_status(tmp_path: Path, 
     d = new_daemon(daemons, tmp_path)
     exited = d.submit(["/bin/sh", "-c", "exit 137"], tenant="A", kind="guarantee")
     killed = d.submit(["/bin/sh", "-c", "kill -KILL $$"], tenant="B", kind="opportunistic")
-    assert d.run_until(lambda d: all(d.job(j).state.done for j in (exited, killed)),  # type: ignore[union-attr]
+    assert run_until(d, lambda d: all(d.job(j).state.done for j in (exited, killed)),  # type: ignore[union-attr]
                        timeout=20, interval=0.02)
     records = [d.job(exited), d.job(killed)]
     assert [(r.state, r.exit_code, r.reason) for r in records if r is not None] == [
@@ -441,12 +443,12 @@ def test_serve_stops_when_its_lock_file_is_replaced(tmp_path: Path, daemons: lis
     assert lost.value.filename == str(lock)
     assert any(r.levelname == "ERROR" and str(lock) in r.getMessage() for r in caplog.records)
     assert d.job(job).state is JobStatus.RUNNING and job in d._live  # type: ignore[union-attr]
-    assert d.launcher.poll(d._live[job].handle) is None  # not stopped
+    assert d.host.poll(d._live[job].handle) is None  # not stopped
 
 
 def test_run_until_gives_up_after_the_timeout(tmp_path: Path, daemons: list[Daemon]) -> None:
     d = new_daemon(daemons, tmp_path)
-    assert d.run_until(lambda d: False, timeout=0.0) is False
+    assert run_until(d, lambda d: False, timeout=0.0) is False
 
 
 def test_job_environment(tmp_path: Path) -> None:

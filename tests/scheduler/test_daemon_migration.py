@@ -18,6 +18,7 @@ from scheduler_lite.launcher import wrappers_under
 from scheduler_lite.model import Place, Role
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from scheduler_lite.submission import SubmitError
+from scheduler_lite.testing import stop_all_jobs
 from tests.scheduler.test_daemon_fakes import JOB_ENV, MIB, fake_command, make_config, wait_for
 
 
@@ -26,7 +27,7 @@ def daemons() -> Iterator[list[Daemon]]:
     made: list[Daemon] = []
     yield made
     for d in reversed(made):
-        d.stop_all_jobs(grace_s=1)
+        stop_all_jobs(d, grace_s=1)
 
 
 def new_daemon(made: list[Daemon], state: Path) -> Daemon:

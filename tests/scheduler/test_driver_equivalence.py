@@ -31,6 +31,7 @@ import pytest
 from scheduler_lite.config import parse_config
 from scheduler_lite.daemon import Daemon
 from scheduler_lite.driver import Driver
+from scheduler_lite.jobhost import LocalJobHost
 from scheduler_lite.launcher import ExitInfo, LaunchSpec, ProcessHandle
 from scheduler_lite.model import (
     GIB,
@@ -248,7 +249,8 @@ def run_daemon(tmp_path: Path, ran: dict[str, float], scenario: tuple[Spec, ...]
     clock = [0.0]
     specs: dict[str, Spec] = {}
     world = ScriptedWorld(clock, specs, ran)
-    d = Daemon(config, MemoryStorage(), clock=lambda: clock[0], launcher=world)  # type: ignore[arg-type]
+    host = LocalJobHost(config, launcher=world)  # type: ignore[arg-type]
+    d = Daemon(config, MemoryStorage(), clock=lambda: clock[0], host=host)
     d.driver._setting = "daemon"  # type: ignore[attr-defined]
     d.driver._names = {}  # type: ignore[attr-defined]
     pending = list(scenario)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_lite.testing import run_until, stop_all_jobs
 from tests.conftest import REPO
 from tests.torch.python_with_torch import torch_python
 
@@ -92,7 +93,7 @@ def test_tf_guarantee_and_torch_opportunistic_jobs_share_one_gpu(tmp_path: Path)
         return dd.job(torch_job).state.done or (j is not None and (j.step or 0) >= 200)
 
     try:
-        assert d.run_until(torch_stepping, timeout=300), "the PyTorch job never reported 200 steps"
+        assert run_until(d, torch_stepping, timeout=300), "the PyTorch job never reported 200 steps"
         assert not d.job(torch_job).state.done, (d.job_dir(torch_job) / "stderr.log").read_text()[-3000:]
         before = [r for r in rows if r["job"] == torch_job and r["share"] is not None]
         tf_job[0] = d.submit([sys.executable, str(REPO / "examples" / "colocate_job.py"), "--width", "256",
@@ -104,9 +105,9 @@ def test_tf_guarantee_and_torch_opportunistic_jobs_share_one_gpu(tmp_path: Path)
             sample(dd)
             return dd.job(tf_job[0]).state.done and dd.job(torch_job).state.done
 
-        assert d.run_until(both_done, timeout=900), "the jobs did not finish in 15 minutes"
+        assert run_until(d, both_done, timeout=900), "the jobs did not finish in 15 minutes"
     finally:
-        d.stop_all_jobs()
+        stop_all_jobs(d)
 
     logs = {name: (d.job_dir(j) / "stderr.log").read_text(errors="replace")
             for name, j in (("tf", tf_job[0]), ("torch", torch_job))}

@@ -1,25 +1,26 @@
-"""The node agent: one per node, a Ray actor pinned there; it starts and watches that node's jobs.
+"""The node host: one per node, a Ray actor pinned there; it starts and watches that node's jobs.
 
-It holds no policy. The global scheduler (scheduler_lite.cluster.scheduler) tells it what to start
-and which control.json to write; it answers with what its jobs report (`report`: exits, stats.json).
-Everything that touches a job's process or files goes through the daemon's own code, run here on
-the job's node: `Launcher` (wrapper, pid file, exit status, launch token), `job_environment`,
-`prepare_job_dir` and `read_job_stats` (scheduler_lite.isolation), `write_control`.
+It holds no policy. The cluster's job host (scheduler_lite.cluster.host, in the global scheduler)
+tells it what to start and which control.json to write; it answers with what its jobs report
+(`report`: exits, stats.json). Everything that touches a job's process or files is done by the
+single-machine daemon's own job host, a `LocalJobHost` (scheduler_lite.jobhost) on the job's
+node: its launcher (wrapper, pid file, exit status, launch token), the job environment, the job
+directory, its stats.json and control.json.
 
 A job on several nodes (a gang its tenant lets span nodes) has one *part* per node: a process
 with that node's GPUs, rank `r`, and the launch token `<token>.<r>`, so every part is found again
 by its own token after a restart even when several "nodes" share one machine (tests).
 
-Fencing: an agent that hears nothing from the global scheduler for `fence_s` (half of
+Fencing: a node host that hears nothing from the global scheduler for `fence_s` (half of
 `cluster.node_timeout_s`) stops its jobs: by then the global scheduler, which declares a silent
 node lost after `node_timeout_s`, may requeue them elsewhere, and a job must never run twice.
-Every call of the global scheduler checks the silence before it acts (`_heard`), so an agent
+Every call of the global scheduler checks the silence before it acts (`_heard`), so a node host
 that was frozen (SIGSTOP, a stalled VM) fences its jobs before it answers, whichever of its
 threads runs first. The parts it fenced are remembered with their launch tokens: reported once
 (`report`), and told to a global scheduler that restarts (`info`), so that a job stopped while no
 scheduler ran is requeued, not recorded as ended, and a late report never touches a later launch.
 `sweep` stops processes of this node's jobs that the global scheduler no longer counts as
-running (left behind by an agent that died while its node lived).
+running (left behind by a node host that died while its node lived).
 """
 
 from __future__ import annotations
@@ -35,29 +36,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from scheduler_lite.cluster.booking import RELEASED_FILE, TASK_CLAIM_TIMEOUT_S, is_ray_task, task_env
 from scheduler_lite.cluster.config import FENCE_FRACTION
 from scheduler_lite.cluster.parts import part_token
-from scheduler_lite.cluster.tasks import RELEASED_FILE, TASK_CLAIM_TIMEOUT_S, is_ray_task, task_env
 from scheduler_lite.config import Config
-from scheduler_lite.devices import open_devices
-from scheduler_lite.isolation import (
-    base_environment,
-    job_user,
-    prepare_job_dir,
-    process_uid,
-    read_job_stats,
-    read_log,
-    read_small_int,
-)
+from scheduler_lite.isolation import job_user, prepare_job_dir, process_uid, read_job_stats, read_log, read_small_int
 from scheduler_lite.jobenv import job_environment
+from scheduler_lite.jobhost import LocalJobHost, control_file_seq
 from scheduler_lite.launcher import (
     EXIT_STATUS_FILE,
     PID_FILE,
     STDERR_FILE,
     STDOUT_FILE,
     ExitInfo,
-    Launcher,
-    LaunchSpec,
     ProcessHandle,
     _has_name,
     process_name,
@@ -69,7 +60,7 @@ from scheduler_lite.launcher import (
 )
 from scheduler_lite.model import Gpu
 from scheduler_lite.storage import JobRecord
-from tf_antman.protocol import Control, ProtocolError, Stats, control_path, parse_control, read_text, write_control
+from tf_antman.protocol import Control, ProtocolError, Stats, write_control
 
 log = logging.getLogger("scheduler_lite.cluster")
 
@@ -87,10 +78,10 @@ class PartReport:
 @dataclass(frozen=True, slots=True)
 class NodeReport:
     node: str
-    agent_pid: int
+    host_pid: int
     parts: dict[str, PartReport] = field(default_factory=dict)  # job id -> its part here
     utilisation: dict[int, float] | None = None  # local GPU id -> reading (NVML); None: emulated
-    # Parts this agent killed because the global scheduler fell silent (fencing), as (job id, part
+    # Parts this node host killed because the global scheduler fell silent (fencing), as (job id, part
     # token): lost with their node as far as the scheduler is concerned (requeued or failed,
     # cluster.on_node_loss), not ended with an unknown status. The token tells which launch: a late
     # report must not touch a later launch of the same job.
@@ -106,15 +97,15 @@ class _Part:
     job_dir: Path
     handle: ProcessHandle | None = None
     ended: ExitInfo | None = None
-    # A Ray task's booking (scheduler_lite.cluster.tasks): Ray starts the process, not this agent.
+    # A Ray task's booking (scheduler_lite.cluster.tasks): Ray starts the process, not this node host.
     # `task_env` is what the task must run with; `handle` is set once the task claims the booking
     # (its pid file); `expected_at` bounds the wait for that claim.
     task_env: dict[str, str] | None = None
     expected_at: float = 0.0
 
 
-class NodeAgent:
-    """The agent's logic, usable without Ray (unit tests); `actor_class()` makes the Ray actor."""
+class NodeHost:
+    """The node host's logic, usable without Ray (unit tests); `actor_class()` makes the Ray actor."""
 
     def __init__(self, node: str, config: Config, fence: bool = True) -> None:
         assert config.cluster is not None
@@ -122,8 +113,10 @@ class NodeAgent:
         self.config = config
         self.jobs_dir = config.cluster.node_jobs_dir(config.state_dir, node)
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
-        self.launcher = Launcher()
-        self.devices = open_devices(config.devices)
+        # This node's jobs, as the single-machine daemon runs its own.
+        self.local = LocalJobHost(config, jobs_dir=self.jobs_dir)
+        self.launcher = self.local.launcher
+        self.devices = self.local.devices
         self.parts: dict[str, _Part] = {}
         self.fence_s = config.cluster.node_timeout_s * FENCE_FRACTION
         self._contact = time.monotonic()
@@ -146,7 +139,7 @@ class NodeAgent:
 
     def _heard(self) -> None:
         """A call of the global scheduler (lock held): fence first if it has been silent for
-        `fence_s` (a frozen agent that resumes must not act on jobs the scheduler may have
+        `fence_s` (a frozen node host that resumes must not act on jobs the scheduler may have
         requeued), then its silence starts again."""
         self._fence_if_silent()
         self._contact = time.monotonic()
@@ -160,15 +153,11 @@ class NodeAgent:
             self._heard()
             assert record.launch_token is not None
             self._fenced.pop(record.id, None)  # a new launch: the old one's fencing is settled
-            job_dir = self.jobs_dir / record.id
-            user = job_user(record.uid)
-            prepare_job_dir(job_dir, user)
-            env = job_environment(self.config, record, gpus, limit, share, job_dir, base=base_environment(user))
-            env.update(extra_env)
+            job_dir = self.local.job_dir(record.id)
+            prepare_job_dir(job_dir, job_user(record.uid))
             token = part_token(record.launch_token, rank)
             part = _Part(record.id, rank, token, record.uid, job_dir)
-            handle = self.launcher.start(LaunchSpec(record.id, record.command, Path(record.workdir), env, job_dir,
-                                                    token, user))
+            handle = self.local.launch(record, gpus, limit, share, job_dir, token, extra_env)
             part.handle = handle
             self.parts[record.id] = part
             return handle.pid, handle.start_ticks, str(job_dir)
@@ -181,12 +170,9 @@ class NodeAgent:
             self._heard()
             assert record.launch_token is not None and is_ray_task(record.command)
             self._fenced.pop(record.id, None)
-            job_dir = self.jobs_dir / record.id
-            user = job_user(record.uid)
-            prepare_job_dir(job_dir, user)
-            for stale in (EXIT_STATUS_FILE, PID_FILE, RELEASED_FILE):
-                with contextlib.suppress(FileNotFoundError):
-                    (job_dir / stale).unlink()
+            job_dir = self.local.job_dir(record.id)
+            prepare_job_dir(job_dir, job_user(record.uid))
+            self.local.clear(record.id, (RELEASED_FILE,))
             env = job_environment(self.config, record, gpus, limit, share, job_dir, base={})
             env.update(extra_env)
             self.parts[record.id] = _Part(record.id, rank, part_token(record.launch_token, rank), record.uid,
@@ -283,8 +269,8 @@ class NodeAgent:
         return self.launcher.stop(part.handle, grace_s)
 
     def _kill_unknown(self, job_id: str) -> None:
-        """SIGKILL processes of the job here that this agent does not hold (a sweep kept them
-        for an adoption that did not follow, an agent before this one started them): a stop
+        """SIGKILL processes of the job here that this node host does not hold (a sweep kept them
+        for an adoption that did not follow, a node host before this one started them): a stop
         means nothing of the job runs here afterwards."""
         for pid, name in wrappers_under(self.jobs_dir):
             if name.split(":")[1] == job_id:
@@ -375,10 +361,7 @@ class NodeAgent:
         the booking and the start would take them for this launch's (and end it)."""
         with self._lock:
             self._heard()
-            job_dir = self.jobs_dir / job_id
-            for stale in (PID_FILE, EXIT_STATUS_FILE, RELEASED_FILE):
-                with contextlib.suppress(FileNotFoundError):
-                    (job_dir / stale).unlink()
+            self.local.clear(job_id, (RELEASED_FILE,))
 
     def read_log(self, job_id: str, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
         """Up to `limit` bytes of the part's stdout/stderr from `offset` (`scheduler-lite logs`)."""
@@ -389,11 +372,7 @@ class NodeAgent:
         return ExitInfo(read_exit_status(job_dir)) if (job_dir / EXIT_STATUS_FILE).exists() else None
 
     def control_seq(self, job_id: str) -> int:
-        try:
-            text = read_text(control_path(self.jobs_dir / job_id))
-            return 0 if text is None else parse_control(text).seq
-        except (ProtocolError, OSError):
-            return 0
+        return control_file_seq(self.local.job_dir(job_id))
 
     def sweep(self, keep: list[tuple[str, str]]) -> tuple[list[str], dict[str, str]]:
         """SIGKILL the processes of this node's jobs whose (job id, part token) is not in `keep`:
@@ -459,12 +438,12 @@ def _task_alive(handle: ProcessHandle) -> bool:
 
 
 def actor_class(ray: Any = None) -> type:
-    """NodeAgent as a Ray actor class (`ray`: the module, imported when not given; tests pass a
+    """NodeHost as a Ray actor class (`ray`: the module, imported when not given; tests pass a
     stand-in). No CPU reserved: it mostly waits."""
     if ray is None:
         import ray
 
-    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(NodeAgent)  # type: ignore[no-any-return]
+    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(NodeHost)  # type: ignore[no-any-return]
 
 
-__all__ = ["NodeAgent", "NodeReport", "PartReport", "actor_class"]
+__all__ = ["NodeHost", "NodeReport", "PartReport", "actor_class"]
