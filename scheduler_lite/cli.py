@@ -642,12 +642,6 @@ def _print_status(status: ClusterStatus) -> None:
               "join; the serve log says why)")
 
 
-def _job_dict(job: JobRecord) -> dict[str, Any]:
-    out = plain(job)
-    out["env"] = dict(job.env)
-    return out
-
-
 def _print_json(value: Any) -> None:
     print(json.dumps(plain(value), indent=None, sort_keys=False))
 
