@@ -75,6 +75,8 @@ from _gpu_jobs import (  # bench/_gpu_jobs.py, beside this script
 
 sys.path.insert(0, str(REPO))
 
+from scheduler_lite.testing import run_until, stop_all_jobs  # noqa: E402 - after the path above
+
 
 def make_daemon(state_dir: Path, prof: Profile):  # noqa: ANN201 - scheduler_lite.daemon.Daemon
     from scheduler_lite.config import parse_config
@@ -171,7 +173,7 @@ def colocate_once(rep: int, prof: Profile, capacity: int, tmp: Path, timeline: l
             sample(dd, names, t0, timeline)
             return bool(until(dd)) if callable(until) else False
 
-        return d.run_until(step, timeout=seconds)
+        return run_until(d, step, timeout=seconds)
 
     ops: dict[str, tuple[str, Path]] = {}
     for name, args in OPS.items():
@@ -200,7 +202,7 @@ def colocate_once(rep: int, prof: Profile, capacity: int, tmp: Path, timeline: l
     for job_id in jobs:
         rec = d.job(job_id)
         failed += rec.state.value == "failed" and not rec.cancel_requested
-    d.stop_all_jobs()
+    stop_all_jobs(d)
     rg_solo2, _, state = solo_run(prof, "rg-resnet50 (again)", RG, tmp / f"rg-solo-b{rep}.log")
     failed += state != "finished"
 
@@ -370,21 +372,21 @@ def part2(prof: Profile, capacity: int, tmp: Path, rows: Path) -> dict:
     t0 = time.monotonic()
     a_id = d.submit([*JOB, *a_args, *a_log("tf-antman"), *prof.job_args], tenant="batch", kind="opportunistic",
                     name="A")
-    stepped = d.run_until(lambda dd: bool(read_log(a_log_path)) or dd.job(a_id).state.done, timeout=prof.first_step_s)
+    stepped = run_until(d, lambda dd: bool(read_log(a_log_path)) or dd.job(a_id).state.done, timeout=prof.first_step_s)
     if not read_log(a_log_path):
         rec = d.job(a_id)
-        d.stop_all_jobs()
+        stop_all_jobs(d)
         raise SystemExit("gpu_colocate: tf-antman: A made no step "
                          + (f"within {prof.first_step_s:.0f} s of its submission (stopped)" if not stepped
                             else f"before it ended ({rec.state.value})")
                          + f"; its job directory is under {tmp / 'table2'}")
     a_first = time.monotonic() - t0
-    d.run_until(lambda dd: False, timeout=arrival)  # the daemon keeps ticking while B has not arrived
+    run_until(d, lambda dd: False, timeout=arrival)  # the daemon keeps ticking while B has not arrived
     b_arrival = time.monotonic() - t0
     b_id = d.submit([*JOB, *b_args, *prof.job_args], tenant="research", kind="guarantee", memory_bytes=b_need,
                     name="B")
-    d.run_until(lambda dd: dd.job(a_id).state.done and dd.job(b_id).state.done, timeout=deadline)
-    d.stop_all_jobs()
+    run_until(d, lambda dd: dd.job(a_id).state.done and dd.job(b_id).state.done, timeout=deadline)
+    stop_all_jobs(d)
     ra, rb = d.job(a_id), d.job(b_id)
 
     def outcome(rec: object, since: float) -> tuple[float, str]:
