@@ -1,6 +1,12 @@
 """Real Unix users against a root daemon (issue 14): what user B cannot do to user A's job.
 
 Needs root and useradd (CI runs as root); the users are created here and removed afterwards.
+The test users run the CLI and their jobs with an interpreter they may execute: the venv's own
+when they can, else the system's /usr/bin/python3 (3.11 or newer) with world-readable copies of
+the few packages the CLI and the jobs import (THIRD_PARTY, from the venv) and, when the checkout
+itself is out of their reach (a clone under root's 0700 home), of scheduler_lite and tf_antman.
+scripts/test.sh sets SCHEDULER_LITE_MULTIUSER=required when run as root (CI): then finding no
+such interpreter fails the tests instead of skipping them.
 Every refused attempt must print one line and change nothing: the store (dumped read-only by
 root) and A's job directory are compared before and after. Jobs are plain Python, no TensorFlow.
 """
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import json
 import os
 import pwd
@@ -28,8 +35,14 @@ import pytest
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import REPO, wait_for
 
+REQUIRED = os.environ.get("SCHEDULER_LITE_MULTIUSER") == "required"  # scripts/test.sh as root: CI
+if REQUIRED and (os.geteuid() != 0 or shutil.which("useradd") is None):
+    raise RuntimeError("SCHEDULER_LITE_MULTIUSER=required: the multi-user tests need root and useradd")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                 reason="needs root and useradd (creates Unix users)")
+# Third-party packages `scheduler_lite` (the CLI, the daemon) and `tf_antman.protocol` (the jobs
+# here) import: copied where the test users can read them when the venv is out of their reach.
+THIRD_PARTY = ("absl",)
 
 def site_config(a: str, b: str, adm: str, state_dir: str = "state") -> str:
     """Two GPUs; tenant ta is user a's, tb user b's (one GPU each); adm administers."""
@@ -88,6 +101,7 @@ class Site:
     config: Path
     state: Path
     python: str
+    pythonpath: str  # where the test users' interpreter finds scheduler_lite, tf_antman and THIRD_PARTY
     users: dict[str, User]
     daemon: subprocess.Popen[bytes]
 
@@ -96,7 +110,7 @@ class Site:
         return self.run(who, [self.python, "-m", "scheduler_lite", "--config", str(self.config), *argv])
 
     def run(self, who: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
-        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/"}
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": self.pythonpath, "HOME": "/"}
         if who == "root":
             return subprocess.run(argv, env=env, cwd=self.base, capture_output=True, text=True, timeout=60)
         u = self.users[who]
@@ -109,19 +123,44 @@ class Site:
         return json.loads(done.stdout)["job"]
 
 
-def _usable_python(uid: int, gid: int) -> str | None:
-    """An interpreter user `uid` may run with this checkout importable (the venv's may sit under /root)."""
+def _usable_python(uid: int, gid: int, pythonpath: str) -> str | None:
+    """An interpreter user `uid` may run with scheduler_lite importable from `pythonpath`."""
     for candidate in (sys.executable, "/usr/bin/python3"):
         if not Path(candidate).exists():
             continue
         try:
-            probe = subprocess.run([candidate, "-c", "import scheduler_lite.cli, tomllib"], user=uid, group=gid,
-                                   extra_groups=[], env={"PYTHONPATH": str(REPO)}, cwd="/", capture_output=True,
-                                   timeout=60)
+            probe = subprocess.run([candidate, "-c", "import scheduler_lite.cli, scheduler_lite.server, "
+                                    "tf_antman.protocol, tomllib"], user=uid, group=gid, extra_groups=[],
+                                   env={"PYTHONPATH": pythonpath}, cwd="/", capture_output=True, timeout=60)
         except PermissionError:
             continue
         if probe.returncode == 0:
             return candidate
+    return None
+
+
+def _runtime(base: Path, uid: int, gid: int) -> tuple[str, str] | None:
+    """(interpreter, PYTHONPATH) that user `uid` can run the CLI and the jobs with, copying under
+    `base` (0755) what it cannot read: the venv's THIRD_PARTY packages, then, if needed, the checkout's."""
+    lib = base / "pylib"
+    for name in THIRD_PARTY:
+        package = Path(importlib.import_module(name).__file__ or "").parent
+        shutil.copytree(package, lib / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for pythonpath in (os.pathsep.join([str(REPO), str(lib)]), None):
+        if pythonpath is None:  # the checkout is out of reach: its packages, copied
+            src = base / "src"
+            for name in ("scheduler_lite", "tf_antman"):
+                shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            pythonpath = os.pathsep.join([str(src), str(lib)])
+        for copied in (lib, base / "src"):  # readable (and directories searchable) by everyone
+            for top, dirs, files in os.walk(copied):
+                for entry in dirs + files:
+                    path = Path(top, entry)
+                    if not path.is_symlink():
+                        path.chmod(path.stat().st_mode | 0o444 | (0o111 if path.is_dir() else 0))
+        python = _usable_python(uid, gid, pythonpath)
+        if python is not None:
+            return python, pythonpath
     return None
 
 
@@ -145,9 +184,14 @@ def site() -> Iterator[Site]:
             workdir.mkdir(mode=0o700)
             os.chown(workdir, entry.pw_uid, entry.pw_gid)
             users[key] = User(name, entry.pw_uid, entry.pw_gid, workdir)
-        python = _usable_python(users["a"].uid, users["a"].gid)
-        if python is None:
-            pytest.skip("no Python interpreter that the test users may run")
+        runtime = _runtime(base, users["a"].uid, users["a"].gid)
+        if runtime is None:
+            message = ("no Python interpreter that the test users may run (the venv's, or /usr/bin/python3 >= 3.11 "
+                       "with copies of " + ", ".join(THIRD_PARTY) + ")")
+            if REQUIRED:
+                pytest.fail(f"SCHEDULER_LITE_MULTIUSER=required: {message}")
+            pytest.skip(message)
+        python, pythonpath = runtime
         config = base / "sl.toml"
         config.write_text(site_config(**names))
         os.chmod(config, 0o644)
@@ -156,7 +200,7 @@ def site() -> Iterator[Site]:
                                   env=env, cwd=base, stdout=subprocess.DEVNULL, stderr=open(base / "daemon.log", "wb"))
         state = base / "state"
         assert wait_for(lambda: (state / "scheduler.sock").exists(), timeout=60), (base / "daemon.log").read_text()
-        yield Site(base, config, state, python, users, daemon)
+        yield Site(base, config, state, python, pythonpath, users, daemon)
     finally:
         if daemon is not None:
             subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(base / "sl.toml"), "cancel",
@@ -217,7 +261,7 @@ def test_user_b_cannot_touch_user_a_s_job(site: Site) -> None:
     assert wait_for(lambda: site.job(b_job)["state"] == "running", timeout=30)
     b_dir = site.job(b_job)["job_dir"]
     db = str(site.state / "scheduler.db")
-    a_sub = site.cli("a", "submit", "--tenant", "ta", "--env", f"PYTHONPATH={REPO}", "--",
+    a_sub = site.cli("a", "submit", "--tenant", "ta", "--env", f"PYTHONPATH={site.pythonpath}", "--",
                      site.python, "-c", PROBE, b_dir, db)
     assert a_sub.returncode == 0, a_sub.stderr
     a_job = a_sub.stdout.strip()
@@ -310,7 +354,7 @@ def test_a_daemon_run_by_a_user_serves_only_that_user_and_says_so(site: Site) ->
     os.chown(config, a.uid, a.gid)
     log = home / "daemon.log"
     daemon = subprocess.Popen([site.python, "-m", "scheduler_lite", "--config", str(config), "serve"],
-                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/"}, cwd=home,
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": site.pythonpath, "HOME": "/"}, cwd=home,
                               user=a.uid, group=a.gid, extra_groups=[], stdout=subprocess.DEVNULL,
                               stderr=open(log, "wb"))
     try:
