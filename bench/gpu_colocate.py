@@ -47,8 +47,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,10 +72,35 @@ from _gpu_jobs import (  # bench/_gpu_jobs.py, beside this script
     start,
     wait_first_step,
 )
+from _procs import describe_rc, forget, install_stop_handlers, kill_all, start_child  # bench/_procs.py
 
 sys.path.insert(0, str(REPO))
 
 from scheduler_lite.testing import run_until, stop_all_jobs  # noqa: E402 - after the path above
+
+# Every daemon this run made: its jobs (each in a session of its own) are stopped on any exit.
+_daemons: list = []
+
+
+class BudgetSpent(Exception):  # noqa: N818 - raised by the --budget timer in the main thread
+    pass
+
+
+def _budget_spent(_signum: int, _frame: object) -> None:
+    raise BudgetSpent
+
+
+def stop_everything() -> None:
+    """Stops every job this run started, whatever the exit: each daemon's jobs (SIGTERM to their
+    groups, SIGKILL 2 s later), then every process group it started itself and every process
+    still descended from it (bench/_procs.py)."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    for d in _daemons:
+        try:
+            stop_all_jobs(d, grace_s=2)
+        except Exception as err:  # noqa: BLE001 - the kill below still runs
+            print(f"gpu_colocate: stopping a daemon's jobs: {type(err).__name__}: {err}", file=sys.stderr)
+    kill_all()
 
 
 def make_daemon(state_dir: Path, prof: Profile):  # noqa: ANN201 - scheduler_lite.daemon.Daemon
@@ -96,7 +121,9 @@ def make_daemon(state_dir: Path, prof: Profile):  # noqa: ANN201 - scheduler_lit
         # GPU defaults of docs/policies.md except a shorter round, so a short bench sees rounds.
         "coordinator": {"round_interval_s": prof.round_s},
     }, base_dir=state_dir)
-    return Daemon(cfg, SqliteStorage(cfg.db_path))
+    d = Daemon(cfg, SqliteStorage(cfg.db_path))
+    _daemons.append(d)
+    return d
 
 
 def sample(d, names: dict[str, str], t0: float, rows: list[dict]) -> None:  # noqa: ANN001
@@ -407,7 +434,32 @@ def part2(prof: Profile, capacity: int, tmp: Path, rows: Path) -> dict:
             "failed_jobs": int(res["tf-antman"]["A_state"] != "finished") + int(res["tf-antman"]["B_state"] != "finished")}
 
 
-def main() -> None:
+def check_native() -> None:
+    for lib in ("libantman_torch.so", "libantman_core.so"):
+        if not (REPO / "tf_antman" / "_native" / lib).exists():
+            raise SystemExit(f"gpu_colocate: tf_antman/_native/{lib} is missing: build it with "
+                             "`python setup.py build_native` (or bench/gpu/prepare.sh) and carry tf_antman/_native")
+
+
+def build_op_hook(prof: Profile) -> None:
+    """Builds the op hook once, before any timing (later jobs load it from PyTorch's cache), with
+    the ninja of this Python's environment (an activated venv's PATH)."""
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    run_captured_ok([sys.executable, "-c",
+                     f"from tf_antman.torch.compute import build_hook; build_hook({not prof.dry_run})"])
+
+
+def run_captured_ok(cmd: list[str]) -> None:
+    proc = start_child(cmd, env=env_for(None))
+    try:
+        rc = proc.wait()
+    finally:
+        forget(proc)
+    if rc != 0:
+        raise SystemExit(f"gpu_colocate: {' '.join(cmd[:2])} ... failed ({describe_rc(rc)})")
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("1", "2"), required=True, help="1: co-location, 2: Table 2")
     p.add_argument("--quick", action="store_true", help="shorter windows and jobs (each part < 8 min)")
@@ -417,45 +469,59 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="directory for rows.jsonl, each row as soon as it is done (default: the run's "
                         "temporary directory; on a lent GPU: $OUT, which comes back after a timeout too)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="hard wall budget in seconds: at its end every job is stopped and the line "
+                        "printed with \"cut_at_budget\": true and the rows done (exit 1)")
     a = p.parse_args()
     if not 0 <= a.repeats <= 20:
         p.error(f"--repeats: {a.repeats} is outside the accepted range [0, 20] (0: the default)")
-    prof = make_profile(a.device, a.quick)
-    capacity, device_name = gpu_or_exit(a.device)
-    for lib in ("libantman_torch.so", "libantman_core.so"):
-        if not (REPO / "tf_antman" / "_native" / lib).exists():
-            raise SystemExit(f"gpu_colocate: tf_antman/_native/{lib} is missing: build it with "
-                             "`python setup.py build_native` (or bench/gpu/build_torch.sh) and carry tf_antman/_native")
-    tmp = Path(tempfile.mkdtemp(prefix="tf-antman-gpu-colocate-"))
-    print(f"gpu_colocate: {device_name}{' (CPU dry run: nothing here is a GPU figure)' if prof.dry_run else ''}; "
-          f"logs and job directories in {tmp}", flush=True)
-    out_dir = a.out or tmp
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = out_dir / "rows.jsonl"
-    rows.write_text("")  # this run's rows only
-    print(f"gpu_colocate: finished rows go to {rows}", file=sys.stderr, flush=True)
-    autoload_like_the_wheel(tmp)
-    # The op hook is built with the ninja of this Python's environment (an activated venv's PATH).
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    # Build the op hook once, before any timing (later jobs load it from PyTorch's cache).
-    subprocess.run([sys.executable, "-c",
-                    f"from tf_antman.torch.compute import build_hook; build_hook({not prof.dry_run})"],
-                   env=env_for(None), check=True)
-    where = "an emulated GPU (CPU dry run)" if prof.dry_run else "one GPU (scheduler_lite, nvml)"
-    if a.part == "1":
-        print(f"1. guarantee ResNet-50 + two opportunistic jobs on {where}", flush=True)
-        out = part1(prof, capacity, a.repeats or (2 if a.device == "cuda" and not a.quick else 1), tmp, rows)
-    else:
-        print(f"2. Table 2 on {where}: A (opportunistic) running, B (guarantee) arrives", flush=True)
-        out = part2(prof, capacity, tmp, rows)
-        for k, v in out["table2"].items():
-            print(f"   {k:<10} JCT A {v['A']:>8} s  {v['A_state']:<14} JCT B {v['B']:>8} s  {v['B_state']}")
-    head = {"bench": "gpu_colocate", "version": 1, "part": int(a.part), "device": device_name,
-            "dry_run": prof.dry_run, "quick": a.quick}
+    if a.budget is not None and not 0 < a.budget <= 86400:
+        p.error(f"--budget: {a.budget} is outside the accepted range (0, 86400]")
+    # SIGTERM / SIGINT raise in the main thread: the finally below stops every job, then exit 128 + signal.
+    install_stop_handlers(raise_in_main=True)
+    if a.budget is not None:
+        signal.signal(signal.SIGALRM, _budget_spent)
+        signal.setitimer(signal.ITIMER_REAL, a.budget)
+    head: dict = {"bench": "gpu_colocate", "version": 1, "part": int(a.part), "dry_run": a.device == "cpu",
+                  "quick": a.quick}
+    rows: Path | None = None
+    try:
+        prof = make_profile(a.device, a.quick)
+        capacity, device_name = gpu_or_exit(a.device)
+        head["device"] = device_name
+        check_native()
+        tmp = Path(tempfile.mkdtemp(prefix="tf-antman-gpu-colocate-"))
+        print(f"gpu_colocate: {device_name}{' (CPU dry run: nothing here is a GPU figure)' if prof.dry_run else ''}; "
+              f"logs and job directories in {tmp}", flush=True)
+        out_dir = a.out or tmp
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = out_dir / "rows.jsonl"
+        rows.write_text("")  # this run's rows only
+        print(f"gpu_colocate: finished rows go to {rows}", file=sys.stderr, flush=True)
+        autoload_like_the_wheel(tmp)
+        build_op_hook(prof)
+        where = "an emulated GPU (CPU dry run)" if prof.dry_run else "one GPU (scheduler_lite, nvml)"
+        if a.part == "1":
+            print(f"1. guarantee ResNet-50 + two opportunistic jobs on {where}", flush=True)
+            out = part1(prof, capacity, a.repeats or (2 if a.device == "cuda" and not a.quick else 1), tmp, rows)
+        else:
+            print(f"2. Table 2 on {where}: A (opportunistic) running, B (guarantee) arrives", flush=True)
+            out = part2(prof, capacity, tmp, rows)
+            for k, v in out["table2"].items():
+                print(f"   {k:<10} JCT A {v['A']:>8} s  {v['A_state']:<14} JCT B {v['B']:>8} s  {v['B_state']}")
+    except BudgetSpent:
+        stop_everything()
+        done = [json.loads(x) for x in rows.read_text().splitlines()] if rows is not None and rows.exists() else []
+        print(json.dumps({**head, "cut_at_budget": True, "budget_s": a.budget, "rows_done": done,
+                          "failed_jobs": None}), flush=True)
+        return 1
+    finally:
+        stop_everything()
     if prof.dry_run:
         head["note"] = "CPU dry run of the pipeline on tiny models: no figure here is a GPU measurement"
     print(json.dumps({**head, **out}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
