@@ -486,7 +486,8 @@ def main() -> int:
                   "quick": a.quick}
     rows: Path | None = None
     try:
-        prof = make_profile(a.device, a.quick)
+        prof = make_profile(a.device, a.quick, a.budget)
+        head["windows_s"] = list(prof.windows)
         capacity, device_name = gpu_or_exit(a.device)
         head["device"] = device_name
         check_native()

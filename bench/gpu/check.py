@@ -53,6 +53,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -566,14 +567,18 @@ def step_colocate(c: Check, timeout: float) -> dict[str, Any]:
     out.mkdir(exist_ok=True)
     own_budget = max(1.0, timeout - 15.0 * c.scale)  # it stops its jobs and writes its line first
     cmd = [*c.program("gpu_colocate"), "--part", "1", "--quick", "--out", str(out), "--budget", f"{own_budget:.1f}"]
+    t0 = time.time()
     rc, stdout, err = run_captured(cmd, timeout, env=torch_env(c, None))
+    plot = REPO / "docs" / "gpu_colocate_timeline.png"  # part 1 draws it there: it comes back in DIR
+    if plot.exists() and plot.stat().st_mtime >= t0:
+        shutil.copy(plot, out / plot.name)
     rows_file = out / "rows.jsonl"
     rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()] if rows_file.exists() else []
     result = last_json(stdout)
     figures: dict[str, Any] = {"rows": rows, "budget_s": round(own_budget, 1)}
     if result is not None:
         figures.update({k: result.get(k) for k in ("rg_slowdown", "op_progress_ratio", "failed_jobs",
-                                                      "ops_not_placed", "cut_at_budget")})
+                                                      "ops_not_placed", "cut_at_budget", "windows_s")})
     if rc != 0:
         how = f"no answer within {timeout:.0f} s (killed)" if rc is None else describe_rc(rc)
         figures["error"] = (f"gpu_colocate: {how}; {len(rows)} rows kept"
