@@ -287,6 +287,20 @@ class Daemon:
     def changed(self) -> None:
         self._dirty = True
 
+    def record_lost(self, job_id: str, now: float, reason: str, requeue: bool) -> None:
+        """In the store: the job back in its queue (no placement, no token: it never ran) or failed."""
+        with self.storage.transaction():
+            if requeue:
+                self.storage.update_job(job_id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
+                                        started_at=None, launch_token=None, pid=None, pid_start=None,
+                                        control_seq=0)
+                self.storage.add_event(now, "requeued", job_id, reason=reason)
+            else:
+                self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
+                self.storage.add_event(now, "exited", job_id, state=str(JobStatus.FAILED), exit_code=None,
+                                       reason=reason)
+            self.storage.clear_placements(job_id)
+
     def adopt(self, record: JobRecord, now: float, launched_pid: int | None) -> None:
         self._recovery.readopt(record, now, launched_pid)
 

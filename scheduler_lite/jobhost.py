@@ -62,12 +62,14 @@ class HostedJobs(Protocol):
 
     def live_jobs(self) -> Mapping[str, LiveJob]: ...
     def booked_launches(self) -> Sequence[Launch]: ...
-    # A running or booked job gone with its machine: out of the book (GPUs, quota released); the
-    # host records what became of it. Its LiveJob if it ran.
+    # A running or booked job gone with its machine: out of the book (GPUs, quota released); its
+    # end is recorded by `record_lost` once nothing of it runs. Its LiveJob if it ran.
     def lose(self, job_id: str, now: float) -> LiveJob | None: ...
     # The host's GPUs are now `gpus`; `size_known`: queued jobs that can never run fail now.
     def gpus_changed(self, gpus: Sequence[Gpu], now: float, size_known: bool) -> None: ...
     def adopt(self, record: JobRecord, now: float, launched_pid: int | None) -> None: ...  # machines late
+    # A job lost with its machine, nothing of it running any more: requeued (as never run) or failed.
+    def record_lost(self, job_id: str, now: float, reason: str, requeue: bool) -> None: ...
     def changed(self) -> None: ...  # schedule this tick (a job released)
 
 

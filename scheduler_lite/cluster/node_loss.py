@@ -16,8 +16,8 @@ node lost before a crash of the global scheduler, or with a part on a node not h
 
 `NodeLoss` is a component of the cluster's job host (scheduler_lite.cluster.host): it keeps
 the jobs that wait for nodes, asks the host to rebuild the GPUs when nodes come and go, and
-hands the jobs it loses back to the daemon (`HostedJobs.lose`); what became of them (requeued,
-failed) it records in the store itself.
+hands the jobs it loses back to the daemon: out of its book at once (`HostedJobs.lose`), and,
+once nothing of them can run anywhere, recorded as requeued or failed (`HostedJobs.record_lost`).
 """
 
 from __future__ import annotations
@@ -326,19 +326,8 @@ class NodeLoss:
             self.host.jobs.changed()
 
     def _record_loss(self, job_id: str, node: str, now: float, reason: str | None = None) -> None:
-        """In the store: the job back in its queue (no placement, no token: it never ran) or failed."""
-        reason = reason or f"node {node} lost"
-        with self.storage.transaction():
-            if self.cc.on_node_loss == "requeue":
-                self.storage.update_job(job_id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
-                                        started_at=None, launch_token=None, pid=None, pid_start=None,
-                                        control_seq=0)
-                self.storage.add_event(now, "requeued", job_id, reason=reason)
-            else:
-                self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
-                self.storage.add_event(now, "exited", job_id, state=str(JobStatus.FAILED), exit_code=None,
-                                       reason=reason)
-            self.storage.clear_placements(job_id)
+        """The daemon records it: back in its queue, or failed (cluster.on_node_loss)."""
+        self.host.jobs.record_lost(job_id, now, reason or f"node {node} lost", self.cc.on_node_loss == "requeue")
 
 
 def _is_part(live: LiveJob, node: str, token: str) -> bool:
