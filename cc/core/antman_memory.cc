@@ -107,6 +107,15 @@ void* antman_mem_alloc(antman_mem* mem, size_t alignment, size_t bytes) {
   return mem->allocator->Allocate(alignment, bytes);
 }
 
+void* antman_mem_alloc_device_only(antman_mem* mem, size_t alignment, size_t bytes) {
+  if (mem == nullptr) return nullptr;
+  return mem->allocator->AllocateDeviceOnly(alignment, bytes);
+}
+
+void antman_mem_reset_peaks(antman_mem* mem) {
+  if (mem != nullptr) mem->allocator->ResetPeaks();
+}
+
 void antman_mem_free(antman_mem* mem, void* ptr) {
   if (mem == nullptr || ptr == nullptr) return;
   if (!mem->allocator->Free(ptr)) {

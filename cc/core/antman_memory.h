@@ -82,6 +82,23 @@ typedef struct {
   uint64_t host_idle_release_regions;  /* host regions unpinned after idling (lifetime) */
   uint64_t host_idle_release_bytes;
   uint64_t host_idle_release_ns;   /* the idle time in force */
+  /* Appended for the front-ends' statistics contracts (TF's AllocatorStats,
+   * torch.cuda.memory_stats) and the safe-point releases. */
+  uint64_t largest_alloc;          /* largest block served (device or host, size as held,
+                                      >= the request) since create or the last reset_peaks */
+  uint64_t peak_total_in_use;      /* peak of device + host bytes in live blocks since create
+                                      or the last reset_peaks; >= total_in_use in the same read */
+  uint64_t total_in_use;           /* device + host bytes in live blocks */
+  uint64_t driver_refusals;        /* region requests the driver refused (lifetime) */
+  uint64_t driver_cap;             /* device growth capped here after a refusal (held + the
+                                      driver's free memory then), for a backoff; 0 = none */
+  uint64_t deferred_release_bytes; /* free regions queued for the next safe point: still held
+                                      from the driver, not in reserved / host_reserved */
+  uint64_t deferred_release_regions;
+  uint64_t deferred_released_bytes;  /* lifetime: queued bytes given back at safe points */
+  uint64_t release_syncs;          /* device synchronisations before giving regions back */
+  uint64_t last_release_sync_ns;   /* duration of the last device one */
+  uint64_t device_only_failures;   /* antman_mem_alloc_device_only calls that got NULL */
 } antman_mem_ext_stats;
 
 typedef struct antman_mem antman_mem;
@@ -101,6 +118,11 @@ void antman_mem_destroy(antman_mem* mem);
  * a power of two <= 4096. bytes == 0 returns NULL. */
 void* antman_mem_alloc(antman_mem* mem, size_t alignment, size_t bytes);
 void antman_mem_free(antman_mem* mem, void* ptr);
+/* Device memory or NULL, never the host arena: for requests that must fail
+ * fast rather than land in host memory (TF's retry_on_failure=false, cuDNN /
+ * cuFFT scratch, autotuning). Same limit and rules as antman_mem_alloc's
+ * device part; free it with antman_mem_free. */
+void* antman_mem_alloc_device_only(antman_mem* mem, size_t alignment, size_t bytes);
 
 /* 1 if ptr was served by the host arena, 0 if by device memory, -1 unknown. */
 int antman_mem_is_host(antman_mem* mem, const void* ptr);
@@ -115,8 +137,17 @@ uint64_t antman_mem_set_limit(antman_mem* mem, uint64_t limit, uint64_t* unfreed
 void antman_mem_request_limit(antman_mem* mem, uint64_t limit);
 /* Releases every free cached region now; returns bytes freed. */
 uint64_t antman_mem_release_cached(antman_mem* mem);
-/* End of a mini-batch: applies a pending limit, then resets per-step stats. */
+/* End of a mini-batch, the allocator's safe point: applies a pending limit,
+ * gives back to the driver the regions frees queued and host regions idle for
+ * host_idle_release_ms (after one device synchronisation, timed in
+ * last_release_sync_ns), then resets per-step stats. No other call frees
+ * driver memory except set_limit, release_cached (both prompt) and an
+ * allocation that must release its own cache to fit (fit_release_*). */
 void antman_mem_step_boundary(antman_mem* mem);
+/* Peaks (peak_in_use, host_peak, peak_total_in_use) restart from the current
+ * values and largest_alloc from 0 (torch.cuda.reset_peak_memory_stats, TF's
+ * ClearStats). Step statistics are not touched. */
+void antman_mem_reset_peaks(antman_mem* mem);
 
 void antman_mem_get_stats(antman_mem* mem, antman_mem_stats* out);
 /* Fills min(size, sizeof(antman_mem_ext_stats)) bytes of *out; returns that count. */

@@ -39,6 +39,7 @@ struct Driver {
   CUresult (*cuMemHostAlloc)(void**, size_t, unsigned int);
   CUresult (*cuMemFreeHost)(void*);
   CUresult (*cuGetErrorString)(CUresult, const char**);  // optional
+  CUresult (*cuCtxSynchronize)();                         // optional (a fake may lack it)
 };
 
 void ResolveDriver(void* lib, Driver* driver, std::string* missing) {
@@ -49,6 +50,8 @@ void ResolveDriver(void* lib, Driver* driver, std::string* missing) {
   ResolveDriverSymbol(lib, "cuMemGetInfo_v2", &driver->cuMemGetInfo, missing);
   ResolveDriverSymbol(lib, "cuMemHostAlloc", &driver->cuMemHostAlloc, missing);
   ResolveDriverSymbol(lib, "cuMemFreeHost", &driver->cuMemFreeHost, missing);
+  std::string absent;
+  ResolveDriverSymbol(lib, "cuCtxSynchronize", &driver->cuCtxSynchronize, &absent);
 }
 
 // Loaded once per library path and process (cuda_driver_loader.h).
@@ -79,6 +82,17 @@ class CudaDevice {
     return rc;
   }
   const Driver& driver() const { return *d_; }
+  // Waits until the device has run every kernel queued in the primary context, so that a
+  // region about to go back is not used by one still in flight (cuMemFree and cuMemFreeHost
+  // only "may" synchronise, cuda.h). One call covers a batch of regions.
+  void Synchronize() const {
+    if (d_->cuCtxSynchronize == nullptr) return;
+    const CUresult rc = InContext([&] { return d_->cuCtxSynchronize(); });
+    if (rc != kCudaSuccess) {
+      std::fprintf(stderr, "antman cuda backend: cuCtxSynchronize failed: %s\n",
+                   ErrorText(*d_, rc).c_str());
+    }
+  }
 
  private:
   const Driver* d_;
@@ -93,6 +107,11 @@ class CudaDeviceSource : public RegionSource {
     CUdeviceptr p = 0;
     const CUresult rc = dev_->InContext([&] { return dev_->driver().cuMemAlloc(&p, bytes); });
     return rc == kCudaSuccess ? reinterpret_cast<void*>(p) : nullptr;
+  }
+  void Quiesce() override { dev_->Synchronize(); }
+  bool MemInfo(size_t* free_bytes, size_t* total_bytes) override {
+    return dev_->InContext([&] { return dev_->driver().cuMemGetInfo(free_bytes, total_bytes); }) ==
+           kCudaSuccess;
   }
   void FreeRegion(void* ptr, size_t) override {
     const CUresult rc = dev_->InContext(
@@ -118,6 +137,8 @@ class CudaHostSource : public RegionSource {
     });
     return rc == kCudaSuccess ? p : nullptr;
   }
+  // Host regions are mapped into kernels' address space: unpinned only when none can use them.
+  void Quiesce() override { dev_->Synchronize(); }
   void FreeRegion(void* ptr, size_t) override {
     const CUresult rc = dev_->InContext([&] { return dev_->driver().cuMemFreeHost(ptr); });
     if (rc != kCudaSuccess) {

@@ -14,6 +14,12 @@ constexpr size_t kMaxSlackFraction = 16;
 
 constexpr uint64_t RoundDown(uint64_t n, uint64_t to) { return n / to * to; }
 
+// After the source refused a region, growth is capped at what the source said was free for this
+// long, doubling on each further refusal up to the maximum (docs/memory-core.md, "When the
+// device is short").
+constexpr uint64_t kInitialCapBackoffNs = 100'000'000;   // 100 ms
+constexpr uint64_t kMaxCapBackoffNs = 10'000'000'000;    // 10 s
+
 uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -41,6 +47,7 @@ Bfc::Bfc(RegionSource* source, BfcOptions options)
 
 Bfc::~Bfc() {
   for (auto& r : regions_) source_->FreeRegion(r->base, r->bytes);
+  for (auto& v : deferred_) source_->FreeRegion(v.base, v.bytes);
 }
 
 int Bfc::BinFor(size_t size) {
@@ -128,7 +135,7 @@ void Bfc::NoteInUseChanged() {
   step_min_ = std::min(step_min_, in_use_);
 }
 
-void* Bfc::Carve(ChunkHandle h, size_t rounded, size_t alignment) {
+void* Bfc::Carve(ChunkHandle h, size_t rounded, size_t alignment, size_t* chunk) {
   RemoveFree(h);
   const uintptr_t start = reinterpret_cast<uintptr_t>(chunks_[h].ptr);
   const uintptr_t aligned = RoundUp(start, alignment);
@@ -150,6 +157,8 @@ void* Bfc::Carve(ChunkHandle h, size_t rounded, size_t alignment) {
   if (c.region->live++ == 0) pinned_ += c.region->bytes;
   c.in_use = true;
   in_use_ += c.size;
+  largest_alloc_ = std::max<uint64_t>(largest_alloc_, c.size);
+  if (chunk != nullptr) *chunk = c.size;
   ++allocs_;
   bytes_served_ += c.size;
   NoteInUseChanged();
@@ -196,13 +205,31 @@ void Bfc::AddRegion(char* base, size_t bytes) {
   InsertFree(h);
 }
 
-uint64_t Bfc::Room() const {
-  // Regions being fetched and regions being returned both still count: the source may hold them.
-  const uint64_t held = reserved_ + growing_ + releasing_;
-  return limit_ > held ? RoundDown(limit_ - held, kMinChunkBytes) : 0;
+uint64_t Bfc::GrowthLimit() const {
+  if (driver_cap_ == 0 || clock_() >= cap_until_ns_) return limit_;
+  return std::min(limit_, driver_cap_);
 }
 
-void* Bfc::Allocate(size_t alignment, size_t bytes) {
+uint64_t Bfc::Room() const {
+  // Regions being fetched, being returned or queued for return all still count: the source
+  // holds them.
+  const uint64_t held = reserved_ + growing_ + releasing_ + deferred_bytes_;
+  const uint64_t limit = GrowthLimit();
+  return limit > held ? RoundDown(limit - held, kMinChunkBytes) : 0;
+}
+
+void Bfc::NoteRefusal(bool free_known, uint64_t free_bytes) {
+  // Held now plus free now is what this process could hold at most while the others keep
+  // theirs; it does not change when we free or take memory, only when they do. Without an
+  // answer from the source, what is held now.
+  const uint64_t held = reserved_ + growing_ + releasing_ + deferred_bytes_;
+  driver_cap_ = std::max<uint64_t>(held + (free_known ? free_bytes : 0), 1);
+  cap_backoff_ns_ = cap_backoff_ns_ == 0 ? kInitialCapBackoffNs
+                                         : std::min(cap_backoff_ns_ * 2, kMaxCapBackoffNs);
+  cap_until_ns_ = clock_() + cap_backoff_ns_;
+}
+
+void* Bfc::Allocate(size_t alignment, size_t bytes, size_t* chunk) {
   if (bytes == 0) return nullptr;
   if (alignment == 0) alignment = kMinChunkBytes;
   if ((alignment & (alignment - 1)) != 0 || alignment > kMaxAlignment) return nullptr;
@@ -229,11 +256,13 @@ void* Bfc::Allocate(size_t alignment, size_t bytes) {
     const ChunkHandle h = FindFree(need);
     if (h != kNoChunk) {
       fit_retry_allocs_ += released;
-      return Carve(h, rounded, alignment);
+      return Carve(h, rounded, alignment, chunk);
     }
     const uint64_t room = Room();
     // Room once the regions on their way back have arrived.
-    const uint64_t room_after = limit_ > reserved_ + growing_ ? limit_ - reserved_ - growing_ : 0;
+    const uint64_t growth_limit = GrowthLimit();
+    const uint64_t kept = reserved_ + growing_ + deferred_bytes_;
+    const uint64_t room_after = growth_limit > kept ? growth_limit - kept : 0;
     if (need > room && releasing_ > 0 && need <= room_after) {
       // Regions are on their way back to the source (another thread's shrink): their room is
       // ours in a moment. Waiting beats placing a tensor in host memory for its whole life.
@@ -251,10 +280,17 @@ void* Bfc::Allocate(size_t alignment, size_t bytes) {
       }
       break;
     }
-    const Growth g = Grow(need, room, &lock);
+    bool free_known = false;
+    uint64_t free_bytes = 0;
+    const Growth g = Grow(need, room, &lock, &free_known, &free_bytes);
     if (g == Growth::kSourceEmpty) {
-      // The device itself is short (other processes, fragmentation of the driver's heap): our
-      // own cached regions may be what is missing, as in TensorFlow's BFC.
+      // The device itself is short (other processes, fragmentation of the driver's heap). Growth
+      // is capped by what the driver says is free, for a backoff period, so that the misses
+      // that follow fail fast (host fallback) instead of asking the driver again and flushing
+      // the cache each time (the "flush storm" of issue 29).
+      NoteRefusal(free_known, free_bytes);
+      // Our own cached regions may be what is missing, as in TensorFlow's BFC: given back once
+      // (at most once per backoff period, as the cap keeps later misses from the driver).
       if (!released && ReleaseAllForSource(&lock)) {
         released = true;
         continue;
@@ -268,7 +304,8 @@ void* Bfc::Allocate(size_t alignment, size_t bytes) {
   return nullptr;
 }
 
-Bfc::Growth Bfc::Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* lock) {
+Bfc::Growth Bfc::Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* lock,
+                      bool* free_known, uint64_t* free_bytes) {
   const size_t planned =
       static_cast<size_t>(std::min<uint64_t>(std::max(next_region_, need), room));
   // Counted against the limit while unlocked, so concurrent growers cannot overshoot it.
@@ -278,10 +315,19 @@ Bfc::Growth Bfc::Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* 
   lock->unlock();
 
   size_t size = planned;
+  uint64_t refusals = 0;
   void* base = source_->AllocRegion(size);
+  refusals += base == nullptr;
   while (base == nullptr && size > need) {
     size = std::max(need, RoundUp(size / 2, kMinChunkBytes));
     base = source_->AllocRegion(size);
+    refusals += base == nullptr;
+  }
+  if (base == nullptr && free_known != nullptr) {
+    size_t free_now = 0;
+    size_t total = 0;
+    *free_known = source_->MemInfo(&free_now, &total);
+    *free_bytes = *free_known ? free_now : 0;
   }
   if (base != nullptr && reinterpret_cast<uintptr_t>(base) % kMinChunkBytes != 0) {
     std::fprintf(stderr, "antman bfc: region source returned a misaligned region %p\n", base);
@@ -291,6 +337,7 @@ Bfc::Growth Bfc::Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* 
 
   lock->lock();
   growing_ -= planned;
+  driver_refusals_ += refusals;
   if (base == nullptr) {
     EndGrowth(epoch);
     return Growth::kSourceEmpty;
@@ -310,6 +357,11 @@ Bfc::Growth Bfc::Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* 
     return Growth::kReturned;
   }
   if (size >= next_region_) next_region_ = std::min(next_region_ * 2, max_region_);
+  // A growth the driver served with no cap in force: the next refusal starts a fresh backoff.
+  if (driver_cap_ == 0 || clock_() >= cap_until_ns_) {
+    driver_cap_ = 0;
+    cap_backoff_ns_ = 0;
+  }
   AddRegion(static_cast<char*>(base), size);
   EndGrowth(epoch);
   return Growth::kAdded;
@@ -324,9 +376,10 @@ void Bfc::EndGrowth(uint64_t epoch) {
 }
 
 bool Bfc::ReleaseForRoom(size_t need, std::unique_lock<std::mutex>* lock) {
-  const uint64_t others = growing_ + releasing_;
-  if (limit_ < others + need) return false;
-  const uint64_t target = limit_ - others - need;  // reserved must come down to this
+  const uint64_t limit = GrowthLimit();
+  const uint64_t others = growing_ + releasing_ + deferred_bytes_;
+  if (limit < others + need) return false;
+  const uint64_t target = limit - others - need;  // reserved must come down to this
   uint64_t free_bytes = 0;
   for (const auto& r : regions_) free_bytes += r->live == 0 ? r->bytes : 0;
   if (free_bytes == 0 || reserved_ - free_bytes > target) return false;
@@ -346,12 +399,13 @@ bool Bfc::ReleaseAllForSource(std::unique_lock<std::mutex>* lock) {
   return true;
 }
 
-bool Bfc::Free(void* ptr) {
+bool Bfc::Free(void* ptr, size_t* chunk) {
   if (ptr == nullptr) return false;
   std::unique_lock<std::mutex> lock(mu_);
   ChunkHandle h = ChunkAt(ptr);
   if (h == kNoChunk || !chunks_[h].in_use) return false;
   Chunk& c = chunks_[h];
+  if (chunk != nullptr) *chunk = c.size;
   Region* region = c.region;
   c.in_use = false;
   in_use_ -= c.size;
@@ -372,17 +426,37 @@ bool Bfc::Free(void* ptr) {
     pinned_ -= region->bytes;
     region->free_since_ns = clock_();
     // Above the limit only because this region held live data (a shrink had to keep it): now
-    // that it is free it goes back at once, so reserved <= max(limit, pinned) still holds.
+    // that it is free it is no longer served, so reserved <= max(limit, pinned) still holds,
+    // but it goes back to the source only at the next safe point (the step boundary, a
+    // SetLimit, a cache release): a driver free here, inside the framework's free callback in
+    // the middle of backward, synchronises the device (issues 29, 30).
     if (reserved_ > limit_) {
-      std::vector<Victim> victims;
-      victims.push_back(Unlink(region));
+      deferred_.push_back(Unlink(region));
+      deferred_bytes_ += deferred_.back().bytes;
       regions_.erase(std::remove(regions_.begin(), regions_.end(), nullptr), regions_.end());
-      const ShrinkResult r = ReleaseUnlocked(std::move(victims), &lock);
-      shrink_regions_freed_ += r.regions_freed;
-      shrink_bytes_freed_ += r.bytes_freed;
     }
   }
   return true;
+}
+
+ShrinkResult Bfc::ReleaseDeferredLocked(std::unique_lock<std::mutex>* lock) {
+  if (deferred_.empty()) return {};
+  std::vector<Victim> victims = std::move(deferred_);
+  deferred_.clear();
+  uint64_t bytes = 0;
+  for (const Victim& v : victims) bytes += v.bytes;
+  deferred_bytes_ -= bytes;  // ReleaseUnlocked counts them as releasing until the source has them
+  const ShrinkResult r = ReleaseUnlocked(std::move(victims), lock);
+  deferred_released_regions_ += r.regions_freed;
+  deferred_released_bytes_ += r.bytes_freed;
+  shrink_regions_freed_ += r.regions_freed;
+  shrink_bytes_freed_ += r.bytes_freed;
+  return r;
+}
+
+ShrinkResult Bfc::ReleaseDeferred() {
+  std::unique_lock<std::mutex> lock(mu_);
+  return ReleaseDeferredLocked(&lock);
 }
 
 bool Bfc::Contains(const void* ptr) const {
@@ -439,9 +513,16 @@ ShrinkResult Bfc::ReleaseUnlocked(std::vector<Victim> victims, std::unique_lock<
   // Until the source has them back they still count against the limit (Room()).
   releasing_ += result.bytes_freed;
   lock->unlock();
+  // Every region here once held blocks that kernels may still be using (a block is freed when
+  // its last kernel is enqueued, not when it ran): wait for them before the memory goes back.
+  const uint64_t sync_start = NowNs();
+  source_->Quiesce();
+  const uint64_t sync_ns = NowNs() - sync_start;
   for (Victim& v : victims) source_->FreeRegion(v.base, v.bytes);
   victims.clear();  // handle arrays can be large: drop them unlocked too
   lock->lock();
+  ++release_syncs_;
+  last_release_sync_ns_ = sync_ns;
   releasing_ -= result.bytes_freed;
   ++release_completions_;
   release_done_.notify_all();
@@ -473,16 +554,26 @@ ShrinkResult Bfc::SetLimit(uint64_t limit) {
     ++limit_epoch_;
   }
   // Taken in the same critical section as the new limit, so nobody sees reserved above it
-  // while free regions could still be released.
+  // while free regions could still be released. A SetLimit is a safe point (the coordinator's
+  // or the step boundary's thread, not a free callback): queued regions go back too.
   if (reserved_ > limit) result = Shrink(limit, &lock);
+  if (!deferred_.empty()) {
+    const ShrinkResult d = ReleaseDeferredLocked(&lock);
+    result.bytes_freed += d.bytes_freed;
+    result.regions_freed += d.regions_freed;
+  }
   if (lowered) growth_done_.wait(lock, [this] { return growers_old_ == 0; });
   return result;
 }
 
 ShrinkResult Bfc::ReleaseCached() {
   std::unique_lock<std::mutex> lock(mu_);
-  if (reserved_ == 0) return {};
-  return Shrink(0, &lock);
+  ShrinkResult result;
+  if (reserved_ != 0) result = Shrink(0, &lock);
+  const ShrinkResult d = ReleaseDeferredLocked(&lock);
+  result.bytes_freed += d.bytes_freed;
+  result.regions_freed += d.regions_freed;
+  return result;
 }
 
 ShrinkResult Bfc::ReleaseIdle(uint64_t idle_ns) {
@@ -504,6 +595,12 @@ void Bfc::ResetStepStats() {
   std::lock_guard<std::mutex> lock(mu_);
   step_peak_ = in_use_;
   step_min_ = in_use_;
+}
+
+void Bfc::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_in_use_ = in_use_;
+  largest_alloc_ = 0;
 }
 
 BfcStats Bfc::GetStats() const {
@@ -533,6 +630,15 @@ BfcStats Bfc::GetStats() const {
   s.growth_returns = growth_returns_;
   s.idle_release_regions = idle_release_regions_;
   s.idle_release_bytes = idle_release_bytes_;
+  s.deferred_bytes = deferred_bytes_;
+  s.deferred_regions = deferred_.size();
+  s.deferred_released_regions = deferred_released_regions_;
+  s.deferred_released_bytes = deferred_released_bytes_;
+  s.release_syncs = release_syncs_;
+  s.last_release_sync_ns = last_release_sync_ns_;
+  s.driver_refusals = driver_refusals_;
+  s.driver_cap = driver_cap_ != 0 && clock_() < cap_until_ns_ ? driver_cap_ : 0;
+  s.largest_alloc = largest_alloc_;
   return s;
 }
 
@@ -601,6 +707,10 @@ std::string Bfc::CheckInvariants() const {
   if (reserved != reserved_) return Describe("reserved != sum of regions", nullptr, reserved_, reserved);
   if (in_use != in_use_) return Describe("in_use != sum of live chunks", nullptr, in_use_, in_use);
   if (pinned != pinned_) return Describe("pinned != sum of regions with live blocks", nullptr, pinned_, pinned);
+  uint64_t deferred = 0;
+  for (const Victim& v : deferred_) deferred += v.bytes;
+  if (deferred != deferred_bytes_)
+    return Describe("deferred bytes != sum of queued regions", nullptr, deferred_bytes_, deferred);
   // The limit: growth never passes it, a shrink and the free of a pinned region's last block
   // bring reserved back under it, and live blocks never pass it.
   if (reserved_ > std::max(limit_, pinned_))

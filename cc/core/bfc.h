@@ -10,8 +10,9 @@
 // allocation that would put either above it fails, so the caller can fall back to host memory.
 // Before failing, the allocator gives back its own wholly free cached regions and retries (when
 // that makes room under the limit, or when the source itself ran out). Lowering the limit
-// releases whole free regions; regions that still hold live blocks are released as soon as their
-// last block is freed, so `reserved <= max(limit, pinned)` holds whenever the lock is free
+// releases whole free regions; regions that still hold live blocks stop being served as soon as
+// their last block is freed and are queued for the next safe point (never given back inside
+// Free), so `reserved <= max(limit, pinned)` holds whenever the lock is free
 // (`pinned`: bytes of regions holding at least one live block). The lock is never held across a
 // RegionSource call.
 #ifndef TF_ANTMAN_CC_CORE_BFC_H_
@@ -73,6 +74,15 @@ struct BfcStats {
   uint64_t growth_returns = 0;     // regions returned because the limit fell while they grew
   uint64_t idle_release_regions = 0;
   uint64_t idle_release_bytes = 0;
+  uint64_t deferred_bytes = 0;          // free regions queued for the next safe point (held)
+  uint64_t deferred_regions = 0;
+  uint64_t deferred_released_regions = 0;  // lifetime: queued regions given back at a safe point
+  uint64_t deferred_released_bytes = 0;
+  uint64_t release_syncs = 0;           // Quiesce calls before giving back used regions
+  uint64_t last_release_sync_ns = 0;    // duration of the last one
+  uint64_t driver_refusals = 0;         // AllocRegion calls the source refused (lifetime)
+  uint64_t driver_cap = 0;              // growth cap after a refusal (0: none in force)
+  uint64_t largest_alloc = 0;           // largest block served since the last ResetPeak
 };
 
 struct ShrinkResult {
@@ -89,10 +99,13 @@ class Bfc {
   Bfc& operator=(const Bfc&) = delete;
 
   // nullptr for bytes == 0, a bad alignment, or when no free chunk fits and growing would put
-  // reserved above the limit (or the source has no memory).
-  void* Allocate(size_t alignment, size_t bytes);
-  // false if ptr is not a live block of this allocator (nothing is changed then).
-  bool Free(void* ptr);
+  // reserved above the limit (or the source has no memory). *chunk (may be null) gets the
+  // block's size as held (>= bytes).
+  void* Allocate(size_t alignment, size_t bytes, size_t* chunk = nullptr);
+  // false if ptr is not a live block of this allocator (nothing is changed then). Never returns
+  // memory to the source: a region left wholly free above the limit is queued for the next safe
+  // point (ReleaseDeferred, SetLimit, ReleaseCached). *chunk (may be null) gets the block's size.
+  bool Free(void* ptr, size_t* chunk = nullptr);
   // Whether ptr lies inside one of this allocator's regions (interior pointers included).
   bool Contains(const void* ptr) const;
   // Chunk size of the live block starting at ptr; 0 if there is none.
@@ -108,8 +121,12 @@ class Bfc {
   ShrinkResult ReleaseCached();
   // Frees the wholly free regions that have had no live block for at least idle_ns.
   ShrinkResult ReleaseIdle(uint64_t idle_ns);
+  // Gives back the regions Free queued (a safe point: the step boundary), after Quiesce.
+  ShrinkResult ReleaseDeferred();
   // Starts a new step window for step_peak_in_use / step_min_in_use.
   void ResetStepStats();
+  // peak_in_use = in_use now; largest_alloc = 0.
+  void ResetPeak();
 
   BfcStats GetStats() const;
   // Empty string if all invariants hold, else the first violation found.
@@ -162,7 +179,7 @@ class Bfc {
   ChunkHandle Split(ChunkHandle h, size_t offset);
   // Merges b (the next neighbour of a) into a.
   void Merge(ChunkHandle a, ChunkHandle b);
-  void* Carve(ChunkHandle h, size_t rounded, size_t alignment);
+  void* Carve(ChunkHandle h, size_t rounded, size_t alignment, size_t* chunk);
   Region* FindRegion(const void* ptr) const;
   ChunkHandle ChunkAt(const void* ptr) const;
   void AddRegion(char* base, size_t bytes);
@@ -172,13 +189,22 @@ class Bfc {
   uint64_t Room() const;
   // Fetches a region of at least `need` bytes with the lock dropped and adds it, unless the limit
   // was lowered meanwhile and it no longer fits (then it is returned to the source).
-  Growth Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* lock);
+  // On kSourceEmpty, *free_known / *free_bytes: the source's MemInfo read after the refusal.
+  Growth Grow(size_t need, uint64_t room, std::unique_lock<std::mutex>* lock,
+              bool* free_known = nullptr, uint64_t* free_bytes = nullptr);
   void EndGrowth(uint64_t epoch);
   // Gives back wholly free regions so that a region of `need` bytes fits under the limit; false
   // (nothing released) when even releasing all of them would not make room.
   bool ReleaseForRoom(size_t need, std::unique_lock<std::mutex>* lock);
   // After the source ran out: gives back every wholly free region; false if there was none.
   bool ReleaseAllForSource(std::unique_lock<std::mutex>* lock);
+  // The limit growth is judged against: the limit, or lower while a driver cap is in force.
+  uint64_t GrowthLimit() const;
+  // The source refused `need` bytes: cap growth at what is held plus what the source says is
+  // free (free_known: MemInfo answered), for a backoff period that doubles on each refusal.
+  void NoteRefusal(bool free_known, uint64_t free_bytes);
+  // Moves the queued regions to the source (lock dropped); counted as deferred releases.
+  ShrinkResult ReleaseDeferredLocked(std::unique_lock<std::mutex>* lock);
   Victim Unlink(Region* r);
   // Unlinks whole free regions until reserved_ <= target; the caller frees them unlocked.
   std::vector<Victim> TakeFreeRegions(uint64_t target);
@@ -227,6 +253,17 @@ class Bfc {
   std::vector<Chunk> chunks_;
   std::vector<ChunkHandle> spare_handles_;
   std::vector<std::unique_ptr<Region>> regions_;  // sorted by base
+  std::vector<Victim> deferred_;  // wholly free regions above the limit, for the next safe point
+  uint64_t deferred_bytes_ = 0;   // their bytes: still held from the source (counted in Room)
+  uint64_t deferred_released_regions_ = 0;
+  uint64_t deferred_released_bytes_ = 0;
+  uint64_t release_syncs_ = 0;
+  uint64_t last_release_sync_ns_ = 0;
+  uint64_t driver_refusals_ = 0;
+  uint64_t driver_cap_ = 0;         // 0: none
+  uint64_t cap_until_ns_ = 0;       // clock_() time the cap lapses
+  uint64_t cap_backoff_ns_ = 0;     // next backoff (0: the initial one)
+  uint64_t largest_alloc_ = 0;
   FreeSet bins_[kNumBins];
   // Set nodes kept from erased entries and reused by the next insert: the hot path then does
   // no heap allocation for its bins.

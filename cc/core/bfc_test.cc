@@ -459,6 +459,47 @@ TEST(SourceShortReleasesCachedRegionsAndRetries) {
   EXPECT_CLEAN(bfc.CheckInvariants());
 }
 
+uint64_t g_bfc_now_ns = 1;
+uint64_t BfcNow() { return g_bfc_now_ns; }
+
+// Another process holds the device memory this job's limit would allow. Each step the job
+// takes a small block (a cached region) and then misses on a large one. Before issue 29 every
+// miss asked the driver again and then gave back the whole cache (ReleaseAllForSource: a
+// cuMemFree, which synchronises) and regrew it next step: a flush per step. Now the first
+// refusal caps growth at what the driver said was free, for a backoff period.
+TEST(DriverRefusalCapsGrowthInsteadOfFlushingOnEveryMiss) {
+  TestRegionSource source(/*capacity=*/16 * MiB);
+  source.set_held_by_others(8 * MiB);
+  BfcOptions o = Options(64 * MiB, 2 * MiB, 2 * MiB);
+  o.clock = &BfcNow;
+  g_bfc_now_ns = 1;
+  Bfc bfc(&source, o);
+  std::vector<void*> live;
+  for (int i = 0; i < 3; ++i) live.push_back(bfc.Allocate(0, 2 * MiB));
+  for (void* p : live) REQUIRE(p != nullptr);
+  for (int step = 0; step < 20; ++step) {
+    void* small = bfc.Allocate(0, MiB);
+    REQUIRE(small != nullptr);
+    EXPECT(bfc.Free(small));
+    EXPECT(bfc.Allocate(0, 4 * MiB) == nullptr);  // the caller falls back to host memory
+  }
+  auto s = bfc.GetStats();
+  EXPECT(source.frees() <= 1u);   // before: 20 (one flush per step)
+  EXPECT(s.driver_refusals <= 2u);
+  EXPECT(source.attempts().size() <= 7u);  // 3 + 2 small regions + the refused ones
+  EXPECT_EQ(s.driver_cap, 8 * MiB);       // held 8 MiB + 0 free when refused
+  EXPECT_CLEAN(bfc.CheckInvariants());
+  // The other process leaves and the backoff lapses: the device serves the large block.
+  source.set_held_by_others(0);
+  g_bfc_now_ns += 200'000'000;
+  void* big = bfc.Allocate(0, 4 * MiB);
+  EXPECT(big != nullptr);
+  EXPECT_EQ(bfc.GetStats().driver_cap, 0u);
+  EXPECT(bfc.Free(big));
+  for (void* p : live) EXPECT(bfc.Free(p));
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
 // A remainder kept inside a block must not put in_use above the limit. Here the limit was lowered
 // below the held regions (they hold live blocks), and the best fit is a hole only 32 KiB larger
 // than the request: keeping the sliver would put in_use 32 KiB above the limit.
@@ -482,9 +523,12 @@ TEST(CarveSlackNeverPutsInUseAboveTheLimit) {
   EXPECT_CLEAN(bfc.CheckInvariants());
 }
 
-// After a shrink had to keep a region for its live blocks, the region goes back as soon as its
-// last block is freed: reserved never stays above max(limit, pinned).
-TEST(FreeingThePinningBlockReleasesARegionAboveTheLimit) {
+// After a shrink had to keep a region for its live blocks, the region stops being served as soon
+// as its last block is freed (reserved never stays above max(limit, pinned)), but it goes back to
+// the source only at the next safe point, after one Quiesce: a driver free inside the free call
+// (a framework's free callback, mid-backward) would synchronise the device (issues 29, 30).
+// Before that change this test asserted the release inside Free.
+TEST(FreeingThePinningBlockQueuesARegionAboveTheLimitForTheSafePoint) {
   TestRegionSource source;
   Bfc bfc(&source, Options(64 * MiB, 2 * MiB, 2 * MiB));
   void* a = bfc.Allocate(0, MiB);
@@ -497,10 +541,46 @@ TEST(FreeingThePinningBlockReleasesARegionAboveTheLimit) {
   auto s = bfc.GetStats();
   EXPECT_EQ(s.reserved, 2 * MiB);
   EXPECT_EQ(s.pinned, 2 * MiB);
-  EXPECT(!source.Holds(a));
+  EXPECT_EQ(s.deferred_bytes, 2 * MiB);
+  EXPECT(source.Holds(a));  // no driver call inside the free
   EXPECT(bfc.Free(b));
-  EXPECT_EQ(bfc.GetStats().reserved, 0u);
+  s = bfc.GetStats();
+  EXPECT_EQ(s.reserved, 0u);
+  EXPECT_EQ(s.deferred_bytes, 4 * MiB);
+  EXPECT_EQ(s.deferred_regions, 2u);
+  EXPECT_EQ(source.frees(), 0u);
+  EXPECT_EQ(source.quiesces(), 0u);
+  EXPECT(bfc.Allocate(0, 256) == nullptr);  // limit 0: queued regions are not served
+  EXPECT_CLEAN(bfc.CheckInvariants());
+  const auto d = bfc.ReleaseDeferred();  // the safe point
+  EXPECT_EQ(d.bytes_freed, 4 * MiB);
   EXPECT_EQ(source.live_regions(), 0u);
+  EXPECT_EQ(source.quiesces(), 1u);      // one synchronisation for the batch, before the frees
+  s = bfc.GetStats();
+  EXPECT_EQ(s.deferred_bytes, 0u);
+  EXPECT_EQ(s.deferred_released_bytes, 4 * MiB);
+  EXPECT_EQ(s.release_syncs, 1u);
+  EXPECT_CLEAN(bfc.CheckInvariants());
+}
+
+// Queued regions still count as held: growth under a raised limit cannot pass the limit through
+// them, and a SetLimit (a safe point) gives them back at once.
+TEST(QueuedRegionsCountUntilASetLimitGivesThemBack) {
+  TestRegionSource source;
+  Bfc bfc(&source, Options(8 * MiB, 2 * MiB, 2 * MiB));
+  void* a = bfc.Allocate(0, 2 * MiB);
+  void* b = bfc.Allocate(0, 2 * MiB);
+  REQUIRE(a && b);
+  bfc.SetLimit(2 * MiB);
+  EXPECT(bfc.Free(a));  // queued: reserved 2 MiB (b), deferred 2 MiB
+  EXPECT_EQ(bfc.GetStats().deferred_bytes, 2 * MiB);
+  bfc.SetLimit(5 * MiB);  // raised: gives the queued region back, then room is 3 MiB
+  EXPECT_EQ(bfc.GetStats().deferred_bytes, 0u);
+  EXPECT_EQ(source.used(), 2 * MiB);
+  void* c = bfc.Allocate(0, 2 * MiB);
+  REQUIRE(c != nullptr);
+  EXPECT(source.used() <= 5 * MiB);
+  EXPECT(bfc.Free(b) && bfc.Free(c));
   EXPECT_CLEAN(bfc.CheckInvariants());
 }
 

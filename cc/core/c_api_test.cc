@@ -2,6 +2,7 @@
 // emulated backend end to end.
 #include <dlfcn.h>
 
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -218,6 +219,58 @@ TEST(HostIdleReleaseIsValidated) {
   uint64_t first[2] = {7, 7};
   EXPECT_EQ(antman_mem_get_ext_stats(mem, reinterpret_cast<antman_mem_ext_stats*>(first), 8), 8u);
   EXPECT_EQ(first[1], 7u);
+  antman_mem_destroy(mem);
+}
+
+// The front-ends' additions: fail-fast device-only allocations, peak resets, the total peak and
+// the largest allocation (TF's AllocatorStats, torch.cuda.memory_stats).
+TEST(DeviceOnlyAllocationsAndPeakResets) {
+  antman_mem_config c = Emulated(64 * MiB, 4 * MiB, 64 * MiB);
+  antman_mem* mem = nullptr;
+  char err[256];
+  REQUIRE(antman_mem_create(&c, &mem, err, sizeof(err)) == 0);
+  void* d = antman_mem_alloc(mem, 0, 3 * MiB);
+  REQUIRE(d != nullptr);
+  EXPECT_EQ(antman_mem_is_host(mem, d), 0);
+  // Past the limit: the ordinary call spills to host memory, the device-only one refuses.
+  EXPECT(antman_mem_alloc_device_only(mem, 0, 2 * MiB) == nullptr);
+  void* h = antman_mem_alloc(mem, 0, 2 * MiB);
+  REQUIRE(h != nullptr);
+  EXPECT_EQ(antman_mem_is_host(mem, h), 1);
+  void* small = antman_mem_alloc_device_only(mem, 0, 512 * 1024);  // fits: device
+  REQUIRE(small != nullptr);
+  EXPECT_EQ(antman_mem_is_host(mem, small), 0);
+  EXPECT(antman_mem_alloc_device_only(mem, 0, 0) == nullptr);
+  EXPECT(antman_mem_alloc_device_only(nullptr, 0, 256) == nullptr);
+  antman_mem_ext_stats e{};
+  EXPECT_EQ(antman_mem_get_ext_stats(mem, &e, sizeof(e)), sizeof(e));
+  EXPECT_EQ(e.device_only_failures, 1u);
+  EXPECT_EQ(e.largest_alloc, 3 * MiB);
+  EXPECT_EQ(e.total_in_use, 3 * MiB + 2 * MiB + 512 * 1024);
+  EXPECT_EQ(e.peak_total_in_use, e.total_in_use);
+  antman_mem_free(mem, d);
+  antman_mem_free(mem, h);
+  antman_mem_get_ext_stats(mem, &e, sizeof(e));
+  EXPECT_EQ(e.total_in_use, 512 * 1024u);
+  EXPECT_EQ(e.peak_total_in_use, 5 * MiB + 512 * 1024);  // device + host, not device only
+  antman_mem_stats s = Stats(mem);
+  EXPECT_EQ(s.peak_in_use, 3 * MiB + 512 * 1024);
+  EXPECT_EQ(s.host_peak, 2 * MiB);
+  antman_mem_reset_peaks(mem);
+  antman_mem_get_ext_stats(mem, &e, sizeof(e));
+  s = Stats(mem);
+  EXPECT_EQ(e.peak_total_in_use, 512 * 1024u);
+  EXPECT_EQ(e.largest_alloc, 0u);
+  EXPECT_EQ(s.peak_in_use, 512 * 1024u);
+  EXPECT_EQ(s.host_peak, 0u);
+  antman_mem_reset_peaks(nullptr);  // not a crash
+  // An older caller's smaller struct gets only its own bytes.
+  antman_mem_ext_stats old{};
+  old.largest_alloc = 12345;
+  EXPECT_EQ(antman_mem_get_ext_stats(mem, &old, offsetof(antman_mem_ext_stats, largest_alloc)),
+            offsetof(antman_mem_ext_stats, largest_alloc));
+  EXPECT_EQ(old.largest_alloc, 12345u);
+  antman_mem_free(mem, small);
   antman_mem_destroy(mem);
 }
 

@@ -26,7 +26,7 @@ class TestRegionSource : public antman::RegionSource {
     if (on_call) on_call();
     std::lock_guard<std::mutex> lock(mu_);
     attempts_.push_back(bytes);
-    if (capacity_ != 0 && used_ + bytes > capacity_) return nullptr;
+    if (capacity_ != 0 && used_ + held_by_others_ + bytes > capacity_) return nullptr;
     const size_t total = (bytes + offset_ + 4095) / 4096 * 4096;
     char* base = static_cast<char*>(std::aligned_alloc(4096, total));
     if (base == nullptr) return nullptr;
@@ -49,6 +49,25 @@ class TestRegionSource : public antman::RegionSource {
     std::free(static_cast<char*>(ptr) - offset_);
   }
 
+  void Quiesce() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++quiesces_;
+  }
+  // Answers only for a source with a capacity: free = capacity - used - held_by_others.
+  bool MemInfo(size_t* free_bytes, size_t* total_bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (capacity_ == 0) return false;
+    const size_t taken = used_ + held_by_others_;
+    *free_bytes = capacity_ > taken ? capacity_ - taken : 0;
+    *total_bytes = capacity_;
+    return true;
+  }
+  // Memory another process holds: AllocRegion refuses it too.
+  void set_held_by_others(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_by_others_ = bytes;
+  }
+
   bool Holds(const void* p) const {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [base, bytes] : live_) {
@@ -60,6 +79,7 @@ class TestRegionSource : public antman::RegionSource {
   size_t used() const { std::lock_guard<std::mutex> l(mu_); return used_; }
   size_t frees() const { std::lock_guard<std::mutex> l(mu_); return frees_; }
   size_t bad_frees() const { std::lock_guard<std::mutex> l(mu_); return bad_frees_; }
+  size_t quiesces() const { std::lock_guard<std::mutex> l(mu_); return quiesces_; }
   std::vector<size_t> attempts() const { std::lock_guard<std::mutex> l(mu_); return attempts_; }
 
   std::function<void()> on_call;
@@ -73,6 +93,8 @@ class TestRegionSource : public antman::RegionSource {
   size_t used_ = 0;
   size_t frees_ = 0;
   size_t bad_frees_ = 0;
+  size_t quiesces_ = 0;
+  size_t held_by_others_ = 0;
 };
 
 }  // namespace antman_test

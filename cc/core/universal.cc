@@ -27,16 +27,29 @@ void UniversalAllocator::MaybeReleaseIdleHost() {
   host_->ReleaseIdle(options_.host_idle_release_ns);
 }
 
+void UniversalAllocator::AddInUse(uint64_t bytes) {
+  const uint64_t now = total_in_use_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  uint64_t peak = peak_total_.load(std::memory_order_relaxed);
+  while (now > peak && !peak_total_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
 void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
-  void* p = device_.Allocate(alignment, bytes);
-  if (p != nullptr) return p;
+  size_t chunk = 0;
+  void* p = device_.Allocate(alignment, bytes, &chunk);
+  if (p != nullptr) {
+    AddInUse(chunk);
+    return p;
+  }
   if (bytes == 0) return nullptr;
   if (host_ != nullptr) {
-    MaybeReleaseIdleHost();
-    p = host_->Allocate(alignment, bytes);
+    // No idle release here: unpinning host memory inside an allocation (cuMemFreeHost)
+    // synchronises the device; it waits for the step boundary.
+    p = host_->Allocate(alignment, bytes, &chunk);
     if (p != nullptr) {
       host_fallbacks_.fetch_add(1, std::memory_order_relaxed);
-      host_bytes_served_.fetch_add(host_->AllocatedSize(p), std::memory_order_relaxed);
+      host_bytes_served_.fetch_add(chunk, std::memory_order_relaxed);
+      AddInUse(chunk);
       return p;
     }
   }
@@ -44,11 +57,28 @@ void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
   return nullptr;
 }
 
+void* UniversalAllocator::AllocateDeviceOnly(size_t alignment, size_t bytes) {
+  size_t chunk = 0;
+  void* p = device_.Allocate(alignment, bytes, &chunk);
+  if (p != nullptr) {
+    AddInUse(chunk);
+    return p;
+  }
+  if (bytes != 0) device_only_failures_.fetch_add(1, std::memory_order_relaxed);
+  return nullptr;
+}
+
 bool UniversalAllocator::Free(void* ptr) {
-  if (device_.Free(ptr)) return true;
-  if (host_ == nullptr || !host_->Free(ptr)) return false;
-  MaybeReleaseIdleHost();
+  size_t chunk = 0;
+  if (!device_.Free(ptr, &chunk) && (host_ == nullptr || !host_->Free(ptr, &chunk))) return false;
+  total_in_use_.fetch_sub(chunk, std::memory_order_relaxed);
   return true;
+}
+
+void UniversalAllocator::ResetPeaks() {
+  device_.ResetPeak();
+  if (host_ != nullptr) host_->ResetPeak();
+  peak_total_.store(total_in_use_.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
 int UniversalAllocator::IsHost(const void* ptr) const {
@@ -86,7 +116,9 @@ void UniversalAllocator::StepBoundary() {
     limit = pending_limit_;
     pending_limit_ = 0;
   }
-  if (apply) device_.SetLimit(limit);
+  if (apply) device_.SetLimit(limit);  // also gives back what frees queued
+  device_.ReleaseDeferred();
+  if (host_ != nullptr) host_->ReleaseDeferred();
   MaybeReleaseIdleHost();
   device_.ResetStepStats();
   if (host_ != nullptr) host_->ResetStepStats();
@@ -141,6 +173,19 @@ void UniversalAllocator::GetExtStats(antman_mem_ext_stats* out) const {
   s.host_idle_release_regions = h.idle_release_regions;
   s.host_idle_release_bytes = h.idle_release_bytes;
   s.host_idle_release_ns = options_.host_idle_release_ns;
+  s.largest_alloc = std::max(d.largest_alloc, h.largest_alloc);
+  // Read current before peak, and never report a peak below it: a reader racing an allocation
+  // may see the new total before the peak was raised.
+  s.total_in_use = total_in_use_.load(std::memory_order_relaxed);
+  s.peak_total_in_use = std::max(peak_total_.load(std::memory_order_relaxed), s.total_in_use);
+  s.driver_refusals = d.driver_refusals;
+  s.driver_cap = d.driver_cap;
+  s.deferred_release_bytes = d.deferred_bytes + h.deferred_bytes;
+  s.deferred_release_regions = d.deferred_regions + h.deferred_regions;
+  s.deferred_released_bytes = d.deferred_released_bytes + h.deferred_released_bytes;
+  s.release_syncs = d.release_syncs + h.release_syncs;
+  s.last_release_sync_ns = d.last_release_sync_ns;
+  s.device_only_failures = device_only_failures_.load(std::memory_order_relaxed);
   *out = s;
 }
 

@@ -38,6 +38,9 @@ class UniversalAllocator {
   UniversalAllocator(RegionSource* device, RegionSource* host, UniversalOptions options);
 
   void* Allocate(size_t alignment, size_t bytes);
+  // Device memory or nullptr, never the host arena (fail-fast requests: TF's
+  // retry_on_failure=false, cuDNN scratch, autotuning).
+  void* AllocateDeviceOnly(size_t alignment, size_t bytes);
   // false if ptr is not a live block of either arena.
   bool Free(void* ptr);
   // 1 host, 0 device, -1 neither (by region address range; interior pointers classify too).
@@ -48,9 +51,13 @@ class UniversalAllocator {
   void RequestLimit(uint64_t limit);
   // Device and host arenas; returns the bytes freed in both.
   uint64_t ReleaseCached();
-  // Also gives back host regions idle for host_idle_release_ns (checked here and on host-arena
-  // allocations and frees, at most every quarter of that time).
+  // The safe point: applies a pending limit, gives back the regions frees queued (device and
+  // host, after the sources' Quiesce) and host regions idle for host_idle_release_ns (checked at
+  // most every quarter of that time). Allocations and frees never return memory to a source,
+  // except an allocation's own fit release (docs/memory-core.md, "When memory goes back").
   void StepBoundary();
+  // Peaks (device, host, total) and largest_alloc start again from the current values.
+  void ResetPeaks();
 
   void GetStats(antman_mem_stats* out) const;
   void GetExtStats(antman_mem_ext_stats* out) const;
@@ -75,6 +82,10 @@ class UniversalAllocator {
   std::atomic<uint64_t> failed_allocs_{0};
   std::atomic<uint64_t> steps_{0};
   std::atomic<uint64_t> next_idle_check_ns_{0};
+  std::atomic<uint64_t> total_in_use_{0};   // device + host bytes in live blocks
+  std::atomic<uint64_t> peak_total_{0};
+  std::atomic<uint64_t> device_only_failures_{0};
+  void AddInUse(uint64_t bytes);
 };
 
 }  // namespace antman
