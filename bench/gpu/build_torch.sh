@@ -23,10 +23,15 @@ antman_build_torch_lib() {
   local objs
   objs="$(antman_core_objects "$out")" || return 1
   mkdir -p "$out/torch" || return 1
-  "$cxx" -std=c++17 -O2 -fPIC -Wall -I"$_antman_root" -c "$_antman_root/cc/torch/allocator_shim.cc" \
-    -o "$out/torch/allocator_shim.o" || return 1
+  local src torch_objs=""
+  # The same sources as //cc/torch:allocator_shim and :stream_ordered.
+  for src in allocator_shim stream_ordered cuda_events torch_stats; do
+    "$cxx" -std=c++17 -O2 -fPIC -Wall -I"$_antman_root" -c "$_antman_root/cc/torch/$src.cc" \
+      -o "$out/torch/$src.o" || return 1
+    torch_objs="$torch_objs $out/torch/$src.o"
+  done
   # shellcheck disable=SC2086  # one object path a line
-  "$cxx" -shared -o "$out/libantman_torch.so" $objs "$out/torch/allocator_shim.o" \
+  "$cxx" -shared -o "$out/libantman_torch.so" $objs $torch_objs \
     -Wl,--version-script="$_antman_root/cc/torch/exports.lds" -ldl -lpthread || return 1
   echo "built $out/libantman_torch.so" >&2
 }

@@ -4,14 +4,46 @@
 
 #include <atomic>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 
+#include "cc/torch/core_source.h"
+#include "cc/torch/cuda_events.h"
+#include "cc/torch/stream_ordered.h"
+
 namespace {
+
+using antman_torch::StreamOrderedCache;
+
+// The emulated backend has no asynchronous work: every event is done when recorded.
+class ImmediateEvents : public antman_torch::StreamEvents {
+ public:
+  antman_torch::Event Record(antman_torch::Stream) override { return this; }
+  bool Done(antman_torch::Event) override { return true; }
+  void Wait(antman_torch::Event) override {}
+  void Synchronize(antman_torch::Stream) override {}
+  void Release(antman_torch::Event) override {}
+};
+
+// One device served: its memory core and the stream-ordered cache over it (stream_ordered.h).
+struct Device {
+  explicit Device(antman_mem* m, bool cuda, int ordinal)
+      : mem(m), source(m),
+        events(cuda ? std::unique_ptr<antman_torch::StreamEvents>(
+                          new antman_torch::CudaEvents(ordinal, "libcuda.so.1"))
+                    : std::unique_ptr<antman_torch::StreamEvents>(new ImmediateEvents())),
+        cache(&source, events.get()) {}
+  antman_mem* mem;
+  antman_torch::CoreSource source;
+  std::unique_ptr<antman_torch::StreamEvents> events;
+  StreamOrderedCache cache;
+};
 
 // Read on every allocation without a lock; written under g_create_mu at start and in tests.
 std::atomic<antman_mem*> g_mem[ANTMAN_TORCH_MAX_DEVICES];
+std::atomic<Device*> g_dev[ANTMAN_TORCH_MAX_DEVICES];
 std::mutex g_create_mu;
 std::atomic<uint64_t> g_failures{0};
 constexpr uint64_t kReportedFailures = 8;  // then only counted: a failing job must not flood logs
@@ -24,6 +56,11 @@ void SetError(char* err, size_t errlen, const std::string& message) {
 antman_mem* MemFor(int device) {
   if (device < 0 || device >= ANTMAN_TORCH_MAX_DEVICES) return nullptr;
   return g_mem[device].load(std::memory_order_acquire);
+}
+
+Device* DeviceFor(int device) {
+  if (device < 0 || device >= ANTMAN_TORCH_MAX_DEVICES) return nullptr;
+  return g_dev[device].load(std::memory_order_acquire);
 }
 
 void ReportFailure(const char* fn, const char* what, ssize_t size, int device) noexcept {
@@ -39,14 +76,14 @@ enum class Refusal { kNone, kNoCore, kOutOfMemory };
 // One request (size > 0) of either entry point: the block, or NULL with why (counted, reported).
 // Not noexcept: an exception from inside the core (std::bad_alloc of its own bookkeeping) goes
 // on to PyTorch from antman_torch_malloc; antman_torch_try_malloc turns it into NULL.
-void* Serve(const char* fn, ssize_t size, int device, Refusal* why) {
-  antman_mem* mem = MemFor(device);
-  if (mem == nullptr) {
+void* Serve(const char* fn, ssize_t size, int device, void* stream, Refusal* why) {
+  Device* dev = DeviceFor(device);
+  if (dev == nullptr) {
     *why = Refusal::kNoCore;
     ReportFailure(fn, "no tf-antman memory core for this device", size, device);
     return nullptr;
   }
-  void* p = antman_mem_alloc(mem, ANTMAN_TORCH_ALIGNMENT, static_cast<size_t>(size));
+  void* p = dev->cache.Malloc(static_cast<size_t>(size), stream);
   if (p == nullptr) {
     *why = Refusal::kOutOfMemory;
     ReportFailure(fn, "neither device memory (at its limit) nor the host fallback could serve it",
@@ -121,6 +158,8 @@ int antman_torch_mem_create(const antman_mem_config* config, char* err, size_t e
   antman_mem* mem = nullptr;
   const int rc = antman_mem_create(config, &mem, err, errlen);
   if (rc != 0) return rc;
+  g_dev[device].store(new Device(mem, config->backend == ANTMAN_BACKEND_CUDA, device),
+                      std::memory_order_release);
   g_mem[device].store(mem, std::memory_order_release);
   return 0;
 }
@@ -130,42 +169,86 @@ antman_mem* antman_torch_mem(int device) { return MemFor(device); }
 // Throws through extern "C": the library is built with exceptions (g++'s default; nothing in
 // cc/torch/BUILD, .bazelrc or bench/gpu/build_torch.sh turns them off) and PyTorch calls this
 // through a plain function pointer from C++, so the exception unwinds into PyTorch's frames.
-void* antman_torch_malloc(ssize_t size, int device, void* /*stream*/) {
+void* antman_torch_malloc(ssize_t size, int device, void* stream) {
   if (size <= 0) return nullptr;
   Refusal why = Refusal::kNone;
-  void* p = Serve("antman_torch_malloc", size, device, &why);
+  void* p = Serve("antman_torch_malloc", size, device, stream, &why);
   if (p == nullptr) throw std::runtime_error(RefusalMessage(why, size, device));
   return p;
 }
 
-void* antman_torch_try_malloc(ssize_t size, int device, void* /*stream*/) noexcept {
+void* antman_torch_try_malloc(ssize_t size, int device, void* stream) noexcept {
   if (size <= 0) return nullptr;
   Refusal why = Refusal::kNone;
   try {
-    return Serve("antman_torch_try_malloc", size, device, &why);
+    return Serve("antman_torch_try_malloc", size, device, stream, &why);
   } catch (const std::exception& e) {
     ReportFailure("antman_torch_try_malloc", e.what(), size, device);
     return nullptr;
   }
 }
 
+// The stream PyTorch passes is the allocation's: the cache knows it already.
 void antman_torch_free(void* ptr, ssize_t /*size*/, int device, void* /*stream*/) {
   if (ptr == nullptr) return;
-  antman_mem* mem = MemFor(device);
-  if (mem == nullptr) {
+  Device* dev = DeviceFor(device);
+  if (dev == nullptr) {
     std::fprintf(stderr, "tf-antman: antman_torch_free(%p, device %d): no memory core (ignored)\n",
                  ptr, device);
     return;
   }
-  antman_mem_free(mem, ptr);
+  if (!dev->cache.Free(ptr)) {
+    std::fprintf(stderr, "tf-antman: antman_torch_free(%p, device %d): not a block of this "
+                 "allocator (ignored)\n", ptr, device);
+  }
+}
+
+int antman_torch_record_stream(void* ptr, int device, void* stream) {
+  Device* dev = DeviceFor(device);
+  return dev != nullptr && dev->cache.RecordStream(ptr, stream) ? 0 : 1;
+}
+
+uint64_t antman_torch_empty_cache(int device) {
+  Device* dev = DeviceFor(device);
+  if (dev == nullptr) return 0;
+  const uint64_t kept = dev->cache.Drain();
+  antman_mem_release_cached(dev->mem);
+  return kept;
+}
+
+void antman_torch_poll(int device) {
+  if (Device* dev = DeviceFor(device)) dev->cache.Poll();
+}
+
+int antman_torch_get_stats(int device, antman_torch_device_stats* out) {
+  if (out == nullptr) return 1;
+  *out = antman_torch_device_stats{};
+  Device* dev = DeviceFor(device);
+  if (dev == nullptr) return 1;
+  antman_mem_stats core{};
+  antman_mem_ext_stats ext{};
+  antman_mem_get_stats(dev->mem, &core);
+  antman_mem_get_ext_stats(dev->mem, &ext, sizeof(ext));
+  *out = antman_torch::MapTorchStats(dev->cache.Stats(), core, ext);
+  return 0;
+}
+
+void antman_torch_reset_peaks(int device) {
+  if (Device* dev = DeviceFor(device)) dev->cache.ResetPeaks();
+}
+
+void antman_torch_reset_accumulated(int device) {
+  if (Device* dev = DeviceFor(device)) dev->cache.ResetAccumulated();
 }
 
 uint64_t antman_torch_failures(void) { return g_failures.load(std::memory_order_relaxed); }
 
 void antman_torch_reset_for_tests(void) {
   std::lock_guard<std::mutex> lock(g_create_mu);
-  for (auto& slot : g_mem) {
-    antman_mem* mem = slot.exchange(nullptr, std::memory_order_acq_rel);
+  for (int d = 0; d < ANTMAN_TORCH_MAX_DEVICES; ++d) {
+    Device* dev = g_dev[d].exchange(nullptr, std::memory_order_acq_rel);
+    antman_mem* mem = g_mem[d].exchange(nullptr, std::memory_order_acq_rel);
+    delete dev;  // gives kept blocks back to the core first
     if (mem != nullptr) antman_mem_destroy(mem);
   }
   g_failures.store(0, std::memory_order_relaxed);

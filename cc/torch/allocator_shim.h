@@ -17,10 +17,9 @@
  * with: antman_torch_mem(device) gives the core of a device. No torch or CUDA headers are needed
  * to build it; cudaStream_t is taken as an opaque pointer.
  *
- * Streams: the allocator is stream-unaware, like TensorFlow's BFC: a freed block is reused by
- * the next allocation, which is safe when the job's kernels run on one stream (PyTorch's default
- * stream) in order. Work on several streams must keep a tensor alive until every stream that
- * uses it is done (docs/pytorch.md).
+ * Streams: PyTorch's contract is honoured by a stream-ordered cache between PyTorch and each
+ * core (stream_ordered.h): a freed block is reused at once on its own stream, on another only
+ * after events on every stream that used it (antman_torch_record_stream) have completed.
  *
  * Thread safety: every function may be called from any thread. Devices are registered once at
  * start (antman_torch_mem_create) before the allocator is installed in PyTorch.
@@ -33,14 +32,17 @@
 #include <sys/types.h> /* ssize_t */
 
 #include "cc/core/antman_memory.h"
+#include "cc/torch/torch_stats.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 /* Bumped whenever a signature or the contract of a function below changes. 2: antman_torch_malloc
- * throws instead of returning NULL; antman_torch_try_malloc added. */
-#define ANTMAN_TORCH_ABI_VERSION 2
+ * throws instead of returning NULL; antman_torch_try_malloc added. 3: stream-ordered reuse
+ * (malloc uses its stream), record_stream, empty_cache, poll, get_stats, reset_peaks,
+ * reset_accumulated. */
+#define ANTMAN_TORCH_ABI_VERSION 3
 /* Device ordinals served: [0, ANTMAN_TORCH_MAX_DEVICES). */
 #define ANTMAN_TORCH_MAX_DEVICES 64
 /* Alignment of every block handed to PyTorch (cudaMalloc's own guarantee). */
@@ -81,6 +83,20 @@ void* antman_torch_try_malloc(ssize_t size, int device, void* stream) ANTMAN_TOR
 /* PyTorch's free function. NULL is ignored; size and stream are not needed (the core knows the
  * block); a pointer the device's core does not hold is reported on stderr and ignored. */
 void antman_torch_free(void* ptr, ssize_t size, int device, void* stream);
+
+/* Tensor.record_stream: `stream` uses the live block at ptr. 0, or 1 if device or ptr is unknown. */
+int antman_torch_record_stream(void* ptr, int device, void* stream);
+/* torch.cuda.empty_cache(): waits for the events of freed blocks streams may still use, gives
+ * them back to the core, and releases the core's free cached regions. Returns the bytes of the
+ * blocks given back. */
+uint64_t antman_torch_empty_cache(int device);
+/* Gives back to the core, without waiting, freed blocks whose streams are done (step boundary). */
+void antman_torch_poll(int device);
+/* PyTorch's DeviceStats of the device (torch_stats.h). 0, or 1 (zeroed) without a core. */
+int antman_torch_get_stats(int device, antman_torch_device_stats* out);
+/* torch.cuda.reset_peak_memory_stats / reset_accumulated_memory_stats. */
+void antman_torch_reset_peaks(int device);
+void antman_torch_reset_accumulated(int device);
 
 /* Requests refused by antman_torch_malloc or antman_torch_try_malloc (no core for the device, or
  * out of memory). */

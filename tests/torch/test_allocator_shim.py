@@ -265,3 +265,32 @@ def test_with_torch_out_of_memory_is_a_runtime_error_the_job_can_catch(tmp_path:
     assert message.startswith("tf-antman: CUDA out of memory. Tried to allocate 32.00 MiB (33554432 bytes)")
     assert "limit 16.00 MiB" in message
     assert out["goes_on"] == 2.0 * (1 << 20) and out["failed_allocs"] == 1
+
+
+def test_memory_stats_under_pytorch_keys_and_peak_reset(lib: object) -> None:
+    # What torch.cuda.memory_stats() / memory_allocated() / max_memory_allocated() /
+    # memory_reserved() / reset_peak_memory_stats() read under the extension (cc/torch/torch_stats.h).
+    mem = make(lib)
+    a = mem.malloc(3 * MiB)
+    b = mem.malloc(MiB)
+    s = _shim.torch_memory_stats(mem.torch_stats())
+    assert s["allocated_bytes.all.current"] >= 4 * MiB and s["requested_bytes.all.current"] == 4 * MiB
+    assert s["allocation.all.current"] == 2 and s["allocation.all.allocated"] == 2
+    assert s["reserved_bytes.all.current"] >= s["allocated_bytes.all.current"]
+    assert s["allocated_bytes.small_pool.current"] == 0 and s["num_ooms"] == 0
+    mem.free(a, 3 * MiB)
+    s = _shim.torch_memory_stats(mem.torch_stats())
+    assert s["requested_bytes.all.current"] == MiB and s["requested_bytes.all.peak"] == 4 * MiB
+    mem.reset_peaks()
+    assert _shim.torch_memory_stats(mem.torch_stats())["requested_bytes.all.peak"] == MiB
+    mem.free(b, MiB)
+    assert mem.empty_cache() == 0 and mem.mem_stats().reserved == 0  # every region given back
+
+
+def test_record_stream_of_an_unknown_block_is_refused(lib: object) -> None:
+    mem = make(lib)
+    a = mem.malloc(MiB, stream=0x10)
+    assert mem.record_stream(a, 0x20)
+    mem.free(a, MiB, stream=0x10)
+    assert not mem.record_stream(a, 0x20)  # freed: nothing to record
+    assert lib.antman_torch_record_stream(a, 7, 0x20) == 1  # no core for device 7

@@ -12,7 +12,7 @@ from pathlib import Path
 from tf_antman.native import MemStats, NativeError, lib_path
 
 LIB_NAME = "libantman_torch.so"
-ABI_VERSION = 2  # ANTMAN_TORCH_ABI_VERSION
+ABI_VERSION = 3  # ANTMAN_TORCH_ABI_VERSION
 # Given to PyTorch only: it throws a C++ exception when it cannot serve a request (PyTorch raises
 # it as RuntimeError "tf-antman: CUDA out of memory. ..."); called through ctypes, that exception
 # would end the process, so this module calls antman_torch_try_malloc (NULL instead) itself.
@@ -31,6 +31,41 @@ class MemConfig(ctypes.Structure):
         ("host_capacity", ctypes.c_uint64), ("min_region", ctypes.c_uint64),
         ("host_idle_release_ms", ctypes.c_uint64),  # 0 = the core's default (10 s)
     ]
+
+
+class TorchStat(ctypes.Structure):
+    """Mirror of antman_torch_stat (cc/torch/torch_stats.h): PyTorch's Stat."""
+
+    _fields_ = [("current", ctypes.c_int64), ("peak", ctypes.c_int64),
+                ("allocated", ctypes.c_int64), ("freed", ctypes.c_int64)]
+
+
+# antman_torch_device_stats's Stat fields, in order: PyTorch's DeviceStats names.
+STAT_FIELDS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+               "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+COUNT_FIELDS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+                "num_device_free")
+
+
+class TorchDeviceStats(ctypes.Structure):
+    """Mirror of antman_torch_device_stats (cc/torch/torch_stats.h); field order matters."""
+
+    _fields_ = [*((f, TorchStat) for f in STAT_FIELDS), *((f, ctypes.c_int64) for f in COUNT_FIELDS)]
+
+
+def torch_memory_stats(s: TorchDeviceStats) -> dict[str, int]:
+    """The flat dict torch.cuda.memory_stats() returns, from the device's stats: PyTorch's keys
+    ("allocated_bytes.all.current", ...) with the pools tf-antman does not have ("small_pool",
+    "large_pool") reported as 0, so scripts that read either find a number."""
+    out: dict[str, int] = {}
+    for name in STAT_FIELDS:
+        stat = getattr(s, name)
+        for pool in ("all", "small_pool", "large_pool"):
+            for part in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{pool}.{part}"] = int(getattr(stat, part)) if pool == "all" else 0
+    for name in COUNT_FIELDS:
+        out[name] = int(getattr(s, name))
+    return dict(sorted(out.items()))
 
 
 @dataclasses.dataclass
@@ -62,7 +97,24 @@ class TorchMemory:
         return int(self.lib.antman_mem_release_cached(self.handle))
 
     def step_boundary(self) -> None:
+        # Freed blocks whose streams are done go back to the core first, so that a limit applied
+        # at this boundary can release their regions (no waiting: stream_ordered.h).
+        self.lib.antman_torch_poll(self.device)
         self.lib.antman_mem_step_boundary(self.handle)
+
+    def torch_stats(self) -> TorchDeviceStats:
+        s = TorchDeviceStats()
+        self.lib.antman_torch_get_stats(self.device, ctypes.byref(s))
+        return s
+
+    def reset_peaks(self) -> None:
+        self.lib.antman_torch_reset_peaks(self.device)
+
+    def empty_cache(self) -> int:
+        return int(self.lib.antman_torch_empty_cache(self.device))
+
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        return self.lib.antman_torch_record_stream(ptr, self.device, stream) == 0
 
     def is_host(self, ptr: int) -> int:
         return int(self.lib.antman_mem_is_host(self.handle, ptr))
@@ -111,6 +163,18 @@ def load(path: Path | None = None) -> ctypes.CDLL:
     lib.antman_torch_free.argtypes = [vp, sz, i32, vp]
     lib.antman_torch_free.restype = None
     lib.antman_torch_failures.restype = u64
+    lib.antman_torch_record_stream.argtypes = [vp, i32, vp]
+    lib.antman_torch_record_stream.restype = i32
+    lib.antman_torch_empty_cache.argtypes = [i32]
+    lib.antman_torch_empty_cache.restype = u64
+    lib.antman_torch_poll.argtypes = [i32]
+    lib.antman_torch_poll.restype = None
+    lib.antman_torch_get_stats.argtypes = [i32, ctypes.POINTER(TorchDeviceStats)]
+    lib.antman_torch_get_stats.restype = i32
+    lib.antman_torch_reset_peaks.argtypes = [i32]
+    lib.antman_torch_reset_peaks.restype = None
+    lib.antman_torch_reset_accumulated.argtypes = [i32]
+    lib.antman_torch_reset_accumulated.restype = None
     lib.antman_torch_reset_for_tests.restype = None
     lib.antman_mem_get_stats.argtypes = [vp, ctypes.POINTER(MemStats)]
     lib.antman_mem_request_limit.argtypes = [vp, u64]
