@@ -39,6 +39,27 @@ SNIPPET = textwrap.dedent("""
         out["invariants"] = mem.check_invariants()
         out["in_use_after"] = mem.stats()["in_use"]
 
+    # The front-ends' additions: device-only allocation, total peak, largest block, peak reset.
+    with core.Memory(lib, backend="emulated", device_capacity=16 << 20, limit=4 << 20,
+                     host_capacity=16 << 20, min_region=1 << 20) as mem:
+        d = mem.alloc(3 << 20)
+        h = mem.alloc(2 << 20)  # past the limit: host memory
+        out["device_only_past_limit"] = mem.alloc_device_only(2 << 20)
+        small = mem.alloc_device_only(1 << 19)
+        out["device_only_small_is_host"] = mem.is_host(small)
+        mem.free(d)
+        mem.free(h)
+        e = mem.ext_stats()
+        out["ext_before_reset"] = {k: e[k] for k in (
+            "largest_alloc", "peak_total_in_use", "total_in_use", "device_only_failures",
+            "deferred_release_bytes", "driver_refusals")}
+        mem.reset_peaks()
+        e = mem.ext_stats()
+        out["ext_after_reset"] = {k: e[k] for k in ("largest_alloc", "peak_total_in_use",
+                                                     "total_in_use")}
+        out["peak_after_reset"] = mem.stats()["peak_in_use"]
+        mem.free(small)
+
     # Op manager: host op, device op with an explicit interval, pause and release.
     with core.OpManager(lib, share=0.5) as opm:
         with opm.host_op():
@@ -129,6 +150,18 @@ def test_memory_core_limit_and_host_fallback(result: dict) -> None:
     assert result["freed"] > 0
     assert result["invariants"] == ""
     assert result["in_use_after"] == 0
+
+
+def test_memory_core_front_end_additions(result: dict) -> None:
+    assert result["device_only_past_limit"] is None  # refused, not served from host memory
+    assert result["device_only_small_is_host"] is False
+    assert result["ext_before_reset"] == {
+        "largest_alloc": 3 << 20, "peak_total_in_use": (5 << 20) + (1 << 19),
+        "total_in_use": 1 << 19, "device_only_failures": 1, "deferred_release_bytes": 0,
+        "driver_refusals": 0}
+    assert result["ext_after_reset"] == {"largest_alloc": 0, "peak_total_in_use": 1 << 19,
+                                         "total_in_use": 1 << 19}
+    assert result["peak_after_reset"] == 1 << 19
 
 
 def test_op_manager_ops_pause_and_release(result: dict) -> None:

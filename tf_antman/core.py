@@ -67,6 +67,20 @@ class MemStats(_Struct):
     )]
 
 
+class MemExtStats(_Struct):
+    """Mirror of antman_mem_ext_stats (cc/core/antman_memory.h): fields only ever appended; the
+    call passes this struct's size, so an older library fills only the fields it knows."""
+
+    _fields_ = [(name, _u64) for name in (
+        "device_pinned", "fit_release_regions", "fit_release_bytes", "fit_retry_allocs",
+        "growth_returns", "host_reserved", "host_regions", "host_idle_release_regions",
+        "host_idle_release_bytes", "host_idle_release_ns",
+        "largest_alloc", "peak_total_in_use", "total_in_use", "driver_refusals", "driver_cap",
+        "deferred_release_bytes", "deferred_release_regions", "deferred_released_bytes",
+        "release_syncs", "last_release_sync_ns", "device_only_failures",
+    )]
+
+
 class MemConfig(_Struct):
     """Mirror of antman_mem_config."""
 
@@ -147,6 +161,14 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "antman_gate_get_stats": ([_vp, ctypes.POINTER(GateStats)], ctypes.c_int),
 }
 
+# Appended to the C API after ABI version 1: typed when the loaded library has them, so that an
+# older build still loads (its callers get one CoreError naming the missing function).
+_OPTIONAL_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "antman_mem_alloc_device_only": ([_vp, _sz, _sz], _vp),
+    "antman_mem_reset_peaks": ([_vp], None),
+    "antman_mem_get_ext_stats": ([_vp, ctypes.POINTER(MemExtStats), _sz], _sz),
+}
+
 
 class CoreLib:
     """The loaded library with typed entry points (`lib.c.antman_*`)."""
@@ -158,6 +180,11 @@ class CoreLib:
             fn = getattr(self.c, name)
             fn.argtypes = argtypes
             fn.restype = restype
+        for name, (argtypes, restype) in _OPTIONAL_SIGNATURES.items():
+            fn = getattr(self.c, name, None)
+            if fn is not None:
+                fn.argtypes = argtypes
+                fn.restype = restype
         abi = _Abi()
         self.c.antman_core_get_abi(ctypes.byref(abi))
         found = {"mem": abi.mem, "ops": abi.ops, "gate": abi.gate}
@@ -169,6 +196,13 @@ class CoreLib:
         uses this very library instance and needs no link to it."""
         names = ("antman_opm_admit", "antman_opm_finish", "antman_gate_begin", "antman_gate_end")
         return {n: int(ctypes.cast(getattr(self.c, n), ctypes.c_void_p).value or 0) for n in names}
+
+    def optional(self, name: str) -> Any:
+        """An entry point of _OPTIONAL_SIGNATURES, or CoreError when this build predates it."""
+        fn = getattr(self.c, name, None)
+        if fn is None:
+            raise CoreError(f"{self.path} has no {name}: rebuild it with `python setup.py build_native`")
+        return fn
 
     def check(self, rc: int) -> None:
         """Raises CoreError with the library's message when rc is not ANTMAN_OK."""
@@ -264,8 +298,16 @@ class Memory(_Handle):
         """Device address, or None when neither device nor host memory can serve it."""
         return self.lib.c.antman_mem_alloc(self.handle, alignment, nbytes)
 
+    def alloc_device_only(self, nbytes: int, alignment: int = 256) -> int | None:
+        """Device address or None; never host memory (fail-fast requests)."""
+        return self.lib.optional("antman_mem_alloc_device_only")(self.handle, alignment, nbytes)
+
     def free(self, ptr: int) -> None:
         self.lib.c.antman_mem_free(self.handle, ptr)
+
+    def reset_peaks(self) -> None:
+        """Device, host and total peaks restart from the current values; largest_alloc from 0."""
+        self.lib.optional("antman_mem_reset_peaks")(self.handle)
 
     def is_host(self, ptr: int) -> bool | None:
         r = self.lib.c.antman_mem_is_host(self.handle, ptr)
@@ -292,6 +334,13 @@ class Memory(_Handle):
     def stats(self) -> dict[str, Any]:
         s = MemStats()
         self.lib.c.antman_mem_get_stats(self.handle, ctypes.byref(s))
+        return s.as_dict()
+
+    def ext_stats(self) -> dict[str, Any]:
+        """antman_mem_ext_stats; fields this library build does not fill read 0."""
+        s = MemExtStats()
+        self.lib.optional("antman_mem_get_ext_stats")(self.handle, ctypes.byref(s),
+                                                      ctypes.sizeof(s))
         return s.as_dict()
 
     def check_invariants(self) -> str:
