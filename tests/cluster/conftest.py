@@ -1,7 +1,7 @@
 """One Ray cluster per test module: 3 raylets on this machine (ray.cluster_utils.Cluster), each
 node marked with its `antman_node_<name>` resource; the tests that use it are skipped when Ray is not installed.
 
-Every test gets its own Ray namespace and state directory, so its node agents (detached, named
+Every test gets its own Ray namespace and state directory, so its node hosts (detached, named
 actors) are its own; they are killed when the test ends, and its jobs stopped.
 """
 
@@ -55,7 +55,7 @@ def ray_cluster() -> Iterator[RayCluster]:
     ray = pytest.importorskip("ray")  # the optional extra: tf-antman[ray]
     from ray.cluster_utils import Cluster
 
-    # Workers (node agents, Ray tasks) import this checkout, and jobs inherit it; restored after
+    # Workers (node hosts, Ray tasks) import this checkout, and jobs inherit it; restored after
     # the module, so that later tests do not run with this checkout on PYTHONPATH.
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "PYTHONBREAKPOINT",
                                              "RAY_CLIENT_MODE")}

@@ -58,7 +58,7 @@ class FakeRef:
 
 
 class FakeActor:
-    """A node agent behind Ray's calling convention."""
+    """A node host behind Ray's calling convention."""
 
     def __init__(self, agent: NodeHost) -> None:
         self.agent = agent

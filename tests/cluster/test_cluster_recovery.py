@@ -1,4 +1,4 @@
-"""The global scheduler's fault handling, driven step by step: node agents frozen, killed or
+"""The global scheduler's fault handling, driven step by step: node hosts frozen, killed or
 fenced, the global scheduler restarted from its store, gangs whose parts end apart.
 
 The agents are real `NodeHost`s running real job processes; only Ray's transport is a stand-in

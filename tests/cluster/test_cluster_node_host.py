@@ -1,4 +1,4 @@
-"""The node agent's own logic, without Ray: start, report, fencing, sweep."""
+"""The node host's own logic, without Ray: start, report, fencing, sweep."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
 
     import pytest
 
-    from scheduler_lite.cluster import node_host as agent_module
+    from scheduler_lite.cluster import node_host as node_host_module
     from scheduler_lite.cluster.tasks import PlacementError, _run_booked
 
     config = cluster_config(tmp_path, "ns")
@@ -171,7 +171,7 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
     assert int((agent.jobs_dir / "job-2" / "pid").read_text()) == os.getpid()
 
     # A booking no task claims: released after TASK_CLAIM_TIMEOUT_S, as a failure.
-    monkeypatch.setattr(agent_module, "TASK_CLAIM_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(node_host_module, "TASK_CLAIM_TIMEOUT_S", 0.0)
     agent.expect(task_record("job-3", "v"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
     time.sleep(0.01)
     ended3 = agent.report().parts["job-3"].exit
@@ -179,7 +179,7 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
     assert (agent.jobs_dir / "job-3" / "released").exists()
 
     # A booking cancelled before any task claimed it ends at once (not after the claim timeout).
-    monkeypatch.setattr(agent_module, "TASK_CLAIM_TIMEOUT_S", 300.0)
+    monkeypatch.setattr(node_host_module, "TASK_CLAIM_TIMEOUT_S", 300.0)
     agent.expect(task_record("job-4", "w"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
     assert agent.report().parts["job-4"].exit is None
     assert agent.signal("job-4", signal.SIGTERM)
