@@ -32,9 +32,24 @@ The world supplies time and readings and carries decisions out:
   memory held        universal memory: the limit in force  caching allocator model (`hold`)
   =================  ====================================  ===================================
 
-A pass, in order: `schedule(now)` -> for each `Launch` the world starts the job (or calls
-`finish(job, failed=True)` if it cannot: the booking is released) -> `round(now, gpu, view)`
-for the GPUs whose jobs changed or whose round is due -> the world applies the decisions.
+A pass, in order: `run_pass(now, world)` (the policy's decisions applied to the book and the
+settings, then handed to the world's `PassWorld` methods one by one in the policy's order: the one
+decision loop of both worlds) -> for each `Launch` the world starts the job (or calls
+`finish(job, failed=True)` if it cannot: the booking is released) -> `round(now, gpu, view)` for
+the GPUs whose jobs changed or whose round is due -> the world applies the decisions.
+
+What each world does with a decision of a pass (`PassWorld`):
+
+  =========  ============================================  ====================================
+  decision   daemon                                        simulator
+  =========  ============================================  ====================================
+  Place      book the launch (after the pass's records)    start the job (its progress)
+  Preempt    nothing (no policy it runs preempts)          kill it: its work starts over
+  Reserve    record a `reserved` event                     nothing
+  Unreserve  record an `unreserved` event                  nothing
+  Upgrade    record the role, write its control (share 1)  a guarantee job from now on
+  Reject     the job fails (`rejected`)                    the job fails
+  =========  ============================================  ====================================
 """
 
 from __future__ import annotations
@@ -57,11 +72,13 @@ from scheduler_lite.model import (
     Place,
     Preempt,
     Reject,
+    Reserve,
     Role,
     SetComputeShare,
     SetMemoryLimit,
     StepSample,
     Tenant,
+    Unreserve,
     Upgrade,
 )
 from scheduler_lite.policy import coordinator
@@ -121,6 +138,33 @@ class Reading:
 NO_READING: Final = Reading()
 
 
+class PassWorld:
+    """What a world does with each decision of a global pass (`Driver.run_pass`), after the
+    driver applied it to the book and the settings: the table in this module's docstring. Each
+    method does nothing here; a world overrides those it acts on."""
+
+    def decided(self, decision: GlobalDecision) -> None:
+        """Every decision, first (the daemon's tick log)."""
+
+    def place(self, launch: Launch) -> None:
+        """A Place, with the settings it starts with: the world starts the job."""
+
+    def preempt(self, decision: Preempt) -> None:
+        pass
+
+    def reserve(self, decision: Reserve) -> None:
+        pass
+
+    def unreserve(self, decision: Unreserve) -> None:
+        pass
+
+    def upgrade(self, decision: Upgrade) -> None:
+        """Its compute share is 1 now (the driver set it)."""
+
+    def reject(self, decision: Reject) -> None:
+        pass
+
+
 class Driver:
     def __init__(
         self,
@@ -170,6 +214,28 @@ class Driver:
                 case Preempt() | Reject():
                     self._release(d.job_id, now)
         return decisions, launches
+
+    def run_pass(self, now: float, world: PassWorld) -> list[GlobalDecision]:
+        """One global pass (`schedule`), its decisions handed to the world in the policy's order
+        (a Place with its Launch); returns the decisions."""
+        decisions, launches = self.schedule(now)
+        starts = iter(launches)
+        for d in decisions:
+            world.decided(d)
+            # isinstance in the order of frequency: Places are most of a busy pass.
+            if isinstance(d, Place):
+                world.place(next(starts))
+            elif isinstance(d, Preempt):
+                world.preempt(d)
+            elif isinstance(d, Reserve):
+                world.reserve(d)
+            elif isinstance(d, Unreserve):
+                world.unreserve(d)
+            elif isinstance(d, Upgrade):
+                world.upgrade(d)
+            elif isinstance(d, Reject):
+                world.reject(d)
+        return decisions
 
     def _place(self, d: Place, now: float) -> Launch:
         """Initial settings: the same rule the coordinator applies at its next round.
@@ -391,4 +457,4 @@ def estimate_remaining_s(*, step: int | None, step_s: float | None, expected_ste
     return None
 
 
-__all__ = ["BUSY", "Driver", "Launch", "NO_READING", "Reading", "Settings", "estimate_remaining_s"]
+__all__ = ["BUSY", "NO_READING", "Driver", "Launch", "PassWorld", "Reading", "Settings", "estimate_remaining_s"]

@@ -23,10 +23,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from scheduler_lite.driver import Driver
+from scheduler_lite.driver import Driver, Launch, PassWorld
 from scheduler_lite.model import (
     JobKind,
-    Place,
     Preempt,
     Reject,
     Role,
@@ -131,6 +130,7 @@ class Simulator:
         self.life = JobLifecycle(self.clock, self.driver, self.speeds, self.rounds, perf=perf, policy=policy,
                                  mem=self.mem, group={g.id: g.nvlink_group for g in workload.gpus}, jobs=self.jobs,
                                  on_gpu=self.on_gpu, stale_on_start=not reads_nothing)
+        self.pass_world = _PassWorld(self.life, self.jobs, self.counters)
         self.timeseries: list[tuple[float, float, float, int]] = []
         self.sample_every = 1.0
 
@@ -276,30 +276,9 @@ class Simulator:
 
     def _pass(self, dirty: set[int]) -> None:
         self.counters["schedule_calls"] += 1
-        decisions, launches = self.driver.schedule(self.clock.now)
-        self.counters["decisions"] += len(decisions)
-        starts = iter(launches)
-        for d in decisions:
-            if isinstance(d, Preempt):
-                sj = self.jobs[d.job_id]
-                self.speeds.settle(sj)
-                self.life.leave(sj, dirty)
-                sj.preemptions += 1
-                sj.remaining = sj.trace.runtime_s  # killed: starts over
-                sj.state = "pending"
-                continue
-            if isinstance(d, Place):
-                self.life.start(self.jobs[d.job_id], next(starts), dirty)
-            elif isinstance(d, Upgrade):
-                self.counters["upgrades"] += 1
-                sj = self.jobs[d.job_id]
-                sj.role = Role.GUARANTEE  # the driver set its shares to 1
-                self.rounds.track_share(sj)
-                dirty.update(sj.gpus)
-            elif isinstance(d, Reject):
-                sj = self.jobs[d.job_id]
-                sj.state = "failed"
-                sj.end = self.clock.now
+        world = self.pass_world
+        world.dirty = dirty
+        self.counters["decisions"] += len(self.driver.run_pass(self.clock.now, world))
 
     def _migrate(self, dirty: set[int]) -> None:
         """Re-place stranded opportunistic jobs (policy/migration.py); each pays a checkpoint-restart."""
@@ -347,6 +326,30 @@ class Simulator:
         # the series ends at the first point after it.
         series = [p for p in self.timeseries if p[0] < last + self.sample_every]
         return SimResult(self.policy.name, self.w.name, self.seed, records, summary, series)
+
+
+class _PassWorld(PassWorld):
+    """What the simulator does with a global pass's decisions (driver.py's table): the jobs'
+    lives (sim/lifecycle.py), on the GPUs the engine then recomputes (`dirty`)."""
+
+    def __init__(self, life: JobLifecycle, jobs: dict[str, SimJob], counters: dict[str, int]) -> None:
+        self.life = life
+        self.jobs = jobs
+        self.counters = counters
+        self.dirty: set[int] = set()  # the batch's, set before each pass
+
+    def place(self, launch: Launch) -> None:
+        self.life.start(self.jobs[launch.job_id], launch, self.dirty)
+
+    def preempt(self, decision: Preempt) -> None:
+        self.life.preempt(self.jobs[decision.job_id], self.dirty)
+
+    def upgrade(self, decision: Upgrade) -> None:
+        self.counters["upgrades"] += 1
+        self.life.upgrade(self.jobs[decision.job_id], self.dirty)
+
+    def reject(self, decision: Reject) -> None:
+        self.life.reject(self.jobs[decision.job_id])
 
 
 def _check_submit_times(workload: Workload) -> None:

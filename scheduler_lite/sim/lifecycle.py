@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler_lite.model import Job
+from scheduler_lite.model import Job, Role
 from scheduler_lite.sim.clock import work_tolerance
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
 from scheduler_lite.sim.simjob import SimJob
@@ -162,6 +162,23 @@ class JobLifecycle:
         sj.state = "pending"
         self.jobs[sj.book_id] = sj
         self.book.submit(self.book_job(sj))  # profile now includes the surge: no second one
+
+    def preempt(self, sj: SimJob, dirty: set[int]) -> None:
+        """Killed by a preemption: its work starts over when it is placed again."""
+        self.speeds.settle(sj)
+        self.leave(sj, dirty)
+        sj.preemptions += 1
+        sj.remaining = sj.trace.runtime_s
+        sj.state = "pending"
+
+    def upgrade(self, sj: SimJob, dirty: set[int]) -> None:
+        sj.role = Role.GUARANTEE  # the driver set its shares to 1
+        self.rounds.track_share(sj)
+        dirty.update(sj.gpus)
+
+    def reject(self, sj: SimJob) -> None:
+        sj.state = "failed"
+        sj.end = self.clock.now
 
     def start(self, sj: SimJob, d: Launch, dirty: set[int]) -> None:
         sj.state = "running"
