@@ -137,8 +137,8 @@ class LocalJobHost:
 
     def prepare(self, launch: Launch, uid: int | None) -> Path:
         job_dir = self.job_dir(launch.job_id)
-        self.clear(launch.job_id)
-        # Owned by the daemon, open to the job's user for its stats only (scheduler_lite.isolation).
+        # Owned by the daemon, open to the job's user for its stats only; an earlier launch's files
+        # (its pid, its exit status) are emptied out with the rest (scheduler_lite.isolation).
         prepare_job_dir(job_dir, job_user(uid))
         return job_dir
 
