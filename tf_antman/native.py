@@ -152,6 +152,23 @@ class Native:
                                            ctypes.byref(limit), note, len(note))
         return int(capacity.value), int(limit.value), note.value.decode(errors="replace")
 
+    def tf_allocator_stats(self) -> dict[str, int]:
+        """TF's view of the first device's memory (its tsl::Allocator's GetStats and memory type)."""
+        out = (ctypes.c_int64 * 7)()
+        if self.lib.antman_rt_tf_allocator_stats(out) != 0:
+            raise self._no_device()
+        keys = ("num_allocs", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size", "bytes_reserved",
+                "bytes_limit", "memory_type")
+        return dict(zip(keys, (int(v) for v in out), strict=True))
+
+    def tf_allocate_probe(self, nbytes: int, retry_on_failure: bool) -> str:
+        """Test hook: allocates and frees `nbytes` through TF's allocator of the first device with
+        AllocationAttributes(retry_on_failure); "device", "host" or "refused"."""
+        rc = self.lib.antman_rt_tf_allocate_probe(nbytes, int(retry_on_failure))
+        if rc < 0:
+            raise self._no_device()
+        return ("device", "host", "refused")[rc]
+
     def check_invariants(self) -> str:
         """Empty when the allocator's invariants hold, else what broke."""
         buf = ctypes.create_string_buffer(512)
@@ -217,6 +234,10 @@ def load() -> Native:
     lib.antman_rt_waiting_op.argtypes = [i32]
     lib.antman_rt_waiting_op.restype = ctypes.c_char_p
     lib.antman_rt_check_invariants.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.antman_rt_tf_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.antman_rt_tf_allocator_stats.restype = i32
+    lib.antman_rt_tf_allocate_probe.argtypes = [u64, i32]
+    lib.antman_rt_tf_allocate_probe.restype = i32
     lib.antman_rt_check_gpu_options.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
     lib.antman_rt_check_gpu_options.restype = i32
     lib.antman_rt_plan_gpu_memory.argtypes = [u64, u64, ctypes.c_int64, ctypes.POINTER(u64), ctypes.POINTER(u64),

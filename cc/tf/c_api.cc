@@ -154,6 +154,40 @@ ANTMAN_EXPORT void antman_rt_plan_gpu_memory(uint64_t antman_capacity, uint64_t 
   CopyError(plan.note, note, notelen);
 }
 
+// TF's view of the first device's memory (its tsl::Allocator, allocator.h): out[0..6] =
+// num_allocs, bytes_in_use, peak_bytes_in_use, largest_alloc_size, bytes_reserved, bytes_limit,
+// memory type (tsl::AllocatorMemoryType). 0, or 1 when no device exists yet.
+ANTMAN_EXPORT int antman_rt_tf_allocator_stats(int64_t* out) {
+  antman::UniversalTfAllocator* a = antman::FirstTfAllocator();
+  if (a == nullptr || out == nullptr) return 1;
+  const tsl::AllocatorStats s = a->GetStats().value_or(tsl::AllocatorStats());
+  out[0] = s.num_allocs;
+  out[1] = s.bytes_in_use;
+  out[2] = s.peak_bytes_in_use;
+  out[3] = s.largest_alloc_size;
+  out[4] = s.bytes_reserved;
+  out[5] = s.bytes_limit.value_or(0);
+  out[6] = static_cast<int64_t>(a->GetMemoryType());
+  return 0;
+}
+
+// Test hook, TF's allocator driven as a kernel would: allocates `bytes` through the first
+// device's tsl::Allocator with AllocationAttributes(retry_on_failure), says where the block
+// landed and frees it. 0 device, 1 host arena, 2 refused (NULL), -1 no device yet.
+ANTMAN_EXPORT int antman_rt_tf_allocate_probe(uint64_t bytes, int retry_on_failure) {
+  antman::UniversalTfAllocator* a = antman::FirstTfAllocator();
+  antman_mem* mem = Mem();
+  if (a == nullptr || mem == nullptr) return -1;
+  tsl::AllocationAttributes attr;
+  attr.retry_on_failure = retry_on_failure != 0;
+  tsl::Allocator* base = a;  // as TF calls it, through the base class
+  void* p = base->AllocateRaw(tsl::Allocator::kAllocatorAlignment, bytes, attr);
+  if (p == nullptr) return 2;
+  const int host = antman_mem_is_host(mem, p);
+  base->DeallocateRaw(p);
+  return host == 1 ? 1 : 0;
+}
+
 ANTMAN_EXPORT int antman_rt_set_share(double share) {
   antman::Runtime& rt = antman::Runtime::Get();
   if (!rt.configured()) return 1;

@@ -103,7 +103,9 @@ class EmulatedDeviceFactory : public tensorflow::DeviceFactory {
     // the process, so every device instance (eager context, each Session) draws on the same
     // budget and the limit bounds the job's total; the manager's busy time is the union of all
     // their ops, so the share holds for the job.
-    static UniversalTfAllocator* allocator = new UniversalTfAllocator(rt.mem());
+    static UniversalTfAllocator* allocator =
+        new UniversalTfAllocator(rt.mem(), tsl::AllocatorMemoryType::kHostPageable);
+    NoteTfAllocator(allocator);
     for (int i = 0; i < n; ++i) {
       std::string name = name_prefix + "/device:CPU:" + std::to_string(i);
       devices->push_back(std::make_unique<EmulatedDevice>(

@@ -283,6 +283,16 @@ class AntmanGpuDeviceFactory final : public tensorflow::BaseGPUDeviceFactory {
     std::string refused = RefusedGpuOptions(options.config.gpu_options());
     if (!refused.empty()) return absl::InvalidArgumentError(refused);
     absl::Status status = BaseGPUDeviceFactory::CreateDevices(options, name_prefix, devices);
+    {
+      // A GPU whose memory could not be created fails device creation with the reason (the
+      // error of the first op or of the Session), rather than later at its first allocation
+      // (BaseGPUDevice's scratch buffers fail with a message that does not name the allocator).
+      std::lock_guard<std::mutex> lock(State().mu);
+      if (status.ok() && !no_memory_.empty()) {
+        status = absl::FailedPreconditionError(no_memory_);
+      }
+      no_memory_.clear();
+    }
     if (status.ok() && g_devices.load() == 0) {
       std::vector<std::string> physical;  // TF's own listing, not counted as a list call of ours
       const bool listed = BaseGPUDeviceFactory::ListPhysicalDevices(&physical).ok();
@@ -292,6 +302,8 @@ class AntmanGpuDeviceFactory final : public tensorflow::BaseGPUDeviceFactory {
   }
 
  private:
+  std::string no_memory_;  // the first GPU without memory in this CreateDevices; State().mu
+
   // `tf_gpu_allocator` is the GPUBFCAllocator TF made for this device: unused.
   std::unique_ptr<tensorflow::BaseGPUDevice> CreateGPUDevice(
       const tensorflow::SessionOptions& options, const std::string& name,
@@ -318,13 +330,20 @@ class AntmanGpuDeviceFactory final : public tensorflow::BaseGPUDeviceFactory {
       std::lock_guard<std::mutex> lock(state.mu);
       if (why.empty()) {
         std::unique_ptr<UniversalTfAllocator>& a = state.allocators[platform_id.value()];
-        if (a == nullptr) a = std::make_unique<UniversalTfAllocator>(mem);
+        if (a == nullptr) {
+          a = std::make_unique<UniversalTfAllocator>(mem, tsl::AllocatorMemoryType::kDevice);
+          NoteTfAllocator(a.get());
+        }
         allocator = a.get();
         antman_mem_stats stats;
         antman_mem_get_stats(mem, &stats);
         limit = static_cast<int64_t>(stats.limit);
       } else {
         LOG(ERROR) << "tf-antman: " << name << " has no memory under tf-antman: " << why;
+        if (no_memory_.empty()) {
+          no_memory_ = "tf-antman: " + name + " has no memory under tf-antman: " + why;
+        }
+        // Kept as a second guard should the device be used anyway.
         allocator = new RefusingAllocator(why);  // leaked: TF's device keeps a raw pointer
       }
     }
