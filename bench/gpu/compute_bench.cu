@@ -369,7 +369,9 @@ Phase RunPhase(Job& job, Gated& g, Cupti& cupti, double share, double warmup_s, 
 
 int Share(bool quick, double kernel_us, double host_us) {
   Cupti cupti;
-  cupti.Start();  // before the first CUDA call of this mode: every kernel gets a record
+  cupti.Start();  // before the context: every kernel of the process gets a record
+  CUDA_OK(cudaSetDevice(0));
+  CUDA_OK(cudaFree(nullptr));  // the primary context, which the gate also uses
   Job job;
   job.Init(1);
   const bool short_mode = kernel_us > 0;
@@ -530,11 +532,8 @@ int main(int argc, char** argv) {
                 "driver: %s\"}\n", kJsonVersion, cudaGetErrorString(e));
     return kSkip;
   }
-  if (mode == "share") {
-    // CUPTI first (Share), then the context.
-    CUDA_OK(cudaSetDevice(0));
-    return Share(quick, kernel_us, host_us);
-  }
+  // share: CUPTI is started before the context exists (Share), so that every kernel is recorded.
+  if (mode == "share") return Share(quick, kernel_us, host_us);
   CUDA_OK(cudaSetDevice(0));
   CUDA_OK(cudaFree(nullptr));  // the primary context, which the gate also uses
   if (mode == "probe") return 0;

@@ -207,6 +207,16 @@ void BenchShrink(bool quick, uint64_t shrink_gib, bool in_flight, Json* out) {
     cudaMalloc(&spin_buf, sizeof(unsigned long long));
     cudaStreamCreateWithFlags(&spin_stream, cudaStreamNonBlocking);
   }
+  // The GPU's own clock now, then a kernel that spins kSpinMs past it on spin_stream.
+  auto spin = [&] {
+    ReadTimer<<<1, 1, 0, spin_stream>>>(spin_buf);
+    unsigned long long now_ns = 0;
+    cudaMemcpyAsync(&now_ns, spin_buf, sizeof(now_ns), cudaMemcpyDeviceToHost, spin_stream);
+    cudaStreamSynchronize(spin_stream);
+    SpinUntil<<<1, 32, 0, spin_stream>>>(now_ns + static_cast<unsigned long long>(kSpinMs * 1e6),
+                                         spin_buf);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // it has started
+  };
   int kernels_running = 0;  // shrinks that returned while the spinning kernel still ran
   antman::Backend backend;
   if (!MakeBackend(0, &backend)) {
@@ -244,16 +254,7 @@ void BenchShrink(bool quick, uint64_t shrink_gib, bool in_flight, Json* out) {
     antman_mem_stats before;
     mem.GetStats(&before);
     const size_t free_before = DriverFree();
-    if (in_flight) {
-      // The GPU's own clock now, then a kernel that spins kSpinMs past it.
-      ReadTimer<<<1, 1, 0, spin_stream>>>(spin_buf);
-      unsigned long long now_ns = 0;
-      cudaMemcpyAsync(&now_ns, spin_buf, sizeof(now_ns), cudaMemcpyDeviceToHost, spin_stream);
-      cudaStreamSynchronize(spin_stream);
-      SpinUntil<<<1, 32, 0, spin_stream>>>(now_ns + static_cast<unsigned long long>(kSpinMs * 1e6),
-                                           spin_buf);
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // it has started
-    }
+    if (in_flight) spin();
     source.Record(true);
     // The bench's steady clock around the call, not the allocator's own timers.
     const auto t0 = std::chrono::steady_clock::now();
@@ -280,9 +281,11 @@ void BenchShrink(bool quick, uint64_t shrink_gib, bool in_flight, Json* out) {
       if (cudaMalloc(&p, s) == cudaSuccess) raw.push_back(p);
     }
     cudaDeviceSynchronize();
+    if (in_flight) spin();  // the baseline under the same condition: a kernel spinning across the frees
     const auto t2 = std::chrono::steady_clock::now();
     for (void* p : raw) cudaFree(p);
     const auto t3 = std::chrono::steady_clock::now();
+    if (in_flight) cudaStreamSynchronize(spin_stream);
     raw_ms.push_back(Ms(t3 - t2));
     std::fprintf(stderr, "shrink %d: %.2f GiB in %llu regions: %.3f ms (cudaFree baseline %.3f ms)\n",
                  rep, r.bytes_freed / double(GiB), (unsigned long long)r.regions_freed,
