@@ -121,6 +121,12 @@ class GateStats(_Struct):
     )]
 
 
+class GateExtStats(_Struct):
+    """Mirror of antman_gate_ext_stats (fields only ever appended)."""
+
+    _fields_ = [(name, _i64) for name in ("ops_captured", "host_gap_ns")]
+
+
 class _Abi(ctypes.Structure):
     _fields_ = [("mem", _i32), ("ops", _i32), ("gate", _i32)]
 
@@ -167,6 +173,7 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "antman_mem_alloc_device_only": ([_vp, _sz, _sz], _vp),
     "antman_mem_reset_peaks": ([_vp], None),
     "antman_mem_get_ext_stats": ([_vp, ctypes.POINTER(MemExtStats), _sz], _sz),
+    "antman_gate_get_ext_stats": ([_vp, ctypes.POINTER(GateExtStats), _sz], _sz),
 }
 
 
@@ -483,4 +490,11 @@ class CudaGate(_Handle):
     def stats(self) -> dict[str, int]:
         s = GateStats()
         self.lib.check(self.lib.c.antman_gate_get_stats(self.handle, ctypes.byref(s)))
+        return s.as_dict()
+
+    def ext_stats(self) -> dict[str, int]:
+        """antman_gate_ext_stats: ops let through during CUDA graph capture, host time not charged."""
+        s = GateExtStats()
+        self.lib.optional("antman_gate_get_ext_stats")(self.handle, ctypes.byref(s),
+                                                       ctypes.sizeof(s))
         return s.as_dict()
