@@ -252,46 +252,6 @@ def last_json(stdout: str) -> dict[str, Any] | None:
     return None
 
 
-class Run:
-    """One run of a bench binary: its exit status, its JSON line and what went wrong."""
-
-    def __init__(self, what: str, rc: int | None, result: dict[str, Any] | None, stderr: str,
-                 error: str | None) -> None:
-        self.what, self.rc, self.result, self.stderr, self.error = what, rc, result, stderr, error
-
-
-def run_json(cmd: list[str], what: str, timeout: float, probe_found_device: bool = True) -> Run:
-    """Runs a bench binary that prints one JSON line; never raises for what the binary does.
-    `probe_found_device`: False when compute_bench probe failed (then a skip exit is not said to
-    contradict it)."""
-    try:
-        rc, out, err = run_captured(cmd, timeout)
-    except OSError as e:
-        return Run(what, None, None, "", f"{what}: cannot run: {e}")
-    if err:
-        sys.stderr.write(err if err.endswith("\n") else err + "\n")  # its progress, for the log
-        sys.stderr.flush()
-    result = last_json(out)
-    if rc is None:
-        error = f"{what}: no answer within {timeout:.0f} s (killed)"
-    elif rc != 0:
-        error = f"{what}: {describe_rc(rc)}"
-        if rc == SKIP:
-            why = (result or {}).get("skipped", "skipped")
-            error += f" ({why}, though the probe found a device)" if probe_found_device else f" ({why})"
-    elif result is None:
-        error = f"{what}: printed no JSON line"
-    else:
-        error = None
-    if error is not None and result is None:
-        # Nothing of its own says why: a crash, a CUDA error before the line, a hang.
-        if rc is not None and rc != 0:
-            error += ", printed no JSON line"
-        if err.strip():
-            error += f"; stderr: {tail(err)}"
-    return Run(what, rc, result, err, error)
-
-
 def wait_ready(opp: subprocess.Popen, timeout: float) -> str | None:
     """The opportunist's first stdout line, or None if it printed none within `timeout` s (a
     thread reads it: a stuck process cannot hang the bench)."""

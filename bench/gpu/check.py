@@ -78,7 +78,6 @@ from _procs import (  # noqa: E402 - bench/_procs.py, shared with bench/gpu_colo
     install_stop_handlers,
     last_json,
     run_captured,
-    run_json,
     start_child,
     stop_opportunist,
     tail,
@@ -186,35 +185,37 @@ class Check:
 
 def run_step_json(c: Check, cmd: list[str], what: str, timeout: float, env: dict[str, str] | None = None
                   ) -> dict[str, Any]:
-    """Runs a program that prints one JSON line; its result, or BenchError saying what went wrong
-    (a hang is killed with its group at `timeout`)."""
-    if env is None:
-        run = run_json(cmd, what, timeout)
-    else:
-        try:
-            rc, out, err = run_captured(cmd, timeout, env=env)
-        except OSError as e:
-            raise BenchError(f"{what}: cannot run: {e}") from e
-        if err:
-            sys.stderr.write(err if err.endswith("\n") else err + "\n")
-        result = last_json(out)
-        if rc is None:
-            raise BenchError(f"{what}: no answer within {timeout:.1f} s (killed)")
-        if rc != 0 or result is None:
-            why = describe_rc(rc) if rc != 0 else "exit 0"
-            raise BenchError(f"{what}: {why}" + ("" if result is not None else ", printed no JSON line")
-                             + (f"; stderr: {tail(err)}" if err.strip() else "")
-                             + (f"; its line: {json.dumps(result)[:500]}" if result is not None else ""))
-        return result
-    if run.error is not None:
-        if run.result is not None and run.rc not in (None, 0):
-            # a failed check with its line: the caller judges the figures and names the failure
-            return {**run.result, "_rc": run.rc, "_error": run.error,
-                    "_failed_checks": [line.split("CHECK FAILED:", 1)[1].strip()
-                                       for line in run.stderr.splitlines() if "CHECK FAILED:" in line]}
-        raise BenchError(run.error)
-    assert run.result is not None
-    return run.result
+    """Runs a program that prints one JSON line (its group killed at `timeout`); its line. A
+    program that printed its line and exited non-zero (a failed check) gives its line with
+    "_error" (exit status) and "_failed_checks" (its `CHECK FAILED:` lines) for the step to
+    report beside its figures; anything else that went wrong raises BenchError."""
+    try:
+        rc, out, err = run_captured(cmd, timeout, env=env)
+    except OSError as e:
+        raise BenchError(f"{what}: cannot run: {e}") from e
+    if err:
+        sys.stderr.write(err if err.endswith("\n") else err + "\n")  # its progress, for the log
+        sys.stderr.flush()
+    result = last_json(out)
+    if rc is None:
+        raise BenchError(f"{what}: no answer within {timeout:.1f} s (killed)"
+                         + (f"; stderr: {tail(err)}" if err.strip() else ""))
+    if result is None:
+        raise BenchError(f"{what}: {describe_rc(rc)}, printed no JSON line"
+                         + (f"; stderr: {tail(err)}" if err.strip() else ""))
+    if rc != 0:
+        failed = [line.split("CHECK FAILED:", 1)[1].strip() for line in err.splitlines() if "CHECK FAILED:" in line]
+        result = {**result, "_error": f"{what}: {describe_rc(rc)}" + (f" ({result['skipped']})" if "skipped" in result
+                                                                   else ""), "_failed_checks": failed}
+    return result
+
+
+def with_error(r: dict[str, Any], figures: dict[str, Any]) -> dict[str, Any]:
+    """A program's own failure (exit status, failed checks) beside the step's figures."""
+    if r.get("_error"):
+        figures["error"] = r["_error"] + (f"; failed checks: {'; '.join(r['_failed_checks'])}"
+                                          if r.get("_failed_checks") else "")
+    return figures
 
 
 def number(value: object) -> float | None:
@@ -274,8 +275,11 @@ def judge_share(result: dict[str, Any], nvml: NvmlSampler | None, kind: str) -> 
         k, s = number(p.get("kernels")), number(p.get("seconds"))
         return k / s if k and s else None
 
-    cupti = [(number(p.get("busy_ns")) or -1) / w if (w := number(p.get("window_ns"))) and w > 0
-             and (number(p.get("busy_ns")) or -1) >= 0 else None for p in phases]
+    def cupti_share(p: dict[str, Any]) -> float | None:  # busy_ns and window_ns are -1 without CUPTI
+        busy, window = number(p.get("busy_ns")), number(p.get("window_ns"))
+        return busy / window if busy is not None and window is not None and busy >= 0 and window > 0 else None
+
+    cupti = [cupti_share(p) for p in phases]
     nvml_means: list[float | None] = [None] * len(phases)
     nvml_error = None
     if nvml is None or nvml.error is not None:
@@ -396,9 +400,7 @@ def step_memory(c: Check, timeout: float) -> dict[str, Any]:
         f"shrink_ge_{SHRINK_MIN_GIB:g}_gib_in_flight": (number(r.get("shrink_inflight_gib")) or 0) >= SHRINK_MIN_GIB,
         "limit_overshoot_0": r.get("limit_overshoot_bytes") == 0,
     }
-    if r.get("_failed_checks"):
-        figures["failed_checks"] = r["_failed_checks"]
-    return figures
+    return with_error(r, figures)
 
 
 def step_compute(c: Check, timeout: float, kind: str) -> dict[str, Any]:
@@ -414,7 +416,7 @@ def step_compute(c: Check, timeout: float, kind: str) -> dict[str, Any]:
         r = run_step_json(c, cmd, f"compute_bench share ({kind})", timeout, env=env)
     finally:
         sampler.stop()
-    figures = judge_share(r, sampler, kind)
+    figures = with_error(r, judge_share(r, sampler, kind))
     if kind == "long":
         c.state["calibration"] = (r.get("fma_iters"), figures.get("kernel_s_alone"))
     return figures
@@ -480,7 +482,7 @@ def step_torch_smoke(c: Check, timeout: float) -> dict[str, Any]:
     checks = r.get("checks")
     if not isinstance(checks, dict) or not checks:
         raise BenchError(f"torch_smoke: no checks in {json.dumps(r)[:300]}")
-    return {**{k: v for k, v in r.items() if k != "checks"}, "checks": checks}
+    return with_error(r, {**{k: v for k, v in r.items() if not k.startswith("_")}, "checks": checks})
 
 
 def opportunist_beside(c: Check, iters: int, kernels: int, share: float, budget: Budget
@@ -513,6 +515,8 @@ def opportunist_beside(c: Check, iters: int, kernels: int, share: float, budget:
 def guarantee(c: Check, iters: int, kernels: int, budget: Budget) -> float:
     r = run_step_json(c, [*c.program("compute_bench"), "guarantee", "--iters", str(iters), "--kernels",
                           str(kernels)], "guarantee", budget.timeout(60 * c.scale, "guarantee"))
+    if r.get("_error"):
+        raise BenchError(r["_error"])
     wall = number(r.get("wall_s"))
     if wall is None or wall <= 0:
         raise BenchError(f"guarantee: no wall_s in {json.dumps(r)[:300]}")

@@ -77,10 +77,14 @@ elif name == "build":
     for b in ("memory_bench", "compute_bench"):
         open(os.path.join(out, b), "w").close()
 elif name == "memory_bench":
+    ok = mode != "check_failed"
+    if not ok:
+        sys.stderr.write("CHECK FAILED: fallback: host-backed results equal device-backed ones and the CPU reference\n")
     emit({{"bench": "gpu_memory", "version": 1, "device": "Stand-in GPU", "shrink_gib": 16.0,
            "shrink_gib_per_ms": 1.0, "shrink_inflight_gib": 16.0, "shrink_inflight_gib_per_ms": 0.9,
-           "shrink_inflight_kernel_running_after": 3, "limit_overshoot_bytes": 0, "host_fallback_ok": True,
-           "host_fallback_slowdown": 9.0, "checks_ok": True}})
+           "shrink_inflight_kernel_running_after": 3, "limit_overshoot_bytes": 0, "host_fallback_ok": ok,
+           "host_fallback_slowdown": 9.0, "checks_ok": ok}})
+    sys.exit(0 if ok else 1)
 elif name == "compute_bench" and sub == "probe":
     if mode == "no_device":
         emit({{"skipped": "no CUDA device or driver: stand-in"}})
@@ -281,6 +285,16 @@ def test_the_budget_holds_and_a_step_without_its_minimum_is_skipped_for_time(tmp
     for r in lines[:-1]:
         if "timeout_s" in r:  # no step was given more than was left of the budget at its start
             assert r["started_at_s"] + r["timeout_s"] <= summary["budget_s"] + 1e-3, r
+
+
+def test_a_failed_check_keeps_the_figures_and_names_the_check(tmp_path: Path) -> None:
+    proc, lines, _ = rehearse(tmp_path, {"memory_bench": "check_failed"}, "--only", "gpu_idle,binaries,memory")
+    assert proc.returncode == 1
+    memory = next(r for r in lines if r["step"] == "memory")
+    assert memory["status"] == "failed" and memory["shrink_gib"] == 16.0  # the figures are kept
+    assert memory["host_fallback_ok"] is False and memory["checks"]["host_fallback_zero_copy_ok"] is False
+    assert memory["error"] == ("memory_bench: exit 1; failed checks: fallback: host-backed results equal "
+                               "device-backed ones and the CPU reference")
 
 
 def test_share_off_target_fails_the_compute_step_naming_the_check(tmp_path: Path) -> None:
