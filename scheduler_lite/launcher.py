@@ -227,7 +227,8 @@ def _cmdline(pid: int) -> bytes | None:
         return None
 
 
-def _has_name(pid: int, name: str) -> bool:
+def has_name(pid: int, name: str) -> bool:
+    """The process's command line carries `name` (`process_name`: a wrapper's job and launch token)."""
     cmdline = _cmdline(pid)
     return cmdline is not None and name.encode() in cmdline.split(b"\0")[:5]
 
@@ -321,7 +322,7 @@ class Launcher:
         """
         if token and start_ticks is None:
             _await_exec(pid, None, EXEC_GRACE_S)
-            if not _has_name(pid, process_name(job_id, token)):
+            if not has_name(pid, process_name(job_id, token)):
                 return _recorded_or_unknown(job_dir)
             start_ticks = process_start_ticks(pid)
         handle = ProcessHandle(pid, start_ticks, job_dir)
@@ -329,7 +330,7 @@ class Launcher:
         if ended is None and token:
             # Recorded right after Popen returned, its command line may not be in place yet.
             _await_exec(pid, start_ticks, EXEC_GRACE_S)
-            if not _has_name(pid, process_name(job_id, token)):
+            if not has_name(pid, process_name(job_id, token)):
                 return _recorded_or_unknown(job_dir)
         return handle if ended is None else ended
 
@@ -338,7 +339,7 @@ class Launcher:
         """The pid of a live process started with this launch token, if any (scans /proc)."""
         name = process_name(job_id, token)
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and _has_name(int(entry.name), name) and process_running(int(entry.name), None):
+            if entry.name.isdigit() and has_name(int(entry.name), name) and process_running(int(entry.name), None):
                 return int(entry.name)
         return None
 

@@ -50,7 +50,7 @@ from scheduler_lite.launcher import (
     STDOUT_FILE,
     ExitInfo,
     ProcessHandle,
-    _has_name,
+    has_name,
     process_name,
     process_running,
     process_start_ticks,
@@ -321,7 +321,7 @@ class NodeHost:
         job_dir = self.jobs_dir / job_id
         name = process_name(job_id, part_token(token, rank))
         pid = read_small_int(job_dir / PID_FILE)
-        if pid is not None and process_running(pid, None) and not _has_name(pid, name):
+        if pid is not None and process_running(pid, None) and not has_name(pid, name):
             pid = None  # a live process without this launch's token: another launch's pid file, or a reused pid
         if pid is None:
             pid = self.launcher.find(job_id, part_token(token, rank))

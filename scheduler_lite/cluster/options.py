@@ -35,7 +35,8 @@ DEVICES: Final = ("cuda", "emulated")
 MIN_LIMIT: Final = 1 << 20  # ANTMAN_MEMORY_LIMIT's lower bound
 
 
-def _bytes(name: str, value: int | str | None) -> int | None:
+def parse_size(name: str, value: int | str | None) -> int | None:
+    """`value` in bytes (an integer, or a size such as "4GiB"); None stays None; ValueError names `name`."""
     if value is None:
         return None
     accepted = "bytes (an integer) or a size such as \"4GiB\""
@@ -65,9 +66,9 @@ def ray_options(
         raise ValueError(f"kind={kind!r} is invalid: accepted one of {', '.join(KINDS)}")
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is invalid: accepted one of {', '.join(DEVICES)}")
-    limit = _bytes("memory", memory)
-    size = _bytes("device_memory", device_memory)
-    host = _bytes("host_memory", host_memory)
+    limit = parse_size("memory", memory)
+    size = parse_size("device_memory", device_memory)
+    host = parse_size("host_memory", host_memory)
     if device == "emulated" and size is None:
         raise ValueError("device_memory=None is invalid: accepted a size (the emulated GPU's memory) "
                          "when device=\"emulated\"")

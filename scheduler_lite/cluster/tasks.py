@@ -48,7 +48,7 @@ from scheduler_lite.cluster.booking import (
     task_env,
     write_number,
 )
-from scheduler_lite.cluster.options import KINDS, _bytes
+from scheduler_lite.cluster.options import KINDS, parse_size
 from scheduler_lite.launcher import EXIT_STATUS_FILE
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ def request_placement(
         raise ValueError(f"timeout_s={timeout_s!r} is invalid: accepted (0, 86400] seconds")
     if config.cluster is None:
         raise ValueError("config has no [cluster] table: request_placement needs the cluster's global scheduler")
-    demand = _bytes("memory", memory)
+    demand = parse_size("memory", memory)
     if demand is None:
         sizes = [d.memory_bytes for d in config.devices.emulated]
         if config.devices.kind != "emulated" or not sizes:
