@@ -262,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(config: Config, args: argparse.Namespace) -> int:
+    from scheduler_lite.containment import ContainmentUnavailable
     from scheduler_lite.daemon import DaemonLockedError  # only `serve` runs the loop
     from scheduler_lite.metrics import MetricsUnavailable
     from scheduler_lite.server import run_daemon
@@ -270,7 +271,7 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run_daemon(config, metrics_port=args.metrics_port, metrics_address=args.metrics_address)
-    except (DaemonLockedError, MetricsUnavailable) as e:
+    except (DaemonLockedError, MetricsUnavailable, ContainmentUnavailable) as e:
         raise UserError(str(e)) from None
     return 0
 
@@ -445,6 +446,9 @@ def cmd_status(config: Config, args: argparse.Namespace) -> int:
         return 0
     _print_status(cluster_status(found))
     _print_quota_warning(config, found["tenants"], len(found["gpus"]))
+    contained = found.get("containment")  # absent from a daemon before containment, or in cluster mode
+    if isinstance(contained, dict):
+        print(f"\ncontainment: {'on' if contained.get('active') else 'OFF'}: {contained.get('detail')}")
     return 0
 
 

@@ -25,6 +25,7 @@ from typing import Any, Final, TypeVar
 
 from scheduler_lite.auth import TenantMembers
 from scheduler_lite.cluster.config import ClusterConfig, check_fencing, parse_cluster
+from scheduler_lite.containment import CONTAINMENT_MODES
 from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
@@ -74,6 +75,9 @@ class JobsConfig:
     cancel_grace_s: float = 10.0
     # ANTMAN_DEVICE_PRIORITY of opportunistic jobs on emulated devices (tf_antman/priority.py).
     opportunistic_priority: str = "low"  # one of PRIORITIES
+    # Each job in a cgroup of its own (scheduler_lite.containment): "auto" where the daemon can
+    # create cgroups, "required" (serve refuses to start without), "off".
+    containment: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,8 +408,10 @@ def _jobs(t: _Table) -> JobsConfig:
     check_range(t.path("cancel_grace_s"), grace, 0.0, 3600.0)
     priority = t.take("opportunistic_priority", default=d.opportunistic_priority)
     check_choice(t.path("opportunistic_priority"), priority, PRIORITIES)
+    containment = t.take("containment", default=d.containment)
+    check_choice(t.path("containment"), containment, CONTAINMENT_MODES)
     t.finish()
-    return JobsConfig(host, float(grace), priority)
+    return JobsConfig(host, float(grace), priority, containment)
 
 
 def _daemon(t: _Table) -> DaemonConfig:

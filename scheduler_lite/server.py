@@ -419,7 +419,12 @@ class Server:
 
     def _status(self, who: Identity, args: Mapping[str, Any]) -> Any:
         only(args, ())
-        return plain(self.refresh_snapshot())
+        doc = plain(self.refresh_snapshot())
+        # How the jobs are contained (cgroups), or why they are not: a host without cgroups says nothing.
+        containment = getattr(self.daemon.host, "containment", None)
+        if containment is not None:
+            doc["containment"] = {"active": containment.active, "detail": containment.describe()}
+        return doc
 
     def _tenants(self, who: Identity, args: Mapping[str, Any]) -> Any:
         only(args, ())

@@ -1,0 +1,311 @@
+"""Each job in a cgroup of its own: what the kernel, not pid bookkeeping, says belongs to a job.
+
+A job's processes can leave its process group (`setsid`, `start_new_session=True`) and write its
+pid file; they cannot leave a cgroup they were put in (moving a process needs write access to the
+cgroup.procs of the common ancestor, root's). So with containment on:
+
+  - every process of a job is in `<daemon's cgroup>/scheduler-lite-<state dir hash>/<job>-<token>`
+    of the cgroup v2 hierarchy (the token is the launch's, from the store: a relaunch gets a new
+    cgroup, a restarted daemon finds the old one);
+  - at the job's end and at a cancel's SIGKILL, `cgroup.kill` ends everything in it (kernel 5.14+;
+    before that, freeze, SIGKILL each member, thaw);
+  - `freeze` stops every process of the job at once (`cgroup.freeze`, kernel 5.2+);
+  - a restarted daemon finds a job's wrapper among its cgroup's members, carrying its launch
+    token, never from the pid file the job can write;
+  - where the cgroup v1 `devices` controller is mounted (a hybrid hierarchy), the job's processes
+    are put in a devices cgroup too that denies the NVIDIA device nodes (`c 195:N`) of the
+    managed GPUs it was not placed on (as Slurm's ConstrainDevices): unsetting
+    CUDA_VISIBLE_DEVICES does not reach another GPU. On a pure cgroup v2 machine this needs a
+    BPF_PROG_TYPE_CGROUP_DEVICE program, which is not implemented: devices are not limited there,
+    and `describe()` says so.
+
+How a process gets in: the wrapper (scheduler_lite.launcher) starts, the daemon writes its pid
+into the cgroup right after Popen returns, then moves whatever the wrapper has started meanwhile
+(its descendants, from /proc/<pid>/task/*/children) until no new one appears. The wrapper is a
+Python interpreter starting up (tens of ms) before it forks the command, so in practice the
+command starts inside; a descendant that forked and was re-parented away inside that window
+would not be found (docs/security.md says so).
+
+Where cgroups cannot be used (a daemon without write access to its cgroup: not root and no
+delegated subtree; no cgroup2 mounted), `Containment.active` is False, jobs run as before (process
+groups, pid files, launch tokens), and `describe()` says why: `status` and the daemon's log show it.
+`jobs.containment = "required"` refuses to start instead; `"off"` never uses cgroups.
+
+What it does not do: limit memory, CPU or I/O (no controllers are enabled: on a hybrid machine
+they are bound to v1, and the GPU shares are tf-antman's); nothing inside the job's cgroup is
+protected from the job itself (it may create sub-cgroups only if it owns them, which it does not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+log = logging.getLogger("scheduler_lite")
+
+CONTAINMENT_MODES: Final = ("auto", "off", "required")
+NVIDIA_MAJOR: Final = 195  # /dev/nvidiaN is c 195:N (nvidiactl is 195:255, left allowed)
+KILL_WAIT_S: Final = 5.0  # how long `kill` waits for the cgroup to empty
+SWEEP_ROUNDS: Final = 20  # `enter`'s passes over the wrapper's descendants until none is new
+
+
+class ContainmentUnavailable(RuntimeError):
+    """jobs.containment = "required" on a machine where it cannot be had; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobCgroup:
+    """The cgroups of one launch of one job."""
+
+    name: str  # <job id>-<launch token>
+    v2: Path  # its directory in the cgroup2 hierarchy
+    devices: Path | None  # its v1 devices cgroup, where that controller is mounted
+
+
+def mounts(mountinfo: str) -> tuple[Path | None, Path | None]:
+    """(cgroup2 mount point, cgroup v1 devices mount point) from /proc/self/mountinfo's text."""
+    v2 = devices = None
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        point = Path(fields[4].replace("\\040", " "))
+        if tail[0] == "cgroup2" and v2 is None:
+            v2 = point
+        elif tail[0] == "cgroup" and "devices" in tail[2].split(",") and devices is None:
+            devices = point
+    return v2, devices
+
+
+def own_cgroups(text: str) -> tuple[str | None, str | None]:
+    """(this process's cgroup2 path, its v1 devices path) from /proc/self/cgroup's text."""
+    v2 = devices = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "devices" in parts[1].split(","):
+            devices = parts[2]
+    return v2, devices
+
+
+class Containment:
+    """The cgroups of one daemon's jobs (one state directory); inactive where they cannot be had."""
+
+    def __init__(self, state_dir: Path, mode: str = "auto", *, proc: Path = Path("/proc")) -> None:
+        if mode not in CONTAINMENT_MODES:
+            raise ValueError(f"jobs.containment={mode!r} is invalid: accepted " + ", ".join(CONTAINMENT_MODES))
+        self.mode = mode
+        self.proc = proc
+        # One subtree per store: several daemons (tests, users) on one machine never meet.
+        digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+        self.subtree = f"scheduler-lite-{digest}"
+        self.v2_root: Path | None = None
+        self.devices_root: Path | None = None
+        self.can_kill = self.can_freeze = False
+        self.why = "jobs.containment = \"off\""
+        if mode != "off":
+            self.why = self._detect()
+            if self.v2_root is None and mode == "required":
+                raise ContainmentUnavailable(f"jobs.containment = \"required\" but {self.why}")
+
+    @property
+    def active(self) -> bool:
+        return self.v2_root is not None
+
+    @property
+    def limits_devices(self) -> bool:
+        return self.devices_root is not None
+
+    def _detect(self) -> str:
+        try:
+            v2_mount, devices_mount = mounts((self.proc / "self" / "mountinfo").read_text())
+            own_v2, own_devices = own_cgroups((self.proc / "self" / "cgroup").read_text())
+        except OSError as e:
+            return f"cgroups cannot be read ({e.strerror}): jobs are not contained"
+        if v2_mount is None or own_v2 is None:
+            return "no cgroup2 hierarchy is mounted: jobs are not contained (process groups only)"
+        root = v2_mount / own_v2.lstrip("/") / self.subtree
+        try:
+            root.mkdir(exist_ok=True)
+        except OSError as e:
+            return (f"the daemon cannot create cgroups under {root.parent} ({e.strerror}: run it as root, or give "
+                    "it a delegated subtree): jobs are not contained (process groups only)")
+        self.can_kill = (root / "cgroup.kill").exists()
+        self.can_freeze = (root / "cgroup.freeze").exists()
+        self.v2_root = root
+        with contextlib.suppress(OSError):  # made again with the first job (create): none left behind
+            root.rmdir()
+        how = "cgroup.kill" if self.can_kill else "freeze + SIGKILL" if self.can_freeze else "SIGKILL of each member"
+        devices = ("GPU device nodes not limited (cgroup v2 needs a BPF device program, not implemented; no v1 "
+                   "devices controller is mounted)")
+        if devices_mount is not None and own_devices is not None:
+            droot = devices_mount / own_devices.lstrip("/") / self.subtree
+            try:
+                droot.mkdir(exist_ok=True)
+                self.devices_root = droot
+                with contextlib.suppress(OSError):
+                    droot.rmdir()
+                devices = "GPU device nodes limited to the placed GPUs (cgroup v1 devices controller)"
+            except OSError as e:
+                devices = f"GPU device nodes not limited ({droot.parent}: {e.strerror})"
+        return f"each job in a cgroup of its own under {root} (ended by {how}); {devices}"
+
+    def describe(self) -> str:
+        """One line for `status` and the log: what is contained, or why nothing is."""
+        return self.why
+
+    # -- one job ----------------------------------------------------------------------------------
+
+    def cgroup(self, job_id: str, token: str) -> JobCgroup | None:
+        """The cgroups of this launch (whether or not they exist); None when containment is off."""
+        if self.v2_root is None:
+            return None
+        name = f"{job_id}-{token}"
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"cgroup name {name!r}: a job id and a launch token without '/'")
+        return JobCgroup(name, self.v2_root / name, None if self.devices_root is None else self.devices_root / name)
+
+    def create(self, cg: JobCgroup, denied_gpus: Iterable[int] = ()) -> None:
+        """Make the launch's cgroups; its devices cgroup denies the device nodes of `denied_gpus`
+        (their NVIDIA minor numbers: the managed GPUs it was not placed on)."""
+        # parents: the subtree goes when its last job's cgroup does (remove)
+        cg.v2.mkdir(parents=True, exist_ok=True)
+        if cg.devices is not None:
+            cg.devices.mkdir(parents=True, exist_ok=True)
+            for minor in sorted(set(denied_gpus)):
+                (cg.devices / "devices.deny").write_text(f"c {NVIDIA_MAJOR}:{minor} rwm\n")
+
+    def enter(self, cg: JobCgroup, pid: int) -> None:
+        """Put `pid` and everything it has started so far into the job's cgroups."""
+        seen: set[int] = set()
+        for _ in range(SWEEP_ROUNDS):
+            found = [p for p in [pid, *self._descendants(pid)] if p not in seen]
+            if not found:
+                return
+            for p in found:
+                # The devices cgroup first: once a process is in the v2 one, it counts as contained.
+                for target in (cg.devices, cg.v2):
+                    if target is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            _write_pid(target, p)
+                seen.add(p)
+
+    def pids(self, cg: JobCgroup) -> list[int]:
+        """The processes in the job's cgroup (empty if it is gone)."""
+        try:
+            text = (cg.v2 / "cgroup.procs").read_text()
+        except FileNotFoundError:
+            return []
+        return [int(x) for x in text.split()]
+
+    def kill(self, cg: JobCgroup) -> list[int]:
+        """End every process in the job's cgroup; returns those that were there. Waits (up to
+        KILL_WAIT_S) until it is empty: a process being killed can still be listed."""
+        members = self.pids(cg)
+        if not members:
+            return []
+        if self.can_kill:
+            with contextlib.suppress(FileNotFoundError):
+                (cg.v2 / "cgroup.kill").write_text("1")
+        else:  # frozen first, so nothing forks between the reading and the killing
+            self.freeze(cg, True)
+            for p in self.pids(cg):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            self.freeze(cg, False)
+        deadline = time.monotonic() + KILL_WAIT_S
+        while self.pids(cg) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return members
+
+    def freeze(self, cg: JobCgroup, frozen: bool) -> bool:
+        """Stop (or let go on) every process of the job at once; False where no freezer is."""
+        if not self.can_freeze:
+            return False
+        (cg.v2 / "cgroup.freeze").write_text("1" if frozen else "0")
+        return True
+
+    def frozen(self, cg: JobCgroup) -> bool:
+        try:
+            events = (cg.v2 / "cgroup.events").read_text().split()
+        except FileNotFoundError:
+            return False
+        return "frozen" in events and events[events.index("frozen") + 1] == "1"
+
+    def remove(self, cg: JobCgroup) -> None:
+        """Remove the launch's (empty) cgroups, and this daemon's subtree when it was the last."""
+        for path in (cg.v2, cg.devices):
+            if path is None:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                try:
+                    path.rmdir()
+                except OSError as e:
+                    if e.errno != errno.EBUSY:
+                        raise
+                    log.warning("cgroup %s still has processes; left in place", path)
+                    continue
+            with contextlib.suppress(OSError):  # busy while other jobs run: kept
+                path.parent.rmdir()
+
+    def stale(self, keep: Sequence[str]) -> list[JobCgroup]:
+        """This daemon's job cgroups not named in `keep`: launches whose jobs ended while it was down."""
+        if self.v2_root is None:
+            return []
+        found = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in sorted(self.v2_root.iterdir()):
+                if entry.is_dir() and entry.name not in keep:
+                    found.append(JobCgroup(entry.name, entry,
+                                           None if self.devices_root is None else self.devices_root / entry.name))
+        return found
+
+    def _descendants(self, pid: int) -> list[int]:
+        out: list[int] = []
+        todo = [pid]
+        while todo:
+            p = todo.pop()
+            try:
+                tasks = list((self.proc / str(p) / "task").iterdir())
+            except OSError:
+                continue
+            for task in tasks:
+                with contextlib.suppress(OSError):
+                    children = [int(c) for c in (task / "children").read_text().split()]
+                    out += children
+                    todo += children
+        return out
+
+
+def _write_pid(cgroup: Path, pid: int) -> None:
+    try:
+        (cgroup / "cgroup.procs").write_text(str(pid))
+    except OSError as e:
+        if e.errno == errno.ESRCH:
+            raise ProcessLookupError(pid) from None
+        raise
+
+
+def device_minors(gpus: Iterable[int]) -> list[int]:
+    """The NVIDIA minor numbers of these GPU ids. Assumes /dev/nvidiaN is GPU id N, as on a
+    machine whose NVML indices follow the minor numbers (the usual case; not checked here)."""
+    return list(gpus)
+
+
+__all__ = ["CONTAINMENT_MODES", "Containment", "ContainmentUnavailable", "JobCgroup", "device_minors", "mounts",
+           "own_cgroups"]
