@@ -45,7 +45,8 @@ typedef struct {
   uint64_t pending_limit;       /* requested, applied at next step boundary; 0 = none */
   uint64_t device_capacity;
   uint64_t in_use;              /* device bytes in live blocks (rounded sizes) */
-  uint64_t reserved;            /* device bytes held in regions (cached + in use) */
+  uint64_t reserved;            /* device bytes held from the driver in regions (in use +
+                                   cached + queued for release at the next safe point) */
   uint64_t peak_in_use;         /* lifetime peak of in_use */
   uint64_t step_peak_in_use;    /* peak of in_use since the last step boundary */
   uint64_t step_min_in_use;     /* minimum of in_use since the last step boundary */
@@ -93,7 +94,8 @@ typedef struct {
   uint64_t driver_cap;             /* device growth capped here after a refusal (held + the
                                       driver's free memory then), for a backoff; 0 = none */
   uint64_t deferred_release_bytes; /* free regions queued for the next safe point: still held
-                                      from the driver, not in reserved / host_reserved */
+                                      from the driver (counted in reserved / host_reserved),
+                                      no longer served */
   uint64_t deferred_release_regions;
   uint64_t deferred_released_bytes;  /* lifetime: queued bytes given back at safe points */
   uint64_t release_syncs;          /* device synchronisations before giving regions back */

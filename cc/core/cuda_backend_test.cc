@@ -144,6 +144,9 @@ TEST(RegionsGoBackAtTheStepBoundaryAfterTheDeviceDrained) {
   antman_mem_ext_stats e;
   u.GetExtStats(&e);
   EXPECT_EQ(e.deferred_release_bytes, 2 * MiB);
+  antman_mem_stats st;
+  u.GetStats(&st);
+  EXPECT_EQ(st.reserved, 4 * MiB);  // still held from the driver: reported as reserved
   fake.block_stream(s, 0);
   u.StepBoundary();
   EXPECT_EQ(fake.get64("free_calls"), frees_before + 1);
@@ -152,6 +155,8 @@ TEST(RegionsGoBackAtTheStepBoundaryAfterTheDeviceDrained) {
   u.GetExtStats(&e);
   EXPECT_EQ(e.deferred_release_bytes, 0u);
   EXPECT_EQ(e.release_syncs, 1u);
+  u.GetStats(&st);
+  EXPECT_EQ(st.reserved, 2 * MiB);
   EXPECT(u.Free(b));
   u.StepBoundary();
   fake.cuStreamDestroy(s);

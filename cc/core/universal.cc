@@ -136,7 +136,9 @@ void UniversalAllocator::GetStats(antman_mem_stats* out) const {
   }
   s.device_capacity = options_.device_capacity;
   s.in_use = d.in_use;
-  s.reserved = d.reserved;
+  // Held from the driver: regions queued for the next safe point too (the scheduler and the
+  // front-ends' memory_reserved must not see memory as returned before it is).
+  s.reserved = d.reserved + d.deferred_bytes;
   s.peak_in_use = d.peak_in_use;
   s.step_peak_in_use = d.step_peak_in_use;
   s.step_min_in_use = d.step_min_in_use;
@@ -168,7 +170,7 @@ void UniversalAllocator::GetExtStats(antman_mem_ext_stats* out) const {
   s.fit_release_bytes = d.fit_release_bytes;
   s.fit_retry_allocs = d.fit_retry_allocs;
   s.growth_returns = d.growth_returns;
-  s.host_reserved = h.reserved;
+  s.host_reserved = h.reserved + h.deferred_bytes;
   s.host_regions = h.regions;
   s.host_idle_release_regions = h.idle_release_regions;
   s.host_idle_release_bytes = h.idle_release_bytes;
