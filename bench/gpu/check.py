@@ -453,6 +453,12 @@ def torch_env(c: Check, antman: dict[str, str] | None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PATH"] = os.pathsep.join([str(Path(c.python).parent), env.get("PATH", "")])  # ninja
     env["PYTHONUNBUFFERED"] = "1"
+    # The op hook's build (cpp_extension): H100 and H200 are sm_90, and the arch list is the same
+    # for the build step and for the jobs that load it; where nvcc is not under CUDA_HOME's guess
+    # (it took /usr/local from /usr/local/bin/nvcc on the development machine), the toolkit's path.
+    env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    if "CUDA_HOME" not in env and Path("/usr/local/cuda/include/cuda_runtime_api.h").exists():
+        env["CUDA_HOME"] = "/usr/local/cuda"
     return env
 
 
