@@ -69,6 +69,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(1, str(REPO))  # tf_antman from the checkout: the GPU machine has no wheel of it
 
 from _procs import (  # noqa: E402 - bench/_procs.py, shared with bench/gpu_colocate.py
     SKIP,

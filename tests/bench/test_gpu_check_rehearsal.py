@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -155,11 +156,15 @@ def carried_bin(tmp: Path) -> Path:
     return b
 
 
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("ANTMAN_")}
+# With -S (below) and the packages on PYTHONPATH, not through site: the GPU image's packages (absl,
+# pynvml) are there, but no .pth file runs, so tf_antman is not installed, as on the GPU machine
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("ANTMAN_")},
+       "PYTHONPATH": sysconfig.get_paths()["purelib"]}
 
 
 def command(tmp: Path, si: Path, *extra: str, bin_dir: Path | None = None) -> list[str]:
-    return [sys.executable, str(CHECK), "--out", str(tmp / "out"), "--bin", str(bin_dir or carried_bin(tmp)),
+    # -S: no site, so tf_antman comes from the checkout, as on the GPU machine (ENV)
+    return [sys.executable, "-S", str(CHECK), "--out", str(tmp / "out"), "--bin", str(bin_dir or carried_bin(tmp)),
             "--stand-ins", str(si), "--time-scale", str(SCALE), *extra]
 
 
