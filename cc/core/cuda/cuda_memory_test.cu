@@ -171,6 +171,38 @@ int main() {
   cudaMemGetInfo(&free_bytes, &total);
   if (free_bytes > 20 * GiB) TimedShrink(mem, 16 * GiB, "16 GiB");
 
+  // Safe points (issues 29/30): a region whose last block is freed above the limit, while a kernel
+  // may still use it, is queued (no cuMemFree inside the free); the step boundary synchronises the
+  // device and gives it back. And a device-only request never lands in host memory.
+  antman_mem_set_limit(mem, 256 * MiB, nullptr);
+  void* q = antman_mem_alloc(mem, 256, 128 * MiB);
+  CHECK(q != nullptr && antman_mem_is_host(mem, q) == 0, "128 MiB device block");
+  if (q != nullptr) {
+    antman_mem_set_limit(mem, 0, nullptr);  // q's region holds a live block: it stays
+    size_t free_before = 0, free_mid = 0, free_after = 0;
+    cudaMemGetInfo(&free_before, &total);
+    AddOne<<<1024, 256>>>(static_cast<int*>(q), 128 * MiB / sizeof(int));  // still running...
+    antman_mem_free(mem, q);                                               // ... when freed
+    cudaMemGetInfo(&free_mid, &total);
+    antman_mem_ext_stats e0{};
+    antman_mem_get_ext_stats(mem, &e0, sizeof(e0));
+    CHECK(e0.deferred_release_bytes >= 128 * MiB, "queued %llu",
+          (unsigned long long)e0.deferred_release_bytes);
+    CHECK(free_mid < free_before + 128 * MiB, "memory went back inside the free");
+    antman_mem_step_boundary(mem);
+    cudaMemGetInfo(&free_after, &total);
+    antman_mem_ext_stats e1{};
+    antman_mem_get_ext_stats(mem, &e1, sizeof(e1));
+    CHECK(e1.deferred_release_bytes == 0 && e1.release_syncs > e0.release_syncs,
+          "step boundary: queued %llu syncs %llu", (unsigned long long)e1.deferred_release_bytes,
+          (unsigned long long)e1.release_syncs);
+    CHECK(free_after >= free_mid + 120 * MiB, "driver free memory grew by %.1f MiB only",
+          (double(free_after) - double(free_mid)) / MiB);
+    std::printf("safe point: %.1f MiB given back at the step boundary, sync %.3f ms\n",
+                (double(free_after) - double(free_mid)) / MiB, e1.last_release_sync_ns / 1e6);
+    CHECK(antman_mem_alloc_device_only(mem, 256, MiB) == nullptr, "device-only at limit 0");
+  }
+
   CHECK(antman_mem_check_invariants(mem, why, sizeof(why)) == 0, "%s", why);
   antman_mem_destroy(mem);
   std::printf("%s (%d failures)\n", failures == 0 ? "PASS" : "FAIL", failures);
