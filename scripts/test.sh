@@ -21,7 +21,7 @@ bazel test //cc/...
 # the main run so that its summary stays the last line; .torchvenv/bin on the PATH for ninja (the
 # op hook's build).
 echo "== PyTorch tests in .torchvenv"
-PATH=$PWD/.torchvenv/bin:$PATH .torchvenv/bin/python -m pytest -q -p no:cacheprovider tests/torch/test_real_torch.py
+PATH=$PWD/.torchvenv/bin:$PATH .torchvenv/bin/python -m pytest -q -p no:cacheprovider tests/torch/test_real_torch.py tests/torch/test_real_torch_allocator.py
 
 echo "== Python tests"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

@@ -18,6 +18,10 @@ ABI_VERSION = 3  # ANTMAN_TORCH_ABI_VERSION
 # would end the process, so this module calls antman_torch_try_malloc (NULL instead) itself.
 MALLOC_FN = "antman_torch_malloc"
 FREE_FN = "antman_torch_free"
+# What tf_antman/torch/cuda_allocator.cpp's install() takes, in order, by address.
+ALLOCATOR_FNS = ("antman_torch_malloc", "antman_torch_free", "antman_torch_record_stream",
+                 "antman_torch_empty_cache", "antman_torch_get_stats", "antman_torch_reset_peaks",
+                 "antman_torch_reset_accumulated")
 BACKENDS = {"emulated": 0, "cuda": 1}
 MAX_DEVICES = 64
 
@@ -66,6 +70,19 @@ def torch_memory_stats(s: TorchDeviceStats) -> dict[str, int]:
     for name in COUNT_FIELDS:
         out[name] = int(getattr(s, name))
     return dict(sorted(out.items()))
+
+
+def mem_get_info(stats: MemStats) -> tuple[int, int]:
+    """torch.cuda.mem_get_info() of a managed device: (free, total) of what this job may hold on
+    it, the limit in force, rather than the driver's view of the whole GPU (which other jobs
+    share): code that sizes its batches from it then fits under the limit."""
+    total = int(stats.limit)
+    return max(0, total - int(stats.in_use)), total
+
+
+def function_address(lib: ctypes.CDLL, name: str) -> int:
+    """The address of one of the library's C functions (the extensions call them directly)."""
+    return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
 
 
 @dataclasses.dataclass

@@ -79,9 +79,7 @@ def activate(environ: Mapping[str, str] | None = None, torch: ModuleType | None 
     memory = _shim.create(lib, path, b.device, b.device_id, ts.device_capacity, ts.memory_limit,
                           b.host_memory)
     if on_cuda:
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            str(path), _shim.MALLOC_FN, _shim.FREE_FN)
-        torch.cuda.memory.change_current_allocator(allocator)
+        install_allocator(torch, lib, path, memory)
     compute, why = _make_compute(ts, on_cuda, compute_factory)
     if compute is None and b.compute_share < 1.0:
         raise RuntimeError(f"ANTMAN_COMPUTE_SHARE={b.compute_share:g} needs compute scaling, "
@@ -98,6 +96,48 @@ def activate(environ: Mapping[str, str] | None = None, torch: ModuleType | None 
 
     exit_report.register(runtime)  # the job's log says what tf-antman did (runtime.holds: every hold)
     return state
+
+
+def install_allocator(torch: ModuleType, lib: Any, path: Any, memory: _shim.TorchMemory,
+                      build: Any = None) -> bool:
+    """Puts tf-antman's memory under PyTorch's CUDA tensors: the allocator extension
+    (cuda_allocator.cpp: record_stream, statistics, empty_cache, CUDA graphs refused), else,
+    when it cannot be built, PyTorch's plain CUDAPluggableAllocator over the same library, with a
+    warning that says what is lost. Returns whether the extension serves."""
+    from tf_antman.torch import compute
+
+    try:
+        ext = (build or compute.build_allocator)()
+        ext.install(*[_shim.function_address(lib, n) for n in _shim.ALLOCATOR_FNS])
+    except Exception as err:  # noqa: BLE001 - the job still runs, with the loss reported
+        log.warning("tf-antman's CUDA allocator extension is unavailable (%s: %s): PyTorch's "
+                    "CUDAPluggableAllocator serves the same memory cores instead. Blocks are still "
+                    "reused in stream order, but Tensor.record_stream is ignored (a tensor used on "
+                    "another stream must stay alive until that stream is done), "
+                    "torch.cuda.memory_stats() and the calls built on it raise, and CUDA graph "
+                    "capture is not refused", type(err).__name__, err)
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(str(path), _shim.MALLOC_FN, _shim.FREE_FN)
+        torch.cuda.memory.change_current_allocator(allocator)
+        return False
+    patch_mem_get_info(torch, memory)
+    return True
+
+
+def patch_mem_get_info(torch: ModuleType, memory: _shim.TorchMemory) -> None:
+    """torch.cuda.mem_get_info() of the managed device reports the job's limit and use
+    (_shim.mem_get_info); other devices keep the driver's answer."""
+    original = torch.cuda.memory.mem_get_info
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        from torch.cuda._utils import _get_device_index
+
+        if _get_device_index(device, optional=True) != memory.device:
+            return original(device)
+        return _shim.mem_get_info(memory.mem_stats())
+
+    mem_get_info.__doc__ = original.__doc__
+    torch.cuda.memory.mem_get_info = mem_get_info
+    torch.cuda.mem_get_info = mem_get_info
 
 
 def _make_compute(ts: torch_settings.TorchSettings, on_cuda: bool,

@@ -24,25 +24,40 @@ from tf_antman._log import log
 
 HOOK_SOURCE = Path(__file__).resolve().parent / "op_hook.cpp"
 HOOK_NAME = "tf_antman_torch_op_hook"
+# PyTorch's CUDA allocator over the memory cores (cuda_allocator.cpp): CUDA builds only.
+ALLOCATOR_SOURCE = Path(__file__).resolve().parent / "cuda_allocator.cpp"
+ALLOCATOR_NAME = "tf_antman_torch_allocator"
 
 
 def build_hook(with_cuda: bool, verbose: bool = False) -> Any:
     """Compiles (or loads from PyTorch's extension cache) the op hook module."""
+    return build_extension(HOOK_SOURCE, HOOK_NAME, with_cuda, "op hook", verbose)
+
+
+def build_allocator(verbose: bool = False) -> Any:
+    """Compiles (or loads from the cache) the CUDA allocator extension (cuda_allocator.cpp)."""
+    return build_extension(ALLOCATOR_SOURCE, ALLOCATOR_NAME, True, "CUDA allocator", verbose)
+
+
+def build_extension(source: Path, base_name: str, with_cuda: bool, what: str,
+                    verbose: bool = False) -> Any:
     from torch.utils import cpp_extension
 
     # NDEBUG as in libtorch's own build: at::RecordFunction's layout depends on it (op_hook.cpp).
     flags = ["-O2", "-DNDEBUG", *(["-DANTMAN_WITH_CUDA"] if with_cuda else [])]
-    name, build_dir = hook_build_dir(with_cuda, flags, cpp_extension.get_default_build_root())
+    name, build_dir = hook_build_dir(with_cuda, flags, cpp_extension.get_default_build_root(),
+                                     source, base_name)
     build_dir.mkdir(parents=True, exist_ok=True)
     with _build_lock(build_dir):
         if not any(build_dir.glob(f"{name}*.so")):
-            log.info("compiling tf-antman's PyTorch op hook in %s (once per PyTorch install and "
-                     "toolchain: about a minute)", build_dir)
-        return cpp_extension.load(name=name, sources=[str(HOOK_SOURCE)], extra_cflags=flags,
+            log.info("compiling tf-antman's PyTorch %s in %s (once per PyTorch install and "
+                     "toolchain: about a minute)", what, build_dir)
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                                   build_directory=str(build_dir), with_cuda=with_cuda, verbose=verbose)
 
 
-def hook_build_dir(with_cuda: bool, flags: list[str], root: str) -> tuple[str, Path]:
+def hook_build_dir(with_cuda: bool, flags: list[str], root: str, source: Path = HOOK_SOURCE,
+                   base_name: str = HOOK_NAME) -> tuple[str, Path]:
     """The hook's module name and build directory. The name carries a digest of everything the
     build depends on: the source and flags (PyTorch's cache reused a build made with other flags,
     seen on torch 2.13, and a stale hook must never be loaded), and the source's path, the
@@ -50,11 +65,11 @@ def hook_build_dir(with_cuda: bool, flags: list[str], root: str) -> tuple[str, P
     directory rebuilt it each time they alternated, 30 s a job start)."""
     import torch
 
-    key = [HOOK_SOURCE.read_bytes(), " ".join(flags), str(HOOK_SOURCE), sys.executable,
+    key = [source.read_bytes(), " ".join(flags), str(source), sys.executable,
            torch.__version__, str(torch.version.cuda), shutil.which("ninja") or "",
            os.environ.get("CXX", "")]
     digest = hashlib.sha256("\0".join(k if isinstance(k, str) else k.hex() for k in key).encode()).hexdigest()[:12]
-    name = f"{HOOK_NAME}_{'cuda' if with_cuda else 'cpu'}_{digest}"
+    name = f"{base_name}_{'cuda' if with_cuda else 'cpu'}_{digest}"
     return name, Path(root) / name
 
 
