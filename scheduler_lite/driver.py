@@ -441,6 +441,12 @@ class Driver:
         self.settings[job.id] = settings
         for g in place.gpus:
             self._changed_at[g] = now
+            # Busy, as at a fresh placement, until a reading covers the job's steps: nothing is
+            # known of it since the restart, and a job that never steps (`sleep`) left its GPU
+            # reading idle, so every restart admitted one more opportunistic job next to it.
+            if self.marks_busy:
+                self._held.setdefault(g, {})[job.id] = None
+                self.book.set_utilisation(g, BUSY)
 
 
 def estimate_remaining_s(*, step: int | None, step_s: float | None, expected_steps: int | None,
