@@ -122,11 +122,14 @@ class Recovery:
         pid, start = record.pid, record.pid_start
         if pid is None:  # crashed between booking the launch and recording the pid
             pid, start = launched_pid, None
+            if pid is not None:  # it did start: the history says so, as the launch would have
+                self._launched_event(record, pid)
         if pid is None:
             ended = self.host.recorded_exit(record, job_dir)
             if ended is not None:  # ran and ended, pid file lost: not again
+                self._launched_event(record, None)
                 self._kill_leftovers(record, job_dir, None, None)
-                self.steps.record_end(record, ended, now, "ended while the daemon was down")
+                self._record_unwatched_end(record, ended, now)
                 return
             # No process carries its token and it never wrote a pid: the command never ran.
             with self.storage.transaction():
@@ -142,7 +145,7 @@ class Recovery:
             self._resume_migration(record, found, now)
             return
         if isinstance(found, ExitInfo):
-            self.steps.record_end(record, found, now, "ended while the daemon was down")
+            self._record_unwatched_end(record, found, now)
             return
         if missing or record.role is None:
             # Nothing may run unmanaged: SIGTERM, SIGKILL after the grace, and its end recorded
@@ -165,6 +168,23 @@ class Recovery:
         live.stop_sent_at = self._sigterm_sent_at(record.id) if record.cancel_requested else None
         self.table.live[record.id] = live
         log.info("re-adopted %s (pid %d) on GPU(s) %s", record.id, pid, list(record.placement))
+
+    def _record_unwatched_end(self, record: JobRecord, ended: ExitInfo, started: float) -> None:
+        """The end of a job no daemon watched. `started`: when this daemon began taking over;
+        finding the jobs may take seconds (LAUNCH_GRACE_S), so the clock is read again: an exit
+        recorded meanwhile keeps its own time (it was clamped to `started`, up to seconds early),
+        and is said to have happened while the daemon was starting, not while it was down."""
+        during_start = ended.ended_at is not None and ended.ended_at > started
+        note = "ended while the daemon was starting" if during_start else "ended while the daemon was down"
+        self.steps.record_end(record, ended, max(started, self.clock()), note)
+
+    def _launched_event(self, record: JobRecord, pid: int | None) -> None:
+        """The `launched` event a crash between the start and its recording left out (fault point
+        `started`), at the launch's booked time, marked as recorded by the restart."""
+        when = record.launched_at if record.launched_at is not None else record.started_at
+        self.storage.add_event(self.clock() if when is None else when, "launched", record.id, pid=pid,
+                               gpus=list(record.placement), role=None if record.role is None else str(record.role),
+                               recorded_at_restart=True)
 
     def _sigterm_sent_at(self, job_id: str) -> float | None:
         """When the cancel's SIGTERM went out, if the store shows it did (after the cancel request)."""
