@@ -47,14 +47,15 @@ class Stopped(SystemExit):
 
 
 def kill_all() -> None:
-    """SIGKILL to every listed child group, then to every process still descended from this one
-    (at exit, on SIGTERM / SIGINT)."""
+    """SIGKILL to every process descended from this one (with its group), then to every listed
+    child group (at exit, on SIGTERM / SIGINT). The tree first, while it is whole: a child killed
+    first would leave its own children (a daemon's jobs, in sessions of their own) to init."""
+    kill_tree()
     for pgid in list(_live):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    kill_descendants()
 
 
 def descendants(root: int | None = None) -> list[int]:
@@ -87,13 +88,14 @@ def descendants(root: int | None = None) -> list[int]:
     return found
 
 
-def kill_descendants() -> list[int]:
-    """SIGKILLs every descendant of this process and its process group (never this process's own
-    group); twice, for children forked while the first pass ran. Returns the pids signalled."""
+def kill_tree(root: int | None = None) -> list[int]:
+    """SIGKILLs every descendant of `root` (default: this process) and its process group (never
+    this process's own group), all listed before the first signal; twice, for children forked
+    while the first pass ran. Returns the pids signalled."""
     own = os.getpgrp()
     hit: list[int] = []
     for _ in range(2):
-        for pid in descendants():
+        for pid in descendants(root):
             try:
                 pgid = os.getpgid(pid)
                 if pgid != own:
@@ -235,6 +237,9 @@ def run_captured(cmd: list[str], timeout: float, env: dict[str, str] | None = No
 
 
 def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the child's descendants (those in sessions of their own too), then its group."""
+    if proc.poll() is None:  # not reaped: its pid is still its own
+        kill_tree(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -51,11 +51,12 @@ with open(os.path.join(HERE, "pids.txt"), "a") as f:
 def emit(obj):
     print(json.dumps(obj), flush=True)
 
-def hang(ignore_term=False):
+def hang(ignore_term=False, escape=False):
     if ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # a grandchild holding the pipes: only a group kill ends both
-    child = subprocess.Popen(["sleep", "300"])
+    # a grandchild holding the pipes: only a group kill ends both; `escape`: in a session of its
+    # own, as a scheduler_lite daemon starts its jobs: no group kill reaches it
+    child = subprocess.Popen(["sleep", "300"], start_new_session=escape)
     with open(os.path.join(HERE, "pids.txt"), "a") as f:
         f.write(f"{{child.pid}}\n")
     with open(os.path.join(HERE, "hanging.txt"), "a") as f:
@@ -63,8 +64,8 @@ def hang(ignore_term=False):
     time.sleep(300)
     sys.exit(9)
 
-if mode in ("hang", "hang_ignore_term"):
-    hang(mode == "hang_ignore_term")
+if mode in ("hang", "hang_ignore_term", "hang_escape"):
+    hang(mode == "hang_ignore_term", mode == "hang_escape")
 if mode == "fail":
     sys.stderr.write(f"{{key}}: failing on purpose\n")
     sys.exit(1)
@@ -300,6 +301,17 @@ def test_a_failed_check_keeps_the_figures_and_names_the_check(tmp_path: Path) ->
     assert memory["host_fallback_ok"] is False and memory["checks"]["host_fallback_zero_copy_ok"] is False
     assert memory["error"] == ("memory_bench: exit 1; failed checks: fallback: host-backed results equal "
                                "device-backed ones and the CPU reference")
+
+
+def test_a_job_in_a_session_of_its_own_is_killed_with_the_step(tmp_path: Path) -> None:
+    # gpu_colocate's daemon starts its jobs in sessions of their own: at the step's timeout they
+    # go with it (the tree is killed before the group), not to init.
+    proc, lines, _ = rehearse(tmp_path, {"gpu_colocate": "hang_escape"}, "--budget", "240", "--only",
+                              "gpu_idle,binaries,op_hook_build,colocate")
+    assert proc.returncode == 1
+    colocate = next(r for r in lines if r["step"] == "colocate")
+    assert colocate["status"] == "failed" and "no answer within" in colocate["error"]
+    assert_none_left(tmp_path / "stand_ins")
 
 
 def test_share_off_target_fails_the_compute_step_naming_the_check(tmp_path: Path) -> None:
