@@ -281,6 +281,12 @@ def judge_share(result: dict[str, Any], nvml: NvmlSampler | None, kind: str) -> 
         return busy / window if busy is not None and window is not None and busy >= 0 and window > 0 else None
 
     cupti = [cupti_share(p) for p in phases]
+    cupti_invalid = None
+    if cupti[0] is not None and not 0.0 < cupti[0] <= 1.01:
+        # a record layout other than the one compiled in (CUpti_ActivityKernel10) would read
+        # nonsense start/end stamps: then CUPTI is not a witness here
+        cupti_invalid = f"CUPTI natural share {cupti[0]:.4f} is outside (0, 1]: records not read right"
+        cupti = [None] * len(phases)
     nvml_means: list[float | None] = [None] * len(phases)
     nvml_error = None
     if nvml is None or nvml.error is not None:
@@ -315,7 +321,7 @@ def judge_share(result: dict[str, Any], nvml: NvmlSampler | None, kind: str) -> 
         "share_error_points_work": error_points(work),
         "share_error_points_nvml": error_points(nvml_means[1:]),
         "kernel_s_alone": round(1.0 / rates[0], 9) if rates[0] else None,
-        "gate_errors": result.get("gate_errors"), "cupti_error": result.get("cupti_error"),
+        "gate_errors": result.get("gate_errors"), "cupti_error": result.get("cupti_error") or cupti_invalid,
         "nvml_error": nvml_error, "target_points": SHARE_ERROR_TARGET[kind],
     }
     judged = out["share_error_points_cupti"]
@@ -424,15 +430,15 @@ def step_compute(c: Check, timeout: float, kind: str) -> dict[str, Any]:
 
 
 def find_cupti() -> str | None:
-    """libcupti for compute_bench's witness: PyTorch's wheel ships it (nvidia-cuda-cupti), the
-    CUDA toolkit has it too."""
+    """libcupti for compute_bench's witness: first the CUDA toolkit's (the headers compute_bench
+    was built with are CUDA 13.0's), else the one PyTorch's wheels ship (nvidia-cuda-cupti)."""
     import glob
 
-    candidates: list[str] = []
+    candidates = sorted(glob.glob("/usr/local/cuda/lib64/libcupti.so.*")) + sorted(
+        glob.glob("/usr/local/cuda*/lib64/libcupti.so.*")) + sorted(
+        glob.glob("/usr/local/cuda*/extras/CUPTI/lib64/libcupti.so.*"))
     for base in sys.path:
         candidates += sorted(glob.glob(os.path.join(base, "nvidia", "**", "libcupti.so*"), recursive=True))
-    candidates += sorted(glob.glob("/usr/local/cuda*/lib64/libcupti.so*")) + sorted(
-        glob.glob("/usr/local/cuda*/extras/CUPTI/lib64/libcupti.so*"))
     return candidates[0] if candidates else None
 
 

@@ -363,6 +363,17 @@ def test_judge_share_uses_the_work_done_without_cupti() -> None:
     assert out["checks"]["share_error_le_2_points"] is False
 
 
+def test_judge_share_drops_cupti_records_read_wrong() -> None:
+    # busy > window at share 1: a record layout other than the one compiled in; the work done judges
+    phases = [{"target": t, "kernels": int(1000 * t), "seconds": 1.0, "busy_ns": int(3e9 * t), "window_ns": int(1e9),
+               "epoch": [0, 1]} for t in (1.0, 0.25, 0.5, 0.75)]
+    sampler = check.NvmlSampler()
+    sampler.samples = [(0.5, 1.0)]
+    out = check.judge_share({"phases": phases, "gate_errors": 0}, sampler, "long")
+    assert out["share_cupti"] == [None, None, None] and "outside (0, 1]" in out["cupti_error"]
+    assert out["share_witness"] == "work" and out["share_error_points_max"] == 0.0
+
+
 def test_bad_arguments_are_refused_naming_the_field(tmp_path: Path) -> None:
     for args, message in [(["--budget", "600"], "--budget: 600.0 is outside the accepted range (0, 480]"),
                           (["--time-scale", "0"], "--time-scale: 0.0 is outside"),
