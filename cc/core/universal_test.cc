@@ -257,4 +257,22 @@ TEST(HostIdleReleaseWaitsForTheStepBoundary) {
   EXPECT_EQ(host.quiesces(), 1u);  // synchronised once before unpinning
 }
 
+// The steady state: step boundaries with nothing to give back make no source call and no
+// synchronisation (a per-step cuCtxSynchronize would cost every job its pipelining).
+TEST(StepBoundaryWithNothingToReleaseTouchesNoSource) {
+  TestRegionSource device;
+  TestRegionSource host;
+  UniversalAllocator u(&device, &host, Options(4 * MiB, 64 * MiB));
+  for (int step = 0; step < 5; ++step) {
+    void* d = u.Allocate(0, 2 * MiB);
+    void* h = u.Allocate(0, 3 * MiB);  // past the limit: host arena
+    REQUIRE(d && h);
+    EXPECT(u.Free(d) && u.Free(h));
+    u.StepBoundary();
+  }
+  EXPECT_EQ(device.quiesces() + host.quiesces(), 0u);
+  EXPECT_EQ(device.frees() + host.frees(), 0u);
+  EXPECT_EQ(Stats(u).steps, 5u);
+}
+
 TEST_MAIN()
