@@ -58,6 +58,17 @@ def job_load(stats: Stats | None, stepping: bool) -> JobLoad:
     return JobLoad(stats.compute_share, stats.achieved_share, stepping)
 
 
+def jobs_utilisation(loads: Sequence[JobLoad]) -> float:
+    """A GPU's utilisation from its jobs' reports (EmulatedDevices.utilisation, one GPU)."""
+    total = 0.0
+    for load in loads:
+        if load.achieved_share is not None:
+            total += load.achieved_share
+        elif load.stepping:
+            total += load.compute_share
+    return min(1.0, total)
+
+
 class EmulatedDevices:
     kind = "emulated"
 
@@ -122,11 +133,18 @@ class NvmlDevices:
 
     def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
         out = {}
+        not_supported = getattr(self._nvml, "NVML_ERROR_NOT_SUPPORTED", 3)
         for i, h in self._handles.items():
             try:
                 out[i] = min(1.0, max(0.0, self._nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0))
-            except Exception:  # noqa: BLE001 - a GPU that stops answering reads as busy, not idle
-                out[i] = 1.0
+            except Exception as e:  # noqa: BLE001 - NVMLError_* and driver problems alike
+                if getattr(e, "value", None) == not_supported:
+                    # No reading on this GPU, ever (a MIG-enabled GPU, some boards): unknown, not
+                    # busy (busy kept every opportunistic job off it for good). Estimated from its
+                    # jobs' own reports, as on an emulated device.
+                    out[i] = jobs_utilisation(loads.get(i, ()))
+                else:  # a GPU that stops answering (lost, fallen off the bus) reads as busy, not idle
+                    out[i] = 1.0
         return out
 
     def memory_used(self) -> dict[int, int] | None:

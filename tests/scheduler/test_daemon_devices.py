@@ -24,7 +24,9 @@ GIB = 1 << 30
 
 
 class NVMLError(Exception):
-    pass
+    def __init__(self, message: str, value: int = 999) -> None:  # pynvml's NVMLError.value
+        super().__init__(message)
+        self.value = value
 
 
 class FakeNvml:
@@ -54,6 +56,8 @@ class FakeNvml:
     def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
         if h == 3 and self.util[3] is None:
             raise NVMLError("GPU is lost")
+        if self.util[h] == "mig":
+            raise NVMLError("Not Supported", value=3)  # NVML_ERROR_NOT_SUPPORTED, as on a MIG GPU
         return SimpleNamespace(gpu=self.util[h], memory=0)
 
     def nvmlDeviceGetPciInfo(self, h: int) -> SimpleNamespace:
@@ -87,6 +91,20 @@ def test_nvml_subset_readings_and_a_gpu_that_stops_answering() -> None:
     assert devices.memory_used() == {1: GIB, 3: 3 * GIB}
     nvml.util[3] = None
     assert devices.utilisation({})[3] == 1.0  # unknown reads as busy: no opportunistic job lands there
+
+
+def test_a_gpu_nvml_cannot_read_is_unknown_not_busy() -> None:
+    # A MIG-enabled GPU answers NotSupported for good: read as busy, it never got an opportunistic
+    # job. Estimated from its jobs' reports instead, as on an emulated device.
+    from scheduler_lite.devices import JobLoad
+
+    nvml = FakeNvml()
+    nvml.util[2] = "mig"
+    devices = NvmlDevices(nvml=nvml)
+    assert devices.utilisation({})[2] == 0.0
+    assert devices.utilisation({2: [JobLoad(0.5, None, True)]})[2] == 0.5
+    assert devices.utilisation({2: [JobLoad(1.0, 0.25, True)]})[2] == 0.25
+    assert devices.utilisation({})[0] == 0.35  # the others still read from NVML
 
 
 def test_nvml_errors_are_one_clear_line() -> None:
