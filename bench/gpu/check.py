@@ -166,7 +166,8 @@ class Check:
         by = {s: [r["step"] for r in self.records if r["status"] == s]
               for s in ("passed", "failed", "skipped", "skipped_for_time", "refused")}
         out: dict[str, Any] = {
-            "step": "summary", "version": VERSION, "ran": by["passed"] + by["failed"] + by["refused"],
+            "step": "summary", "version": VERSION,
+            "ran": [r["step"] for r in self.records if r["status"] in ("passed", "failed", "refused")],
             "passed": by["passed"], "failed": by["failed"] + by["refused"],
             "skipped_for_time": by["skipped_for_time"],
             "skipped": {r["step"]: r.get("reason") for r in self.records if r["status"] == "skipped"},
@@ -184,8 +185,7 @@ class Check:
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-def run_step_json(c: Check, cmd: list[str], what: str, timeout: float, env: dict[str, str] | None = None
-                  ) -> dict[str, Any]:
+def run_step_json(cmd: list[str], what: str, timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Runs a program that prints one JSON line (its group killed at `timeout`); its line. A
     program that printed its line and exited non-zero (a failed check) gives its line with
     "_error" (exit status) and "_failed_checks" (its `CHECK FAILED:` lines) for the step to
@@ -392,7 +392,7 @@ def needs_binaries(c: Check) -> None:
 
 def step_memory(c: Check, timeout: float) -> dict[str, Any]:
     needs_binaries(c)
-    r = run_step_json(c, [*c.program("memory_bench"), "--shrink-gib", "16"], "memory_bench", timeout)
+    r = run_step_json([*c.program("memory_bench"), "--shrink-gib", "16"], "memory_bench", timeout)
     keys = ("device", "shrink_gib", "shrink_ms_median", "shrink_gib_per_ms", "shrink_baseline_cudafree_ms_median",
             "shrink_driver_free_ok", "shrink_inflight_gib", "shrink_inflight_ms_median",
             "shrink_inflight_gib_per_ms", "shrink_inflight_baseline_cudafree_ms_median",
@@ -420,7 +420,7 @@ def step_compute(c: Check, timeout: float, kind: str) -> dict[str, Any]:
     sampler = NvmlSampler()
     sampler.start()
     try:
-        r = run_step_json(c, cmd, f"compute_bench share ({kind})", timeout, env=env)
+        r = run_step_json(cmd, f"compute_bench share ({kind})", timeout, env=env)
     finally:
         sampler.stop()
     figures = with_error(r, judge_share(r, sampler, kind))
@@ -491,7 +491,7 @@ def step_torch_smoke(c: Check, timeout: float) -> dict[str, Any]:
         raise Skip(str(c.state["no_device"]))
     if not c.state.get("op_hook"):
         raise Skip("the op hook did not build (step op_hook_build)")
-    r = run_step_json(c, c.program("torch_smoke"), "torch_smoke", timeout, env=torch_env(c, SMOKE_ENV))
+    r = run_step_json(c.program("torch_smoke"), "torch_smoke", timeout, env=torch_env(c, SMOKE_ENV))
     checks = r.get("checks")
     if not isinstance(checks, dict) or not checks:
         raise BenchError(f"torch_smoke: no checks in {json.dumps(r)[:300]}")
@@ -526,7 +526,7 @@ def opportunist_beside(c: Check, iters: int, kernels: int, share: float, budget:
 
 
 def guarantee(c: Check, iters: int, kernels: int, budget: Budget) -> float:
-    r = run_step_json(c, [*c.program("compute_bench"), "guarantee", "--iters", str(iters), "--kernels",
+    r = run_step_json([*c.program("compute_bench"), "guarantee", "--iters", str(iters), "--kernels",
                           str(kernels)], "guarantee", budget.timeout(60 * c.scale, "guarantee"))
     if r.get("_error"):
         raise BenchError(r["_error"])
