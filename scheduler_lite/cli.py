@@ -446,6 +446,8 @@ def cmd_status(config: Config, args: argparse.Namespace) -> int:
         return 0
     _print_status(cluster_status(found))
     _print_quota_warning(config, found["tenants"], len(found["gpus"]))
+    for line in found.get("warnings") or ():  # jobs that do not cooperate (scheduler_lite.misbehaviour)
+        print(f"WARNING: {_printable(str(line))}")
     contained = found.get("containment")  # absent from a daemon before containment, or in cluster mode
     if isinstance(contained, dict):
         print(f"\ncontainment: {'on' if contained.get('active') else 'OFF'}: {contained.get('detail')}")

@@ -26,6 +26,7 @@ from typing import Any, Final, TypeVar
 from scheduler_lite.auth import TenantMembers
 from scheduler_lite.cluster.config import ClusterConfig, check_fencing, parse_cluster
 from scheduler_lite.containment import CONTAINMENT_MODES
+from scheduler_lite.misbehaviour import ACTIONS as MISBEHAVIOUR_ACTIONS
 from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
@@ -78,6 +79,12 @@ class JobsConfig:
     # Each job in a cgroup of its own (scheduler_lite.containment): "auto" where the daemon can
     # create cgroups, "required" (serve refuses to start without), "off".
     containment: str = "auto"
+    # A job that does not cooperate (scheduler_lite.misbehaviour): "warn" (an event, a warning in
+    # `status`, a log line) or "stop" (opportunistic jobs are also stopped: SIGTERM, SIGKILL
+    # after cancel_grace_s; guarantee jobs are only warned about).
+    misbehaviour: str = "warn"
+    # A job with no new stats.json for this long is reported `silent`.
+    silent_after_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,8 +417,12 @@ def _jobs(t: _Table) -> JobsConfig:
     check_choice(t.path("opportunistic_priority"), priority, PRIORITIES)
     containment = t.take("containment", default=d.containment)
     check_choice(t.path("containment"), containment, CONTAINMENT_MODES)
+    misbehaviour = t.take("misbehaviour", default=d.misbehaviour)
+    check_choice(t.path("misbehaviour"), misbehaviour, MISBEHAVIOUR_ACTIONS)
+    silent = t.take("silent_after_s", default=d.silent_after_s)
+    check_range(t.path("silent_after_s"), silent, 1.0, 86400.0)
     t.finish()
-    return JobsConfig(host, float(grace), priority, containment)
+    return JobsConfig(host, float(grace), priority, containment, misbehaviour, float(silent))
 
 
 def _daemon(t: _Table) -> DaemonConfig:

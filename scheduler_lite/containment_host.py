@@ -13,7 +13,12 @@
              whatever is left in the cgroup is killed (`cgroup.kill`) and the cgroup removed: at
              a job's end, nothing of it runs on;
   recover    at the start, cgroups of launches the store no longer runs are emptied and removed;
-  freeze     stops every process of the job at once.
+  freeze     stops every process of the job at once;
+  stats      what the job reports is checked (scheduler_lite.misbehaviour: controls refused,
+             silence, impossible figures): each new finding is an event `misbehaving` and a log
+             warning, the job's findings are `status` warnings (`findings`), and with
+             `jobs.misbehaviour = "stop"` an opportunistic job found is stopped (SIGTERM, SIGKILL
+             after jobs.cancel_grace_s; event `misbehaviour_stop`).
 
 Where containment is inactive (`Containment.active` False: an unprivileged daemon, no cgroup2),
 every verb is LocalJobHost's alone.
@@ -25,7 +30,8 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,19 +39,30 @@ from scheduler_lite.containment import Containment, JobCgroup, device_minors
 from scheduler_lite.devices import DeviceBackend
 from scheduler_lite.jobhost import LocalJobHost
 from scheduler_lite.launcher import ExitInfo, Launcher, LaunchError, ProcessHandle
-from scheduler_lite.model import Gpu
+from scheduler_lite.misbehaviour import Finding, Sent, check_stats
+from scheduler_lite.model import Gpu, Role
+from scheduler_lite.tick import LiveJob
+from tf_antman.protocol import Control, Stats
 
 if TYPE_CHECKING:
     from scheduler_lite.config import Config
-    from scheduler_lite.storage import JobRecord
+    from scheduler_lite.storage import JobRecord, Storage
 
 log = logging.getLogger("scheduler_lite")
 
 
 class ContainedJobHost(LocalJobHost):
     def __init__(self, config: Config, devices: DeviceBackend | None = None, launcher: Launcher | None = None,
-                 jobs_dir: Path | None = None, containment: Containment | None = None) -> None:
+                 jobs_dir: Path | None = None, containment: Containment | None = None,
+                 storage: Storage | None = None, clock: Callable[[], float] = time.time) -> None:
         super().__init__(config, devices, launcher, jobs_dir)
+        self.storage = storage  # where findings are recorded as events (None: logged only)
+        self.clock = clock
+        self.findings: dict[str, list[Finding]] = {}  # by job id: what its latest stats showed
+        self._sent: dict[str, Sent] = {}  # the newest control written to each job
+        self._stats_seen: dict[str, tuple[int, float]] = {}  # (stats seq, when first seen) by job id
+        self._launched: dict[str, float] = {}  # when the host launched or adopted it
+        self._stop_by: dict[str, float] = {}  # jobs stopped for misbehaving: SIGKILL after this
         self.containment = containment if containment is not None else Containment(
             config.state_dir, config.jobs.containment)
         self._cgroups: dict[Path, JobCgroup] = {}  # by job directory: the handles' launches
@@ -58,7 +75,9 @@ class ContainedJobHost(LocalJobHost):
                extra_env: Mapping[str, str] | None = None) -> ProcessHandle:
         cg = self.containment.cgroup(record.id, token)
         if cg is None:
+            self._track(record.id, share)
             return super().launch(record, gpus, limit, share, job_dir, token, extra_env)
+        self._track(record.id, share)
         placed = {g.id for g in gpus}
         others = [g.id for g in self.devices.inventory() if g.id not in placed]
         self.containment.create(cg, device_minors(others))
@@ -83,6 +102,8 @@ class ContainedJobHost(LocalJobHost):
 
     def adopt(self, record: JobRecord, pid: int, start_ticks: int | None, job_dir: Path) -> ProcessHandle | ExitInfo:
         found = super().adopt(record, pid, start_ticks, job_dir)
+        if isinstance(found, ProcessHandle):
+            self._track(record.id, 1.0)
         cg = self._launch_cgroup(record)
         if cg is not None and cg.v2.is_dir():
             if isinstance(found, ProcessHandle):
@@ -107,6 +128,58 @@ class ContainedJobHost(LocalJobHost):
     def cleanup(self, handle: ProcessHandle) -> None:
         super().cleanup(handle)
         self._end_handle(handle)
+
+    # -- what the jobs report ---------------------------------------------------------------------
+
+    def write_control(self, job_id: str, live: LiveJob, control: Control) -> None:
+        super().write_control(job_id, live, control)
+        before = self._sent.get(job_id)
+        share = control.compute_share if control.compute_share is not None else (1.0 if before is None else before.share)
+        self._sent[job_id] = Sent(control.seq, share)
+
+    def stats(self, job_id: str, live: LiveJob) -> Stats | None:
+        found = super().stats(job_id, live)  # a refused document raises: the daemon reports it
+        now = self.clock()
+        if found is not None and self._stats_seen.get(job_id, (None,))[0] != found.seq:
+            self._stats_seen[job_id] = (found.seq, now)
+        seen = self._stats_seen.get(job_id)
+        gpus = {g.id: g for g in self.devices.inventory()}
+        findings = check_stats(job_id, found, sent=self._sent.get(job_id),
+                               gpu_memory=[gpus[g].memory_bytes if g in gpus else 0 for g in live.record.placement],
+                               host_allowance=self.config.jobs.host_memory_bytes, now=now,
+                               stats_since=None if seen is None else seen[1],
+                               launched_at=self._launched.get(job_id, now), silent_after_s=self.config.jobs.silent_after_s)
+        self._judge(job_id, live, findings, now)
+        return found
+
+    def _judge(self, job_id: str, live: LiveJob, findings: list[Finding], now: float) -> None:
+        """Record what is new, act on it (jobs.misbehaviour), and finish a stop under way."""
+        known = {f.kind for f in self.findings.get(job_id, [])}
+        self.findings[job_id] = findings
+        for f in findings:
+            if f.kind in known:
+                continue
+            log.warning("%s does not cooperate: %s", job_id, f.line())
+            if self.storage is not None:
+                self.storage.add_event(now, "misbehaving", job_id, check=f.kind, detail=f.detail)
+        opportunistic = live.record.role is Role.OPPORTUNISTIC
+        if findings and opportunistic and self.config.jobs.misbehaviour == "stop" and job_id not in self._stop_by:
+            self._stop_by[job_id] = now + self.config.jobs.cancel_grace_s
+            log.warning("%s stopped: an opportunistic job that does not cooperate (jobs.misbehaviour = \"stop\")",
+                        job_id)
+            if self.storage is not None:
+                self.storage.add_event(now, "misbehaviour_stop", job_id, signal="SIGTERM",
+                                       checks=sorted({f.kind for f in findings}))
+            self.signal(live.handle, signal.SIGTERM)
+        elif job_id in self._stop_by and now >= self._stop_by[job_id] and not live.killed:
+            self.signal(live.handle, signal.SIGKILL)
+
+    def _track(self, job_id: str, share: float) -> None:
+        self._launched[job_id] = self.clock()
+        self._sent[job_id] = Sent(0, share)
+        self._stats_seen.pop(job_id, None)
+        self.findings.pop(job_id, None)
+        self._stop_by.pop(job_id, None)
 
     def kill_leftovers(self, record: JobRecord, job_dir: Path, pid: int | None, start: int | None) -> list[int]:
         killed = super().kill_leftovers(record, job_dir, pid, start)
@@ -137,6 +210,9 @@ class ContainedJobHost(LocalJobHost):
         return None if not record.launch_token else self.containment.cgroup(record.id, record.launch_token)
 
     def _end_handle(self, handle: ProcessHandle) -> None:
+        job_id = handle.job_dir.name  # LocalJobHost's layout: jobs_dir/<job id>
+        for table in (self.findings, self._sent, self._stats_seen, self._launched, self._stop_by):
+            table.pop(job_id, None)
         cg = self._cgroups.pop(handle.job_dir, None)
         if cg is not None:
             self._end(cg)
@@ -167,9 +243,11 @@ def _signal_member(pid: int, cg: JobCgroup, sig: int) -> bool:
             os.close(fd)
 
 
-def local_job_host(config: Config) -> LocalJobHost:
-    """The daemon's host on this machine: contained where it can be (ContainedJobHost)."""
-    return ContainedJobHost(config)
+def local_job_host(config: Config, storage: Storage | None = None,
+                   clock: Callable[[], float] = time.time) -> LocalJobHost:
+    """The daemon's host on this machine: contained where it can be, its jobs' reports checked
+    (ContainedJobHost)."""
+    return ContainedJobHost(config, storage=storage, clock=clock)
 
 
 __all__ = ["ContainedJobHost", "local_job_host"]

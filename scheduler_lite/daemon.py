@@ -104,7 +104,7 @@ class Daemon:
         self.storage = storage
         self.clock = clock
         # Each job in a cgroup where the machine allows (scheduler_lite.containment_host).
-        self.host: JobHost = host if host is not None else local_job_host(config)
+        self.host: JobHost = host if host is not None else local_job_host(config, storage, clock)
         self._last_schedule = -math.inf
         self._dirty = True
         self._ticks = 0

@@ -424,6 +424,9 @@ class Server:
         containment = getattr(self.daemon.host, "containment", None)
         if containment is not None:
             doc["containment"] = {"active": containment.active, "detail": containment.describe()}
+        findings = getattr(self.daemon.host, "findings", None)  # jobs that do not cooperate (misbehaviour)
+        if findings is not None:
+            doc["warnings"] = [f.line() for job in sorted(findings) for f in findings[job]]
         return doc
 
     def _tenants(self, who: Identity, args: Mapping[str, Any]) -> Any:

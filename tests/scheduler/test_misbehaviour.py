@@ -1,0 +1,186 @@
+"""Jobs that do not cooperate are caught (scheduler_lite.misbehaviour): the checks alone, the
+NVML per-process side against a fake NVML, and the real daemon with jobs that write their own
+stats.json (impossible figures, refused controls) or none at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from scheduler_lite.misbehaviour import MAX_PLAUSIBLE_BYTES, Sent, check_gpu_processes, check_stats, read_gpu_processes
+from tests.scheduler.configs import scheduler_config, to_toml
+from tests.scheduler.test_daemon_fakes import REPO, wait_for
+from tests.scheduler.test_submit_idempotent import serving
+from tf_antman.protocol import DeviceStats, Rejection, Stats
+
+GIB = 1 << 30
+
+
+def stats(**kw: object) -> Stats:
+    fields: dict = {"seq": 1, "pid": 1, "state": "running", "step": 3, "wall_time": 1.0}
+    fields.update(kw)
+    return Stats(**fields)
+
+
+def device(in_use: int) -> DeviceStats:
+    return DeviceStats(0, None, in_use, in_use, in_use, 0, 0, 0, 0)
+
+
+def kinds(found: list) -> list[str]:
+    return [f.kind for f in found]
+
+
+CHECK = {"gpu_memory": [GIB], "host_allowance": GIB, "now": 100.0, "launched_at": 0.0, "silent_after_s": 60.0}
+
+
+def test_the_checks() -> None:
+    assert check_stats("j", stats(), sent=Sent(2, 1.0), stats_since=90.0, **CHECK) == []
+    # 1 PiB in use, an achieved share of 1.0 against 0.05 in force, controls refused, silence.
+    assert kinds(check_stats("j", stats(devices=(device(MAX_PLAUSIBLE_BYTES),)), sent=None, stats_since=90.0,
+                             **CHECK)) == ["impossible"]
+    assert kinds(check_stats("j", stats(achieved_share=1.0), sent=Sent(2, 0.05), stats_since=90.0, **CHECK)) == [
+        "impossible"]
+    assert check_stats("j", stats(achieved_share=0.14), sent=Sent(2, 0.05), stats_since=90.0, **CHECK) == []
+    refused = stats(control_seq_applied=1, controls_rejected=4,
+                    last_rejected=Rejection.clipped(2, "seq", "must be greater than 9007199254740991"))
+    found = check_stats("j", refused, sent=Sent(2, 0.05), stats_since=90.0, **CHECK)
+    assert kinds(found) == ["rejects_controls"] and "must be greater than 9007199254740991" in found[0].detail
+    assert kinds(check_stats("j", None, sent=None, stats_since=None, **CHECK)) == ["silent"]
+    assert kinds(check_stats("j", stats(), sent=None, stats_since=30.0, **CHECK)) == ["silent"]
+
+
+@dataclass
+class Proc:
+    pid: int
+    usedGpuMemory: int | None  # noqa: N815 - NVML's field name
+
+
+class FakeNvml:
+    """The two NVML calls the per-process check makes, with per-process memory per GPU."""
+
+    def __init__(self, processes: dict[int, list[Proc]]) -> None:
+        self.processes = processes
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802 - NVML's name
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Proc]:  # noqa: N802
+        return self.processes[handle]
+
+
+def test_per_process_memory_from_a_fake_nvml() -> None:
+    nvml = FakeNvml({0: [Proc(10, 3 * GIB), Proc(11, GIB)], 1: [Proc(12, None), Proc(99, 2 * GIB)]})
+    seen = read_gpu_processes(nvml, [0, 1])
+    assert seen == {0: [(10, 3 * GIB), (11, GIB)], 1: [(12, 0), (99, 2 * GIB)]}
+    found = check_gpu_processes(seen, {10: "job-1", 11: "job-1", 12: "job-2"},
+                                {("job-1", 0): 2 * GIB, ("job-2", 1): GIB})
+    assert [(f.kind, f.job_id, f.gpu, f.bytes_taken) for f in found] == [
+        ("over_limit", "job-1", 0, 2 * GIB),  # 4 GiB held against a 2 GiB limit
+        ("unmanaged", None, 1, 2 * GIB),  # pid 99 is no job's: all it holds is taken
+    ]
+
+
+# -- the real daemon ------------------------------------------------------------------------------
+
+WRITER = r"""
+import os, sys, time
+from pathlib import Path
+from tf_antman.protocol import DeviceStats, Rejection, Stats, atomic_write_text, stats_path, temp_dir
+d = Path(os.environ["ANTMAN_JOB_DIR"])
+mode = sys.argv[1]
+seq = 0
+while True:
+    seq += 1
+    extra = {}
+    if mode == "huge":
+        extra["devices"] = (DeviceStats(0, None, 1 << 50, 1 << 50, 1 << 50, 0, 0, 0, 0),)
+    if mode == "refuses":
+        extra.update(control_seq_applied=1, controls_rejected=seq,
+                     last_rejected=Rejection.clipped(9007199254740991, "seq", "must be greater than 9007199254740991"))
+    s = Stats(seq=seq, pid=os.getpid(), state="running", step=seq, wall_time=time.time(), **extra)
+    atomic_write_text(stats_path(d), s.to_json(), tmp_dir=temp_dir(d))
+    time.sleep(0.1)
+"""
+
+
+class Site:
+    def __init__(self, base: Path, **jobs: object) -> None:
+        self.base = base
+        self.config = base / "sl.toml"
+        self.config.write_text(to_toml(scheduler_config(
+            ["1GiB"], {"A": 1, "B": 0}, jobs={"cancel_grace_s": 1, **jobs},  # type: ignore[dict-item]
+            daemon={"tick_interval_s": 0.05}, coordinator={"min_memory_bytes": "64MiB", "round_interval_s": 0.2})))
+        self.env = {**os.environ, "PYTHONPATH": str(REPO)}
+        with open(base / "daemon.log", "ab") as out:
+            self.daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(self.config),
+                                            "serve"], env=self.env, stdout=out, stderr=out, start_new_session=True)
+        assert wait_for(lambda: serving(self.config), 30)
+
+    def cli(self, *argv: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(self.config), *argv],
+                              capture_output=True, text=True, cwd=self.base, env=self.env, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def submit(self, *argv: str) -> str:
+        return self.cli("submit", *argv).strip()
+
+    def events(self, job: str) -> list[dict]:
+        return json.loads(self.cli("--json", "show", job))["events"]
+
+    def state(self, job: str) -> str:
+        return str(json.loads(self.cli("--json", "show", job))["job"]["state"])
+
+    def close(self) -> None:
+        os.killpg(self.daemon.pid, signal.SIGTERM)
+        self.daemon.wait(30)
+
+
+@pytest.fixture
+def make_site(tmp_path: Path):  # type: ignore[no-untyped-def]
+    made: list[Site] = []
+
+    def make(**jobs: object) -> Site:
+        made.append(Site(tmp_path, **jobs))
+        return made[-1]
+
+    yield make
+    for site in made:
+        for job in ("job-1", "job-2", "job-3"):
+            subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(site.config), "cancel", job],
+                           env=site.env, capture_output=True, timeout=60, check=False)
+        site.close()
+
+
+def misbehaving(site: Site, job: str) -> list[str]:
+    return [e["detail"]["check"] for e in site.events(job) if e["kind"] == "misbehaving"]
+
+
+def test_an_opportunistic_job_reporting_1_pib_is_caught_and_stopped(make_site) -> None:  # type: ignore[no-untyped-def]
+    site = make_site(misbehaviour="stop")
+    job = site.submit("--tenant", "B", "--type", "opportunistic", "--", sys.executable, "-c", WRITER, "huge")
+    assert wait_for(lambda: "impossible" in misbehaving(site, job), 30), site.events(job)
+    assert wait_for(lambda: site.state(job) == "failed", 30)  # SIGTERM: it ended by the signal
+    kinds = [e["kind"] for e in site.events(job)]
+    assert kinds.index("misbehaving") < kinds.index("misbehaviour_stop") < kinds.index("exited")
+
+
+def test_a_job_refusing_controls_and_a_silent_one_are_warned_about(make_site) -> None:  # type: ignore[no-untyped-def]
+    site = make_site(silent_after_s=1)
+    refuses = site.submit("--tenant", "B", "--type", "opportunistic", "--", sys.executable, "-c", WRITER, "refuses")
+    assert wait_for(lambda: site.state(refuses) == "running", 30)
+    # A guarantee job arrives: the opportunistic job is sent a lower limit and share, and refuses.
+    silent = site.submit("--tenant", "A", "--type", "guarantee", "--", "sleep", "60")
+    assert wait_for(lambda: "rejects_controls" in misbehaving(site, refuses), 30), site.events(refuses)
+    assert wait_for(lambda: "silent" in misbehaving(site, silent), 30), site.events(silent)
+    status = site.cli("status")
+    assert f"WARNING: {refuses}: rejects_controls: control seq" in status
+    assert f"WARNING: {silent}: silent: no stats.json since its launch" in status
+    assert site.state(refuses) == "running"  # jobs.misbehaviour = "warn": nothing else is done
