@@ -88,9 +88,9 @@ def test_a_lock_left_by_a_killed_build_does_not_hold_the_next_job(compute: Compu
     # waited for it for ever inside `import torch`, saying nothing.
     from torch.utils import cpp_extension
 
-    from tf_antman.torch.compute import hook_build_dir
+    from tf_antman.torch.compute import extensions_root, hook_build_dir
 
-    name, build_dir = hook_build_dir(False, ["-O2", "-DNDEBUG"], cpp_extension.get_default_build_root())
+    name, build_dir = hook_build_dir(False, ["-O2", "-DNDEBUG"], extensions_root())
     assert any(build_dir.glob(f"{name}*.so"))  # the module fixture built it here
     (build_dir / "lock").write_text("")
     code = ("from tf_antman.torch.compute import build_hook; "

@@ -22,6 +22,17 @@ TMP_DIR: Final = ".tmp"
 AGENT_LOCK_FILE: Final = "agent.lock"
 
 
+# A job of several training processes (torchrun, accelerate, deepspeed: one per GPU) has one
+# agent per rank: local rank 0 in the job directory itself, rank r > 0 in RANKS_DIR/<r>/ below it,
+# each with the same files (docs/protocol.md, "Several training processes").
+RANKS_DIR: Final = "ranks"
+
+
+def rank_dir(job_dir: Path, local_rank: int) -> Path:
+    """The directory of the agent of local rank `local_rank` (0: the job directory)."""
+    return job_dir if local_rank == 0 else job_dir / RANKS_DIR / str(local_rank)
+
+
 def control_path(job_dir: Path) -> Path:
     return job_dir / CONTROL_FILE
 

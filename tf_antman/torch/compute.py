@@ -45,8 +45,7 @@ def build_extension(source: Path, base_name: str, with_cuda: bool, what: str,
 
     # NDEBUG as in libtorch's own build: at::RecordFunction's layout depends on it (op_hook.cpp).
     flags = ["-O2", "-DNDEBUG", *(["-DANTMAN_WITH_CUDA"] if with_cuda else [])]
-    name, build_dir = hook_build_dir(with_cuda, flags, cpp_extension.get_default_build_root(),
-                                     source, base_name)
+    name, build_dir = hook_build_dir(with_cuda, flags, extensions_root(), source, base_name)
     build_dir.mkdir(parents=True, exist_ok=True)
     with _build_lock(build_dir):
         if not any(build_dir.glob(f"{name}*.so")):
@@ -54,6 +53,14 @@ def build_extension(source: Path, base_name: str, with_cuda: bool, what: str,
                      "toolchain: about a minute)", what, build_dir)
         return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                                   build_directory=str(build_dir), with_cuda=with_cuda, verbose=verbose)
+
+
+def extensions_root() -> str:
+    """Where PyTorch keeps built extensions: $TORCH_EXTENSIONS_DIR as cpp_extension reads it,
+    else its per-user cache (get_default_build_root, which does not read the variable)."""
+    from torch.utils import cpp_extension
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
 
 
 def hook_build_dir(with_cuda: bool, flags: list[str], root: str, source: Path = HOOK_SOURCE,
