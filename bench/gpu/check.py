@@ -498,10 +498,24 @@ def step_torch_smoke(c: Check, timeout: float) -> dict[str, Any]:
     return with_error(r, {**{k: v for k, v in r.items() if not k.startswith("_")}, "checks": checks})
 
 
+def kernels_at(progress: list[tuple[float, float]], t: float) -> float:
+    """Kernels the opportunist had launched at Unix time t, interpolated between its progress
+    lines (0 before the first, the last count after the last)."""
+    before = [(pt, k) for pt, k in progress if pt <= t]
+    after = [(pt, k) for pt, k in progress if pt > t]
+    if not before:
+        return 0.0
+    if not after:
+        return before[-1][1]
+    (t0, k0), (t1, k1) = before[-1], after[0]
+    return k0 + (k1 - k0) * (t - t0) / (t1 - t0)
+
+
 def opportunist_beside(c: Check, iters: int, kernels: int, share: float, budget: Budget
                        ) -> tuple[float, dict[str, Any]]:
     """The guarantee job's wall seconds beside an opportunist held at `share`, and the
-    opportunist's own line (kernels done, wall seconds)."""
+    opportunist's own line (kernels done, wall seconds) with "kernels_beside": the kernels it
+    launched inside the guarantee job's run (its progress lines, at the guarantee's epochs)."""
     what = f"opportunist (share {share})"
     with tempfile.TemporaryFile() as errf:
         opp = start_child([*c.program("compute_bench"), "opportunist", "--iters", str(iters), "--share",
@@ -513,27 +527,45 @@ def opportunist_beside(c: Check, iters: int, kernels: int, share: float, budget:
                 errf.seek(0)
                 raise BenchError(f"{what}: no READY ({(line or 'ended').strip()[:200]!r}); stderr: "
                                  f"{tail(errf.read().decode(errors='replace'))}")
-            wall = guarantee(c, iters, kernels, budget)
+            wall, epoch = guarantee(c, iters, kernels, budget)
         finally:
             left = stop_opportunist(opp, stuck=line is None, grace=min(10.0 * c.scale, budget.left() - 1.0))
         if left is not None:
             raise BenchError(f"{what}: {left}")
         assert opp.stdout is not None
-        result = last_json(opp.stdout.read()) or {}
+        text = opp.stdout.read()
+        result = last_json(text) or {}
         if opp.returncode != 0 or "kernels" not in result:
             raise BenchError(f"{what}: {describe_rc(opp.returncode)} after the guarantee run, line {result}")
+    progress = []
+    for row in text.splitlines():
+        parts = row.split()
+        if len(parts) == 3 and parts[0] == "P":
+            progress.append((float(parts[1]), float(parts[2])))
+    result["kernels_beside"] = (kernels_at(progress, epoch[1]) - kernels_at(progress, epoch[0])
+                                if progress and epoch is not None else None)
+    result["beside_s"] = epoch[1] - epoch[0] if epoch is not None else None
     return wall, result
 
 
-def guarantee(c: Check, iters: int, kernels: int, budget: Budget) -> float:
+def guarantee(c: Check, iters: int, kernels: int, budget: Budget) -> tuple[float, tuple[float, float] | None]:
+    """The guarantee job's wall seconds and its run's Unix-time window."""
     r = run_step_json([*c.program("compute_bench"), "guarantee", "--iters", str(iters), "--kernels",
-                          str(kernels)], "guarantee", budget.timeout(60 * c.scale, "guarantee"))
+                       str(kernels)], "guarantee", budget.timeout(60 * c.scale, "guarantee"))
     if r.get("_error"):
         raise BenchError(r["_error"])
     wall = number(r.get("wall_s"))
     if wall is None or wall <= 0:
         raise BenchError(f"guarantee: no wall_s in {json.dumps(r)[:300]}")
-    return wall
+    epoch = r.get("epoch")
+    window = ((float(epoch[0]), float(epoch[1])) if isinstance(epoch, list) and len(epoch) == 2
+              and all(number(e) is not None for e in epoch) and epoch[1] > epoch[0] else None)
+    return wall, window
+
+
+def fraction(kernels: object, seconds: object, kernel_alone: float) -> float | None:
+    k, s = number(kernels), number(seconds)
+    return min(1.0, k * kernel_alone / s) if k is not None and s else None
 
 
 def step_interference(c: Check, timeout: float) -> dict[str, Any]:
@@ -549,7 +581,7 @@ def step_interference(c: Check, timeout: float) -> dict[str, Any]:
         order: list[float | None] = [None, *INTERFERENCE_SHARES, None]
         for share in order if r % 2 == 0 else order[::-1]:  # alternated: drift favours no one
             if share is None:
-                alone.append(guarantee(c, iters, kernels, budget))
+                alone.append(guarantee(c, iters, kernels, budget)[0])
             else:
                 beside[share].append(opportunist_beside(c, iters, kernels, share, budget))
     base = statistics.median(alone)
@@ -559,11 +591,17 @@ def step_interference(c: Check, timeout: float) -> dict[str, Any]:
     checks: dict[str, bool | None] = {}
     for share, runs in beside.items():
         slow = statistics.median(w for w, _ in runs) / base - 1.0
-        fractions = [min(1.0, (number(o.get("kernels")) or 0) * kernel_alone / (number(o.get("wall_s")) or math.inf))
-                     for _, o in runs]
-        f = statistics.median(fractions)
+        # f: the work the opportunist got done while the guarantee job ran (kernels launched in
+        # that window x the same kernel's time alone / the window); over its whole run beside it
+        wholes = [fraction(o.get("kernels"), o.get("wall_s"), kernel_alone) for _, o in runs]
+        whole = statistics.median(wholes) if all(x is not None for x in wholes) else None
+        inside = [fraction(o.get("kernels_beside"), o.get("beside_s"), kernel_alone) for _, o in runs]
+        f = statistics.median(inside) if all(x is not None for x in inside) else whole
+        if f is None:
+            raise BenchError(f"opportunist (share {share}): no kernel count in its lines")
         bound = f / (1.0 - f) if f < 1.0 else math.inf
         rows.append({"opportunist_share": share, "opportunist_busy_fraction": round(f, 4),
+                     "opportunist_busy_fraction_whole_run": round(whole, 4) if whole is not None else None,
                      "guarantee_slowdown": round(slow, 4), "time_slicing_bound": round(bound, 4),
                      "manager_share_window": [o.get("manager_share_window") for _, o in runs]})
         checks[f"slowdown_le_bound_at_{share:g}"] = slow <= bound + INTERFERENCE_SLACK + noise

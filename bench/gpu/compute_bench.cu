@@ -10,7 +10,8 @@
 //                                             K kernels at share 1: wall time (one JSON line)
 //   compute_bench opportunist --iters N --share S
 //                                             warms up at share 1, then kernels at share S
-//                                             until SIGTERM; prints READY once at S, a JSON
+//                                             until SIGTERM; prints READY once at S, then
+//                                             "P <unix time> <kernels>" every 50 ms, and a JSON
 //                                             line at the end (kernels done, wall seconds)
 //
 // Long kernels (default): FMA and SAXPY kernels alternating, ~0.5 ms each, launched back to
@@ -418,12 +419,16 @@ int Guarantee(int iters, long kernels) {
   Gated g(1.0);  // the guarantee job at 100%: the gate's unthrottled path
   for (int i = 0; i < 20; ++i) g.Run(job.stream, [&] { job.Launch(); });  // warm-up
   CUDA_OK(cudaStreamSynchronize(job.stream));
+  const double epoch0 = EpochS();
   const double t0 = NowS();
   for (long i = 0; i < kernels; ++i) g.Run(job.stream, [&] { job.Launch(); });
   CUDA_OK(cudaStreamSynchronize(job.stream));
   const double wall = NowS() - t0;
+  const double epoch1 = EpochS();
+  // The epoch window lets the caller count an opportunist's kernels inside this run alone.
   std::printf("{\"bench\": \"gpu_compute_guarantee\", \"version\": %d, \"kernels\": %ld, "
-              "\"wall_s\": %.6f}\n", kJsonVersion, kernels, wall);
+              "\"wall_s\": %.6f, \"epoch\": [%.6f, %.6f]}\n", kJsonVersion, kernels, wall, epoch0,
+              epoch1);
   return 0;
 }
 
@@ -447,15 +452,25 @@ int Opportunist(int iters, double share) {
     while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     antman_opm_set_share(g.opm, 1.0);
   });
-  std::printf("READY\n");
+  std::printf("READY\nP %.6f 0\n", EpochS());
   std::fflush(stdout);
   const double t0 = NowS();
   long kernels = 0;
+  // Progress lines "P <unix time> <kernels launched>" every 50 ms: the caller counts the kernels
+  // inside the guarantee job's run (a held op blocks the loop: no line while nothing launches).
+  double next_progress = t0;
   while (!g_stop.load()) {
     g.Run(job.stream, [&] { job.Launch(); });
     ++kernels;
+    const double now = NowS();
+    if (now >= next_progress) {
+      std::printf("P %.6f %ld\n", EpochS(), kernels);
+      std::fflush(stdout);
+      next_progress = now + 0.05;
+    }
   }
   const double t_stop = NowS();
+  std::printf("P %.6f %ld\n", EpochS(), kernels);
   CUDA_OK(cudaStreamSynchronize(job.stream));
   waker.join();
   antman_opm_stats st;

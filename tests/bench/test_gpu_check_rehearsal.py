@@ -108,20 +108,26 @@ elif name == "compute_bench" and sub == "guarantee":
     kernels = int(args[args.index("--kernels") + 1])
     open(os.path.join(HERE, "kernels.txt"), "w").write(str(kernels))
     f = float(open(os.path.join(HERE, "beside.txt")).read()) if os.path.exists(os.path.join(HERE, "beside.txt")) else 0.0
-    emit({{"bench": "gpu_compute_guarantee", "version": 2, "kernels": kernels, "wall_s": 1.0 / (1.0 - f)}})
+    t0 = time.time()
+    time.sleep(0.2)
+    emit({{"bench": "gpu_compute_guarantee", "version": 2, "kernels": kernels, "wall_s": 1.0 / (1.0 - f),
+           "epoch": [t0, time.time()]}})
 elif name == "compute_bench" and sub == "opportunist":
     share = float(args[args.index("--share") + 1])
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     open(os.path.join(HERE, "beside.txt"), "w").write(str(share))
     print("READY", flush=True)
-    t0 = time.monotonic()
+    # the work it gets done: a fraction `share` of the time at the guarantee's kernel time alone
+    # (1 s / K), in progress lines as compute_bench prints them
+    k = int(open(os.path.join(HERE, "kernels.txt")).read())
+    t0 = time.time()
     while not stop:
+        print(f"P {{time.time():.6f}} {{share * (time.time() - t0) * k:.0f}}", flush=True)
         time.sleep(0.01)
     os.remove(os.path.join(HERE, "beside.txt"))
-    wall = time.monotonic() - t0
-    # the work it got done: a fraction `share` of the time at the guarantee's kernel time alone (1 s / K)
-    k = int(open(os.path.join(HERE, "kernels.txt")).read())
+    wall = time.time() - t0
+    print(f"P {{time.time():.6f}} {{share * wall * k:.0f}}", flush=True)
     emit({{"bench": "gpu_compute_opportunist", "version": 2, "kernels": round(share * wall * k), "wall_s": wall,
            "manager_share_window": share}})
 elif name == "torch_smoke":
@@ -237,7 +243,9 @@ def test_the_whole_check_runs_its_steps_in_order_with_one_line_each(tmp_path: Pa
     assert steps["torch_smoke"]["checks"]["antman_active"] is True  # ANTMAN_* and the sitecustomize
     rows = steps["interference"]["rows"]
     assert [r["opportunist_share"] for r in rows] == list(check.INTERFERENCE_SHARES)
-    assert all("opportunist_busy_fraction" in r and "guarantee_slowdown" in r for r in rows)
+    # the opportunist's busy fraction inside the guarantee's run, from its progress lines: its share
+    assert [r["opportunist_busy_fraction"] for r in rows] == pytest.approx(list(check.INTERFERENCE_SHARES), abs=0.02)
+    assert all(r["guarantee_slowdown"] <= r["time_slicing_bound"] + 1e-3 for r in rows)
     assert steps["colocate"]["rows"] == [{"row": "repeat 1", "rg_slowdown": 0.01}]
     assert_none_left(tmp_path / "stand_ins")
 
@@ -361,6 +369,14 @@ def test_judge_share_uses_the_work_done_without_cupti() -> None:
     assert out["share_work"] == [0.225, 0.45, 0.675]
     assert out["share_error_points_max"] == pytest.approx(7.5)
     assert out["checks"]["share_error_le_2_points"] is False
+
+
+def test_kernels_at_interpolates_the_progress_lines() -> None:
+    progress = [(10.0, 0.0), (11.0, 100.0), (12.0, 100.0)]
+    assert check.kernels_at(progress, 9.0) == 0.0
+    assert check.kernels_at(progress, 10.5) == 50.0
+    assert check.kernels_at(progress, 11.5) == 100.0
+    assert check.kernels_at(progress, 13.0) == 100.0
 
 
 def test_judge_share_drops_cupti_records_read_wrong() -> None:
