@@ -362,16 +362,28 @@ def step_gpu_idle(c: Check, timeout: float) -> dict[str, Any]:
 
 def step_binaries(c: Check, timeout: float) -> dict[str, Any]:
     budget = Budget(timeout, margin=0)
-    need = ("memory_bench", "compute_bench")
-    missing = [n for n in need if not (c.bin / n).exists()]
+    missing = [n for n in ("memory_bench", "compute_bench") if not (c.bin / n).exists()]
     figures: dict[str, Any] = {"bin": str(c.bin), "carried": not missing}
-    if missing:  # not carried (or carried elsewhere): built here, timed, inside this step's timeout
+
+    def build() -> None:  # built here, timed, inside this step's timeout
         t0 = time.monotonic()
         rc, _, err = run_captured(c.program("build"), budget.timeout(timeout, "build"))
         figures["build_s"] = round(time.monotonic() - t0, 3)
         if rc != 0:
             raise BenchError(f"build ({'no answer in time' if rc is None else describe_rc(rc)}): {tail(err, 2000)}")
-    rc, out, err = run_captured([*c.program("compute_bench"), "probe"], budget.timeout(30 * c.scale, "probe"))
+
+    def probe() -> tuple[int | None, str, str]:
+        return run_captured([*c.program("compute_bench"), "probe"], budget.timeout(30 * c.scale, "probe"))
+
+    if missing:
+        build()
+    rc, out, err = probe()
+    if rc not in (0, SKIP) and not missing:
+        # Carried binaries that do not run here (a loader error: another glibc or libstdc++ than
+        # the development machine's) are built again here rather than costing every GPU step.
+        figures["carried_error"] = f"{'no answer in time' if rc is None else describe_rc(rc)}: {tail(err, 500)}"
+        build()
+        rc, out, err = probe()
     if rc == SKIP:
         c.state["no_device"] = (last_json(out) or {}).get("skipped", "no CUDA device or driver")
         raise Skip(f"compute_bench probe: {c.state['no_device']}")

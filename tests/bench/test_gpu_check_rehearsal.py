@@ -75,6 +75,7 @@ if name == "gpu_procs":
     emit({{"device": "Stand-in GPU", "driver": "0.0", "memory_total_bytes": 80 << 30,
            "memory_used_bytes": 0, "compute_processes": procs}})
 elif name == "build":
+    open(os.path.join(HERE, "built.txt"), "w").close()
     out = args[-1]
     for b in ("memory_bench", "compute_bench"):
         open(os.path.join(out, b), "w").close()
@@ -88,6 +89,9 @@ elif name == "memory_bench":
            "host_fallback_slowdown": 9.0, "checks_ok": ok}})
     sys.exit(0 if ok else 1)
 elif name == "compute_bench" and sub == "probe":
+    if mode == "loader_error_until_built" and not os.path.exists(os.path.join(HERE, "built.txt")):
+        sys.stderr.write("compute_bench: /lib/x86_64-linux-gnu/libc.so.6: version `GLIBC_2.99' not found\n")
+        sys.exit(1)
     if mode == "no_device":
         emit({{"skipped": "no CUDA device or driver: stand-in"}})
         sys.exit(77)
@@ -258,6 +262,15 @@ def test_binaries_not_carried_are_built_there_and_timed(tmp_path: Path) -> None:
     binaries = next(r for r in lines if r["step"] == "binaries")
     assert binaries["carried"] is False and binaries["build_s"] >= 0
     assert trace == ["gpu_procs", "build", "compute_bench:probe"]
+
+
+def test_carried_binaries_that_do_not_load_are_built_again(tmp_path: Path) -> None:
+    proc, lines, trace = rehearse(tmp_path, {"compute_bench:probe": "loader_error_until_built"}, "--only",
+                                  "gpu_idle,binaries,memory")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    binaries = next(r for r in lines if r["step"] == "binaries")
+    assert binaries["status"] == "passed" and binaries["carried"] is True and "GLIBC_2.99" in binaries["carried_error"]
+    assert trace == ["gpu_procs", "compute_bench:probe", "build", "compute_bench:probe", "memory_bench"]
 
 
 def test_a_busy_gpu_is_refused_before_anything_runs(tmp_path: Path) -> None:
