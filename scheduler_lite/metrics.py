@@ -11,7 +11,7 @@ prometheus_client is an optional dependency (`pip install tf-antman[metrics]`); 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from scheduler_lite.status import ClusterStatus
@@ -96,8 +96,10 @@ class StatusCollector:
         yield from (state, queued, used, quota, running)
 
 
-def start_metrics_server(port: int, address: str, snapshot: Callable[[], ClusterStatus | None]) -> Callable[[], None]:
-    """Serve /metrics on address:port from a thread; returns a function that stops it."""
+def start_metrics_server(port: int, address: str, snapshot: Callable[[], ClusterStatus | None],
+                         extra: Sequence[object] = ()) -> Callable[[], None]:
+    """Serve /metrics on address:port from a thread; returns a function that stops it. `extra`:
+    more collectors (the socket server's: jobs that do not cooperate, containment)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise MetricsUnavailable(f"--metrics-port {port!r} is invalid: accepted an integer in [1, 65535]")
     try:
@@ -107,6 +109,8 @@ def start_metrics_server(port: int, address: str, snapshot: Callable[[], Cluster
                                  "(or prometheus_client)") from None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(snapshot))  # type: ignore[arg-type]
+    for collector in extra:
+        registry.register(collector)  # type: ignore[arg-type]
     try:
         server, thread = start_http_server(port, addr=address, registry=registry)
     except OSError as e:

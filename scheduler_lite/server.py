@@ -143,6 +143,8 @@ class Server:
         self.policy = policy or access_policy(config)
         self.path = config.socket_path
         self.snapshot: ClusterStatus | None = None  # the latest status (the metrics endpoint reads it)
+        self.findings: tuple[tuple[str, str], ...] = ()  # (job, check) of jobs that do not cooperate, for metrics
+        self.contained: bool | None = None  # containment on (None: a host without it)
         self._requests: queue.Queue[_Pending] = queue.Queue()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._per_uid: dict[int, int] = {}  # open connections by the peer's uid
@@ -288,6 +290,11 @@ class Server:
 
     def refresh_snapshot(self) -> ClusterStatus:
         self.snapshot = self.daemon.status()
+        # Copied here, on the daemon's thread: the metrics thread reads only these copies.
+        findings = getattr(self.daemon.host, "findings", {})
+        self.findings = tuple((f.job_id or "", f.kind) for job in sorted(findings) for f in findings[job])
+        containment = getattr(self.daemon.host, "containment", None)
+        self.contained = None if containment is None else containment.active
         return self.snapshot
 
     def handle(self, who: Identity, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -528,7 +535,36 @@ def job_dict(record: JobRecord, who: Identity, policy: AccessPolicy) -> dict[str
     return out
 
 
-__all__ = ["Server", "access_policy", "job_dict"]
+class HostCollector:
+    """Metrics of what the status snapshot does not hold, from the server's copies:
+    `scheduler_lite_job_misbehaving{job, check}` (1 while a job's check finds it, misbehaviour.py)
+    and `scheduler_lite_containment_active` (1: each job in a cgroup; 0: not contained)."""
+
+    def __init__(self, server: Callable[[], Server | None]) -> None:
+        self.server = server
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        server = self.server()
+        if server is None or server.snapshot is None:
+            return
+        bad = GaugeMetricFamily("scheduler_lite_job_misbehaving", "1 while a job does not cooperate (the check "
+                                "that found it: rejects_controls, silent, impossible, ...)", labels=["job", "check"])
+        for job, check in server.findings:
+            bad.add_metric([job, check], 1)
+        yield bad
+        if server.contained is not None:
+            contained = GaugeMetricFamily("scheduler_lite_containment_active",
+                                          "1 when each job runs in a cgroup of its own, 0 when jobs are not contained")
+            contained.add_metric([], 1 if server.contained else 0)
+            yield contained
+
+
+__all__ = ["HostCollector", "Server", "access_policy", "job_dict"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -552,7 +588,8 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
         served: list[Server] = []
         if metrics_port is not None:
             stop_metrics = start_metrics_server(metrics_port, metrics_address,
-                                                lambda: served[0].snapshot if served else None)
+                                                lambda: served[0].snapshot if served else None,
+                                                extra=[HostCollector(lambda: served[0] if served else None)])
             log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
         secure_state_dir(config, multi_user)
         storage = SqliteStorage(config.db_path)

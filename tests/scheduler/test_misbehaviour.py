@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,8 +112,15 @@ while True:
 """
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 class Site:
     def __init__(self, base: Path, **jobs: object) -> None:
+        self.metrics_port = free_port()
         self.base = base
         self.config = base / "sl.toml"
         self.config.write_text(to_toml(scheduler_config(
@@ -120,8 +129,13 @@ class Site:
         self.env = {**os.environ, "PYTHONPATH": str(REPO)}
         with open(base / "daemon.log", "ab") as out:
             self.daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(self.config),
-                                            "serve"], env=self.env, stdout=out, stderr=out, start_new_session=True)
+                                            "serve", "--metrics-port", str(self.metrics_port)], env=self.env, stdout=out,
+                                           stderr=out, start_new_session=True)
         assert wait_for(lambda: serving(self.config), 30)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as answer:
+            return str(answer.read().decode())
 
     def cli(self, *argv: str) -> str:
         done = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(self.config), *argv],
@@ -183,4 +197,8 @@ def test_a_job_refusing_controls_and_a_silent_one_are_warned_about(make_site) ->
     status = site.cli("status")
     assert f"WARNING: {refuses}: rejects_controls: control seq" in status
     assert f"WARNING: {silent}: silent: no stats.json since its launch" in status
+    metrics = site.metrics()
+    assert f'scheduler_lite_job_misbehaving{{check="rejects_controls",job="{refuses}"}} 1.0' in metrics
+    assert f'scheduler_lite_job_misbehaving{{check="silent",job="{silent}"}} 1.0' in metrics
+    assert "scheduler_lite_containment_active" in metrics
     assert site.state(refuses) == "running"  # jobs.misbehaviour = "warn": nothing else is done
