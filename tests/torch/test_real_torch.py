@@ -102,3 +102,45 @@ def test_a_lock_left_by_a_killed_build_does_not_hold_the_next_job(compute: Compu
         assert not (build_dir / "lock").exists()
     else:  # torch 2.14: an OS lock on a file that stays; nothing to remove, nothing to warn about
         assert "left by a build that did not finish" not in done.stderr
+
+
+SHUTDOWN_SNIPPET = """
+import atexit, threading, time, torch
+from tf_antman import core as antman_core
+from tf_antman.torch.compute import Compute, build_hook
+seen = {}
+stop = threading.Event()
+def after_compute_shutdown():
+    # Registered before Compute's own handler, so it runs after it (atexit is last in, first
+    # out), where Python goes on to free the manager and the gate: the worker still runs ops.
+    hook = seen["compute"].hook
+    first = hook.stats()
+    time.sleep(0.3)
+    second = hook.stats()
+    stop.set()  # then the worker ends (a daemon thread inside torch at teardown aborts stock torch)
+    seen["worker"].join()
+    print("after-exit", first, second["gated"] - first["gated"], flush=True)
+atexit.register(after_compute_shutdown)
+compute = Compute(antman_core.load(), 0.5, 0, on_cuda=False, hook_module=build_hook(with_cuda=False))
+seen["compute"] = compute
+def busy():
+    x = torch.randn(64, 64)
+    while not stop.is_set():
+        x = (x @ x).tanh()
+seen["worker"] = threading.Thread(target=busy, daemon=True)
+seen["worker"].start()
+while compute.hook.stats()["gated"] < 50:
+    pass
+"""
+
+
+def test_the_hook_stops_gating_at_exit_before_its_manager_is_freed(compute: Compute) -> None:
+    # Below share 1 the hook holds raw pointers to the op manager and the gate; Python frees
+    # them when it tears the interpreter down, while a daemon thread may still run ops. atexit
+    # now stops the hook for good and waits for the ops in flight first.
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN_SNIPPET], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("after-exit"))
+    assert "'shutdown': True" in line and "'in_flight': 0" in line and "'enabled': False" in line, line
+    assert line.endswith(" 0"), line  # the worker's ops after shutdown were not gated

@@ -32,11 +32,15 @@ def extension() -> Any:
         pytest.skip("no CUDA headers: set CUDA_HOME to a CUDA toolkit")
     from torch.utils import cpp_extension
 
+    def no_gpu_query(*args: object) -> None:
+        raise AssertionError("building the extension asked PyTorch about the GPUs, which "
+                             "initialises CUDA: the allocator could not be installed after it")
+
     with pytest.MonkeyPatch.context() as mp:  # cpp_extension guessed CUDA_HOME at import
         mp.setattr(cpp_extension, "CUDA_HOME", str(home))
-        # cpp_extension asks the visible GPUs for their architectures (none here); the source
-        # has no device code, so any value does.
-        mp.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"))
+        mp.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+        for query in ("device_count", "get_device_capability", "get_device_properties", "_lazy_init"):
+            mp.setattr(torch.cuda, query, no_gpu_query)
         return build_allocator()
 
 
@@ -98,3 +102,17 @@ def test_cuda_graph_pools_are_refused_before_capture_with_what_to_do(memory: Any
     with pytest.raises(RuntimeError, match="CUDA graph capture") as err:
         torch._C._cuda_beginAllocateToPool(0, (1, 0))
     assert "ANTMAN_" in str(err.value)
+
+
+def test_a_forked_child_gets_pytorchs_fork_guard(memory: Any) -> None:
+    # The memory core initialised the CUDA driver at activation, before PyTorch's own lazy init,
+    # which is where PyTorch registers its fork guard: a forked DataLoader worker touching CUDA
+    # met an undefined driver state. The extension registers the guard at install.
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once (no pytest teardown)
+        os.write(write, b"1" if torch.cuda._is_in_bad_fork() else b"0")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"

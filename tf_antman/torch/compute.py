@@ -9,6 +9,7 @@ installed at start and enabled only while the share is below 1.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -47,12 +48,28 @@ def build_extension(source: Path, base_name: str, with_cuda: bool, what: str,
     flags = ["-O2", "-DNDEBUG", *(["-DANTMAN_WITH_CUDA"] if with_cuda else [])]
     name, build_dir = hook_build_dir(with_cuda, flags, extensions_root(), source, base_name)
     build_dir.mkdir(parents=True, exist_ok=True)
-    with _build_lock(build_dir):
+    with _build_lock(build_dir), _no_gpu_queries(with_cuda):
         if not any(build_dir.glob(f"{name}*.so")):
             log.info("compiling tf-antman's PyTorch %s in %s (once per PyTorch install and "
                      "toolchain: about a minute)", what, build_dir)
         return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                                   build_directory=str(build_dir), with_cuda=with_cuda, verbose=verbose)
+
+
+@contextlib.contextmanager
+def _no_gpu_queries(with_cuda: bool) -> Iterator[None]:
+    """Without TORCH_CUDA_ARCH_LIST, a CUDA build asks every visible GPU for its architecture
+    (cpp_extension's arch flags), which initialises CUDA in PyTorch: the allocator, installed
+    right after, could then no longer replace PyTorch's ("Can't swap an already initialized
+    allocator"). The sources hold no device code, so any architecture does for the build."""
+    if not with_cuda or os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        yield
+        return
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
 
 
 def extensions_root() -> str:
@@ -127,6 +144,21 @@ class Compute:
                           fns["antman_opm_admit"], fns["antman_opm_finish"],
                           fns["antman_gate_begin"], fns["antman_gate_end"])
         self.hook.set_enabled(share < 1.0)
+        # The hook holds raw pointers to the op manager and the gate, which Python frees when it
+        # tears the interpreter down (their __del__): before that, atexit stops it for good.
+        atexit.register(self.shutdown)
+
+    def shutdown(self, timeout_s: float = 5.0) -> int:
+        """No op is gated from now on (the process is ending): ops waiting for admission are let
+        go, and the gated ops still running are waited for (up to timeout_s), so the manager and
+        the gate can be freed after. Returns the ops still in flight (0 normally)."""
+        if not hasattr(self.hook, "shutdown"):  # a stand-in hook in tests
+            return 0
+        self.opm.set_share(1.0)
+        left = int(self.hook.shutdown(timeout_s))
+        if left:
+            log.warning("%d PyTorch op(s) still gated at exit after %.1f s", left, timeout_s)
+        return left
 
     def set_share(self, share: float) -> None:
         # Below 1: the manager first, then the hook, so no op is admitted under the old share by

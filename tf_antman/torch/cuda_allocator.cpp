@@ -25,6 +25,7 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/csrc/utils/device_lazy_init.h>
 
 #include <cstdint>
 #include <memory>
@@ -151,6 +152,11 @@ void Install(int64_t malloc_fn, int64_t free_fn, int64_t record_fn, int64_t empt
   f.reset_accumulated = As<DeviceFn>(reset_accumulated_fn, "reset_accumulated_fn");
   auto allocator = std::make_shared<AntmanAllocator>(f);
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  // tf-antman's memory core has initialised the CUDA driver (cuInit, primary context) before
+  // PyTorch did, and PyTorch registers its fork guard only at its own lazy CUDA init: a forked
+  // child (a DataLoader worker) that touched CUDA would meet an undefined driver state instead of
+  // PyTorch's "Cannot re-initialize CUDA in forked subprocess". Register the same guard now.
+  torch::utils::register_fork_handler_for_device_init(at::kCUDA);
   g_installed = true;
 }
 

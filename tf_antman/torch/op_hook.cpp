@@ -24,11 +24,13 @@
 #include <ATen/record_function.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #ifdef ANTMAN_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -66,6 +68,10 @@ std::atomic<int64_t> g_other_device{0};   // top-level ops that touch no tensor 
 std::atomic<int64_t> g_errors{0};         // admit/begin/end calls that returned an error
 std::atomic<int64_t> g_inspect_errors{0}; // ops whose inputs could not be read (then gated)
 std::atomic<int64_t> g_threads{0};        // distinct threads that gated an op
+// Shutdown (Python's atexit, before the interpreter frees the op manager and the gate whose raw
+// pointers g_hook holds): no op is gated any more, and Shutdown waits for the gated ops in flight.
+std::atomic<bool> g_shutdown{false};
+std::atomic<int64_t> g_in_flight{0};      // ops between a gating OnStart and its OnEnd
 // Gated ops open on this thread. Only an admitted op covers the ops it calls: a wrapper that
 // touches no device tensor (autograd's `evaluate_function: XBackward0`, which has no inputs)
 // must not, or the whole backward pass ran ungated as "nested".
@@ -118,6 +124,13 @@ std::unique_ptr<at::ObserverContext> OnStart(const at::RecordFunction& fn) {
     g_other_device.fetch_add(1, std::memory_order_relaxed);
     return nullptr;
   }
+  // Counted before the flag is read: Shutdown sets the flag, then waits for the count to drain,
+  // so an op either sees the flag or is waited for.
+  g_in_flight.fetch_add(1, std::memory_order_seq_cst);
+  if (g_shutdown.load(std::memory_order_seq_cst)) {
+    g_in_flight.fetch_sub(1);
+    return nullptr;
+  }
   auto ctx = std::make_unique<Ctx>();
   // Admission may block (the job is over its share, or paused at share 0). An op called with
   // the GIL held (most bindings release it, not all) must not keep it while it waits: the job
@@ -135,6 +148,7 @@ std::unique_ptr<at::ObserverContext> OnStart(const at::RecordFunction& fn) {
   if (saved != nullptr) PyEval_RestoreThread(saved);
   if (rc != 0) {
     g_errors.fetch_add(1);
+    g_in_flight.fetch_sub(1);
     return nullptr;  // not admitted: nothing to end (the op runs ungated, and is counted)
   }
   g_gated.fetch_add(1, std::memory_order_relaxed);
@@ -156,6 +170,7 @@ void OnEnd(const at::RecordFunction& /*fn*/, at::ObserverContext* base) {
   } else if (h.finish(h.opm, ctx->admitted_ns) != 0) {
     g_errors.fetch_add(1);
   }
+  g_in_flight.fetch_sub(1);
 }
 
 // mode "device": CUDA ops, kernel time from events (needs a build with ANTMAN_WITH_CUDA);
@@ -201,13 +216,32 @@ void Install(const std::string& mode, int64_t opm, int64_t gate, int64_t admit, 
 // their next op (RecordFunction's global callbacks are versioned).
 void SetEnabled(bool enabled) {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (!g_installed || enabled == g_enabled) return;
+  if (!g_installed || enabled == g_enabled || (enabled && g_shutdown.load())) return;
   if (enabled) {
     at::reenableCallback(g_handle);
   } else {
     at::disableCallback(g_handle);
   }
   g_enabled = enabled;
+}
+
+// For good: no op is gated from now on. Waits (up to timeout_s) for the gated ops in flight to
+// end, so that the op manager and the gate can be freed after it; returns how many are still in
+// flight (0 unless one outlived the wait). The caller first lets ops waiting for admission go
+// (share 1): an op held at share 0 would otherwise be waited for in vain.
+int64_t Shutdown(double timeout_s) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_shutdown.store(true, std::memory_order_seq_cst);
+    if (g_installed && g_enabled) at::disableCallback(g_handle);
+    g_enabled = false;
+  }
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration<double>(timeout_s > 0 ? timeout_s : 0);
+  while (g_in_flight.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return g_in_flight.load();
 }
 
 py::dict Stats() {
@@ -218,6 +252,8 @@ py::dict Stats() {
   d["errors"] = g_errors.load();
   d["inspect_errors"] = g_inspect_errors.load();
   d["threads"] = g_threads.load();
+  d["in_flight"] = g_in_flight.load();
+  d["shutdown"] = g_shutdown.load();
   {
     std::lock_guard<std::mutex> lock(g_mu);
     d["enabled"] = g_enabled;
@@ -233,4 +269,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("finish"), py::arg("gate_begin"), py::arg("gate_end"));
   m.def("set_enabled", &SetEnabled, py::arg("enabled"), py::call_guard<py::gil_scoped_release>());
   m.def("stats", &Stats);
+  m.def("shutdown", &Shutdown, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
 }
