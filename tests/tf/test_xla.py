@@ -87,3 +87,32 @@ def test_jit_function_in_a_loop_takes_its_share() -> None:
         r = job.result[case]
         assert r["delayed"] > 0, (case, r)
         assert r["ratio"] < 0.7, (case, r)
+
+
+def test_xla_compile_of_an_autoclustered_graph_is_not_charged() -> None:
+    """Auto-clustering (TF_XLA_FLAGS) splits a cluster into _XlaCompile (compiles on the host:
+    seconds, at every recompile) and _XlaRun (runs it). The compile is not device work: at share
+    0.5 the first call, which compiles, is charged little of its wall time. Before, the compile
+    was gated and charged, and the job then sat idle for as long again (issue 30)."""
+    job = run_py("""
+        import time, tensorflow as tf, tf_antman
+        tf.config.optimizer.set_jit("autoclustering")
+        v = tf.Variable(tf.random.normal((64, 64)))
+        @tf.function
+        def f(x):
+            y = x
+            for _ in range(30):
+                y = tf.tanh(tf.matmul(y, v) + 1.0)
+            return tf.reduce_sum(y)
+        tf_antman.set_compute_share(0.5)
+        s0, t0 = tf_antman.compute_stats(), time.monotonic()
+        f(tf.ones((64, 64))).numpy()
+        wall, s1 = time.monotonic() - t0, tf_antman.compute_stats()
+        emit({"wall": wall, "busy": (s1["busy_ns"] - s0["busy_ns"]) / 1e9, "ops": s1["ops_total"] - s0["ops_total"]})
+    """, TF_XLA_FLAGS="--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit", TF_CPP_MIN_LOG_LEVEL="0", **ENV)
+    assert "Compiled cluster using XLA" in job.stderr  # the graph did take the _XlaCompile/_XlaRun path
+    r = job.result
+    assert r["ops"] > 0, r  # _XlaRun and the ops around the cluster were gated
+    # Charged: about 0.05 of the first call's wall time now; 0.42 with _XlaCompile gated (at share
+    # 0.5 the charge is paid with as much idle time, so it cannot read above about 0.5).
+    assert r["busy"] < 0.2 * r["wall"], r
