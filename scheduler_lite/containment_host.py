@@ -39,7 +39,7 @@ from scheduler_lite.containment import Containment, JobCgroup, device_minors
 from scheduler_lite.devices import DeviceBackend
 from scheduler_lite.jobhost import LocalJobHost
 from scheduler_lite.launcher import ExitInfo, Launcher, LaunchError, ProcessHandle
-from scheduler_lite.misbehaviour import Finding, Sent, check_stats
+from scheduler_lite.misbehaviour import Finding, Sent, check_gpu_processes, check_stats, read_gpu_processes
 from scheduler_lite.model import Gpu, Role
 from scheduler_lite.tick import LiveJob
 from tf_antman.protocol import Control, Stats
@@ -63,6 +63,8 @@ class ContainedJobHost(LocalJobHost):
         self._stats_seen: dict[str, tuple[int, float]] = {}  # (stats seq, when first seen) by job id
         self._launched: dict[str, float] = {}  # when the host launched or adopted it
         self._stop_by: dict[str, float] = {}  # jobs stopped for misbehaving: SIGKILL after this
+        self._limits: dict[str, dict[int, int]] = {}  # each job's memory limit per GPU, as last sent
+        self._device_findings: dict[str, list[Finding]] = {}  # NVML's (over_limit), by job id
         self.containment = containment if containment is not None else Containment(
             config.state_dir, config.jobs.containment)
         self._cgroups: dict[Path, JobCgroup] = {}  # by job directory: the handles' launches
@@ -73,6 +75,7 @@ class ContainedJobHost(LocalJobHost):
 
     def launch(self, record: JobRecord, gpus: Sequence[Gpu], limit: int, share: float, job_dir: Path, token: str,
                extra_env: Mapping[str, str] | None = None) -> ProcessHandle:
+        self._limits[record.id] = {g.id: limit for g in gpus}
         cg = self.containment.cgroup(record.id, token)
         if cg is None:
             self._track(record.id, share)
@@ -133,6 +136,10 @@ class ContainedJobHost(LocalJobHost):
 
     def write_control(self, job_id: str, live: LiveJob, control: Control) -> None:
         super().write_control(job_id, live, control)
+        placement = live.record.placement
+        for entry in control.memory_limits:  # device = the GPU's index within the job
+            if 0 <= entry.device < len(placement):
+                self._limits.setdefault(job_id, {})[placement[entry.device]] = entry.limit_bytes
         before = self._sent.get(job_id)
         share = control.compute_share if control.compute_share is not None else (1.0 if before is None else before.share)
         self._sent[job_id] = Sent(control.seq, share)
@@ -149,7 +156,7 @@ class ContainedJobHost(LocalJobHost):
                                host_allowance=self.config.jobs.host_memory_bytes, now=now,
                                stats_since=None if seen is None else seen[1],
                                launched_at=self._launched.get(job_id, now), silent_after_s=self.config.jobs.silent_after_s)
-        self._judge(job_id, live, findings, now)
+        self._judge(job_id, live, findings + self._device_findings.get(job_id, []), now)
         return found
 
     def _judge(self, job_id: str, live: LiveJob, findings: list[Finding], now: float) -> None:
@@ -173,6 +180,41 @@ class ContainedJobHost(LocalJobHost):
             self.signal(live.handle, signal.SIGTERM)
         elif job_id in self._stop_by and now >= self._stop_by[job_id] and not live.killed:
             self.signal(live.handle, signal.SIGKILL)
+
+    def refresh(self, now: float) -> None:
+        """First thing in each tick: with NVML and containment, each GPU's compute processes
+        (nvmlDeviceGetComputeRunningProcesses) against the jobs' cgroups and limits: a job over
+        its limit is `over_limit` (judged with its stats), a process of no job on a managed GPU
+        `unmanaged` (an event once, a `status` warning while it lasts). Without containment the
+        pids cannot be told apart from a job's: not checked."""
+        super().refresh(now)
+        nvml = getattr(self.devices, "_nvml", None)
+        if nvml is None or getattr(self.devices, "kind", "") != "nvml" or not self.containment.active:
+            return
+        try:
+            processes = read_gpu_processes(nvml, [g.id for g in self.devices.inventory()])
+        except Exception as e:  # noqa: BLE001 - NVML errors (a lost GPU): the check waits for the next tick
+            log.debug("NVML per-process read failed: %r", e)
+            return
+        owner = {pid: job_dir.name for job_dir, cg in self._cgroups.items() for pid in self.containment.pids(cg)}
+        limits = {(job, gpu): limit for job, per_gpu in self._limits.items() for gpu, limit in per_gpu.items()}
+        found = check_gpu_processes(processes, owner, limits)
+        self._device_findings = {}
+        for f in found:
+            if f.job_id is not None:
+                self._device_findings.setdefault(f.job_id, []).append(f)
+        unmanaged = {f"GPU {f.gpu}": [g for g in found if g.job_id is None and g.gpu == f.gpu]
+                     for f in found if f.job_id is None}
+        for key, items in unmanaged.items():
+            if key not in self.findings:
+                log.warning("%s", "; ".join(f.line() for f in items))
+                if self.storage is not None:
+                    for f in items:
+                        self.storage.add_event(now, "misbehaving", None, check=f.kind, gpu=f.gpu, detail=f.detail,
+                                               bytes_taken=f.bytes_taken)
+        for key in [k for k in self.findings if k.startswith("GPU ") and k not in unmanaged]:
+            del self.findings[key]
+        self.findings.update(unmanaged)
 
     def _track(self, job_id: str, share: float) -> None:
         self._launched[job_id] = self.clock()
@@ -211,7 +253,8 @@ class ContainedJobHost(LocalJobHost):
 
     def _end_handle(self, handle: ProcessHandle) -> None:
         job_id = handle.job_dir.name  # LocalJobHost's layout: jobs_dir/<job id>
-        for table in (self.findings, self._sent, self._stats_seen, self._launched, self._stop_by):
+        for table in (self.findings, self._sent, self._stats_seen, self._launched, self._stop_by, self._limits,
+                      self._device_findings):
             table.pop(job_id, None)
         cg = self._cgroups.pop(handle.job_dir, None)
         if cg is not None:

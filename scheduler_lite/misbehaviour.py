@@ -17,8 +17,10 @@ local job host runs them each tick, scheduler_lite.containment_host):
   unmanaged          (NVML) a process on a managed GPU that belongs to no job.
 
 The NVML checks take `nvmlDeviceGetComputeRunningProcesses` of each GPU (pid, used bytes;
-`read_gpu_processes`); they ran against a fake NVML only (tests/scheduler/test_misbehaviour.py),
-never a real GPU. What a finding leads to (an event, a warning in `status`, and for opportunistic
+`read_gpu_processes`), run each tick by the local job host with `devices.kind = "nvml"` and
+containment (a job's pids are its cgroup's); they ran against a fake NVML only
+(tests/scheduler/test_misbehaviour.py), never a real GPU. The bytes a finding says are taken are
+reported, not yet counted by the coordinator. What a finding leads to (an event, a warning in `status`, and for opportunistic
 jobs with `jobs.misbehaviour = "stop"` a SIGTERM) is the host's.
 """
 

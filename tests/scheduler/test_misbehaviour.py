@@ -202,3 +202,75 @@ def test_a_job_refusing_controls_and_a_silent_one_are_warned_about(make_site) ->
     assert f'scheduler_lite_job_misbehaving{{check="silent",job="{silent}"}} 1.0' in metrics
     assert "scheduler_lite_containment_active" in metrics
     assert site.state(refuses) == "running"  # jobs.misbehaviour = "warn": nothing else is done
+
+
+# -- NVML per-process memory in the real daemon, with a fake pynvml module ---------------------------
+
+FAKE_PYNVML = '''
+"""A fake pynvml for the daemon process: one 2 GiB GPU; compute processes from a JSON file."""
+import json, os
+from types import SimpleNamespace
+
+def nvmlInit(): pass
+def nvmlDeviceGetCount(): return 1
+def nvmlDeviceGetHandleByIndex(i): return i
+def nvmlDeviceGetMemoryInfo(h): return SimpleNamespace(total=2 << 30, used=0, free=2 << 30)
+def nvmlDeviceGetUtilizationRates(h): return SimpleNamespace(gpu=0, memory=0)
+def nvmlDeviceGetPciInfo(h): raise RuntimeError("Not Supported")
+def nvmlDeviceGetNvLinkState(h, link): raise RuntimeError("Not Supported")
+def nvmlDeviceGetComputeRunningProcesses(h):
+    try:
+        with open(os.environ["FAKE_NVML_PROCESSES"]) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in table.get(str(h), [])]
+'''
+
+
+def test_nvml_per_process_memory_over_a_limit_and_outside_every_job(tmp_path: Path) -> None:
+    from scheduler_lite.containment import Containment
+
+    if os.geteuid() != 0 or not Containment(tmp_path).active:
+        pytest.skip("needs containment (root, cgroup2): the pids are told apart by the jobs' cgroups")
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "pynvml.py").write_text(FAKE_PYNVML)
+    table = tmp_path / "processes.json"
+    config = tmp_path / "sl.toml"
+    text = to_toml(scheduler_config(["1GiB"], {"A": 1, "B": 0}, daemon={"tick_interval_s": 0.05}))
+    config.write_text(text.replace('kind = "emulated"', 'kind = "nvml"').split("[[devices.emulated]]")[0]
+                      + "[[tenants]]" + text.split("[[tenants]]", 1)[1])
+    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}", "FAKE_NVML_PROCESSES": str(table)}
+    outsider = subprocess.Popen(["sleep", "300"])  # on the GPU, in no job's cgroup
+    with open(tmp_path / "daemon.log", "ab") as out:
+        daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(config), "serve"],
+                                  env=env, stdout=out, stderr=out, start_new_session=True)
+    try:
+        assert wait_for(lambda: serving(config), 30), (tmp_path / "daemon.log").read_text()
+
+        def cli(*argv: str) -> str:
+            done = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(config), *argv],
+                                  capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60, check=False)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        job = cli("submit", "--tenant", "A", "--", "sleep", "300").strip()
+        assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["pid"] is not None, 30)
+        pid = json.loads(cli("--json", "show", job))["job"]["pid"]  # its wrapper: in the job's cgroup
+        table.write_text(json.dumps({"0": [[pid, 3 << 30], [outsider.pid, 1 << 30]]}))
+
+        def checks() -> list[tuple[str | None, str]]:
+            events = json.loads(cli("--json", "show", job))["events"]
+            return [(e["job_id"], e["detail"]["check"]) for e in events if e["kind"] == "misbehaving"]
+
+        assert wait_for(lambda: (job, "over_limit") in checks(), 30), checks()
+        status = cli("status")
+        assert f"WARNING: {job}: over_limit: holds {3 << 30} bytes on GPU 0, its limit is {2 << 30}" in status
+        assert f"WARNING: GPU 0: unmanaged: pid {outsider.pid} holds {1 << 30} bytes and belongs to no job" in status
+        cli("cancel", job)
+    finally:
+        outsider.kill()
+        outsider.wait()
+        os.killpg(daemon.pid, signal.SIGTERM)
+        daemon.wait(30)
