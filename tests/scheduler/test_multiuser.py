@@ -362,6 +362,12 @@ def test_a_daemon_run_by_a_user_serves_only_that_user_and_says_so(site: Site) ->
         assert "not running as root: serving only user " + repr(a.name) in log.read_text()
         mine = site.run("a", [site.python, "-m", "scheduler_lite", "--config", str(config), "list"])
         assert mine.returncode == 0, mine.stderr
+        # No cgroups for an unprivileged daemon without a delegated subtree: jobs run as before,
+        # and `status` and the log say so (docs/security.md, "Containment's limits").
+        status = site.run("a", [site.python, "-m", "scheduler_lite", "--config", str(config), "status"])
+        assert status.returncode == 0, status.stderr
+        assert "containment: OFF: the daemon cannot create cgroups under" in status.stdout, status.stdout
+        assert "containment off: the daemon cannot create cgroups" in log.read_text()
         # B cannot even reach the socket (state directory 0700, socket 0600).
         theirs = site.run("b", [site.python, "-m", "scheduler_lite", "--config", str(config), "list"])
         _one_error_line(theirs, "permission denied (that daemon serves only its own user)")
