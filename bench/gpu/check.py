@@ -18,7 +18,8 @@ of time, with the seconds it needed and those left:
   compute_long   compute_bench share: 0.25 / 0.5 / 0.75 with ~0.5 ms kernels, judged by CUPTI
                  kernel records, the work done and NVML samples (never by the gate's events)
   compute_short  the same with ~20 us kernels and 5 us of host work between launches
-  op_hook_build  tf-antman's PyTorch op hook built against this machine's torch (timed)
+  op_hook_build  tf-antman's PyTorch extensions (the op hook, the CUDA allocator) built against
+                 this machine's torch, each timed
   torch_smoke    bench/gpu/torch_smoke.py under the PyTorch front-end, activated by ANTMAN_*
                  variables as the wheel would: a CNN trains under a limit, a tensor above the
                  limit lands in host memory and computes right, memory_stats answers, share 0.5
@@ -121,6 +122,25 @@ STEPS = (
 MARGIN_S = 10.0  # of --budget, kept for killing what runs and writing the summary
 
 
+# The PyTorch front-end's C++ extensions, compiled against this machine's torch and timed one by
+# one: the op hook (compute.build_hook) and, where the front-end has it, the CUDA allocator
+# extension (compute.build_allocator); a job loads both from PyTorch's cache afterwards.
+BUILD_EXTENSIONS = """
+import json, time
+from tf_antman.torch import compute
+out = {}
+for name, build in (("op_hook", lambda: compute.build_hook(True)),
+                    ("allocator", getattr(compute, "build_allocator", None))):
+    if build is None:
+        out[name + "_s"] = None
+        continue
+    t0 = time.monotonic()
+    build()
+    out[name + "_s"] = round(time.monotonic() - t0, 3)
+print(json.dumps(out), flush=True)
+"""
+
+
 class Skip(Exception):  # noqa: N818 - a step's outcome, not an error
     """A step that does not run, with the reason."""
 
@@ -147,8 +167,7 @@ class Check:
             "build": (["bash", str(HERE / "prepare.sh")], ["--bench-only", str(self.bin)]),
             "memory_bench": ([str(self.bin / "memory_bench")], []),
             "compute_bench": ([str(self.bin / "compute_bench")], []),
-            "op_hook_build": ([self.python, "-c", "from tf_antman.torch.compute import build_hook; "
-                               "build_hook(True)"], []),
+            "op_hook_build": ([self.python, "-c", BUILD_EXTENSIONS], []),
             "torch_smoke": ([self.python, str(HERE / "torch_smoke.py")], []),
             "gpu_colocate": ([self.python, str(REPO / "bench" / "gpu_colocate.py")], []),
         }[name]
@@ -485,13 +504,14 @@ def step_op_hook_build(c: Check, timeout: float) -> dict[str, Any]:
     if c.state.get("no_device"):
         raise Skip(str(c.state["no_device"]))
     t0 = time.monotonic()
-    rc, _, err = run_captured(c.program("op_hook_build"), timeout, env=torch_env(c, None))
+    rc, out, err = run_captured(c.program("op_hook_build"), timeout, env=torch_env(c, None))
     seconds = round(time.monotonic() - t0, 3)
     if rc != 0:
         how = f"no answer within {timeout:.0f} s" if rc is None else describe_rc(rc)
-        raise BenchError(f"op hook build ({how}, {seconds} s): {tail(err, 2000)}")
+        raise BenchError(f"extension build ({how}, {seconds} s): {tail(err, 2000)}")
     c.state["op_hook"] = True
-    return {"build_s": seconds}
+    result = last_json(out) or {}
+    return {"build_s": seconds, "op_hook_s": result.get("op_hook_s"), "allocator_s": result.get("allocator_s")}
 
 
 SMOKE_ENV = {"ANTMAN_DEVICE": "cuda", "ANTMAN_MEMORY_LIMIT": "2GiB", "ANTMAN_HOST_MEMORY": "8GiB",

@@ -134,6 +134,8 @@ elif name == "compute_bench" and sub == "opportunist":
     print(f"P {{time.time():.6f}} {{share * wall * k:.0f}}", flush=True)
     emit({{"bench": "gpu_compute_opportunist", "version": 2, "kernels": round(share * wall * k), "wall_s": wall,
            "manager_share_window": share}})
+elif name == "op_hook_build":
+    emit({{"op_hook_s": 0.01, "allocator_s": 0.02}})
 elif name == "torch_smoke":
     # activated as the wheel would: ANTMAN_* set and the .pth line's sitecustomize first on the path
     site = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
@@ -245,6 +247,7 @@ def test_the_whole_check_runs_its_steps_in_order_with_one_line_each(tmp_path: Pa
     assert steps["compute_long"]["share_error_points_cupti"] == 0.0
     assert steps["compute_long"]["share_witness"] == "cupti"
     assert steps["torch_smoke"]["checks"]["antman_active"] is True  # ANTMAN_* and the sitecustomize
+    assert steps["op_hook_build"]["op_hook_s"] == 0.01 and steps["op_hook_build"]["allocator_s"] == 0.02
     rows = steps["interference"]["rows"]
     assert [r["opportunist_share"] for r in rows] == list(check.INTERFERENCE_SHARES)
     # the opportunist's busy fraction inside the guarantee's run, from its progress lines: its share
