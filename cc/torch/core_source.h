@@ -17,14 +17,10 @@ class CoreSource : public BlockSource {
  public:
   explicit CoreSource(antman_mem* mem) : mem_(mem) {}
   void* Alloc(size_t bytes, bool device_only) override {
-    void* p = antman_mem_alloc(mem_, kBlockAlignment, bytes);
     // The core serves from its host fallback once the device is at its limit; a caller that
-    // still has device blocks coming back wants to know first (stream_ordered.h).
-    if (p != nullptr && device_only && antman_mem_is_host(mem_, p) == 1) {
-      antman_mem_free(mem_, p);
-      return nullptr;
-    }
-    return p;
+    // still has device blocks coming back asks for device memory only first (stream_ordered.h).
+    return device_only ? antman_mem_alloc_device_only(mem_, kBlockAlignment, bytes)
+                       : antman_mem_alloc(mem_, kBlockAlignment, bytes);
   }
   void Free(void* ptr) override { antman_mem_free(mem_, ptr); }
   size_t Size(const void* ptr) override { return antman_mem_allocated_size(mem_, ptr); }

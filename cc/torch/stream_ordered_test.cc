@@ -314,6 +314,29 @@ void TestDrainGivesEverythingBackAndCountsLiveBytes() {
   CHECK(f.model.double_releases == 0);
 }
 
+void TestAKeptBlockIsWaitedForRatherThanGoingToTheHost() {
+  // At the limit, a request on another stream must not land in host memory while a device
+  // block only waits for its stream's event: device memory only first, then wait and retry.
+  antman_mem* mem = MakeCore(8 * MiB, 64 * MiB);  // room for the warm block and one 3 MiB
+  {
+    antman_torch::CoreSource src(mem);
+    ModelStreams model;
+    StreamOrderedCache cache(&src, &model);
+    void* warm = cache.Malloc(512, S(2));
+    void* a = cache.Malloc(3 * MiB, S(1));
+    CHECK(antman_mem_is_host(mem, a) == 0);
+    model.Launch(S(1), a, 3 * MiB);
+    cache.Free(a);
+    void* b = cache.Malloc(3 * MiB, S(2));
+    CHECK(b != nullptr && antman_mem_is_host(mem, b) == 0);
+    CHECK(model.Conflicts(b, 3 * MiB, S(2)) == 0);
+    CHECK(cache.Stats().retries == 1);
+    cache.Free(b);
+    cache.Free(warm);
+  }
+  antman_mem_destroy(mem);
+}
+
 }  // namespace
 
 int main() {
@@ -329,6 +352,7 @@ int main() {
       {"AFreedBlockWaitsForItsStreamBeforeAnotherTakesIt", TestAFreedBlockWaitsForItsStreamBeforeAnotherTakesIt},
       {"RecordStreamKeepsTheBlockFromItsOwnStreamToo", TestRecordStreamKeepsTheBlockFromItsOwnStreamToo},
       {"DrainGivesEverythingBackAndCountsLiveBytes", TestDrainGivesEverythingBackAndCountsLiveBytes},
+      {"AKeptBlockIsWaitedForRatherThanGoingToTheHost", TestAKeptBlockIsWaitedForRatherThanGoingToTheHost},
   };
   int failed = 0;
   for (const auto& c : cases) {
