@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from scheduler_lite.storage import JobRecord, Storage
 
 log = logging.getLogger("scheduler_lite")
+SENT_HISTORY = 8  # controls whose shares are kept per job (misbehaviour.Sent.shares)
 
 
 class ContainedJobHost(LocalJobHost):
@@ -142,7 +143,8 @@ class ContainedJobHost(LocalJobHost):
                 self._limits.setdefault(job_id, {})[placement[entry.device]] = entry.limit_bytes
         before = self._sent.get(job_id)
         share = control.compute_share if control.compute_share is not None else (1.0 if before is None else before.share)
-        self._sent[job_id] = Sent(control.seq, share)
+        history = (() if before is None else before.shares)[-(SENT_HISTORY - 1):] + ((control.seq, share),)
+        self._sent[job_id] = Sent(control.seq, share, history, self.clock())
 
     def stats(self, job_id: str, live: LiveJob) -> Stats | None:
         found = super().stats(job_id, live)  # a refused document raises: the daemon reports it
@@ -218,7 +220,7 @@ class ContainedJobHost(LocalJobHost):
 
     def _track(self, job_id: str, share: float) -> None:
         self._launched[job_id] = self.clock()
-        self._sent[job_id] = Sent(0, share)
+        self._sent[job_id] = Sent(0, share, ((0, share),), self.clock())
         self._stats_seen.pop(job_id, None)
         self.findings.pop(job_id, None)
         self._stop_by.pop(job_id, None)

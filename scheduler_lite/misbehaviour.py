@@ -35,6 +35,7 @@ from tf_antman.protocol import Stats
 ACTIONS: Final = ("warn", "stop")  # jobs.misbehaviour: what is done to an opportunistic job found
 MAX_PLAUSIBLE_BYTES: Final = 1 << 50  # 1 PiB: no device or host figure of one job is larger
 SHARE_SLACK: Final = 0.1  # an achieved share may exceed the share in force by this much (measurement noise)
+SHARE_WINDOW_S: Final = 10.0  # after a share change, the share before it is allowed this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +53,27 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class Sent:
-    """The newest control the daemon wrote to a job."""
+    """The newest control the daemon wrote to a job, and the shares of the ones before."""
 
     seq: int
-    share: float  # its compute share (the smallest over the job's GPUs)
+    share: float  # its compute share
+    # seq -> compute share of the controls written (the newest few): a job applies a control at
+    # its next step boundary and measures its achieved share over a window of steps, so it is
+    # held to the share of the control it says it applied, or of the one before.
+    shares: tuple[tuple[int, float], ...] = ()
+    written_at: float = 0.0  # when the newest was written (the daemon's clock)
+
+    def ceiling(self, applied: int, now: float) -> float:
+        """The largest share the job may be running at, having applied control `applied`: that
+        control's, and for SHARE_WINDOW_S after a newer one was written, the one before too (its
+        achieved share is measured over steps that may straddle the change)."""
+        known = dict(self.shares)
+        earlier = [seq for seq in known if seq <= applied]
+        if not earlier:  # before any control it knows of: the launch's, or the newest
+            return max([self.share, *known.values()])
+        at = max(earlier)
+        before = [known[seq] for seq in known if seq < at] if now - self.written_at < SHARE_WINDOW_S else []
+        return max([known[at], *before[-1:]])
 
 
 def check_stats(job_id: str, stats: Stats | None, *, sent: Sent | None, gpu_memory: Sequence[int],
@@ -87,10 +105,11 @@ def check_stats(job_id: str, stats: Stats | None, *, sent: Sent | None, gpu_memo
                 break
     share = stats.achieved_share
     if share is not None:
-        ceiling = 1.0 if sent is None else min(1.0, sent.share + SHARE_SLACK)
+        allowed = 1.0 if sent is None else sent.ceiling(stats.control_seq_applied, now)
+        ceiling = min(1.0, allowed + SHARE_SLACK)
         if not 0.0 <= share <= ceiling:
             found.append(Finding("impossible", job_id, f"achieved share {share:g} above the share in force "
-                                                       f"({'1' if sent is None else f'{sent.share:g}'}, +{SHARE_SLACK:g})"))
+                                                       f"({allowed:g}, +{SHARE_SLACK:g})"))
     return found
 
 
@@ -129,5 +148,5 @@ def check_gpu_processes(processes: Mapping[int, Sequence[tuple[int, int]]], owne
     return found
 
 
-__all__ = ["ACTIONS", "MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "Finding", "Sent", "check_gpu_processes", "check_stats",
+__all__ = ["ACTIONS", "MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Sent", "check_gpu_processes", "check_stats",
            "read_gpu_processes"]

@@ -64,6 +64,13 @@ def expected_samples(status: dict) -> dict[tuple[str, tuple[tuple[str, str], ...
             out[(f"scheduler_lite_tenant_{name}", (("tenant", t["name"]),))] = t[key]
     for job in status["queued"]:
         out[("scheduler_lite_job_state", (("job", job), ("state", "queued"), ("tenant", "")))] = 1
+    # Jobs that do not cooperate ("WARNING:" lines: "<job or GPU N>: <check>: ...") and containment.
+    for line in status.get("warnings") or ():
+        who, check, _ = line.split(": ", 2)
+        job = "" if who.startswith("GPU ") else who
+        out[("scheduler_lite_job_misbehaving", (("check", check), ("job", job)))] = 1
+    if status.get("containment") is not None:
+        out[("scheduler_lite_containment_active", ())] = 1 if status["containment"]["active"] else 0
     return out
 
 

@@ -50,6 +50,14 @@ def test_the_checks() -> None:
     assert kinds(check_stats("j", stats(achieved_share=1.0), sent=Sent(2, 0.05), stats_since=90.0, **CHECK)) == [
         "impossible"]
     assert check_stats("j", stats(achieved_share=0.14), sent=Sent(2, 0.05), stats_since=90.0, **CHECK) == []
+    # The share the job says it applied counts, and for a while after a change the one before it.
+    changed = Sent(3, 0.05, ((2, 0.5), (3, 0.05)), written_at=95.0)
+    assert check_stats("j", stats(achieved_share=0.5, control_seq_applied=2), sent=changed, stats_since=99.0,
+                       **CHECK) == []
+    assert check_stats("j", stats(achieved_share=0.5, control_seq_applied=3), sent=changed, stats_since=99.0,
+                       **CHECK) == []  # 5 s after the change: its window may straddle it
+    assert kinds(check_stats("j", stats(achieved_share=0.5, control_seq_applied=3), sent=changed, stats_since=99.0,
+                             **{**CHECK, "now": 120.0})) == ["impossible"]  # 25 s after: held at 0.05
     refused = stats(control_seq_applied=1, controls_rejected=4,
                     last_rejected=Rejection.clipped(2, "seq", "must be greater than 9007199254740991"))
     found = check_stats("j", refused, sent=Sent(2, 0.05), stats_since=90.0, **CHECK)
