@@ -442,11 +442,14 @@ def check_native() -> None:
 
 
 def build_op_hook(prof: Profile) -> None:
-    """Builds the op hook once, before any timing (later jobs load it from PyTorch's cache), with
-    the ninja of this Python's environment (an activated venv's PATH)."""
+    """Builds the PyTorch front-end's extensions once, before any timing (later jobs load them
+    from PyTorch's cache): the op hook, and on a GPU the CUDA allocator extension where the
+    front-end has one; with the ninja of this Python's environment (an activated venv's PATH)."""
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    cuda = not prof.dry_run
     run_captured_ok([sys.executable, "-c",
-                     f"from tf_antman.torch.compute import build_hook; build_hook({not prof.dry_run})"])
+                     f"from tf_antman.torch import compute; compute.build_hook({cuda}); "
+                     f"{cuda} and hasattr(compute, 'build_allocator') and compute.build_allocator()"])
 
 
 def run_captured_ok(cmd: list[str]) -> None:
