@@ -52,14 +52,26 @@ from typing import Final
 
 from scheduler_lite.config import Config, file_identity
 from scheduler_lite.containment_host import local_job_host
-from scheduler_lite.driver import Driver, Launch
+from scheduler_lite.driver import Driver, Launch, PassWorld
 from scheduler_lite.faults import Faults
 from scheduler_lite.isolation import INITIAL_CONTROL_SEQ
 from scheduler_lite.job_controls import JobControls
 from scheduler_lite.jobenv import MIN_ENV_LIMIT
 from scheduler_lite.jobhost import JobHost
 from scheduler_lite.launcher import ExitInfo, LaunchError, after_sigkill, describe_exit
-from scheduler_lite.model import Gpu, JobKind, JobState, Place, Reject, Reserve, Role, Tenant, Unreserve, Upgrade
+from scheduler_lite.model import (
+    GlobalDecision,
+    Gpu,
+    JobKind,
+    JobState,
+    Place,
+    Reject,
+    Reserve,
+    Role,
+    Tenant,
+    Unreserve,
+    Upgrade,
+)
 from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.global_scheduler import schedule
 from scheduler_lite.recovery import Recovery, book_job
@@ -84,6 +96,35 @@ class StateDirLostError(OSError):
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+class _PassRecords(PassWorld):
+    """What the daemon does with a global pass's decisions (driver.py's table): records them in
+    the store; its Places are booked after the pass's records (`Daemon._schedule`)."""
+
+    def __init__(self, daemon: Daemon, now: float, out: TickLog) -> None:
+        self.daemon = daemon
+        self.now = now
+        self.out = out
+        self.launches: list[Launch] = []
+
+    def decided(self, decision: GlobalDecision) -> None:
+        self.out.decisions.append(decision)
+
+    def place(self, launch: Launch) -> None:
+        self.launches.append(launch)
+
+    def reserve(self, decision: Reserve) -> None:
+        self.daemon.storage.add_event(self.now, "reserved", decision.job_id, gpus=list(decision.gpus))
+
+    def unreserve(self, decision: Unreserve) -> None:
+        self.daemon.storage.add_event(self.now, "unreserved", decision.job_id)
+
+    def upgrade(self, decision: Upgrade) -> None:
+        self.daemon._upgraded(decision.job_id, self.now, self.out)
+
+    def reject(self, decision: Reject) -> None:
+        self.daemon._reject(decision.job_id, decision.reason, self.now, self.out)
 
 
 class Daemon:
@@ -460,29 +501,23 @@ class Daemon:
     def _schedule(self, now: float, out: TickLog) -> None:
         self._dirty = False
         self._last_schedule = now
-        decisions, launches = self.driver.schedule(now)
-        for d in decisions:
-            out.decisions.append(d)
-            match d:
-                case Reserve():
-                    self.storage.add_event(now, "reserved", d.job_id, gpus=list(d.gpus))
-                case Unreserve():
-                    self.storage.add_event(now, "unreserved", d.job_id)
-                case Upgrade():
-                    with self.storage.transaction():
-                        self.storage.update_job(d.job_id, role=Role.GUARANTEE)
-                        self.storage.add_event(now, "upgraded", d.job_id)
-                    live = self._live.get(d.job_id)
-                    if live is not None:
-                        live.record = self.storage.get_job(d.job_id) or live.record
-                        self.controls.write_control(d.job_id, now, out)  # its share is 1 now
-                case Reject():
-                    self._reject(d.job_id, d.reason, now, out)
-        for launch in launches:
+        records = _PassRecords(self, now, out)
+        self.driver.run_pass(now, records)  # the decision loop the simulator runs too (driver.py)
+        for launch in records.launches:  # booked after the pass's records
             try:
                 self._book_launch(launch, now)
             except Exception as e:  # noqa: BLE001 - whatever it was, the GPUs must not stay held
                 self._launch_failed(launch, now, out, f"could not book the launch: {e}")
+
+    def _upgraded(self, job_id: str, now: float, out: TickLog) -> None:
+        """An auto job became a guarantee job where it runs: record it, write its control."""
+        with self.storage.transaction():
+            self.storage.update_job(job_id, role=Role.GUARANTEE)
+            self.storage.add_event(now, "upgraded", job_id)
+        live = self._live.get(job_id)
+        if live is not None:
+            live.record = self.storage.get_job(job_id) or live.record
+            self.controls.write_control(job_id, now, out)  # its share is 1 now
 
     # -- 4b. migrate ------------------------------------------------------------------------------
 
