@@ -119,9 +119,9 @@ class ContainedJobHost(LocalJobHost):
     def signal(self, handle: ProcessHandle, sig: int) -> bool:
         sent = super().signal(handle, sig)
         cg = self._cgroups.get(handle.job_dir)
-        if cg is not None:
+        if cg is not None:  # the members that left the job's process group: the group has it already
             for pid in self.containment.pids(cg):
-                sent = _signal_member(pid, cg, sig) or sent
+                sent = _signal_member(pid, cg, sig, skip_group=handle.pid) or sent
         return sent
 
     def stop(self, handle: ProcessHandle, grace_s: float) -> ExitInfo:
@@ -268,9 +268,11 @@ class ContainedJobHost(LocalJobHost):
         return killed
 
 
-def _signal_member(pid: int, cg: JobCgroup, sig: int) -> bool:
-    """`sig` to `pid` only while it is still a member of `cg`: through a pidfd taken before the
-    check, so a pid reused by another process between the listing and the signal is never hit."""
+def _signal_member(pid: int, cg: JobCgroup, sig: int, skip_group: int) -> bool:
+    """`sig` to `pid` only while it is still a member of `cg` and not in process group
+    `skip_group` (signalled as a group already: a process must not get a cancel's SIGTERM twice):
+    through a pidfd taken before the checks, so a pid reused by another process between the
+    listing and the signal is never hit."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
@@ -279,6 +281,8 @@ def _signal_member(pid: int, cg: JobCgroup, sig: int) -> bool:
         with open(f"/proc/{pid}/cgroup") as f:
             if not any(line.startswith("0::") and line.rstrip("\n").endswith("/" + cg.name) for line in f):
                 return False
+        if os.getpgid(pid) == skip_group:
+            return False
         signal.pidfd_send_signal(fd, sig)
         return True
     except OSError:
