@@ -178,6 +178,8 @@ def make_site(tmp_path: Path):  # type: ignore[no-untyped-def]
         for job in ("job-1", "job-2", "job-3"):
             subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(site.config), "cancel", job],
                            env=site.env, capture_output=True, timeout=60, check=False)
+        # A daemon stopped leaves its jobs running for its next start: they end first.
+        wait_for(lambda site=site: "running" not in site.cli("list"), 30)
         site.close()
 
 
@@ -277,6 +279,7 @@ def test_nvml_per_process_memory_over_a_limit_and_outside_every_job(tmp_path: Pa
         assert f"WARNING: {job}: over_limit: holds {3 << 30} bytes on GPU 0, its limit is {2 << 30}" in status
         assert f"WARNING: GPU 0: unmanaged: pid {outsider.pid} holds {1 << 30} bytes and belongs to no job" in status
         cli("cancel", job)
+        assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["state"] == "cancelled", 30)
     finally:
         outsider.kill()
         outsider.wait()

@@ -107,5 +107,7 @@ def test_a_job_ending_while_the_daemon_starts_keeps_its_end_time(tmp_path: Path)
         assert record["ended_at"] == recorded  # the wrapper's time, not the take-over's start
         assert record["reason"] == "exit status 0 (ended while the daemon was starting)"
         assert site.show(x)["job"]["state"] in ("queued", "running")  # X never started: requeued
+        site.cli("cancel", x)  # a stopped daemon leaves its jobs running: X ends first
+        assert wait_for(lambda: site.show(x)["job"]["state"] == "cancelled", 30)
     finally:
         site.stop()
