@@ -127,11 +127,11 @@ elif name == "compute_bench" and sub == "opportunist":
     k = int(open(os.path.join(HERE, "kernels.txt")).read())
     t0 = time.time()
     while not stop:
-        print(f"P {{time.time():.6f}} {{share * (time.time() - t0) * k:.0f}}", flush=True)
+        print(f"P {{time.time():.6f}} {{share * (time.time() - t0) * k:.3f}}", flush=True)
         time.sleep(0.01)
     os.remove(os.path.join(HERE, "beside.txt"))
     wall = time.time() - t0
-    print(f"P {{time.time():.6f}} {{share * wall * k:.0f}}", flush=True)
+    print(f"P {{time.time():.6f}} {{share * wall * k:.3f}}", flush=True)
     emit({{"bench": "gpu_compute_opportunist", "version": 2, "kernels": round(share * wall * k), "wall_s": wall,
            "manager_share_window": share}})
 elif name == "op_hook_build":
@@ -252,7 +252,7 @@ def test_the_whole_check_runs_its_steps_in_order_with_one_line_each(tmp_path: Pa
     assert [r["opportunist_share"] for r in rows] == list(check.INTERFERENCE_SHARES)
     # the opportunist's busy fraction inside the guarantee's run, from its progress lines: its share
     assert [r["opportunist_busy_fraction"] for r in rows] == pytest.approx(list(check.INTERFERENCE_SHARES), abs=0.02)
-    assert all(r["guarantee_slowdown"] <= r["time_slicing_bound"] + 1e-3 for r in rows)
+    assert all(r["guarantee_slowdown"] <= r["time_slicing_bound"] + 0.01 for r in rows)
     assert steps["colocate"]["rows"] == [{"row": "repeat 1", "rg_slowdown": 0.01}]
     assert_none_left(tmp_path / "stand_ins")
 
