@@ -269,37 +269,27 @@ def test_seq_hint_labels_rejections(text: str, seq: int | None) -> None:
     assert seq_hint(text) == seq
 
 
-def test_stats_version_1_still_reads_without_the_fallback_fields() -> None:
-    # A job of the previous release writes v1: a current coordinator reads it, with "no control
-    # applied by the fallback" and no origin.
+@pytest.mark.parametrize("version", [1, 2])
+def test_stats_versions_before_the_first_release_are_refused(version: int) -> None:
+    # Stats 1 and 2 were never released (0.1.0 writes and reads 3): no compatibility code reads
+    # them; the refusal names the field and says what to do.
     doc = json.loads(full_stats().to_json())
     del doc["controls_applied_fallback"], doc["last_applied_by"]
-    doc["version"] = 1
-    parsed = parse_stats(json.dumps(doc))
-    assert parsed.controls_applied_fallback == 0 and parsed.last_applied_by is None
-    assert parsed.controls_applied == 4 and parsed.step == 120
-    # ...but a v1 document with v2's fields is refused (unknown in v1), as is a v2 one without them.
-    doc["last_applied_by"] = "step"
+    with pytest.raises(ProtocolError) as err:
+        parse_stats(json.dumps({**doc, "version": version}))
+    assert err.value.field == "version" and f"must be one of {{3}}, got {version}" in err.value.reason
+    assert "same tf-antman release" in err.value.reason
+    # Both fields are required in 3.
     with pytest.raises(ProtocolError) as err:
         parse_stats(json.dumps(doc))
-    assert err.value.field == "last_applied_by" and "unknown field" in err.value.reason
-    v2 = json.loads(full_stats().to_json())
-    del v2["last_applied_by"]
-    with pytest.raises(ProtocolError) as err:
-        parse_stats(json.dumps(v2))
-    assert err.value.field == "last_applied_by" and "required" in err.value.reason
+    assert err.value.field == "controls_applied_fallback" and "required" in err.value.reason
 
 
-def test_stats_v3_adds_the_terminated_state_only() -> None:
-    # v3: a process ended by SIGTERM (the scheduler's cancel or migration) says so; v1 and v2
-    # documents cannot, their readers would refuse it.
+def test_stats_have_the_terminated_state() -> None:
+    # A process ended by SIGTERM (the scheduler's cancel or migration) says so.
     doc = json.loads(full_stats().to_json())
     doc["state"] = "terminated"
     assert parse_stats(json.dumps(doc)).state == "terminated"
-    assert parse_stats(json.dumps({**doc, "version": 2, "state": "failed"})).state == "failed"
-    with pytest.raises(ProtocolError) as err:
-        parse_stats(json.dumps({**doc, "version": 2}))
-    assert err.value.field == "state" and "starting|running|paused|finished|failed," in err.value.reason
     with pytest.raises(ProtocolError) as err:
         parse_stats(json.dumps({**doc, "state": "cancelled"}))
     assert err.value.field == "state" and "finished|failed|terminated" in err.value.reason
@@ -314,7 +304,7 @@ def test_a_rejection_is_clipped_to_what_stats_accept() -> None:
 
 
 @pytest.mark.parametrize(("change", "field", "accepted"), [
-    ({"version": 4}, "version", "{1, 2, 3}"),
+    ({"version": 4}, "version", "{3}"),
     ({"last_applied_by": "boundary"}, "last_applied_by", "start|step|fallback or null"),
     ({"last_applied_by": 1}, "last_applied_by", "start|step|fallback or null"),
     ({"controls_applied_fallback": -1}, "controls_applied_fallback", f"[0, {MAX_SEQ}]"),

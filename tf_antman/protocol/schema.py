@@ -20,12 +20,10 @@ CONTROL_SCHEMA: Final = "tf-antman/control"
 # guessing (unknown fields are refused as well, so every change to a document needs a new version).
 CONTROL_VERSION: Final = 1
 CONTROL_VERSIONS: Final = frozenset({1})
-# Stats v2 (adds controls_applied_fallback, last_applied_by). v3 adds the state "terminated".
-# Written: 3; read: 1, 2 and 3. A v1 document reads as "no control applied by the fallback,
-# origin unknown"; a v1 or v2 document cannot say "terminated".
+# Stats 3 is the version of the first release (0.1.0); versions 1 and 2 were never released, so
+# a reader refuses them like any other version it does not list (docs/protocol.md, "Versioning").
 STATS_VERSION: Final = 3
-STATS_VERSIONS: Final = frozenset({1, 2, 3})
-VERSION: Final = CONTROL_VERSION  # the name before the documents were versioned separately
+STATS_VERSIONS: Final = frozenset({STATS_VERSION})
 
 MAX_SEQ: Final = 2**53 - 1  # the largest integer that every JSON implementation holds exactly
 MAX_COUNT: Final = MAX_SEQ
@@ -42,10 +40,9 @@ MAX_CONTROL_BYTES: Final = 64 * 1024
 MAX_STATS_BYTES: Final = 256 * 1024
 MAX_INT_DIGITS: Final = 20  # longer integer literals are refused before Python converts them
 
-STATES_V2: Final = ("starting", "running", "paused", "finished", "failed")
-# v3: "terminated", the process ended by SIGTERM (the scheduler's cancel or migration sends it),
-# told apart from "failed" (an exception or a non-zero exit status).
-STATES: Final = (*STATES_V2, "terminated")
+# "terminated": the process ended by SIGTERM (the scheduler's cancel or migration sends it), told
+# apart from "failed" (an exception or a non-zero exit status).
+STATES: Final = ("starting", "running", "paused", "finished", "failed", "terminated")
 FINAL_STATES: Final = ("finished", "failed", "terminated")
 # Where the last applied control was put into force: at the agent's start, at a step boundary, or
 # by the fallback from the agent's own thread when no step boundary came in time.
@@ -253,11 +250,11 @@ def _control_fields(data: object) -> dict[str, Any]:
 
 def _stats_fields(data: object) -> dict[str, Any]:
     doc = _Fields(data, "")
-    version = doc.schema(STATS_SCHEMA, STATS_VERSIONS)
+    doc.schema(STATS_SCHEMA, STATS_VERSIONS)
     out: dict[str, Any] = {
         "seq": doc.int("seq", 1, MAX_SEQ),
         "pid": doc.int("pid", 1, MAX_PID),
-        "state": doc.choice("state", STATES if version >= 3 else STATES_V2),
+        "state": doc.choice("state", STATES),
         "step": doc.int("step", 0, MAX_COUNT),
         "last_step_ms": doc.number("last_step_ms", 0.0, MAX_STEP_MS, nullable=True),
     }
@@ -306,16 +303,12 @@ def _stats_fields(data: object) -> dict[str, Any]:
         )
         rejected.finish()
     out["wall_time"] = doc.number("wall_time", 0.0, MAX_WALL_TIME)
-    if version >= 2:
-        out["controls_applied_fallback"] = doc.int("controls_applied_fallback", 0, MAX_COUNT)
-        out["last_applied_by"] = doc.choice("last_applied_by", APPLIED_BY, nullable=True)
-        if out["controls_applied_fallback"] > out["controls_applied"]:
-            raise ProtocolError("controls_applied_fallback",
-                                f"must be at most controls_applied ({out['controls_applied']}), "
-                                f"got {out['controls_applied_fallback']}")
-    else:
-        out["controls_applied_fallback"] = 0
-        out["last_applied_by"] = None
+    out["controls_applied_fallback"] = doc.int("controls_applied_fallback", 0, MAX_COUNT)
+    out["last_applied_by"] = doc.choice("last_applied_by", APPLIED_BY, nullable=True)
+    if out["controls_applied_fallback"] > out["controls_applied"]:
+        raise ProtocolError("controls_applied_fallback",
+                            f"must be at most controls_applied ({out['controls_applied']}), "
+                            f"got {out['controls_applied_fallback']}")
     doc.finish()
     return out
 
@@ -347,15 +340,18 @@ class _Fields:
             return _ABSENT
         return value
 
-    def schema(self, expected: str, supported: frozenset[int]) -> int:
+    def schema(self, expected: str, supported: frozenset[int]) -> None:
         schema = self._take("schema", True, False, f"must be {expected!r}")
         if schema != expected:
             raise ProtocolError("schema", f"must be {expected!r}, got {_describe(schema)}")
         versions = ", ".join(str(v) for v in sorted(supported))
         version = self._take("version", True, False, f"must be one of {{{versions}}}")
         if type(version) is not int or version not in supported:
-            raise ProtocolError("version", f"must be one of {{{versions}}}, got {_describe(version)}")
-        return version
+            # An older version comes from a job whose tf-antman predates this reader's: no
+            # compatibility is kept for documents no release wrote (docs/protocol.md).
+            older = " (older than this reader: run job and scheduler from the same tf-antman release)" \
+                if type(version) is int and version < min(supported) else ""
+            raise ProtocolError("version", f"must be one of {{{versions}}}, got {_describe(version)}{older}")
 
     def int(self, key: str, lo: int, hi: int, *, required: bool = True, nullable: bool = False) -> Any:
         value = self._take(key, required, nullable, f"must be an integer in [{lo}, {hi}]")
