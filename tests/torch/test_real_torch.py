@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="no torch in this venv: scripts/test.sh runs this file in .torchvenv")
 
 from tf_antman import core as antman_core  # noqa: E402
 from tf_antman.torch.compute import Compute, build_hook  # noqa: E402

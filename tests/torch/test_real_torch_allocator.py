@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="no torch in this venv: scripts/test.sh runs this file in .torchvenv")
 
 from tf_antman.torch import _shim, activation  # noqa: E402
 from tf_antman.torch.compute import build_allocator  # noqa: E402
