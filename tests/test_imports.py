@@ -3,9 +3,8 @@
 - The scheduler loads the job protocol (tf_antman.protocol), never the training runtime: the
   daemon process must not import tf_antman's activation, import hook, native loader, core or step
   hooks (they are the job's side of the contract, docs/protocol.md).
-- No import circle: the module-level imports of both packages form no cycle. Imports inside
-  functions are walked too; the circles they still hide are listed below, each with its owner, and
-  a listed circle that is gone fails the test until the list drops it.
+- No import circle anywhere: neither the module-level imports of both packages nor those inside
+  functions (deferred until the function runs) form a cycle.
 """
 
 from __future__ import annotations
@@ -21,15 +20,6 @@ from tests.conftest import REPO, clean_env
 PACKAGES = ("scheduler_lite", "tf_antman")
 RUNTIME = ("tf_antman.activation", "tf_antman.importhook", "tf_antman.native", "tf_antman.core",
            "tf_antman.steps")
-
-# Circles closed only by imports inside functions (deferred until the function runs). Known, not
-# wanted: each is an entry here until its modules are split (issue 31).
-FUNCTION_LEVEL_CIRCLES = {
-    # The job side: the step tracker starts the job agent (jobside), which types the tracker.
-    frozenset({"tf_antman.jobside", "tf_antman.steps"}),
-    # Activation installs the hooks, the hooks find the active state at call time.
-    frozenset({"tf_antman.activation", "tf_antman.hooks", "tf_antman.importhook"}),
-}
 
 
 def test_the_daemon_imports_no_training_runtime() -> None:
@@ -148,7 +138,6 @@ def test_no_import_circle_at_module_level() -> None:
     assert [sorted(c) for c in _circles(_graph(_module_level))] == []
 
 
-def test_function_level_imports_close_only_the_known_circles() -> None:
-    circles = set(_circles(_graph(_everywhere)))
-    assert sorted(map(sorted, circles - FUNCTION_LEVEL_CIRCLES)) == [], "a new import circle"
-    assert sorted(map(sorted, FUNCTION_LEVEL_CIRCLES - circles)) == [], "gone: drop it from FUNCTION_LEVEL_CIRCLES"
+def test_no_import_circle_even_inside_functions() -> None:
+    # A deferred import hides a circle from the module level, not from a reader.
+    assert [sorted(c) for c in _circles(_graph(_everywhere))] == []

@@ -28,6 +28,11 @@ def active() -> Active | None:
     return _active
 
 
+def active_steps() -> StepTracker | None:
+    """The active step tracker, which the step hooks look up at call time (hooks.register_import_hooks)."""
+    return None if _active is None else _active.steps
+
+
 def _tf_devices_exist() -> bool:
     # Look without touching: creating TF's eager context here (before TF finished importing)
     # would itself be a side effect that changes how TF initialises.
@@ -76,7 +81,7 @@ def activate(environ: Mapping[str, str] | None = None) -> Active | None:
 
     # Hooks on the modules that define Session and the Keras Models; registered before any of
     # them can be half-imported (docs/steps.md). From the .pth hook they are registered already.
-    hooks.register_import_hooks()
+    hooks.register_import_hooks(active_steps)
     # Called from tensorflow's own import (before its code runs), tensorflow is in sys.modules
     # but half-built: its `after` hook starts the agent once it is complete.
     if importhook.imported("tensorflow") is not None:
@@ -99,7 +104,8 @@ def after_tensorflow(_tf: ModuleType) -> None:
     if _active is None:
         return
     _active.native.start_hold_clock()  # ANTMAN_COMPUTE_SHARE=0 holds the job from here (exit report)
-    _active.steps.start_agent()
-    from tf_antman import exit_report
+    from tf_antman import exit_report, jobside
+
+    _active.steps.start_agent(jobside.start_agent)
 
     exit_report.register(_active.native)

@@ -7,7 +7,9 @@
 - Custom `tf.function` loops mark steps themselves with `tf_antman.step()`.
 
 The patches are installed when the module defining each class has finished importing
-(importhook), and look up tf-antman's state at call time: without it they call straight through.
+(importhook), and look up tf-antman's state at call time through the function activation hands
+`register_import_hooks` (no import of activation here: it imports this module): without an active
+state they call straight through.
 Work done inside a marked step (a `fit`, a `train_on_batch`, a `tf_antman.step()`) is not counted
 again by the hooks inside it (tf_keras in graph mode runs its batches through a Session; a user
 may mark a step around `train_on_batch`): steps.marked_step().
@@ -157,11 +159,11 @@ def _depends_on(values: Any, variable: str) -> bool:
     return False
 
 
-def _tracker() -> StepTracker | None:
-    from tf_antman import activation
+def _no_tracker() -> StepTracker | None:
+    return None
 
-    state = activation.active()
-    return None if state is None else state.steps
+
+_tracker: Callable[[], StepTracker | None] = _no_tracker  # activation.active_steps once registered
 
 
 # --- Keras ---------------------------------------------------------------------------------------
@@ -352,9 +354,11 @@ def _patch_session(module: ModuleType) -> None:
 _registered = False
 
 
-def register_import_hooks() -> None:
-    """Patches each defining module once it has been imported completely (at once if it is)."""
-    global _registered
+def register_import_hooks(active_steps: Callable[[], StepTracker | None]) -> None:
+    """Patches each defining module once it has been imported completely (at once if it is);
+    the patches find the step tracker through `active_steps` at call time."""
+    global _registered, _tracker
+    _tracker = active_steps
     if _registered:
         return
     _registered = True

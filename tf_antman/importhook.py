@@ -122,12 +122,3 @@ def on_import(name: str, before: Before | None = None, after: After | None = Non
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
     return True
-
-
-def install() -> None:
-    from tf_antman import activation, config, hooks
-
-    on_import("tensorflow", before=activation.before_tensorflow, after=activation.after_tensorflow)
-    if config.requested():  # ANTMAN_ENABLE=0: TensorFlow and Keras stay unpatched
-        # Now, at interpreter start, none of the defining modules can be half-imported.
-        hooks.register_import_hooks()

@@ -110,16 +110,15 @@ class StepTracker:
         self._last_end: float | None = None
         self._lock = threading.Lock()  # step_end may come from a Session.run in any thread
 
-    def start_agent(self) -> None:
+    def start_agent(self, start: Callable[[StepTracker], Any]) -> None:
         """Once per process: the agent on ANTMAN_JOB_DIR, and the watch of the process's end
-        (jobside.start_agent); the agent stays None without a job directory or when it cannot
-        start (jobside logs why)."""
+        (`start` is jobside.start_agent, handed in by the activation: jobside imports this
+        module); the agent stays None without a job directory or when it cannot start (jobside
+        logs why)."""
         if self._agent_tried:
             return
         self._agent_tried = True
-        from tf_antman.jobside import start_agent
-
-        self.agent = start_agent(self)
+        self.agent = start(self)
 
     def step_end(self, seconds: float | None = None, training: bool = True) -> None:
         """Marks the end of a mini-batch. `seconds`: its duration; None = time since the last

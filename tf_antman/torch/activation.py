@@ -91,8 +91,9 @@ def activate(environ: Mapping[str, str] | None = None, torch: ModuleType | None 
     log.info("active for PyTorch (pid %d): %s%s", os.getpid(), ts.describe(),
              "" if compute is not None else f" (no compute scaling: {why})")
     state.step_hook = steps_hook.install(steps)  # imports torch.optim.optimizer (not an attribute until imported)
-    steps.start_agent()
-    from tf_antman import exit_report
+    from tf_antman import exit_report, jobside
+
+    steps.start_agent(jobside.start_agent)
 
     exit_report.register(runtime)  # the job's log says what tf-antman did (runtime.holds: every hold)
     return state
