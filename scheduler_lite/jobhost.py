@@ -35,7 +35,7 @@ from scheduler_lite.isolation import (
     read_log,
     read_small_int,
 )
-from scheduler_lite.jobenv import job_environment, process_control
+from scheduler_lite.jobenv import job_environment
 from scheduler_lite.launcher import (
     EXIT_STATUS_FILE,
     PID_FILE,
@@ -48,8 +48,10 @@ from scheduler_lite.launcher import (
     read_exit,
 )
 from scheduler_lite.model import Gpu
+from scheduler_lite.ranks import has_ranks, merge_rank_stats, rank_control
 from scheduler_lite.tick import LiveJob
 from tf_antman.protocol import Control, ProtocolError, Stats, control_path, parse_control, read_text, write_control
+from tf_antman.protocol.layout import rank_dir
 
 if TYPE_CHECKING:
     from scheduler_lite.config import Config
@@ -136,10 +138,14 @@ class LocalJobHost:
                 (self.job_dir(job_id) / stale).unlink()
 
     def prepare(self, launch: Launch, uid: int | None) -> Path:
-        job_dir = self.job_dir(launch.job_id)
+        return self.prepare_dir(launch.job_id, uid, len(launch.gpus))
+
+    def prepare_dir(self, job_id: str, uid: int | None, gpus: int = 1) -> Path:
+        job_dir = self.job_dir(job_id)
         # Owned by the daemon, open to the job's user for its stats only; an earlier launch's files
         # (its pid, its exit status) are emptied out with the rest (scheduler_lite.isolation).
-        prepare_job_dir(job_dir, job_user(uid))
+        # A job on several GPUs gets a directory per rank r > 0 too (scheduler_lite.ranks).
+        prepare_job_dir(job_dir, job_user(uid), gpus)
         return job_dir
 
     def start(self, launch: Launch, record: JobRecord, job_dir: Path, gpus: Sequence[Gpu]) -> ProcessHandle:
@@ -184,10 +190,25 @@ class LocalJobHost:
         return self.launcher.kill_leftovers(job_dir, pid, start)
 
     def stats(self, job_id: str, live: LiveJob) -> Stats | None:
-        return read_job_stats(live.job_dir, live.record.uid)
+        first = read_job_stats(live.job_dir, live.record.uid)
+        gpus = len(live.record.placement)
+        if gpus < 2:
+            return first
+        ranks = [read_job_stats(rank_dir(live.job_dir, r), live.record.uid) for r in range(1, gpus)]
+        if all(s is None for s in ranks):
+            return first  # one process for all its GPUs (or its ranks > 0 not started yet)
+        if first is None or any(s is None for s in ranks):
+            return None  # a rank that reports nothing: no new document (silent, as a job writing none)
+        return merge_rank_stats([first, *ranks])
 
     def write_control(self, job_id: str, live: LiveJob, control: Control) -> None:
-        write_control(live.job_dir, process_control(control))
+        gpus = len(live.record.placement)
+        ranked = gpus > 1 and has_ranks(live.job_dir, gpus)
+        for rank in range(gpus - 1, 0, -1):  # rank r's GPU: the placement's r-th
+            here = rank_dir(live.job_dir, rank)
+            if here.is_dir():  # made at prepare (a job launched before ranks existed has none)
+                write_control(here, rank_control(control, rank, ranked))
+        write_control(live.job_dir, rank_control(control, 0, ranked))
 
     def recorded_exit(self, record: JobRecord, job_dir: Path) -> ExitInfo | None:
         return read_exit(job_dir)

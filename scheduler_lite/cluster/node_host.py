@@ -32,6 +32,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -40,7 +41,7 @@ from scheduler_lite.cluster.booking import RELEASED_FILE, TASK_CLAIM_TIMEOUT_S, 
 from scheduler_lite.cluster.config import FENCE_FRACTION
 from scheduler_lite.cluster.parts import part_token
 from scheduler_lite.config import Config
-from scheduler_lite.isolation import job_user, prepare_job_dir, process_uid, read_job_stats, read_log, read_small_int
+from scheduler_lite.isolation import process_uid, read_job_stats, read_log, read_small_int
 from scheduler_lite.jobenv import job_environment
 from scheduler_lite.jobhost import LocalJobHost, control_file_seq
 from scheduler_lite.launcher import (
@@ -113,9 +114,9 @@ class NodeHost:
         self.config = config
         self.jobs_dir = config.cluster.node_jobs_dir(config.state_dir, node)
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
-        # This node's jobs, as the single-machine daemon runs its own.
+        # This node's jobs, as the single-machine daemon runs its own: every process and file of
+        # a part goes through it (its launcher, job directories, control.json, exit status).
         self.local = LocalJobHost(config, jobs_dir=self.jobs_dir)
-        self.launcher = self.local.launcher
         self.devices = self.local.devices
         self.parts: dict[str, _Part] = {}
         self.fence_s = config.cluster.node_timeout_s * FENCE_FRACTION
@@ -146,15 +147,18 @@ class NodeHost:
 
     # -- jobs -------------------------------------------------------------------------------------
 
+    def _new_launch(self, record: JobRecord) -> Path:
+        """Lock held: a launch of the job begins here; its job directory made ready."""
+        self._heard()
+        self._fenced.pop(record.id, None)  # a new launch: the old one's fencing is settled
+        return self.local.prepare_dir(record.id, record.uid)
+
     def start(self, record: JobRecord, rank: int, gpus: list[Gpu], limit: int, share: float,
               extra_env: dict[str, str]) -> tuple[int, int | None, str]:
         """Start the job's part on this node's `gpus` (local ids): (pid, start ticks, job dir)."""
         with self._lock:
-            self._heard()
             assert record.launch_token is not None
-            self._fenced.pop(record.id, None)  # a new launch: the old one's fencing is settled
-            job_dir = self.local.job_dir(record.id)
-            prepare_job_dir(job_dir, job_user(record.uid))
+            job_dir = self._new_launch(record)
             token = part_token(record.launch_token, rank)
             part = _Part(record.id, rank, token, record.uid, job_dir)
             handle = self.local.launch(record, gpus, limit, share, job_dir, token, extra_env)
@@ -167,11 +171,8 @@ class NodeHost:
         """Book a Ray task here: its job directory made ready and its environment kept for the
         client (`task_options`); no process is started (Ray starts it). (0, None, job dir)."""
         with self._lock:
-            self._heard()
             assert record.launch_token is not None and is_ray_task(record.command)
-            self._fenced.pop(record.id, None)
-            job_dir = self.local.job_dir(record.id)
-            prepare_job_dir(job_dir, job_user(record.uid))
+            job_dir = self._new_launch(record)
             self.local.clear(record.id, (RELEASED_FILE,))
             env = job_environment(self.config, record, gpus, limit, share, job_dir, base={})
             env.update(extra_env)
@@ -230,7 +231,7 @@ class NodeHost:
                 if part.ended is None and part.task_env is not None:
                     part.ended = self._poll_task(part)
                 elif part.ended is None and part.handle is not None:
-                    part.ended = self.launcher.poll(part.handle)
+                    part.ended = self.local.poll(part.handle)
                 stats, error = None, None
                 try:
                     stats = read_job_stats(part.job_dir, part.uid)
@@ -254,7 +255,7 @@ class NodeHost:
                 return False
             if part is None or part.handle is None:
                 return False
-            return self.launcher.signal(part.handle, sig)
+            return self.local.signal(part.handle, sig)
 
     def stop(self, job_id: str, grace_s: float) -> ExitInfo | None:
         """SIGTERM, SIGKILL after grace_s, wait; the part is forgotten. None: no such part here."""
@@ -264,18 +265,31 @@ class NodeHost:
         if part is not None and part.task_env is not None:
             return self._stop_task(part, grace_s)
         if part is None or part.handle is None:
-            self._kill_unknown(job_id)
+            # Processes of the job here that this node host does not hold (a sweep kept them for
+            # an adoption that did not follow, a node host before this one started them): a stop
+            # means nothing of the job runs here afterwards.
+            self._kill_wrappers(lambda name: name.split(":")[1] != job_id)
             return None
-        return self.launcher.stop(part.handle, grace_s)
+        return self.local.stop(part.handle, grace_s)
 
-    def _kill_unknown(self, job_id: str) -> None:
-        """SIGKILL processes of the job here that this node host does not hold (a sweep kept them
-        for an adoption that did not follow, a node host before this one started them): a stop
-        means nothing of the job runs here afterwards."""
+    def _kill_wrappers(self, keep: Callable[[str], bool]) -> list[str]:
+        """SIGKILL the process groups of the wrappers under this node's jobs directory whose name
+        (launcher.process_name) `keep` refuses; the ids of their jobs."""
+        killed = []
         for pid, name in wrappers_under(self.jobs_dir):
-            if name.split(":")[1] == job_id:
+            if not keep(name):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
+                killed.append(name.split(":")[1])
+        return killed
+
+    def _kill(self, part: _Part) -> None:
+        """SIGKILL the part, whatever runs it (a Ray task: its booking released too)."""
+        if part.task_env is not None:
+            self._release_task(part, signal.SIGKILL)
+        elif part.handle is not None:
+            self.local.signal(part.handle, signal.SIGKILL)
+            self.local.cleanup(part.handle)
 
     def _stop_task(self, part: _Part, grace_s: float) -> ExitInfo:
         ended = part.ended or self._poll_task(part)
@@ -299,14 +313,13 @@ class NodeHost:
             if part is not None and part.task_env is not None:
                 self._release_task(part)  # the worker is Ray's: it ends by itself (max_calls=1)
             elif part is not None and part.handle is not None:
-                self.launcher.cleanup(part.handle)
+                self.local.cleanup(part.handle)
 
     def write_control(self, job_id: str, control: Control) -> None:
         with self._lock:
             self._heard()
             part = self.parts.get(job_id)
-            job_dir = part.job_dir if part is not None else self.jobs_dir / job_id
-            write_control(job_dir, control)
+            write_control(part.job_dir if part is not None else self.local.job_dir(job_id), control)
 
     # -- after a restart of the global scheduler -----------------------------------------------
 
@@ -324,7 +337,7 @@ class NodeHost:
         if pid is not None and process_running(pid, None) and not has_name(pid, name):
             pid = None  # a live process without this launch's token: another launch's pid file, or a reused pid
         if pid is None:
-            pid = self.launcher.find(job_id, part_token(token, rank))
+            pid = self.local.launcher.find(job_id, part_token(token, rank))
         if pid is not None and process_uid(pid) in (None, os.geteuid(), uid):
             return pid
         return None
@@ -341,14 +354,14 @@ class NodeHost:
                     return ended
                 return (0, None) if part.handle is None else (part.handle.pid, part.handle.start_ticks)
             if part is not None and part.handle is not None and part.token == part_token(token, rank):
-                ended = part.ended or self.launcher.poll(part.handle)
+                ended = part.ended or self.local.poll(part.handle)
                 return ended if ended is not None else (part.handle.pid, part.handle.start_ticks)
         job_dir = self.jobs_dir / job_id
         if pid is None:
             pid = self.find(job_id, token, rank, uid)
         if pid is None:
             return read_exit(job_dir) or ExitInfo(None)
-        found = self.launcher.adopt(pid, start_ticks, job_dir, part_token(token, rank), job_id)
+        found = self.local.launcher.adopt(pid, start_ticks, job_dir, part_token(token, rank), job_id)
         if isinstance(found, ExitInfo):
             return found
         with self._lock:
@@ -368,8 +381,7 @@ class NodeHost:
         return read_log(self.jobs_dir / job_id / (STDERR_FILE if stderr else STDOUT_FILE), offset, limit)
 
     def recorded_exit(self, job_id: str) -> ExitInfo | None:
-        job_dir = self.jobs_dir / job_id
-        return ExitInfo(read_exit_status(job_dir)) if (job_dir / EXIT_STATUS_FILE).exists() else None
+        return read_exit(self.local.job_dir(job_id))  # with when it ended, as on one machine
 
     def control_seq(self, job_id: str) -> int:
         return control_file_seq(self.local.job_dir(job_id))
@@ -383,20 +395,11 @@ class NodeHost:
         with self._lock:
             self._heard()
             for job_id, part in list(self.parts.items()):
-                if process_name(job_id, part.token) not in wanted and part.task_env is not None:
-                    self._release_task(part, signal.SIGKILL)
+                if process_name(job_id, part.token) not in wanted and (part.task_env is not None or part.handle is not None):
+                    self._kill(part)
                     del self.parts[job_id]
                     stopped.append(job_id)
-                elif process_name(job_id, part.token) not in wanted and part.handle is not None:
-                    self.launcher.signal(part.handle, signal.SIGKILL)
-                    self.launcher.cleanup(part.handle)
-                    del self.parts[job_id]
-                    stopped.append(job_id)
-        for pid, name in wrappers_under(self.jobs_dir):
-            if name not in wanted:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                stopped.append(name.split(":")[1])
+        stopped += self._kill_wrappers(wanted.__contains__)
         with self._lock:
             fenced = dict(self._fenced)
         return sorted(set(stopped)), fenced
@@ -418,11 +421,7 @@ class NodeHost:
         log.error("%s: no word from the global scheduler for %.1f s: stopping %d job(s)",
                   self.node, silent, len(self.parts))
         for part in self.parts.values():
-            if part.task_env is not None:
-                self._release_task(part, signal.SIGKILL)
-            elif part.handle is not None:
-                self.launcher.signal(part.handle, signal.SIGKILL)
-                self.launcher.cleanup(part.handle)
+            self._kill(part)
             self._fenced.pop(part.job_id, None)  # to the end: the newest are kept
             self._fenced[part.job_id] = part.token
             self._fenced_unreported.append((part.job_id, part.token))
