@@ -14,6 +14,8 @@ laid out so that the job can write its statistics and nothing else of the schedu
                                            read with `scheduler-lite logs` (owner and admins)
           .tmp/                root 1770 + ACL user:<owner>:rwx  (temporary files of both writers)
           stats.json, pid, exit_status      the job's own (the daemon checks their owner)
+          ranks/               (a job on n > 1 GPUs) root 1770 + ACL, as job-7/
+            <r>/               r = 1..n-1: rank r's control.json, .tmp/, stats.json as above
 
 Other users have no access to the directory at all. The daemon creates control.json (a seq-only
 control, `INITIAL_CONTROL_SEQ`) and the logs before the directory is opened to the job, so the job
@@ -50,6 +52,7 @@ from tf_antman.protocol import (
     stats_path,
     write_control,
 )
+from tf_antman.protocol.layout import RANKS_DIR, rank_dir
 from tf_antman.protocol.schema import MAX_STATS_BYTES
 
 INITIAL_CONTROL_SEQ: Final = 1  # the placeholder control written at launch; the daemon's next is 2
@@ -113,14 +116,30 @@ def base_environment(user: JobUser | None) -> Mapping[str, str] | None:
 # The job directory.
 
 
-def prepare_job_dir(job_dir: Path, user: JobUser | None) -> None:
-    """Create (or reclaim) `job_dir` for a launch: the layout in the module docstring."""
+def prepare_job_dir(job_dir: Path, user: JobUser | None, ranks: int = 1) -> None:
+    """Create (or reclaim) `job_dir` for a launch: the layout in the module docstring.
+
+    `ranks`: the job's GPUs. A job on several may run one training process per GPU (torchrun),
+    each with its own agent: rank r > 0 in `ranks/<r>/` (tf_antman.protocol.layout.rank_dir), made here
+    like the job directory (a daemon-owned control.json before anything is open to the job), so
+    that the rank writes only its stats there and the daemon's controls reach it."""
     job_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(job_dir, 0o700)
     except FileExistsError:
         _lock_down(job_dir)
         _empty(job_dir)
+    opened: list[Path] = []  # directories opened to the job's user, innermost first
+    for rank in range(ranks - 1, 0, -1):
+        if not opened:
+            os.mkdir(job_dir / RANKS_DIR, 0o700)
+        here = rank_dir(job_dir, rank)
+        os.mkdir(here, 0o700)
+        os.mkdir(here / TMP_DIR, 0o700)
+        write_control(here, Control(seq=INITIAL_CONTROL_SEQ))
+        opened += [here / TMP_DIR, here]
+    if opened:
+        opened.append(job_dir / RANKS_DIR)
     tmp = job_dir / TMP_DIR
     os.mkdir(tmp, 0o700)
     write_control(job_dir, Control(seq=INITIAL_CONTROL_SEQ))
@@ -130,7 +149,7 @@ def prepare_job_dir(job_dir: Path, user: JobUser | None) -> None:
     if user is None:
         os.chmod(tmp, 0o700)
         return
-    for path in (tmp, job_dir):  # the directory itself last: nothing is open to the job before
+    for path in (*opened, tmp, job_dir):  # the directory itself last: nothing is open to the job before
         os.chmod(path, 0o1770)
         _grant(path, user.uid)
 
