@@ -32,7 +32,8 @@ from tests.scheduler.test_daemon_fakes import JOB_ENV, MIB, fake_command, make_c
 from tf_antman.protocol import Control, DeviceStats, MemoryLimit, Stats, control_path, parse_control, read_stats
 from tf_antman.protocol.layout import rank_dir
 
-# argv: memory demand of rank 0 in bytes; rank r demands r * 100 MiB more (tells the ranks apart)
+# argv: memory demand of rank 0 in bytes; rank r demands r * 100 MiB more (tells the ranks apart);
+# optionally the number of documents rank 1 writes before it writes no more (a rank gone silent)
 RANK_JOB = r"""
 import os, statistics, sys, time
 from pathlib import Path
@@ -42,6 +43,7 @@ from tf_antman.protocol.layout import rank_dir
 rank = int(os.environ["LOCAL_RANK"])
 job_dir = rank_dir(Path(os.environ["ANTMAN_JOB_DIR"]), rank)
 demand = int(sys.argv[1]) + rank * 100 * 2**20
+quiet_after = int(sys.argv[2]) if len(sys.argv) > 2 and rank == 1 else None
 limit, share = int(os.environ["ANTMAN_MEMORY_LIMIT"]), float(os.environ["ANTMAN_COMPUTE_SHARE"])
 applied = seen = rejected = n = 0
 window = []
@@ -59,6 +61,8 @@ while True:
     t = time.monotonic()
     time.sleep(0.02 * (1 + rank))  # rank 1 is the slower one
     n += 1
+    if quiet_after is not None and n > quiet_after:
+        continue
     window = (window + [(time.monotonic() - t) * 1000])[-32:]
     on = min(demand, limit)
     s = Stats(seq=n, pid=os.getpid(), state="running", step=n, last_step_ms=window[-1],
@@ -73,7 +77,7 @@ while True:
 LAUNCHER = r"""
 import os, signal, subprocess, sys
 n = len(os.environ["SCHEDULER_LITE_GPUS"].split(","))
-procs = [subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env={**os.environ, "LOCAL_RANK": str(r)})
+procs = [subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], env={**os.environ, "LOCAL_RANK": str(r)})
          for r in range(n)]
 signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in procs])
 for p in procs:
@@ -81,8 +85,9 @@ for p in procs:
 """
 
 
-def ranked_command(demand: int) -> list[str]:
-    return [sys.executable, "-c", LAUNCHER, RANK_JOB, str(demand)]
+def ranked_command(demand: int, rank1_quiet_after: int | None = None) -> list[str]:
+    quiet = [] if rank1_quiet_after is None else [str(rank1_quiet_after)]
+    return [sys.executable, "-c", LAUNCHER, RANK_JOB, str(demand), *quiet]
 
 
 @pytest.fixture
@@ -132,6 +137,23 @@ def test_each_rank_reports_its_gpu_and_takes_its_gpus_control(daemon: Daemon) ->
     status = d.status()
     assert status.gpu(1 - shrunk).job(opp).memory_limit_bytes == 1 << 30
     assert status.gpu(shrunk).job(opp).host_in_use_bytes == (300 + 100 * shrunk) * MIB - min_memory
+
+
+def test_a_rank_that_stops_reporting_makes_the_job_silent(tmp_path: Path) -> None:
+    config = make_config(tmp_path, gpus=2, jobs={"silent_after_s": 1})
+    d = Daemon(config, SqliteStorage(config.db_path))
+    try:
+        opp = d.submit(ranked_command(300 * MIB, rank1_quiet_after=2), tenant="B", kind="opportunistic", gpus=2,
+                       env=JOB_ENV)
+        d.tick()
+        assert run_until(d, lambda d: read_stats(rank_dir(d.job_dir(opp), 1)) is not None, timeout=20, interval=0.02)
+        findings = d.host.findings  # type: ignore[attr-defined]
+        assert run_until(d, lambda d: "silent" in [f.kind for f in findings.get(opp, [])], timeout=20,
+                         interval=0.05)
+        stats = read_stats(d.job_dir(opp))
+        assert stats is not None and stats.step > 2  # rank 0 kept stepping and writing
+    finally:
+        stop_all_jobs(d, grace_s=1)
 
 
 def rank_stats(rank: int, step: int, median: float, seq: int, applied: int = 0) -> Stats:
