@@ -24,6 +24,11 @@ JOB = [sys.executable, str(REPO / "bench" / "_torch_job.py")]
 NO_GPU_EXIT = 77
 GiB = 1 << 30
 CPU_CAPACITY = 4 * GiB  # the emulated GPU of a CPU dry run (ANTMAN_DEVICE_MEMORY's default)
+# NVML numbers GPUs by PCI bus, CUDA (unless told) fastest first: the bench reads NVML's GPU 0
+# (memory, name) for the jobs' CUDA device 0, so both must mean the same GPU on a host of mixed
+# GPUs. Set in this process before anything initialises CUDA (gpu_or_exit) and in every job's
+# environment (env_for); ours wins over an inherited value.
+CUDA_DEVICE_ORDER = "PCI_BUS_ID"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,7 @@ def gpu_or_exit(device: str) -> tuple[int, str]:
     (or, for the CPU dry run, no PyTorch)."""
     import importlib.util
 
+    os.environ["CUDA_DEVICE_ORDER"] = CUDA_DEVICE_ORDER
     why = ""
     if importlib.util.find_spec("torch") is None:
         why = "PyTorch is not installed"
@@ -114,6 +120,7 @@ def env_for(antman: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANTMAN_")}
     env.update(PYTHONUNBUFFERED="1")  # PYTHONPATH: set up by autoload_like_the_wheel()
     env.update(antman or {})
+    env["CUDA_DEVICE_ORDER"] = CUDA_DEVICE_ORDER
     return env
 
 

@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+CUDA_DEVICE_ORDER = "PCI_BUS_ID"  # NVML's order for CUDA's device numbers (main)
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(1, str(REPO))  # tf_antman from the checkout: the GPU machine has no wheel of it
@@ -741,6 +742,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="rehearsal: multiplies the budget, every cap, minimum and margin (default 1)")
     parser.add_argument("--only", default=None, help="comma-separated step names (others: skipped)")
     args = parser.parse_args(argv)
+    # The steps read NVML's GPU 0 (gpu_procs, NvmlSampler) beside programs that run on CUDA's
+    # device 0. NVML numbers GPUs by PCI bus; CUDA, unless told, fastest first: on a host of mixed
+    # GPUs the two could be different GPUs. Set before any CUDA use, here and (inherited) in every
+    # program the check starts; ours wins over an inherited value.
+    os.environ["CUDA_DEVICE_ORDER"] = CUDA_DEVICE_ORDER
     if not 0 < args.budget <= 480:
         parser.error(f"--budget: {args.budget} is outside the accepted range (0, 480]")
     if not 0 < args.time_scale <= 1:
