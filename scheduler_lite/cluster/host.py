@@ -197,10 +197,7 @@ class ClusterJobHost:
         launch (requeued: never started), not the old one's end."""
         nodes = job_nodes(self.cc, launch.gpus)
         for node in nodes:
-            try:
-                self.nodes.call(node, "prepare", launch.job_id)
-            except Exception as e:  # noqa: BLE001 - as a start that fails: the launch fails
-                raise OSError(f"node {node}: {cause(e)}") from None
+            self.nodes.ask(node, "prepare", launch.job_id)  # OSError: as a start that fails, the launch fails
         return self.cc.node_jobs_dir(self.config.state_dir, nodes[0]) / launch.job_id
 
     def start(self, launch: Launch, record: JobRecord, job_dir: Path, gpus: Sequence[Gpu]) -> ProcessHandle:
@@ -360,10 +357,8 @@ class ClusterJobHost:
 
     def write_control(self, job_id: str, live: LiveJob, control: Control) -> None:
         for node, part in split_control(control, live.record.placement, self.cc.node_of).items():
-            try:
-                self.nodes.call(node, "write_control", job_id, process_control(part))
-            except Exception as e:  # noqa: BLE001 - the daemon logs and retries at the next change
-                raise OSError(f"node {node}: {cause(e)}") from None
+            # OSError: the daemon logs and retries at the next change.
+            self.nodes.ask(node, "write_control", job_id, process_control(part))
 
     def recorded_exit(self, record: JobRecord, job_dir: Path) -> ExitInfo | None:
         for node in self.nodes.actors:
@@ -385,10 +380,7 @@ class ClusterJobHost:
         nodes = job_nodes(self.cc, record.placement)
         if not nodes or nodes[0] not in self.nodes.actors:
             raise OSError(f"the log of {record.id} is on node {nodes[0] if nodes else '?'}, which is not connected")
-        try:
-            data, end = self.nodes.call(nodes[0], "read_log", record.id, stderr, offset, limit)
-        except Exception as e:  # noqa: BLE001 - one line for the client
-            raise OSError(f"node {nodes[0]}: {cause(e)}") from None
+        data, end = self.nodes.ask(nodes[0], "read_log", record.id, stderr, offset, limit)
         return bytes(data), int(end)
 
 

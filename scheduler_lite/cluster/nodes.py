@@ -208,6 +208,13 @@ class Nodes:
     def call(self, node: str, method: str, *args: object, timeout: float = CALL_TIMEOUT_S) -> Any:
         return self.ray.get(getattr(self.actors[node], method).remote(*args), timeout=timeout)
 
+    def ask(self, node: str, method: str, *args: object) -> Any:
+        """`call`, any failure (node gone, timeout, the actor's own error) one OSError naming the node."""
+        try:
+            return self.call(node, method, *args)
+        except Exception as e:  # noqa: BLE001 - one line for the daemon's log or the client
+            raise OSError(f"node {node}: {cause(e)}") from None
+
 @dataclass(slots=True)
 class ClusterHandle(ProcessHandle):
     """A job's processes: one part per node, rank order (pid/job_dir are rank 0's)."""

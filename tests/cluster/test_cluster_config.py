@@ -163,7 +163,7 @@ def test_each_part_process_gets_one_limit_the_tightest_of_its_gpus() -> None:
     sent: dict[str, Control] = {}
     # The host's own method, on just what it reads: the nodes' calls and the node of a GPU.
     daemon = SimpleNamespace(cc=SimpleNamespace(node_of=_node_of),
-                             nodes=SimpleNamespace(call=lambda node, method, job_id, part: sent.__setitem__(node, part)))
+                             nodes=SimpleNamespace(ask=lambda node, method, job_id, part: sent.__setitem__(node, part)))
     live = SimpleNamespace(record=SimpleNamespace(placement=placement))
     ClusterJobHost.write_control(daemon, "job-1", live, control)  # type: ignore[arg-type]
     assert sent == {"n0": Control(seq=7, memory_limits=(MemoryLimit(0, 9),), compute_share=0.5),
