@@ -93,16 +93,12 @@ class Recovery:
             for r in records:
                 if r.id in found:
                     continue
-                pid = self._find_pid(r)
+                pid = self.host.find(r, self._job_dir(r))  # pid file, else launch token
                 if pid is not None:
                     found[r.id] = pid
             if len(found) == len(records) or time.monotonic() >= deadline:
                 return found
             time.sleep(0.1)
-
-    def _find_pid(self, record: JobRecord) -> int | None:
-        """The pid of a booked job's process, from its pid file or its launch token; None if none."""
-        return self.host.find(record, self._job_dir(record))
 
     def _job_dir(self, record: JobRecord) -> Path:
         return Path(record.job_dir) if record.job_dir else self.steps.job_dir(record.id)
@@ -156,8 +152,7 @@ class Recovery:
             self.host.cleanup(found)
             self.steps.record_end(record, ended, self.clock(), f"GPU(s) {missing} no longer configured")
             return
-        settings = self._stored_settings(record)
-        self.table.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
+        self._restore(record, now)
         seq = max(record.control_seq, self.host.control_seq(record, job_dir))
         with self.storage.transaction():
             record = self.storage.update_job(record.id, pid=pid, pid_start=found.start_ticks)
@@ -196,22 +191,25 @@ class Recovery:
                 sent = event.time
         return sent
 
-    def _stored_settings(self, record: JobRecord) -> Settings:
+    def _restore(self, record: JobRecord, now: float) -> Settings:
+        """The job back in the driver's book where the store places it, with its stored settings."""
+        assert record.role is not None
         placements = {p.gpu: p for p in self.storage.placements(record.id)}
-        return Settings(
+        settings = Settings(
             {g: placements[g].memory_limit_bytes if g in placements else self.table.gpus[g].memory_bytes
              for g in record.placement},
             {g: placements[g].compute_share if g in placements else 1.0 for g in record.placement},
         )
+        job = book_job(record, self.table.gpus.values())
+        self.table.driver.restore(job, Place(record.id, record.placement, record.role), settings, now)
+        return settings
 
     def _resume_migration(self, record: JobRecord, found: ProcessHandle | ExitInfo, now: float) -> None:
         """A restart found a job in the middle of a migration: the store holds its new GPUs and
         settings. The book gets it there; the old process, if it still runs, is stopped (again),
         and the job starts on its new GPUs once it has ended."""
         assert record.role is not None
-        settings = self._stored_settings(record)
-        self.table.driver.restore(self._book_job(record), Place(record.id, record.placement, record.role), settings, now)
-        launch = Launch(record.id, record.placement, record.role, settings)
+        launch = Launch(record.id, record.placement, record.role, self._restore(record, now))
         job_dir = self._job_dir(record)
         self.storage.add_event(now, "migration_resumed", record.id, running=not isinstance(found, ExitInfo))
         if isinstance(found, ExitInfo):
@@ -223,9 +221,6 @@ class Recovery:
         self.table.stopping[record.id] = live
         self.table.moves[record.id] = launch
         log.info("re-adopted %s (pid %d) in the middle of a migration: stopping it", record.id, found.pid)
-
-    def _book_job(self, record: JobRecord) -> Job:
-        return book_job(record, self.table.gpus.values())
 
 
 def book_job(record: JobRecord, gpus: Iterable[Gpu]) -> Job:
