@@ -338,11 +338,9 @@ class Daemon:
                                         started_at=None, launch_token=None, pid=None, pid_start=None,
                                         control_seq=0)
                 self.storage.add_event(now, "requeued", job_id, reason=reason)
+                self.storage.clear_placements(job_id)
             else:
-                self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
-                self.storage.add_event(now, "exited", job_id, state=str(JobStatus.FAILED), exit_code=None,
-                                       reason=reason)
-            self.storage.clear_placements(job_id)
+                self._record_failed(job_id, now, reason)
 
     def adopt(self, record: JobRecord, now: float, launched_pid: int | None) -> None:
         self._recovery.readopt(record, now, launched_pid)
@@ -444,7 +442,6 @@ class Daemon:
     # -- 2. reap ----------------------------------------------------------------------------------
 
     def _reap(self, now: float, out: TickLog) -> None:
-        grace = self.config.jobs.cancel_grace_s
         for job_id, live in list(self.jobs.stopping.items()):
             ended = self.host.poll(live.handle)
             if ended is not None:
@@ -452,21 +449,24 @@ class Daemon:
                 del self.jobs.stopping[job_id]
                 self.host.cleanup(live.handle)  # the rest of its group: nothing of it may outlive it
                 self.restart_moved(job_id, self.jobs.moves.pop(job_id), ended, now, out)
-            elif not live.killed and now - (live.stop_sent_at or now) >= grace:
-                live.killed = True
-                self.host.signal(live.handle, signal.SIGKILL)
-                self.storage.add_event(now, "stopping", job_id, signal="SIGKILL", why="migration")
+            else:
+                self._kill_after_grace(job_id, live, now, why="migration")
         for job_id, live in list(self._live.items()):
             ended = self.host.poll(live.handle)
             if ended is not None:
                 self._faults.at("ended")
                 # An adopted job (not our child) killed by our SIGKILL has no status of its own.
                 self.finish(job_id, after_sigkill(ended, live.killed), now, out)
-            elif (live.stop_sent_at is not None and not live.killed
-                  and now - live.stop_sent_at >= self.config.jobs.cancel_grace_s):
-                live.killed = True
-                self.host.signal(live.handle, signal.SIGKILL)
-                self.storage.add_event(now, "stopping", job_id, signal="SIGKILL")
+            else:
+                self._kill_after_grace(job_id, live, now)
+
+    def _kill_after_grace(self, job_id: str, live: LiveJob, now: float, **why: str) -> None:
+        """SIGKILL a job still running jobs.cancel_grace_s after its SIGTERM (cancel or migration)."""
+        if (live.stop_sent_at is not None and not live.killed
+                and now - live.stop_sent_at >= self.config.jobs.cancel_grace_s):
+            live.killed = True
+            self.host.signal(live.handle, signal.SIGKILL)
+            self.storage.add_event(now, "stopping", job_id, signal="SIGKILL", **why)
 
     def finish(self, job_id: str, ended: ExitInfo, now: float, out: TickLog | None) -> None:
         """A running job ended: its end recorded, its GPUs and quota released."""
@@ -575,10 +575,8 @@ class Daemon:
         try:
             self._book_launch(launch, now, started_at=record.started_at)
         except Exception as e:  # noqa: BLE001 - as for any launch: the GPUs must not stay held
-            if out is not None:
-                self._launch_failed(launch, now, out, f"could not book the migrated launch: {e}")
-            else:
-                self._launch_failed(launch, now, TickLog(now), f"could not book the migrated launch: {e}")
+            self._launch_failed(launch, now, TickLog(now) if out is None else out,
+                                f"could not book the migrated launch: {e}")
 
     def _book_launch(self, launch: Launch, now: float, started_at: float | None = None) -> None:
         """Record the launch (with its token) before any process exists: a crash now requeues it.
@@ -602,12 +600,16 @@ class Daemon:
         log.error("%s: %s", launch.job_id, reason)
         self.driver.finish(launch.job_id, now, failed=True)
         self._dirty = True
-        with self.storage.transaction():
-            self.storage.update_job(launch.job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
-            self.storage.clear_placements(launch.job_id)
-            self.storage.add_event(now, "exited", launch.job_id, state=str(JobStatus.FAILED), exit_code=None,
-                                   reason=reason)
+        self._record_failed(launch.job_id, now, reason)
         out.ended.append((launch.job_id, JobStatus.FAILED, None))
+
+    def _record_failed(self, job_id: str, now: float, reason: str) -> None:
+        """In the store: the job failed without an exit status of its own, off its GPUs."""
+        with self.storage.transaction():
+            self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
+            self.storage.clear_placements(job_id)
+            self.storage.add_event(now, "exited", job_id, state=str(JobStatus.FAILED), exit_code=None,
+                                   reason=reason)
 
     # -- 6. launch --------------------------------------------------------------------------------
 
