@@ -26,9 +26,9 @@ from scheduler_lite.daemon import Daemon
 from scheduler_lite.isolation import JobUser, prepare_job_dir
 from scheduler_lite.model import Place, Role, SetMemoryLimit
 from scheduler_lite.ranks import merge_rank_stats, rank_control
-from scheduler_lite.storage import SqliteStorage
+from scheduler_lite.storage import JobStatus, SqliteStorage
 from scheduler_lite.testing import run_until, stop_all_jobs
-from tests.scheduler.test_daemon_fakes import JOB_ENV, MIB, fake_command, make_config
+from tests.scheduler.test_daemon_fakes import JOB_ENV, MIB, REPO, fake_command, make_config
 from tf_antman.protocol import Control, DeviceStats, MemoryLimit, Stats, control_path, parse_control, read_stats
 from tf_antman.protocol.layout import rank_dir
 
@@ -247,3 +247,81 @@ def test_a_rank_of_another_user_writes_its_stats_and_cannot_touch_its_control(tm
         assert parse_control(control_path(here).read_text()).seq == 1
     finally:
         shutil.rmtree(top)
+
+
+# A DDP job of the real PyTorch job side, stepping until the test says stop (the file STOP).
+DDP_SCRIPT = """
+import os, time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo")
+model = DistributedDataParallel(torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+stop = torch.zeros(1)
+while True:
+    loss = model(torch.randn(8, 16)).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.02)
+    stop[0] = float(os.path.exists("STOP"))
+    dist.all_reduce(stop)  # the ranks leave together
+    if stop[0] > 0:
+        break
+dist.destroy_process_group()
+"""
+
+
+def test_a_torchrun_ddp_job_under_the_daemon_has_both_ranks_managed(tmp_path: Path) -> None:
+    from tests.torch.python_with_torch import torch_python  # only here: CI without torch skips
+    from tf_antman.importhook import PTH_LINE
+
+    python, why = torch_python()
+    if python is None:
+        pytest.skip(why)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "ddp.py").write_text(DDP_SCRIPT)
+    site = tmp_path / "site"  # the wheel's .pth line: activation at `import torch` in each rank
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PTH_LINE)
+    config = make_config(tmp_path / "state", gpus=2)
+    d = Daemon(config, SqliteStorage(config.db_path))
+    try:
+        env = {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "OMP_NUM_THREADS": "1",
+               "ANTMAN_STATS_INTERVAL_MS": "1", "PATH": os.pathsep.join([str(Path(python).parent), "/usr/bin:/bin"])}
+        opp = d.submit([python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "ddp.py"],
+                       tenant="B", kind="opportunistic", gpus=2, env=env, workdir=str(work))
+        d.tick()
+        job_dir = d.job_dir(opp)
+
+        def both_step(d: Daemon) -> bool:
+            found = [read_stats(rank_dir(job_dir, r)) for r in (0, 1)]
+            return all(s is not None and s.step >= 3 for s in found)
+        assert run_until(d, both_step, timeout=300, interval=0.1), (job_dir / "stderr.log").read_text()[-4000:]
+        status = d.status()
+        assert all(status.gpu(g).job(opp).in_use_bytes is not None for g in (0, 1))
+
+        g = d.submit(fake_command(demand=512 * MIB), tenant="A", kind="guarantee", memory_bytes=512 * MIB,
+                     env=JOB_ENV)
+        arrival = d.tick()
+        (placed,) = [x for x in arrival.decisions if isinstance(x, Place) and x.job_id == g]
+        shrunk = placed.gpus[0]
+        min_memory = d.config.coordinator.min_memory_bytes
+        seq = parse_control(control_path(job_dir).read_text()).seq
+
+        def applied(d: Daemon) -> bool:
+            found = [read_stats(rank_dir(job_dir, r)) for r in (0, 1)]
+            return all(s is not None and s.control_seq_applied >= seq for s in found)
+        assert run_until(d, applied, timeout=120, interval=0.1), (job_dir / "stderr.log").read_text()[-4000:]
+        for r in (0, 1):
+            stats = read_stats(rank_dir(job_dir, r))
+            assert stats is not None and stats.controls_rejected == 0, (r, stats)
+            assert stats.devices[0].device == r
+            assert stats.devices[0].limit_bytes == (min_memory if r == shrunk else 1 << 30), (r, stats)
+        (work / "STOP").touch()
+        def finished(d: Daemon) -> bool:
+            record = d.storage.get_job(opp)
+            return record is not None and record.state is JobStatus.FINISHED
+        assert run_until(d, finished, timeout=120, interval=0.1), (job_dir / "stderr.log").read_text()[-4000:]
+    finally:
+        stop_all_jobs(d, grace_s=1)
