@@ -1,20 +1,13 @@
 """The job host: where the daemon's jobs run, and the one way the daemon touches them.
 
-The daemon (scheduler_lite.daemon) decides; a job host carries its decisions out on machines:
-it makes a job's directory ready, starts the job's process, finds and adopts it again after a
-restart, reads its stats.json, writes its control.json, reads its recorded exit and its logs,
-signals and stops it. Two hosts exist:
+The daemon (scheduler_lite.daemon) decides; a job host carries its decisions out on machines.
+The contract is `JobHost`, each verb and what a host says about its machines stated there once
+(docs/scheduler.md, "Job hosts", draws it). Two hosts exist:
 
   LocalJobHost      this machine, in the daemon's process (the single-machine daemon); also the
                     node side of a cluster (scheduler_lite.cluster.node_host wraps one per node);
   ClusterJobHost    the nodes of a Ray cluster (scheduler_lite.cluster.host): the same verbs fanned
                     out over one Ray actor per node, each wrapping a LocalJobHost there.
-
-A host also says what only it knows about its machines: its GPUs (`devices`), jobs it can
-never run (`cannot_run`), how Algorithm 1 is wrapped for its topology (`policy`), whether
-migration is possible (`migrates`). A host whose machines change under the daemon (nodes lost
-and joined) is told the daemon's side (`attach`) and hands job ends back through it
-(`HostedJobs`), refreshing itself first thing in each tick (`refresh`).
 """
 
 from __future__ import annotations
@@ -83,7 +76,9 @@ class JobHost(Protocol):
     migrates: bool  # a job's restart on other GPUs is possible
 
     # -- the jobs (OSError or LaunchError where a verb fails) ------------------------------------
-    # The job's directory, ready before the booking is recorded; an earlier launch's files gone.
+    # The job's directory, ready before the booking is recorded; an earlier launch's files (pid,
+    # exit status) gone, or a restart between the booking and the start would take them for this
+    # launch's and end it (it must find no process of this launch: requeued, never started).
     def prepare(self, launch: Launch, uid: int | None) -> Path: ...
     def start(self, launch: Launch, record: JobRecord, job_dir: Path, gpus: Sequence[Gpu]) -> ProcessHandle: ...
     def find(self, record: JobRecord, job_dir: Path) -> int | None: ...  # pid file, else launch token
@@ -99,7 +94,9 @@ class JobHost(Protocol):
     def control_seq(self, record: JobRecord, job_dir: Path) -> int: ...
     def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]: ...
 
-    # -- the machines -----------------------------------------------------------------------------
+    # -- the machines (what only the host knows about them) ----------------------------------------
+    # A host whose machines change under the daemon (nodes lost and joined) keeps the daemon's
+    # side and hands job ends back through it.
     def attach(self, jobs: HostedJobs) -> None: ...
     # At the start: the ids of the store's running jobs the daemon must not adopt now.
     def recover(self, running: Sequence[JobRecord], now: float) -> set[str]: ...

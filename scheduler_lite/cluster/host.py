@@ -191,10 +191,8 @@ class ClusterJobHost:
     # -- the jobs ---------------------------------------------------------------------------------
 
     def prepare(self, launch: Launch, uid: int | None) -> Path:
-        """On the job's first node; its node actor makes it ready when it starts the job. Before
-        the booking, each node of the launch drops what an earlier launch left there (pid, exit
-        status): a restart between the booking and the start must find no process of this
-        launch (requeued: never started), not the old one's end."""
+        """On the job's first node; its node actor makes it ready when it starts the job. Each
+        node of the launch drops what an earlier launch left there now (NodeHost.prepare)."""
         nodes = job_nodes(self.cc, launch.gpus)
         for node in nodes:
             self.nodes.ask(node, "prepare", launch.job_id)  # OSError: as a start that fails, the launch fails

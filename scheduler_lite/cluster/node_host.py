@@ -369,9 +369,8 @@ class NodeHost:
         return found.pid, found.start_ticks
 
     def prepare(self, job_id: str) -> None:
-        """A launch of the job here is being booked: the files an earlier launch left (its pid,
-        exit status, a task's release) go first, or a restart of the global scheduler between
-        the booking and the start would take them for this launch's (and end it)."""
+        """A launch of the job here is being booked: the files an earlier launch left go first
+        (JobHost.prepare says why), a Ray task's release with them."""
         with self._lock:
             self._heard()
             self.local.clear(job_id, (RELEASED_FILE,))
