@@ -240,11 +240,9 @@ class ClusterJobHost:
         """
         return self.cc.local_gpu(gpu) if self.config.devices.kind == "nvml" else index
 
-    def find(self, record: JobRecord, job_dir: Path) -> int | None:
-        return self.find_part(record)
-
-    def find_part(self, record: JobRecord) -> int | None:
-        """The pid of rank 0's part, as its node finds it (pid file, else its launch token)."""
+    def find(self, record: JobRecord, job_dir: Path | None = None) -> int | None:
+        """The pid of rank 0's part, as its node finds it in its own job directory (pid file,
+        else its launch token)."""
         if not record.launch_token or not record.placement:
             return None
         node = job_nodes(self.cc, record.placement)[0]

@@ -68,7 +68,7 @@ class Host(Protocol):
 
     def gpus_changed(self, now: float) -> None: ...
 
-    def find_part(self, record: JobRecord) -> int | None: ...
+    def find(self, record: JobRecord) -> int | None: ...
 
 
 class NodeLoss:
@@ -107,8 +107,7 @@ class NodeLoss:
         for record in running:  # a node whose sweep failed, a part fenced since `info`: lost
             why = self.why_not_adopted(record) if record.id not in self.waiting else None
             if why is not None:
-                self._give_up(record, why if why != _ORPHAN else f"node {job_nodes(self.cc, record.placement)[0]} lost",
-                              now)
+                self._give_up(record, self._lost_reason(record, why), now)
         if not any(w.reason is None for w in self.waiting.values()):
             self._orphans_until = None
         self.release(now)  # the requeued ones are enqueued by the daemon's recovery
@@ -126,6 +125,10 @@ class NodeLoss:
         if not away:
             return None
         return _ORPHAN if len(away) == len(nodes) else f"node {away[0]} lost"
+
+    def _lost_reason(self, record: JobRecord, why: str) -> str:
+        """`why_not_adopted`'s answer as the reason a job is lost (an orphan: its first node)."""
+        return why if why != _ORPHAN else f"node {job_nodes(self.cc, record.placement)[0]} lost"
 
     def _lost_before(self, record: JobRecord) -> str | None:
         """Why the job was lost, if a global scheduler lost it and died before it was requeued."""
@@ -239,11 +242,10 @@ class NodeLoss:
         """A job of nodes that answered after the start: taken over as the start does."""
         why = self.why_not_adopted(record)
         if why is not None:  # a sweep failed, or fenced its part: lost after all
-            self._give_up(record, why if why != _ORPHAN else f"node {job_nodes(self.cc, record.placement)[0]} lost",
-                          now)
+            self._give_up(record, self._lost_reason(record, why), now)
             return
         try:
-            self.host.jobs.adopt(record, now, record.pid if record.pid is not None else self.host.find_part(record))
+            self.host.jobs.adopt(record, now, record.pid if record.pid is not None else self.host.find(record))
         except Exception as e:  # noqa: BLE001 - a node that does not answer now: lost with it
             log.error("%s: cannot take it over from its nodes (%s): lost", record.id, cause(e))
             self._give_up(record, f"its nodes did not answer: {cause(e)}", now)
