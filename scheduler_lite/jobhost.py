@@ -38,6 +38,9 @@ from scheduler_lite.launcher import (
     Launcher,
     LaunchSpec,
     ProcessHandle,
+    has_name,
+    process_name,
+    process_running,
     read_exit,
 )
 from scheduler_lite.model import Gpu
@@ -160,11 +163,20 @@ class LocalJobHost:
                                               user))
 
     def find(self, record: JobRecord, job_dir: Path) -> int | None:
+        return self.find_launch(record.id, record.launch_token, record.uid, job_dir)
+
+    def find_launch(self, job_id: str, token: str | None, uid: int | None, job_dir: Path, *,
+                    named: bool = False) -> int | None:
+        """The launch's pid: its pid file, else its token (/proc). `named`: a live process from the
+        pid file must carry the token too (a node's directory may hold another launch's pid file)."""
         pid = read_small_int(job_dir / PID_FILE)  # no link followed, no FIFO blocking
-        if pid is None and record.launch_token:
-            pid = self.launcher.find(record.id, record.launch_token)
+        if named and token and pid is not None and process_running(pid, None) \
+                and not has_name(pid, process_name(job_id, token)):
+            pid = None  # a live process without this launch's token: another launch's, or a reused pid
+        if pid is None and token:
+            pid = self.launcher.find(job_id, token)
         # The job's user writes the pid file: never adopt (and later signal) another's process.
-        if pid is not None and process_uid(pid) in (None, os.geteuid(), record.uid):
+        if pid is not None and process_uid(pid) in (None, os.geteuid(), uid):
             return pid
         return None
 

@@ -41,7 +41,7 @@ from scheduler_lite.cluster.booking import RELEASED_FILE, TASK_CLAIM_TIMEOUT_S, 
 from scheduler_lite.cluster.config import FENCE_FRACTION
 from scheduler_lite.cluster.parts import part_token
 from scheduler_lite.config import Config
-from scheduler_lite.isolation import process_uid, read_job_stats, read_log, read_small_int
+from scheduler_lite.isolation import read_job_stats, read_log, read_small_int
 from scheduler_lite.jobenv import job_environment
 from scheduler_lite.jobhost import LocalJobHost, control_file_seq
 from scheduler_lite.launcher import (
@@ -51,7 +51,6 @@ from scheduler_lite.launcher import (
     STDOUT_FILE,
     ExitInfo,
     ProcessHandle,
-    has_name,
     process_name,
     process_running,
     process_start_ticks,
@@ -331,16 +330,7 @@ class NodeHost:
             part = self.parts.get(job_id)
             if part is not None and part.task_env is not None and part.token == part_token(token, rank):
                 return 0 if part.handle is None else part.handle.pid
-        job_dir = self.jobs_dir / job_id
-        name = process_name(job_id, part_token(token, rank))
-        pid = read_small_int(job_dir / PID_FILE)
-        if pid is not None and process_running(pid, None) and not has_name(pid, name):
-            pid = None  # a live process without this launch's token: another launch's pid file, or a reused pid
-        if pid is None:
-            pid = self.local.launcher.find(job_id, part_token(token, rank))
-        if pid is not None and process_uid(pid) in (None, os.geteuid(), uid):
-            return pid
-        return None
+        return self.local.find_launch(job_id, part_token(token, rank), uid, self.local.job_dir(job_id), named=True)
 
     def adopt(self, job_id: str, token: str, rank: int, uid: int | None, pid: int | None,
               start_ticks: int | None) -> tuple[int, int | None] | ExitInfo:
