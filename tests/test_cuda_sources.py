@@ -15,14 +15,17 @@ from tests.conftest import REPO
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 # The architectures of cc/core/cuda/build_and_run.sh: sm_90 code, compute_80 PTX.
 ARCH = ["-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_80,code=compute_80"]
-SKIP_DIRS = {".git", ".venv", "node_modules"}
+# Not ours: environments (.venv, .torchvenv: torch ships .cu templates that are not meant to build
+# alone), build trees and git's own folder. Any dot-folder at the top is one of those.
+SKIP_DIRS = {"node_modules", "out"}
 
 
 def cuda_sources() -> list[Path]:
     found = []
     for path in sorted(REPO.rglob("*.cu")):
         rel = path.relative_to(REPO)
-        if rel.parts[0] in SKIP_DIRS or rel.parts[0].startswith("bazel-"):
+        top = rel.parts[0]
+        if top in SKIP_DIRS or top.startswith((".", "bazel-")):
             continue
         found.append(rel)
     return found
