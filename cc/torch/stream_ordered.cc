@@ -77,20 +77,26 @@ void StreamOrderedCache::SealLocked() {
       continue;
     }
     // Synchronised instead: the batch is done already.
-    for (void* p : batch.ptrs) {
-      auto it = kept_.find(p);
-      if (it == kept_.end() || it->second.batch != batch.id) continue;  // reused since
-      auto range = ps.free_list.equal_range(it->second.size);
-      for (auto f = range.first; f != range.second; ++f) {
-        if (f->second == p) {
-          ps.free_list.erase(f);
-          break;
-        }
+    GiveBackBatchLocked(ps, batch);
+  }
+}
+
+// A batch whose event completed (or whose stream was synchronised): its blocks still kept in
+// the stream's free list go back to the source; those reused since are left alone.
+void StreamOrderedCache::GiveBackBatchLocked(PerStream& ps, const Batch& batch) {
+  for (void* p : batch.ptrs) {
+    auto it = kept_.find(p);
+    if (it == kept_.end() || it->second.batch != batch.id) continue;  // reused since
+    auto range = ps.free_list.equal_range(it->second.size);
+    for (auto f = range.first; f != range.second; ++f) {
+      if (f->second == p) {
+        ps.free_list.erase(f);
+        break;
       }
-      const size_t size = it->second.size;
-      kept_.erase(it);
-      GiveBackLocked(p, size);
     }
+    const size_t size = it->second.size;
+    kept_.erase(it);
+    GiveBackLocked(p, size);
   }
 }
 
@@ -99,20 +105,7 @@ void StreamOrderedCache::PollLocked() {
     // A stream's events complete in the order they were recorded: stop at the first not done.
     while (!ps.sealed.empty() && events_->Done(ps.sealed.front().event)) {
       Batch& batch = ps.sealed.front();
-      for (void* p : batch.ptrs) {
-        auto it = kept_.find(p);
-        if (it == kept_.end() || it->second.batch != batch.id) continue;  // reused since
-        auto range = ps.free_list.equal_range(it->second.size);
-        for (auto f = range.first; f != range.second; ++f) {
-          if (f->second == p) {
-            ps.free_list.erase(f);
-            break;
-          }
-        }
-        const size_t size = it->second.size;
-        kept_.erase(it);
-        GiveBackLocked(p, size);
-      }
+      GiveBackBatchLocked(ps, batch);
       events_->Release(batch.event);
       ps.sealed.pop_front();
     }

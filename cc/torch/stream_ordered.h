@@ -167,6 +167,7 @@ class StreamOrderedCache {
   void PollLocked();
   uint64_t DrainLocked();
   void GiveBackLocked(void* ptr, size_t size);
+  void GiveBackBatchLocked(PerStream& ps, const Batch& batch);
   void* TakeKeptLocked(size_t bytes, Stream stream);
   Event RecordOrSyncLocked(Stream stream);
   void CountLiveLocked();
