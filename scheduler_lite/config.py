@@ -80,8 +80,9 @@ class JobsConfig:
     # create cgroups, "required" (serve refuses to start without), "off".
     containment: str = "auto"
     # A job that does not cooperate (scheduler_lite.misbehaviour): "warn" (an event, a warning in
-    # `status`, a log line) or "stop" (opportunistic jobs are also stopped: SIGTERM, SIGKILL
-    # after cancel_grace_s; guarantee jobs are only warned about).
+    # `status`, a log line), "stop" (opportunistic jobs are also stopped: SIGTERM, SIGKILL
+    # after cancel_grace_s) or "requeue" (stopped so, then back in their queue as never run);
+    # guarantee jobs are only warned about.
     misbehaviour: str = "warn"
     # A job with no new stats.json for this long is reported `silent`.
     silent_after_s: float = 60.0

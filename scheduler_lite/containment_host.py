@@ -18,7 +18,8 @@
              silence, impossible figures): each new finding is an event `misbehaving` and a log
              warning, the job's findings are `status` warnings (`findings`), and with
              `jobs.misbehaviour = "stop"` an opportunistic job found is stopped (SIGTERM, SIGKILL
-             after jobs.cancel_grace_s; event `misbehaviour_stop`).
+             after jobs.cancel_grace_s; event `misbehaviour_stop`), with `"requeue"` stopped so
+             and marked (`LiveJob.requeue`) for the daemon to queue it again when it has ended.
 
 Where containment is inactive (`Containment.active` False: an unprivileged daemon, no cgroup2),
 every verb is LocalJobHost's alone.
@@ -172,13 +173,17 @@ class ContainedJobHost(LocalJobHost):
             if self.storage is not None:
                 self.storage.add_event(now, "misbehaving", job_id, check=f.kind, detail=f.detail)
         opportunistic = live.record.role is Role.OPPORTUNISTIC
-        if findings and opportunistic and self.config.jobs.misbehaviour == "stop" and job_id not in self._stop_by:
+        action = self.config.jobs.misbehaviour
+        if findings and opportunistic and action in ("stop", "requeue") and job_id not in self._stop_by:
             self._stop_by[job_id] = now + self.config.jobs.cancel_grace_s
-            log.warning("%s stopped: an opportunistic job that does not cooperate (jobs.misbehaviour = \"stop\")",
-                        job_id)
+            checks = sorted({f.kind for f in findings})
+            if action == "requeue":  # the daemon queues it again once it has ended (Daemon.finish)
+                live.requeue = "misbehaving: " + ", ".join(checks)
+            log.warning("%s stopped: an opportunistic job that does not cooperate (jobs.misbehaviour = \"%s\")",
+                        job_id, action)
             if self.storage is not None:
-                self.storage.add_event(now, "misbehaviour_stop", job_id, signal="SIGTERM",
-                                       checks=sorted({f.kind for f in findings}))
+                self.storage.add_event(now, "misbehaviour_stop", job_id, signal="SIGTERM", action=action,
+                                       checks=checks)
             self.signal(live.handle, signal.SIGTERM)
         elif job_id in self._stop_by and now >= self._stop_by[job_id] and not live.killed:
             self.signal(live.handle, signal.SIGKILL)

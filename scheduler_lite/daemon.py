@@ -469,10 +469,18 @@ class Daemon:
             self.storage.add_event(now, "stopping", job_id, signal="SIGKILL", **why)
 
     def finish(self, job_id: str, ended: ExitInfo, now: float, out: TickLog | None) -> None:
-        """A running job ended: its end recorded, its GPUs and quota released."""
+        """A running job ended: its end recorded, its GPUs and quota released; or, stopped to be
+        queued again (`live.requeue`, not cancelled meanwhile), back in its queue as a lost
+        node's never-run job is (`record_lost`): no placement, no token, a new launch later."""
         live = self._live.pop(job_id)
         self.host.cleanup(live.handle)
         record = self.storage.get_job(job_id) or live.record
+        if live.requeue is not None and not record.cancel_requested:
+            self.driver.requeue(job_id, now)
+            self.record_lost(job_id, now, f"{live.requeue}; {describe_exit(ended.exit_code)}", requeue=True)
+            log.info("%s requeued: %s", job_id, live.requeue)
+            self._dirty = True
+            return
         state = self.record_end(record, ended, now, None)
         self.driver.finish(job_id, now, failed=state is not JobStatus.FINISHED)
         self._dirty = True

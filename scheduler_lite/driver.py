@@ -325,6 +325,13 @@ class Driver:
         self._release(move.job_id, now)
         return self._place(Place(move.job_id, move.gpus, role), now)
 
+    def requeue(self, job_id: str, now: float) -> None:
+        """The running job's process ended and it goes back to its queue (the daemon's
+        `jobs.misbehaviour = "requeue"`): its GPUs and settings released, pending again in the
+        book, as a Preempt leaves it."""
+        self.book.apply(Preempt(job_id))
+        self._release(job_id, now)
+
     def finish(self, job_id: str, now: float, failed: bool = False) -> None:
         """The job left (ended, failed, could not start): release its GPUs and settings."""
         self.book.finish(job_id, failed=failed)

@@ -21,7 +21,8 @@ The NVML checks take `nvmlDeviceGetComputeRunningProcesses` of each GPU (pid, us
 containment (a job's pids are its cgroup's); they ran against a fake NVML only
 (tests/scheduler/test_misbehaviour.py), never a real GPU. The bytes a finding says are taken are
 reported, not yet counted by the coordinator. What a finding leads to (an event, a warning in `status`, and for opportunistic
-jobs with `jobs.misbehaviour = "stop"` a SIGTERM) is the host's.
+jobs with `jobs.misbehaviour = "stop"` or `"requeue"` a SIGTERM, the latter putting the job back in
+its queue when it has ended) is the host's and the daemon's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Final
 
 from tf_antman.protocol import Stats
 
-ACTIONS: Final = ("warn", "stop")  # jobs.misbehaviour: what is done to an opportunistic job found
+ACTIONS: Final = ("warn", "stop", "requeue")  # jobs.misbehaviour: what is done to an opportunistic job found
 MAX_PLAUSIBLE_BYTES: Final = 1 << 50  # 1 PiB: no device or host figure of one job is larger
 SHARE_SLACK: Final = 0.1  # an achieved share may exceed the share in force by this much (measurement noise)
 SHARE_WINDOW_S: Final = 10.0  # after a share change, the share before it is allowed this long

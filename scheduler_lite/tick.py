@@ -74,6 +74,9 @@ class LiveJob:
     samples: deque[StepSample] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
     stop_sent_at: float | None = None
     killed: bool = False
+    # Set when it is stopped to be queued again (jobs.misbehaviour = "requeue"): why. Its end is
+    # then a requeue, not an exit (Daemon.finish).
+    requeue: str | None = None
 
     def device_stats(self, gpu: int) -> DeviceStats | None:
         """The job's last reported stats for one of its GPUs (by the GPU's index in its placement)."""

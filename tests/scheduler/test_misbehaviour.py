@@ -196,6 +196,29 @@ def test_an_opportunistic_job_reporting_1_pib_is_caught_and_stopped(make_site) -
     assert kinds.index("misbehaving") < kinds.index("misbehaviour_stop") < kinds.index("exited")
 
 
+def test_misbehaviour_requeue_puts_an_opportunistic_job_back_in_its_queue(make_site) -> None:  # type: ignore[no-untyped-def]
+    """jobs.misbehaviour = "requeue": an opportunistic job found is stopped and queued again (as a
+    migration or a lost node's never-run job: no placement, no token, a new launch); a guarantee
+    job found is only warned about."""
+    site = make_site(misbehaviour="requeue")
+    guarantee = site.submit("--tenant", "A", "--type", "guarantee", "--", sys.executable, "-c", WRITER, "huge")
+    opp = site.submit("--tenant", "B", "--type", "opportunistic", "--", sys.executable, "-c", WRITER, "huge")
+    launches = lambda: [e for e in site.events(opp) if e["kind"] == "launched"]  # noqa: E731
+    assert wait_for(lambda: len(launches()) >= 2, 60), site.events(opp)  # stopped, requeued, launched again
+    kinds = [e["kind"] for e in site.events(opp)]
+    assert kinds.index("misbehaving") < kinds.index("misbehaviour_stop") < kinds.index("requeued") \
+        < [i for i, k in enumerate(kinds) if k == "launched"][1]
+    assert "exited" not in kinds[:kinds.index("requeued")]  # not an end: it runs again
+    [requeued] = [e for e in site.events(opp) if e["kind"] == "requeued"][:1]
+    assert "misbehaving" in requeued["detail"]["reason"] and "impossible" in requeued["detail"]["reason"]
+    [stop] = [e for e in site.events(opp) if e["kind"] == "misbehaviour_stop"][:1]
+    assert stop["detail"]["action"] == "requeue"
+    assert "impossible" in misbehaving(site, guarantee)
+    assert site.state(guarantee) == "running"
+    assert [e["kind"] for e in site.events(guarantee)].count("launched") == 1
+    assert "misbehaviour_stop" not in [e["kind"] for e in site.events(guarantee)]
+
+
 def test_a_job_refusing_controls_and_a_silent_one_are_warned_about(make_site) -> None:  # type: ignore[no-untyped-def]
     site = make_site(silent_after_s=1)
     refuses = site.submit("--tenant", "B", "--type", "opportunistic", "--", sys.executable, "-c", WRITER, "refuses")
