@@ -40,7 +40,14 @@ from scheduler_lite.containment import Containment, JobCgroup, device_minors
 from scheduler_lite.devices import DeviceBackend
 from scheduler_lite.jobhost import LocalJobHost
 from scheduler_lite.launcher import ExitInfo, Launcher, LaunchError, ProcessHandle
-from scheduler_lite.misbehaviour import Finding, Sent, check_gpu_processes, check_stats, read_gpu_processes
+from scheduler_lite.misbehaviour import (
+    Finding,
+    Sent,
+    check_gpu_processes,
+    check_stats,
+    read_gpu_processes,
+    taken_by_gpu,
+)
 from scheduler_lite.model import Gpu, Role
 from scheduler_lite.tick import LiveJob
 from tf_antman.protocol import Control, Stats
@@ -67,6 +74,7 @@ class ContainedJobHost(LocalJobHost):
         self._stop_by: dict[str, float] = {}  # jobs stopped for misbehaving: SIGKILL after this
         self._limits: dict[str, dict[int, int]] = {}  # each job's memory limit per GPU, as last sent
         self._device_findings: dict[str, list[Finding]] = {}  # NVML's (over_limit), by job id
+        self._taken: dict[int, int] = {}  # by GPU: NVML's bytes of no job and above limits (taken_bytes)
         self.containment = containment if containment is not None else Containment(
             config.state_dir, config.jobs.containment)
         self._cgroups: dict[Path, JobCgroup] = {}  # by job directory: the handles' launches
@@ -206,6 +214,7 @@ class ContainedJobHost(LocalJobHost):
         owner = {pid: job_dir.name for job_dir, cg in self._cgroups.items() for pid in self.containment.pids(cg)}
         limits = {(job, gpu): limit for job, per_gpu in self._limits.items() for gpu, limit in per_gpu.items()}
         found = check_gpu_processes(processes, owner, limits)
+        self._taken = taken_by_gpu(found)
         self._device_findings = {}
         for f in found:
             if f.job_id is not None:
@@ -222,6 +231,11 @@ class ContainedJobHost(LocalJobHost):
         for key in [k for k in self.findings if k.startswith("GPU ") and k not in unmanaged]:
             del self.findings[key]
         self.findings.update(unmanaged)
+
+    def taken_bytes(self, gpu: int) -> int:
+        """The bytes the last NVML read saw on `gpu` that no job's limit controls (a process of
+        no job, what a job holds above its limit): the coordinator does not hand them out."""
+        return self._taken.get(gpu, 0)
 
     def _track(self, job_id: str, share: float) -> None:
         self._launched[job_id] = self.clock()

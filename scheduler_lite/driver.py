@@ -419,9 +419,12 @@ class Driver:
         return LocalJob(job_id, job.role or Role.OPPORTUNISTIC, demand, limit, reading.spill_bytes, share,
                         reading.steps, solo)
 
-    def view(self, gpu: int, readings: Mapping[str, Reading]) -> GpuView:
+    def view(self, gpu: int, readings: Mapping[str, Reading], unmanaged_bytes: int = 0) -> GpuView:
+        """The coordinator's input for one GPU; `unmanaged_bytes`: device memory seen there that
+        no job's limit controls (the daemon's NVML check), counted as taken."""
         return GpuView(self.book.gpus[gpu],
-                       tuple(self.local_job(j, gpu, readings.get(j, NO_READING)) for j in self.book.jobs_on(gpu)))
+                       tuple(self.local_job(j, gpu, readings.get(j, NO_READING)) for j in self.book.jobs_on(gpu)),
+                       unmanaged_bytes)
 
     def round(self, now: float, gpu: int, view: GpuView) -> list[LocalDecision]:
         """One coordinator round on the GPU; its decisions are applied to the settings."""

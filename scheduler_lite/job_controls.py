@@ -131,7 +131,7 @@ class JobControls:
             )
             if not (changed or due):
                 continue
-            view = self.table.driver.view(gpu, {j: self._reading(j, gpu) for j in ids})
+            view = self.table.driver.view(gpu, {j: self._reading(j, gpu) for j in ids}, self.host.taken_bytes(gpu))
             decisions = self.table.driver.round(now, gpu, view)
             self.round_sig[gpu] = sig
             self.last_round[gpu] = now

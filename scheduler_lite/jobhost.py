@@ -108,6 +108,9 @@ class JobHost(Protocol):
     def cannot_run(self, record: JobRecord) -> str | None: ...  # before the daemon's own checks
     def size_known(self) -> bool: ...  # False: a job too big for the machines here waits
     def absent(self) -> tuple[str, ...]: ...  # machines configured but not here
+    # Device memory on the GPU no job's limit controls (NVML: processes of no job, bytes above a
+    # limit): the coordinator counts it as taken. 0 where the host cannot see it.
+    def taken_bytes(self, gpu: int) -> int: ...
 
 
 STALE_FILES = (PID_FILE, EXIT_STATUS_FILE)  # an earlier launch's, in a job directory
@@ -251,6 +254,9 @@ class LocalJobHost:
 
     def absent(self) -> tuple[str, ...]:
         return ()
+
+    def taken_bytes(self, gpu: int) -> int:
+        return 0  # no per-process check here (ContainedJobHost has it, with NVML and containment)
 
 
 def control_file_seq(job_dir: Path) -> int:

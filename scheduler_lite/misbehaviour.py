@@ -20,7 +20,8 @@ The NVML checks take `nvmlDeviceGetComputeRunningProcesses` of each GPU (pid, us
 `read_gpu_processes`), run each tick by the local job host with `devices.kind = "nvml"` and
 containment (a job's pids are its cgroup's); they ran against a fake NVML only
 (tests/scheduler/test_misbehaviour.py), never a real GPU. The bytes a finding says are taken are
-reported, not yet counted by the coordinator. What a finding leads to (an event, a warning in `status`, and for opportunistic
+counted by the coordinator (`taken_by_gpu` -> GpuView.unmanaged_bytes: not handed out to
+the jobs). What a finding leads to (an event, a warning in `status`, and for opportunistic
 jobs with `jobs.misbehaviour = "stop"` or `"requeue"` a SIGTERM, the latter putting the job back in
 its queue when it has ended) is the host's and the daemon's.
 """
@@ -149,5 +150,15 @@ def check_gpu_processes(processes: Mapping[int, Sequence[tuple[int, int]]], owne
     return found
 
 
+def taken_by_gpu(found: Iterable[Finding]) -> dict[int, int]:
+    """The bytes taken (`bytes_taken` of the NVML findings) on each GPU: what the coordinator
+    counts as used and does not hand out (GpuView.unmanaged_bytes)."""
+    taken: dict[int, int] = {}
+    for f in found:
+        if f.gpu is not None and f.bytes_taken > 0:
+            taken[f.gpu] = taken.get(f.gpu, 0) + f.bytes_taken
+    return taken
+
+
 __all__ = ["ACTIONS", "MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Sent", "check_gpu_processes", "check_stats",
-           "read_gpu_processes"]
+           "read_gpu_processes", "taken_by_gpu"]

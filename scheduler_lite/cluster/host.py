@@ -188,6 +188,9 @@ class ClusterJobHost:
     def absent(self) -> tuple[str, ...]:
         return tuple(n for n in self.cc.nodes if n not in self.nodes.actors)
 
+    def taken_bytes(self, gpu: int) -> int:
+        return 0  # the nodes do not run the NVML per-process check (yet)
+
     # -- the jobs ---------------------------------------------------------------------------------
 
     def prepare(self, launch: Launch, uid: int | None) -> Path:

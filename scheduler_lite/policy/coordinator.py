@@ -228,7 +228,7 @@ def _with_guarantee(
     cfg: CoordinatorConfig,
     memo: CoordinatorMemo,
 ) -> tuple[list[LocalDecision], CoordinatorMemo]:
-    mem = view.gpu.memory_bytes
+    mem = view.memory_to_hand_out()  # memory taken outside the jobs (NVML) is not handed out
     gid = view.gpu.id
     out: list[LocalDecision] = []
     ids = frozenset([j.job_id for j in opps]) if opps else _NO_IDS
@@ -280,6 +280,14 @@ def _with_guarantee(
             memo, opportunistic=ids, since=now, phase=Phase.GROWING, next_round_at=now + cfg.round_interval_s
         )
 
+    if view.unmanaged_bytes and opps and g.memory_limit_bytes + sum(j.memory_limit_bytes for j in opps) > mem:
+        # Memory taken outside the jobs' limits (view.unmanaged_bytes) grew past the room the
+        # limits leave: the opportunistic jobs give it up (not below the minimum), the guarantee
+        # job keeps its limit. Checked only with memory taken, so a GPU without changes nothing.
+        room = max(mem - g.memory_limit_bytes, len(opps) * cfg.min_memory_bytes)  # never a limit of 0
+        _fit_opportunistic(out, gid, opps, room, cfg.min_memory_bytes)
+        if out:
+            return out, _evolve(memo, next_round_at=now + cfg.round_interval_s)
     samples = [s.seconds for s in g.steps if s.ended_at > memo.since]
     tick = now + cfg.round_interval_s
     if memo.phase is Phase.SETTLING:
@@ -349,7 +357,7 @@ def _opportunistic_only(
     cfg: CoordinatorConfig,
     memo: CoordinatorMemo,
 ) -> tuple[list[LocalDecision], CoordinatorMemo]:
-    mem = view.gpu.memory_bytes
+    mem = view.memory_to_hand_out()  # memory taken outside the jobs (NVML) is not handed out
     gid = view.gpu.id
     out: list[LocalDecision] = []
     ids = frozenset(j.job_id for j in opps)

@@ -108,6 +108,9 @@ class MemoryHost:
     def absent(self) -> tuple[str, ...]:
         return () if self.known else ("n9",)
 
+    def taken_bytes(self, gpu: int) -> int:
+        return 0
+
 
 def daemon(tmp_path: Path, here: int = 1) -> tuple[Daemon, MemoryHost]:
     """A daemon on a host whose machines have `here` of the config's 2 GPUs."""

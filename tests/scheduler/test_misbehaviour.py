@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_lite.misbehaviour import MAX_PLAUSIBLE_BYTES, Sent, check_gpu_processes, check_stats, read_gpu_processes
+from scheduler_lite.misbehaviour import (
+    MAX_PLAUSIBLE_BYTES,
+    Sent,
+    check_gpu_processes,
+    check_stats,
+    read_gpu_processes,
+    taken_by_gpu,
+)
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import REPO, wait_for
 from tests.scheduler.test_submit_idempotent import serving
@@ -95,6 +102,7 @@ def test_per_process_memory_from_a_fake_nvml() -> None:
         ("over_limit", "job-1", 0, 2 * GIB),  # 4 GiB held against a 2 GiB limit
         ("unmanaged", None, 1, 2 * GIB),  # pid 99 is no job's: all it holds is taken
     ]
+    assert taken_by_gpu(found) == {0: 2 * GIB, 1: 2 * GIB}  # what the coordinator does not hand out
 
 
 # -- the real daemon ------------------------------------------------------------------------------
@@ -301,6 +309,58 @@ def test_nvml_per_process_memory_over_a_limit_and_outside_every_job(tmp_path: Pa
         status = cli("status")
         assert f"WARNING: {job}: over_limit: holds {3 << 30} bytes on GPU 0, its limit is {2 << 30}" in status
         assert f"WARNING: GPU 0: unmanaged: pid {outsider.pid} holds {1 << 30} bytes and belongs to no job" in status
+        cli("cancel", job)
+        assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["state"] == "cancelled", 30)
+    finally:
+        outsider.kill()
+        outsider.wait()
+        os.killpg(daemon.pid, signal.SIGTERM)
+        daemon.wait(30)
+
+
+def test_nvml_memory_of_no_job_is_not_handed_out_by_the_coordinator(tmp_path: Path) -> None:
+    """An opportunistic job alone on the (fake NVML) 2 GiB GPU gets the whole GPU; once a process
+    of no job holds 512 MiB there, the coordinator's next round gives the job the rest only."""
+    from scheduler_lite.containment import Containment
+
+    if os.geteuid() != 0 or not Containment(tmp_path).active:
+        pytest.skip("needs containment (root, cgroup2): the pids are told apart by the jobs' cgroups")
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "pynvml.py").write_text(FAKE_PYNVML)
+    table = tmp_path / "processes.json"
+    config = tmp_path / "sl.toml"
+    text = to_toml(scheduler_config(["1GiB"], {"A": 1, "B": 0}, daemon={"tick_interval_s": 0.05},
+                                    coordinator={"round_interval_s": 0.2}))
+    config.write_text(text.replace('kind = "emulated"', 'kind = "nvml"').split("[[devices.emulated]]")[0]
+                      + "[[tenants]]" + text.split("[[tenants]]", 1)[1])
+    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}", "FAKE_NVML_PROCESSES": str(table)}
+    outsider = subprocess.Popen(["sleep", "300"])  # on the GPU, in no job's cgroup
+    with open(tmp_path / "daemon.log", "ab") as out:
+        daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(config), "serve"],
+                                  env=env, stdout=out, stderr=out, start_new_session=True)
+    try:
+        assert wait_for(lambda: serving(config), 30), (tmp_path / "daemon.log").read_text()
+
+        def cli(*argv: str) -> str:
+            done = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(config), *argv],
+                                  capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60, check=False)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        job = cli("submit", "--tenant", "B", "--type", "opportunistic", "--", "sleep", "300").strip()
+        assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["pid"] is not None, 30)
+        launched = [e for e in json.loads(cli("--json", "show", job))["events"] if e["kind"] == "launched"]
+        assert launched[0]["detail"]["memory_limit_bytes"] == 2 << 30  # alone: the whole GPU
+        table.write_text(json.dumps({"0": [[outsider.pid, 512 << 20]]}))
+
+        def limits() -> list[int]:
+            events = json.loads(cli("--json", "show", job))["events"]
+            return [e["detail"]["limit_bytes"] for e in events if e["kind"] == "memory_limit"]
+
+        assert wait_for(lambda: (2 << 30) - (512 << 20) in limits(), 30), limits()
+        table.write_text(json.dumps({"0": []}))  # gone: the whole GPU again
+        assert wait_for(lambda: limits()[-1:] == [2 << 30], 30), limits()
         cli("cancel", job)
         assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["state"] == "cancelled", 30)
     finally:

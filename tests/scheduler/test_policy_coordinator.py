@@ -229,3 +229,33 @@ def test_an_arrival_next_to_a_guarantee_job_holding_the_whole_gpu_gets_the_minim
     lim = limits_after(view, d)
     assert lim == {"g": GPU.memory_bytes - CFG.min_memory_bytes, "o": CFG.min_memory_bytes}
     assert [x for x in d if isinstance(x, SetMemoryLimit)][0].job_id == "g"  # the shrink first
+
+
+# -- memory the coordinator sees but does not control (GpuView.unmanaged_bytes) ----------------------
+
+
+def test_memory_taken_outside_the_jobs_is_not_handed_out():
+    # A process of no job (or a job above its limit) holds 6 GiB of the 32 GiB GPU (NVML): an
+    # opportunistic job alone gets the rest, not the whole GPU.
+    alone = o_job(limit=GPU.memory_bytes)
+    d, _ = round(0.0, GpuView(GPU, (alone,), unmanaged_bytes=6 * GIB), CFG, CoordinatorMemo())
+    assert limits_after(GpuView(GPU, (alone,)), d)["o"] == 26 * GIB
+    # Next to a guarantee job: its arrival hands out only what is not taken.
+    view = GpuView(GPU, (g_job(limit=0), o_job(limit=30 * GIB)), unmanaged_bytes=20 * GIB)
+    d, _ = round(0.0, view, CFG, CoordinatorMemo())
+    lim = limits_after(view, d)
+    assert lim["o"] == CFG.min_memory_bytes and lim["g"] == 12 * GIB - CFG.min_memory_bytes
+    # Taken memory more than the room the limits leave: the opportunistic jobs give it up (the
+    # guarantee job keeps its limit); none below the minimum.
+    memo = CoordinatorMemo(guarantee_job="g", phase=Phase.STEADY, baseline_s=1.0, anchor_s=1.0, level=0.5,
+                           ceiling=1.0, opportunistic=frozenset({"o"}), since=0.0)
+    view = GpuView(GPU, (g_job(limit=20 * GIB), o_job(limit=12 * GIB)), unmanaged_bytes=4 * GIB)
+    d, _ = round(50.0, view, CFG, memo)
+    lim = limits_after(view, d)
+    assert lim == {"g": 20 * GIB, "o": 8 * GIB}
+    view = GpuView(GPU, (g_job(limit=20 * GIB), o_job(limit=12 * GIB)), unmanaged_bytes=30 * GIB)
+    d, _ = round(50.0, view, CFG, memo)
+    assert limits_after(view, d) == {"g": 20 * GIB, "o": CFG.min_memory_bytes}
+    # Nothing taken: the same steady GPU is left alone.
+    d, _ = round(50.0, GpuView(GPU, (g_job(limit=20 * GIB), o_job(limit=12 * GIB))), CFG, memo)
+    assert not [x for x in d if isinstance(x, SetMemoryLimit)]
