@@ -292,6 +292,19 @@ class Containment:
         return out
 
 
+def sweep(state_dir: Path) -> list[int]:
+    """End and remove every job cgroup of one state directory's daemon (its subtree only: other
+    daemons' are never touched); returns the pids killed. What a restarted daemon's recovery does
+    for launches its store no longer runs, for when no daemon will start there again: a test's
+    teardown (tests/conftest.py), after it stopped its daemon with jobs still running."""
+    containment = Containment(state_dir)
+    killed: list[int] = []
+    for cg in containment.stale(()):
+        killed += containment.kill(cg)
+        containment.remove(cg)
+    return killed
+
+
 def _write_pid(cgroup: Path, pid: int) -> None:
     try:
         (cgroup / "cgroup.procs").write_text(str(pid))
@@ -308,4 +321,4 @@ def device_minors(gpus: Iterable[int]) -> list[int]:
 
 
 __all__ = ["CONTAINMENT_MODES", "Containment", "ContainmentUnavailable", "JobCgroup", "device_minors", "mounts",
-           "own_cgroups"]
+           "own_cgroups", "sweep"]

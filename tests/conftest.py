@@ -3,11 +3,13 @@ activated before TensorFlow creates its devices, and TF can be imported once per
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,30 @@ def run_py(code: str, timeout: float = 300, **env: str) -> Job:
     proc = subprocess.run([sys.executable, "-c", src], env=clean_env(**env), capture_output=True,
                           text=True, timeout=timeout, cwd=str(REPO))
     return Job(proc)
+
+
+@pytest.fixture(autouse=True)
+def _no_job_cgroups_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that stops its daemon while jobs run (and then kills the jobs' process groups
+    itself) leaves their cgroups behind, empty or holding a process that left the group
+    (scheduler_lite.containment: a daemon's next start would remove them; none comes). At its
+    teardown, the job cgroups of every state directory under its tmp_path are ended and removed,
+    through Containment's own functions: only those state directories' subtrees, never another's.
+    Runs after the test's own fixtures have stopped their daemons (autouse: set up first)."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp_path: Path = request.getfixturevalue("tmp_path")
+    yield
+    if not Path("/sys/fs/cgroup").is_dir():
+        return
+    from scheduler_lite.containment import sweep  # the scheduler's import only where it may be needed
+
+    # Each state directory a daemon used (os.walk: symlinks the security tests plant are not followed).
+    for where, _, files in os.walk(tmp_path):
+        if "daemon.lock" in files:
+            with contextlib.suppress(OSError):
+                sweep(Path(where))
 
 
 @pytest.fixture

@@ -252,3 +252,55 @@ def test_without_cgroup2_containment_is_off_and_says_why_or_refuses(tmp_path: Pa
     with pytest.raises(ContainmentUnavailable, match='jobs.containment = "required" but no cgroup2 hierarchy'):
         Containment(tmp_path, "required", proc=proc)
     assert Containment(tmp_path, "off").describe() == 'jobs.containment = "off"'
+
+
+# -- test hygiene: a test's job cgroups go with it (tests/conftest.py) -------------------------------
+
+LEFT_BEHIND = '''
+import subprocess, uuid
+from pathlib import Path
+from scheduler_lite.containment import Containment
+
+def test_a_daemon_stopped_with_its_job_running(tmp_path: Path) -> None:
+    # What a test does that stops its daemon while a job runs and then kills the job's group
+    # itself: the job's cgroup stays (its daemon is gone), a process that left the group in it.
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "daemon.lock").touch()
+    c = Containment(state)
+    cg = c.cgroup("job-1", uuid.uuid4().hex)
+    c.create(cg)
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    c.enter(cg, child.pid)
+    (tmp_path.parent / "left").write_text(f"{cg.v2} {child.pid}")
+'''
+
+
+def test_a_tests_job_cgroups_are_removed_at_its_teardown_and_no_others(tmp_path: Path) -> None:
+    """The shared teardown (tests/conftest.py) ends and removes the job cgroups of every state
+    directory under a test's tmp_path, and leaves another state directory's alone."""
+    mine = Containment(tmp_path / "other-state")  # a daemon of another state dir: must be untouched
+    other = mine.cgroup("job-9", uuid.uuid4().hex)
+    assert other is not None
+    mine.create(other)
+    try:
+        (tmp_path / "inner").mkdir()
+        (tmp_path / "inner" / "test_left.py").write_text(LEFT_BEHIND)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                               "--basetemp", str(tmp_path / "base"), str(tmp_path / "inner" / "test_left.py")],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stdout + done.stderr
+        v2, pid = (tmp_path / "base" / "left").read_text().split()
+        assert not Path(v2).exists() and not Path(v2).parent.exists()  # the job's cgroup and its subtree
+        assert wait_for(lambda: not Path(f"/proc/{pid}").exists() or "Z" in _state(int(pid)), 10)
+        assert other.v2.is_dir()
+    finally:
+        mine.remove(other)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
