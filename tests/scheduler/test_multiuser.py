@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_lite.containment import sweep
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import REPO, wait_for
 
@@ -212,6 +213,7 @@ def site() -> Iterator[Site]:
         for name in created:
             subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
             subprocess.run(["userdel", name], capture_output=True)
+        sweep(base / "state")  # job cgroups of jobs the stopped daemon left running (not under tmp_path)
         shutil.rmtree(base, ignore_errors=True)
 
 
