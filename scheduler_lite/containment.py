@@ -103,6 +103,26 @@ def own_cgroups(text: str) -> tuple[str | None, str | None]:
     return v2, devices
 
 
+def subtree_name(state_dir: Path) -> str:
+    """The cgroup under which the jobs of the daemon of `state_dir` run (whether or not it
+    exists). One subtree per store: several daemons (tests, users) on one machine never meet."""
+    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    return f"scheduler-lite-{digest}"
+
+
+def subtrees(proc: Path = Path("/proc")) -> set[str]:
+    """The names of the daemons' subtrees present under this process's cgroup2 directory (where a
+    daemon started by this process puts them); empty where cgroups cannot be read."""
+    try:
+        v2_mount, _ = mounts((proc / "self" / "mountinfo").read_text())
+        own_v2, _ = own_cgroups((proc / "self" / "cgroup").read_text())
+        if v2_mount is None or own_v2 is None:
+            return set()
+        return {p.name for p in (v2_mount / own_v2.lstrip("/")).glob("scheduler-lite-*")}
+    except OSError:
+        return set()
+
+
 class Containment:
     """The cgroups of one daemon's jobs (one state directory); inactive where they cannot be had."""
 
@@ -111,9 +131,7 @@ class Containment:
             raise ValueError(f"jobs.containment={mode!r} is invalid: accepted " + ", ".join(CONTAINMENT_MODES))
         self.mode = mode
         self.proc = proc
-        # One subtree per store: several daemons (tests, users) on one machine never meet.
-        digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-        self.subtree = f"scheduler-lite-{digest}"
+        self.subtree = subtree_name(state_dir)
         self.v2_root: Path | None = None
         self.devices_root: Path | None = None
         self.can_kill = self.can_freeze = False
@@ -321,4 +339,4 @@ def device_minors(gpus: Iterable[int]) -> list[int]:
 
 
 __all__ = ["CONTAINMENT_MODES", "Containment", "ContainmentUnavailable", "JobCgroup", "device_minors", "mounts",
-           "own_cgroups", "sweep"]
+           "own_cgroups", "subtree_name", "subtrees", "sweep"]

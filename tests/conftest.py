@@ -62,7 +62,9 @@ def _no_job_cgroups_left(request: pytest.FixtureRequest) -> Iterator[None]:
     (scheduler_lite.containment: a daemon's next start would remove them; none comes). At its
     teardown, the job cgroups of every state directory under its tmp_path are ended and removed,
     through Containment's own functions: only those state directories' subtrees, never another's.
-    Runs after the test's own fixtures have stopped their daemons (autouse: set up first)."""
+    A state directory the test deleted is found by its path (every directory under tmp_path, and
+    its `state`, is matched against the subtrees present). Runs after the test's own fixtures
+    have stopped their daemons (autouse: set up first)."""
     if "tmp_path" not in request.fixturenames:
         yield
         return
@@ -70,13 +72,17 @@ def _no_job_cgroups_left(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if not Path("/sys/fs/cgroup").is_dir():
         return
-    from scheduler_lite.containment import sweep  # the scheduler's import only where it may be needed
+    from scheduler_lite.containment import subtree_name, subtrees, sweep  # only where it may be needed
 
-    # Each state directory a daemon used (os.walk: symlinks the security tests plant are not followed).
-    for where, _, files in os.walk(tmp_path):
-        if "daemon.lock" in files:
-            with contextlib.suppress(OSError):
-                sweep(Path(where))
+    present = subtrees()
+    if not present:
+        return
+    # os.walk: symlinks the security tests plant are not followed.
+    for where, _, _ in os.walk(tmp_path):
+        for state_dir in (Path(where), Path(where) / "state"):
+            if subtree_name(state_dir) in present:
+                with contextlib.suppress(OSError):
+                    sweep(state_dir)
 
 
 @pytest.fixture

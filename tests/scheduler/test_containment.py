@@ -273,6 +273,9 @@ def test_a_daemon_stopped_with_its_job_running(tmp_path: Path) -> None:
     child = subprocess.Popen(["sleep", "300"], start_new_session=True)
     c.enter(cg, child.pid)
     (tmp_path.parent / "left").write_text(f"{cg.v2} {child.pid}")
+    for path in sorted(state.iterdir()):  # a test may delete its state directory (as test_daemon_crash does)
+        path.unlink()
+    state.rmdir()
 '''
 
 
