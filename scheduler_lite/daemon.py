@@ -538,7 +538,9 @@ class Daemon:
         if not self.host.migrates:
             return
         cfg = self.config.migration
-        restartable = [j for j, live in self._live.items() if live.record.restartable and live.stop_sent_at is None]
+        # Not a job being stopped (a cancel) or stopped to be queued again (jobs.misbehaviour = "requeue").
+        restartable = [j for j, live in self._live.items()
+                       if live.record.restartable and live.stop_sent_at is None and live.requeue is None]
         low = self.driver.stranded(restartable, cfg.stranded_share) if restartable else {}
         if not low:
             return

@@ -172,3 +172,16 @@ def test_a_bad_share_is_refused_naming_the_option(tmp_path: Path, share: object)
     d = Daemon(make_config(tmp_path, gpus=1), SqliteStorage(tmp_path / "db"))
     with pytest.raises(SubmitError, match=r"--share .* accepted a fraction of one GPU in \(0, 1\]"):
         d.submit(["true"], tenant="B", kind="opportunistic", requested_share=share)  # type: ignore[arg-type]
+
+
+def test_a_job_stopped_to_be_requeued_is_not_moved(tmp_path: Path, daemons: list[Daemon]) -> None:
+    """A restartable job marked to go back to its queue (jobs.misbehaviour = "requeue": its end is
+    a requeue, Daemon.finish) is not picked for a migration, whose end would start it elsewhere."""
+    d = new_daemon(daemons, tmp_path)
+    m, f = stranded_setup(d, tmp_path, restartable=True)
+    d._live[m].requeue = "misbehaving: impossible"  # as the job host marks it
+    assert ticking(d, lambda d: d.storage.get_job(f).state is JobStatus.FINISHED, m)
+    for _ in range(20):
+        d.tick()
+    assert "migrating" not in kinds(d, m)
+    assert d.storage.get_job(m).placement == (0,)
