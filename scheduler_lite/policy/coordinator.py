@@ -217,6 +217,16 @@ def _job_id(job: LocalJob) -> str:
     return job.job_id
 
 
+def _memory(view: GpuView, cfg: CoordinatorConfig) -> int:
+    """What the round hands out: the GPU less the memory taken outside the jobs' limits (NVML),
+    but never less than `min_memory_bytes` per job. A job's own bytes above its limit count as
+    taken, so a job slow to apply a lower limit would otherwise be cut again at each round, down
+    to nothing."""
+    if not view.unmanaged_bytes:
+        return view.gpu.memory_bytes
+    return max(view.memory_to_hand_out(), min(view.gpu.memory_bytes, len(view.jobs) * cfg.min_memory_bytes))
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -228,7 +238,7 @@ def _with_guarantee(
     cfg: CoordinatorConfig,
     memo: CoordinatorMemo,
 ) -> tuple[list[LocalDecision], CoordinatorMemo]:
-    mem = view.memory_to_hand_out()  # memory taken outside the jobs (NVML) is not handed out
+    mem = _memory(view, cfg)
     gid = view.gpu.id
     out: list[LocalDecision] = []
     ids = frozenset([j.job_id for j in opps]) if opps else _NO_IDS
@@ -357,7 +367,7 @@ def _opportunistic_only(
     cfg: CoordinatorConfig,
     memo: CoordinatorMemo,
 ) -> tuple[list[LocalDecision], CoordinatorMemo]:
-    mem = view.memory_to_hand_out()  # memory taken outside the jobs (NVML) is not handed out
+    mem = _memory(view, cfg)
     gid = view.gpu.id
     out: list[LocalDecision] = []
     ids = frozenset(j.job_id for j in opps)

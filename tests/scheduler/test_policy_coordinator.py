@@ -240,6 +240,10 @@ def test_memory_taken_outside_the_jobs_is_not_handed_out():
     alone = o_job(limit=GPU.memory_bytes)
     d, _ = round(0.0, GpuView(GPU, (alone,), unmanaged_bytes=6 * GIB), CFG, CoordinatorMemo())
     assert limits_after(GpuView(GPU, (alone,)), d)["o"] == 26 * GIB
+    # Never below the minimum per job: a job's own bytes above its limit count as taken, and a
+    # job slow to apply a cut must not be cut again at every round down to nothing.
+    d, _ = round(0.0, GpuView(GPU, (alone,), unmanaged_bytes=40 * GIB), CFG, CoordinatorMemo())
+    assert limits_after(GpuView(GPU, (alone,)), d)["o"] == CFG.min_memory_bytes
     # Next to a guarantee job: its arrival hands out only what is not taken.
     view = GpuView(GPU, (g_job(limit=0), o_job(limit=30 * GIB)), unmanaged_bytes=20 * GIB)
     d, _ = round(0.0, view, CFG, CoordinatorMemo())
