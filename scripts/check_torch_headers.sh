@@ -69,12 +69,13 @@ build=$(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$T/version.py")
 STD=$(grep -o "'-fPIC', '-std=c++[0-9]*'" "$T/utils/cpp_extension.py" | head -1 \
   | grep -o 'c++[0-9]*' || true)
 STD=${STD:-c++17}
-# The C++ ABI libtorch was built with: libc10 exports std::__cxx11 symbols only under the new
-# ABI (PyPI's wheels since 2.7; older ones used the old ABI, and cpp_extension then passed
-# -D_GLIBCXX_USE_CXX11_ABI=0 read from torch._C).
+# The C++ ABI libtorch was built with (PyPI's wheels: the new one since 2.7, the old one before,
+# when cpp_extension passed -D_GLIBCXX_USE_CXX11_ABI=0 read from torch._C): which std::string
+# c10's assertion helper takes. Any __cxx11 symbol would not do: 2.6's old-ABI libc10 has some.
 # (grep -c, not -q: -q would stop reading early and pipefail then count nm's SIGPIPE as "no".)
 ABI=0
-if [ "$(nm -D --defined-only "$T/lib/libc10.so" | grep -c __cxx11)" -gt 0 ]; then ABI=1; fi
+if [ "$(nm -D --defined-only "$T/lib/libc10.so" \
+      | grep -c '_ZN3c106detail23torchInternalAssertFail.*__cxx11')" -gt 0 ]; then ABI=1; fi
 
 # Every symbol the extensions may take from outside: torch's libraries, the C++ and C runtimes,
 # the CUDA runtime. Python's own (Py*, _Py*) come from the interpreter that imports the module;
