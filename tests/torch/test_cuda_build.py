@@ -62,6 +62,8 @@ def test_there_are_extension_sources() -> None:
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_the_cuda_branch_compiles(source: Path, flags: list[str], tmp_path: Path) -> None:
     # As cpp_extension compiles a job's build (C++20, NDEBUG: compute.py), at -O0: compile only.
+    # torch 2.11's cpp_extension uses C++17, which 2.14.1's headers refuse: that and other
+    # releases are checked by hand with scripts/check_torch_headers.sh (docs/pytorch.md).
     cmd = ["g++", "-std=c++20", "-fPIC", "-O0", "-DNDEBUG", "-DANTMAN_WITH_CUDA",
            "-DTORCH_EXTENSION_NAME=antman_ci_build", "-DTORCH_API_INCLUDE_EXTENSION_H", *flags,
            "-c", str(source), "-o", str(tmp_path / "out.o")]

@@ -20,7 +20,9 @@
 // Built at run time with torch.utils.cpp_extension against the job's PyTorch, with CUDA
 // (tf_antman/torch/compute.py: build_extension); the shim's functions come in by address from
 // the library instance Python loaded (no link to it). Compiled in CI against torch 2.14.1+cu130
-// (tests/torch/test_cuda_build.py).
+// (tests/torch/test_cuda_build.py), and against 2.8.0 to 2.13.0 by hand (2.7 and older lack
+// register_fork_handler_for_device_init; scripts/check_torch_headers.sh, docs/pytorch.md).
+// C++17 only: torch 2.11's cpp_extension uses -std=c++17.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>

@@ -8,6 +8,8 @@
 // of its layout differs from libtorch's (seen on torch 2.13: inputs() then failed its debug
 // assertion at random and the callback threw, letting ops through ungated). The core's functions
 // are passed in by address from the library instance Python already loaded (no link to it).
+// C++17 only: torch 2.11's cpp_extension compiles with -std=c++17 (scripts/check_torch_headers.sh
+// checks a release's headers; docs/pytorch.md, "Versions").
 //
 // Why a global RecordFunction callback (docs/pytorch.md):
 //   - global callbacks run on every thread, so ops that autograd's engine runs on its own
