@@ -171,13 +171,16 @@ void* StreamOrderedCache::Malloc(size_t bytes, Stream stream) {
   if (bytes == 0) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   NoteStreamLocked(stream);
-  if (stats_.multi_stream) SealLocked();
-  PollLocked();
+  // Reuse on the block's own stream needs no event: seal (record events) and poll them only when
+  // that misses, so a steady free-then-malloc loop makes no driver call here. Blocks waiting for
+  // events go back on the next miss or at the step boundary (antman_torch_poll).
   void* p = stats_.multi_stream ? TakeKeptLocked(bytes, stream) : nullptr;
   size_t size = 0;
   if (p != nullptr) {
     size = source_->Size(p);
   } else {
+    if (stats_.multi_stream) SealLocked();
+    PollLocked();
     const bool kept_any = stats_.kept_blocks > 0;
     // With blocks kept back, device memory that is merely waiting for an event must not push
     // the request to the host fallback: ask for device memory only, and if refused, wait for
