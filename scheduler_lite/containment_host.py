@@ -71,7 +71,6 @@ class ContainedJobHost(LocalJobHost):
         self._sent: dict[str, Sent] = {}  # the newest control written to each job
         self._stats_seen: dict[str, tuple[int, float]] = {}  # (stats seq, when first seen) by job id
         self._launched: dict[str, float] = {}  # when the host launched or adopted it
-        self._stop_by: dict[str, float] = {}  # jobs stopped for misbehaving: SIGKILL after this
         self._limits: dict[str, dict[int, int]] = {}  # each job's memory limit per GPU, as last sent
         self._device_findings: dict[str, list[Finding]] = {}  # NVML's (over_limit), by job id
         self._taken: dict[int, int] = {}  # by GPU: NVML's bytes of no job and above limits (taken_bytes)
@@ -87,10 +86,9 @@ class ContainedJobHost(LocalJobHost):
                extra_env: Mapping[str, str] | None = None) -> ProcessHandle:
         self._limits[record.id] = {g.id: limit for g in gpus}
         cg = self.containment.cgroup(record.id, token)
-        if cg is None:
-            self._track(record.id, share)
-            return super().launch(record, gpus, limit, share, job_dir, token, extra_env)
         self._track(record.id, share)
+        if cg is None:
+            return super().launch(record, gpus, limit, share, job_dir, token, extra_env)
         placed = {g.id for g in gpus}
         others = [g.id for g in self.devices.inventory() if g.id not in placed]
         self.containment.create(cg, device_minors(others))
@@ -99,8 +97,7 @@ class ContainedJobHost(LocalJobHost):
             self.containment.enter(cg, handle.pid)
         except OSError as e:  # not contained: not run (it was promised a cgroup)
             self.launcher.stop(handle, 0.0)
-            self.containment.kill(cg)
-            self.containment.remove(cg)
+            self._end(cg)
             raise LaunchError(f"cannot put {record.id} in its cgroup {cg.v2}: {e.strerror or e}") from None
         self._cgroups[job_dir] = cg
         return handle
@@ -182,8 +179,10 @@ class ContainedJobHost(LocalJobHost):
                 self.storage.add_event(now, "misbehaving", job_id, check=f.kind, detail=f.detail)
         opportunistic = live.record.role is Role.OPPORTUNISTIC
         action = self.config.jobs.misbehaviour
-        if findings and opportunistic and action in ("stop", "requeue") and job_id not in self._stop_by:
-            self._stop_by[job_id] = now + self.config.jobs.cancel_grace_s
+        # A stop under way (a cancel's, a migration's or this one) is finished by the daemon's own
+        # SIGKILL after jobs.cancel_grace_s (Daemon._kill_after_grace), which records it.
+        if findings and opportunistic and action in ("stop", "requeue") and live.stop_sent_at is None:
+            live.stop_sent_at = now
             checks = sorted({f.kind for f in findings})
             if action == "requeue":  # the daemon queues it again once it has ended (Daemon.finish)
                 live.requeue = "misbehaving: " + ", ".join(checks)
@@ -193,8 +192,6 @@ class ContainedJobHost(LocalJobHost):
                 self.storage.add_event(now, "misbehaviour_stop", job_id, signal="SIGTERM", action=action,
                                        checks=checks)
             self.signal(live.handle, signal.SIGTERM)
-        elif job_id in self._stop_by and now >= self._stop_by[job_id] and not live.killed:
-            self.signal(live.handle, signal.SIGKILL)
 
     def refresh(self, now: float) -> None:
         """First thing in each tick: with NVML and containment, each GPU's compute processes
@@ -242,7 +239,6 @@ class ContainedJobHost(LocalJobHost):
         self._sent[job_id] = Sent(0, share, ((0, share),), self.clock())
         self._stats_seen.pop(job_id, None)
         self.findings.pop(job_id, None)
-        self._stop_by.pop(job_id, None)
 
     def kill_leftovers(self, record: JobRecord, job_dir: Path, pid: int | None, start: int | None) -> list[int]:
         killed = super().kill_leftovers(record, job_dir, pid, start)
@@ -274,7 +270,7 @@ class ContainedJobHost(LocalJobHost):
 
     def _end_handle(self, handle: ProcessHandle) -> None:
         job_id = handle.job_dir.name  # LocalJobHost's layout: jobs_dir/<job id>
-        for table in (self.findings, self._sent, self._stats_seen, self._launched, self._stop_by, self._limits,
+        for table in (self.findings, self._sent, self._stats_seen, self._launched, self._limits,
                       self._device_findings):
             table.pop(job_id, None)
         cg = self._cgroups.pop(handle.job_dir, None)
