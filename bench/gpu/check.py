@@ -68,11 +68,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-CUDA_DEVICE_ORDER = "PCI_BUS_ID"  # NVML's order for CUDA's device numbers (main)
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(1, str(REPO))  # tf_antman from the checkout: the GPU machine has no wheel of it
 
+from _gpu_jobs import CUDA_DEVICE_ORDER  # noqa: E402 - NVML's order for CUDA's device numbers (main)
 from _procs import (  # noqa: E402 - bench/_procs.py, shared with bench/gpu_colocate.py
     SKIP,
     BenchError,
