@@ -368,3 +368,14 @@ def test_nvml_memory_of_no_job_is_not_handed_out_by_the_coordinator(tmp_path: Pa
         outsider.wait()
         os.killpg(daemon.pid, signal.SIGTERM)
         daemon.wait(30)
+
+
+def test_a_stopped_job_ignoring_sigterm_gets_the_daemons_one_sigkill(make_site) -> None:  # type: ignore[no-untyped-def]
+    # The grace-period SIGKILL is the daemon's own (as for a cancel): sent once, recorded, and the
+    # end read as killed; not a second timer in the host sending it every tick unrecorded.
+    site = make_site(misbehaviour="stop")
+    stubborn = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + WRITER
+    job = site.submit("--tenant", "B", "--type", "opportunistic", "--", sys.executable, "-c", stubborn, "huge")
+    assert wait_for(lambda: site.state(job) == "failed", 60), site.events(job)
+    kills = [e for e in site.events(job) if e["kind"] == "stopping" and e["detail"].get("signal") == "SIGKILL"]
+    assert len(kills) == 1, site.events(job)
