@@ -302,10 +302,4 @@ void StreamOrderedCache::ResetAccumulated() {
   stats_.alloc_requested = stats_.free_requested = 0;
 }
 
-size_t StreamOrderedCache::LiveSize(const void* ptr) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = live_.find(const_cast<void*>(ptr));
-  return it == live_.end() ? 0 : it->second.size;
-}
-
 }  // namespace antman_torch

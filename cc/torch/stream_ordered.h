@@ -131,8 +131,6 @@ class StreamOrderedCache {
   StreamCacheStats Stats();
   void ResetPeaks();        // peaks := current
   void ResetAccumulated();  // cumulative counters := 0
-  // The size held for a live block, 0 if unknown.
-  size_t LiveSize(const void* ptr);
 
  private:
   struct Block {
