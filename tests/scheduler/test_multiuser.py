@@ -361,7 +361,8 @@ def test_a_daemon_run_by_a_user_serves_only_that_user_and_says_so(site: Site) ->
                               stderr=open(log, "wb"))
     try:
         assert wait_for(lambda: (home / "state" / "scheduler.sock").exists(), timeout=60), log.read_text()
-        assert "not running as root: serving only user " + repr(a.name) in log.read_text()
+        line = "not running as root: serving only user " + repr(a.name)
+        assert wait_for(lambda: line in log.read_text(), 10), log.read_text()  # written after the socket is up
         mine = site.run("a", [site.python, "-m", "scheduler_lite", "--config", str(config), "list"])
         assert mine.returncode == 0, mine.stderr
         # No cgroups for an unprivileged daemon without a delegated subtree: jobs run as before,
