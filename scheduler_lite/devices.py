@@ -47,10 +47,6 @@ class DeviceBackend(Protocol):
         """Instantaneous utilisation in [0, 1] of every GPU (loads: the jobs on each GPU)."""
         ...
 
-    def memory_used(self) -> dict[int, int] | None:
-        """Bytes in use per GPU as the device reports them; None where it cannot (emulated)."""
-        ...
-
 
 def job_load(stats: Stats | None, stepping: bool) -> JobLoad:
     if stats is None:
@@ -59,7 +55,9 @@ def job_load(stats: Stats | None, stepping: bool) -> JobLoad:
 
 
 def jobs_utilisation(loads: Sequence[JobLoad]) -> float:
-    """A GPU's utilisation from its jobs' reports (EmulatedDevices.utilisation, one GPU)."""
+    """A GPU's utilisation from its jobs' reports: the sum over them of the share each is using,
+    at most 1. A job's share is its measured achieved share when the job reports one, else the
+    share it is allowed while it is making steps: a stepping job is assumed to use all it may."""
     total = 0.0
     for load in loads:
         if load.achieved_share is not None:
@@ -80,24 +78,7 @@ class EmulatedDevices:
         return self._gpus
 
     def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
-        """Sum over the GPU's jobs of the share each is using, at most 1.
-
-        A job's share is its measured achieved share when the job reports one, else the share it
-        is allowed while it is making steps: a stepping job is assumed to use all it may.
-        """
-        out = {}
-        for gpu in self._gpus:
-            total = 0.0
-            for load in loads.get(gpu.id, ()):
-                if load.achieved_share is not None:
-                    total += load.achieved_share
-                elif load.stepping:
-                    total += load.compute_share
-            out[gpu.id] = min(1.0, total)
-        return out
-
-    def memory_used(self) -> dict[int, int] | None:
-        return None
+        return {gpu.id: jobs_utilisation(loads.get(gpu.id, ())) for gpu in self._gpus}
 
 
 class NvmlDevices:
@@ -145,13 +126,6 @@ class NvmlDevices:
                     out[i] = jobs_utilisation(loads.get(i, ()))
                 else:  # a GPU that stops answering (lost, fallen off the bus) reads as busy, not idle
                     out[i] = 1.0
-        return out
-
-    def memory_used(self) -> dict[int, int] | None:
-        out = {}
-        for i, h in self._handles.items():
-            with contextlib.suppress(Exception):  # a GPU that does not answer: reported as unknown
-                out[i] = int(self._nvml.nvmlDeviceGetMemoryInfo(h).used)
         return out
 
     def _nvlink_groups(self) -> dict[int, str]:
