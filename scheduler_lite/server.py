@@ -535,36 +535,7 @@ def job_dict(record: JobRecord, who: Identity, policy: AccessPolicy) -> dict[str
     return out
 
 
-class HostCollector:
-    """Metrics of what the status snapshot does not hold, from the server's copies:
-    `scheduler_lite_job_misbehaving{job, check}` (1 while a job's check finds it, misbehaviour.py)
-    and `scheduler_lite_containment_active` (1: each job in a cgroup; 0: not contained)."""
-
-    def __init__(self, server: Callable[[], Server | None]) -> None:
-        self.server = server
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
-
-        server = self.server()
-        if server is None or server.snapshot is None:
-            return
-        bad = GaugeMetricFamily("scheduler_lite_job_misbehaving", "1 while a job does not cooperate (the check "
-                                "that found it: rejects_controls, silent, impossible, ...)", labels=["job", "check"])
-        for job, check in server.findings:
-            bad.add_metric([job, check], 1)
-        yield bad
-        if server.contained is not None:
-            contained = GaugeMetricFamily("scheduler_lite_containment_active",
-                                          "1 when each job runs in a cgroup of its own, 0 when jobs are not contained")
-            contained.add_metric([], 1 if server.contained else 0)
-            yield contained
-
-
-__all__ = ["HostCollector", "Server", "access_policy", "job_dict"]
+__all__ = ["Server", "access_policy", "job_dict"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -587,9 +558,7 @@ def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_addre
         # do before it is refused. Scrapes find no snapshot until the server below publishes one.
         served: list[Server] = []
         if metrics_port is not None:
-            stop_metrics = start_metrics_server(metrics_port, metrics_address,
-                                                lambda: served[0].snapshot if served else None,
-                                                extra=[HostCollector(lambda: served[0] if served else None)])
+            stop_metrics = start_metrics_server(metrics_port, metrics_address, lambda: served[0] if served else None)
             log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
         secure_state_dir(config, multi_user)
         storage = SqliteStorage(config.db_path)
