@@ -18,19 +18,11 @@ time.
 from __future__ import annotations
 
 import heapq
-import random
 import sys
 import time
-from collections.abc import Callable
 
-from scheduler_lite.driver import Driver, Launch, PassWorld
-from scheduler_lite.model import (
-    JobKind,
-    Preempt,
-    Reject,
-    Role,
-    Upgrade,
-)
+from scheduler_lite.driver import Driver
+from scheduler_lite.model import JobKind, Role
 from scheduler_lite.policy import global_scheduler
 from scheduler_lite.policy.baselines import yarn_cs_schedule
 from scheduler_lite.policy.coordinator import CoordinatorConfig
@@ -47,15 +39,6 @@ from scheduler_lite.sim.speeds import JobSpeeds
 from scheduler_lite.sim.workload import MAX_SUBMIT_TIME_S, TraceJob, Workload
 
 ROUND_MODES = ("event", "periodic")
-
-
-def _always(sim: Simulator) -> bool:
-    return True
-
-
-def _never(sim: Simulator) -> bool:
-    """`reads_util` of a policy that never reads utilisation."""
-    return False
 
 
 class Simulator:
@@ -87,13 +70,7 @@ class Simulator:
         self.progress = progress
         self.check = check_invariants
         self.periodic = rounds == "periodic"
-        self.rng = random.Random(seed)
-        # Step-time noise is drawn once from the seed and indexed by (job, speed epoch, step
-        # number): a sample does not depend on when or how often a coordinator reads it, so
-        # event-driven and periodic rounds see the same steps.
-        cv = perf.step_noise_cv
-        self.noise = [max(0.1, 1 + self.rng.gauss(0.0, cv)) for _ in range(NOISE_CYCLE)]
-        reads_nothing = policy.schedule is yarn_cs_schedule
+        reads_nothing = self.reads_nothing = policy.schedule is yarn_cs_schedule
         self.driver = Driver(workload.gpus, workload.tenants, policy=policy.schedule,  # type: ignore[arg-type]
                              scheduler_config=self.sched_cfg, coordinator_config=self.ccfg,
                              universal_memory=policy.universal_memory, marks_busy=not reads_nothing)
@@ -106,31 +83,23 @@ class Simulator:
         # The global policy sees utilisation as the daemon does: refreshed every
         # UTILISATION_REFRESH_S (the paper's 10 s average, sim/clock.py), not the instant a share
         # moves. A pass runs on arrivals, finishes and surges, and after a refresh that changed a
-        # GPU if the policy reads utilisation; other passes would decide the same as the last one.
-        # A function of the simulator, not a bound method: a simulator that refers to itself is a
-        # reference cycle, and its whole state (millions of objects) would wait for the cyclic
-        # collector after the run instead of being freed when the last reference goes.
-        self.reads_util: Callable[[Simulator], bool]
-        if reads_nothing:
-            self.reads_util = _never
-        elif policy.schedule is global_scheduler.schedule and not has_auto:
-            # Utilisation is read only to place opportunistic jobs; time only for auto jobs.
-            self.reads_util = Simulator._opportunistic_pending
-        else:
-            self.reads_util = _always
+        # GPU if the policy reads utilisation (`_reads_util`); other passes would decide the same
+        # as the last one. tf-antman's reads it only to place opportunistic jobs (and time only
+        # for auto jobs).
+        self.reads_only_opportunistic = policy.schedule is global_scheduler.schedule and not has_auto
         self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0,
                          "upgrades": 0}
         self.migration = policy.migration.validate() if policy.migration is not None else None
         self.clock = Clock()
         self.rounds = CoordinatorRounds(self.clock, self.driver, on_gpu=self.on_gpu, jobs=self.jobs, mem=self.mem,
-                                        ccfg=self.ccfg, periodic=self.periodic, noise=self.noise,
-                                        counters=self.counters, migration=self.migration)
+                                        ccfg=self.ccfg, periodic=self.periodic, seed=seed,
+                                        noise_cv=perf.step_noise_cv, counters=self.counters,
+                                        migration=self.migration)
         self.speeds = JobSpeeds(self.clock, self.rounds, perf=perf, policy=policy, on_gpu=self.on_gpu,
                                 periodic=self.periodic)
         self.life = JobLifecycle(self.clock, self.driver, self.speeds, self.rounds, perf=perf, policy=policy,
                                  mem=self.mem, group={g.id: g.nvlink_group for g in workload.gpus}, jobs=self.jobs,
-                                 on_gpu=self.on_gpu, stale_on_start=not reads_nothing)
-        self.pass_world = _PassWorld(self.life, self.jobs, self.counters)
+                                 on_gpu=self.on_gpu, counters=self.counters, stale_on_start=not reads_nothing)
         self.timeseries: list[tuple[float, float, float, int]] = []
         self.sample_every = 1.0
 
@@ -177,6 +146,7 @@ class Simulator:
                 samples += 1
                 next_sample = samples * sample_every
             dirty: set[int] = set()
+            life.dirty = dirty
             rounds: set[int] = set()
             need_schedule = False
             refreshed = False
@@ -194,7 +164,7 @@ class Simulator:
                     if sj is None or sj.version != ver or sj.state != "running":
                         continue
                     sj.due = None
-                    outcome = life.progress(sj, dirty)
+                    outcome = life.progress(sj)
                     if outcome == EARLY or outcome == PHASE:
                         continue
                     need_schedule = True
@@ -206,12 +176,12 @@ class Simulator:
                     refreshed = self._refresh_utilisation()
                 elif round_version.get(key) == ver:  # type: ignore[arg-type]
                     rounds.add(key)  # type: ignore[arg-type]
-            if (need_schedule or (refreshed and self.reads_util(self))) and (
+            if (need_schedule or (refreshed and self._reads_util())) and (
                 self.book.pending_count() or self._upgradable()
             ):
-                self._schedule(dirty)
+                self._schedule()
             if rounds_of.low_shares and (need_schedule or refreshed):
-                self._migrate(dirty)
+                self._migrate()
             changed = dirty
             if life.phased:
                 changed = dirty | life.phased
@@ -250,8 +220,11 @@ class Simulator:
         without this, a finish freeing quota upgraded nothing unless some job was pending)."""
         return self.has_auto and any(self.book.upgradable_jobs(t) for t in self.book.tenants)
 
-    def _opportunistic_pending(self) -> bool:
-        return next(self.book.iter_pending_opportunistic(), None) is not None
+    def _reads_util(self) -> bool:
+        """Whether a pass after a utilisation refresh could decide something new."""
+        if self.reads_nothing:
+            return False
+        return not self.reads_only_opportunistic or next(self.book.iter_pending_opportunistic(), None) is not None
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -264,23 +237,19 @@ class Simulator:
 
     # -- policies -------------------------------------------------------------------------------
 
-    def _schedule(self, dirty: set[int]) -> None:
-        """Global passes until one starts no job that then fails (`_fail` asks for another).
+    def _schedule(self) -> None:
+        """Global passes until one starts no job that then fails (`JobLifecycle.fail` asks for
+        another).
 
         Ends: each failure uses up one of a job's MAX_RETRIES + 1 attempts."""
         while True:
             self.life.repass = False
-            self._pass(dirty)
+            self.counters["schedule_calls"] += 1
+            self.counters["decisions"] += len(self.driver.run_pass(self.clock.now, self.life))
             if not (self.life.repass and (self.book.pending_count() or self._upgradable())):
                 return
 
-    def _pass(self, dirty: set[int]) -> None:
-        self.counters["schedule_calls"] += 1
-        world = self.pass_world
-        world.dirty = dirty
-        self.counters["decisions"] += len(self.driver.run_pass(self.clock.now, world))
-
-    def _migrate(self, dirty: set[int]) -> None:
+    def _migrate(self) -> None:
         """Re-place stranded opportunistic jobs (policy/migration.py); each pays a checkpoint-restart."""
         assert self.migration is not None
         life = self.life
@@ -291,14 +260,14 @@ class Simulator:
             sj = self.jobs[m.job_id]
             self.speeds.settle(sj)
             launch = self.driver.migrate(m, now)
-            life.leave(sj, dirty)
+            life.leave(sj)
             # The restart redoes the work since the checkpoint (before start: it sets the phase).
             sj.remaining += self.perf.checkpoint_restart_s
-            life.start(sj, launch, dirty)
+            life.start(sj, launch)
             sj.migrations += 1
             self.counters["migrations"] += 1
         if life.repass and (self.book.pending_count() or self._upgradable()):
-            self._schedule(dirty)  # a restart failed (JobLifecycle.fail): its GPUs are free, the job may wait
+            self._schedule()  # a restart failed (JobLifecycle.fail): its GPUs are free, the job may wait
 
     # -- checks and results ---------------------------------------------------------------------
 
@@ -326,30 +295,6 @@ class Simulator:
         # the series ends at the first point after it.
         series = [p for p in self.timeseries if p[0] < last + self.sample_every]
         return SimResult(self.policy.name, self.w.name, self.seed, records, summary, series)
-
-
-class _PassWorld(PassWorld):
-    """What the simulator does with a global pass's decisions (driver.py's table): the jobs'
-    lives (sim/lifecycle.py), on the GPUs the engine then recomputes (`dirty`)."""
-
-    def __init__(self, life: JobLifecycle, jobs: dict[str, SimJob], counters: dict[str, int]) -> None:
-        self.life = life
-        self.jobs = jobs
-        self.counters = counters
-        self.dirty: set[int] = set()  # the batch's, set before each pass
-
-    def place(self, launch: Launch) -> None:
-        self.life.start(self.jobs[launch.job_id], launch, self.dirty)
-
-    def preempt(self, decision: Preempt) -> None:
-        self.life.preempt(self.jobs[decision.job_id], self.dirty)
-
-    def upgrade(self, decision: Upgrade) -> None:
-        self.counters["upgrades"] += 1
-        self.life.upgrade(self.jobs[decision.job_id], self.dirty)
-
-    def reject(self, decision: Reject) -> None:
-        self.life.reject(self.jobs[decision.job_id])
 
 
 def _check_submit_times(workload: Workload) -> None:

@@ -4,14 +4,17 @@ memory surge, CPU-phase edge), a failure out of GPU memory (resubmitted once), i
 `JobLifecycle` is a part of `engine.Simulator`, handed the clock, the driver, the job speeds
 (speeds.py) and the coordinator rounds (rounds.py) at construction. The engine decides when these
 run (its event loop and global passes); this module what they do to the job, the driver and the
-GPUs.
+GPUs. It is also the simulator's world of a global pass (driver.py's table: `PassWorld`): what
+the simulator does with each decision. Every change it makes to a GPU adds it to `dirty`, the
+GPUs of the engine's current batch of events that the engine then recomputes.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler_lite.model import Job, Role
+from scheduler_lite.driver import PassWorld
+from scheduler_lite.model import Job, Preempt, Reject, Role, Upgrade
 from scheduler_lite.sim.clock import work_tolerance
 from scheduler_lite.sim.interference import cached_reservation, grow_cache, locality_factor
 from scheduler_lite.sim.simjob import SimJob
@@ -28,10 +31,11 @@ EARLY, CHANGED, FINISHED, PHASE = 0, 1, 2, 3  # outcome of a progress event
 MAX_RETRIES = 1  # a job that ran out of memory is resubmitted once, with its peak as profile
 
 
-class JobLifecycle:
+class JobLifecycle(PassWorld):
     def __init__(self, clock: Clock, driver: Driver, speeds: JobSpeeds, rounds: CoordinatorRounds, *,
                  perf: PerfModel, policy: PolicySpec, mem: dict[int, int], group: dict[int, str],
-                 jobs: dict[str, SimJob], on_gpu: dict[int, dict[str, SimJob]], stale_on_start: bool) -> None:
+                 jobs: dict[str, SimJob], on_gpu: dict[int, dict[str, SimJob]], counters: dict[str, int],
+                 stale_on_start: bool) -> None:
         self.clock = clock
         self.driver = driver
         self.book = driver.book
@@ -44,6 +48,8 @@ class JobLifecycle:
         self.max_mem = max(mem.values(), default=0)
         self.jobs = jobs  # by book id (changes on retry)
         self.on_gpu = on_gpu  # book order
+        self.counters = counters
+        self.dirty: set[int] = set()  # the batch's: the engine sets a fresh one for each
         # The policy reads utilisation: a start makes its GPUs' readings stale.
         self.stale_on_start = stale_on_start
         # GPUs whose job entered or left a CPU phase in this batch of events: their speeds are
@@ -67,7 +73,7 @@ class JobLifecycle:
             return max(sj.limits.values())
         return min(cached_reservation(sj.demand), self.max_mem)
 
-    def progress(self, sj: SimJob, dirty: set[int]) -> int:
+    def progress(self, sj: SimJob) -> int:
         self.speeds.settle(sj)
         tj = sj.trace
         surge_pending = not sj.surged and tj.surge_at_fraction is not None
@@ -91,13 +97,13 @@ class JobLifecycle:
             sj.surged = True
             cap = min(self.mem[g] for g in sj.gpus)
             sj.demand = min(cap, int(sj.demand * (1 + tj.surge_growth)))
-            dirty.update(sj.gpus)
+            self.dirty.update(sj.gpus)
             if self.policy.universal_memory:
                 self.driver.set_demand(sj.book_id, sj.demand)
             else:
                 held = self._grow_caches(sj)
                 if held is None:
-                    self.fail(sj, dirty)
+                    self.fail(sj)
                     return CHANGED
                 # The book's demand is what a profile sees: the cache held (see _profile).
                 self.driver.set_demand(sj.book_id, max(held.values()), held=held)
@@ -105,7 +111,7 @@ class JobLifecycle:
             return CHANGED
         sj.remaining = 0.0
         self.driver.finish(sj.book_id, self.clock.now)
-        self.leave(sj, dirty)
+        self.leave(sj)
         sj.state = "finished"
         sj.end = self.clock.now
         return FINISHED
@@ -126,8 +132,8 @@ class JobLifecycle:
             held[g] = h
         return held
 
-    def leave(self, sj: SimJob, dirty: set[int]) -> None:
-        dirty.update(sj.gpus)
+    def leave(self, sj: SimJob) -> None:
+        self.dirty.update(sj.gpus)
         for g in sj.gpus:
             # Its deferred rounds would only have moved a memo that its departure resets.
             self.rounds.deferred.pop(g, None)
@@ -142,10 +148,10 @@ class JobLifecycle:
         sj.version += 1
         sj.due = None
 
-    def fail(self, sj: SimJob, dirty: set[int]) -> None:
+    def fail(self, sj: SimJob) -> None:
         """Out of GPU memory without universal memory: the job dies; resubmitted once."""
         self.driver.finish(sj.book_id, self.clock.now, failed=True)
-        self.leave(sj, dirty)
+        self.leave(sj)
         # Its GPUs are free and it may be pending again: another pass, as the daemon marks
         # itself dirty after a failed launch (Daemon._launch_failed). A failure at a progress
         # event is followed by the batch's pass anyway; one at a start inside a pass is not.
@@ -163,24 +169,31 @@ class JobLifecycle:
         self.jobs[sj.book_id] = sj
         self.book.submit(self.book_job(sj))  # profile now includes the surge: no second one
 
-    def preempt(self, sj: SimJob, dirty: set[int]) -> None:
+    def place(self, launch: Launch) -> None:
+        self.start(self.jobs[launch.job_id], launch)
+
+    def preempt(self, decision: Preempt) -> None:
         """Killed by a preemption: its work starts over when it is placed again."""
+        sj = self.jobs[decision.job_id]
         self.speeds.settle(sj)
-        self.leave(sj, dirty)
+        self.leave(sj)
         sj.preemptions += 1
         sj.remaining = sj.trace.runtime_s
         sj.state = "pending"
 
-    def upgrade(self, sj: SimJob, dirty: set[int]) -> None:
+    def upgrade(self, decision: Upgrade) -> None:
+        self.counters["upgrades"] += 1
+        sj = self.jobs[decision.job_id]
         sj.role = Role.GUARANTEE  # the driver set its shares to 1
         self.rounds.track_share(sj)
-        dirty.update(sj.gpus)
+        self.dirty.update(sj.gpus)
 
-    def reject(self, sj: SimJob) -> None:
+    def reject(self, decision: Reject) -> None:
+        sj = self.jobs[decision.job_id]
         sj.state = "failed"
         sj.end = self.clock.now
 
-    def start(self, sj: SimJob, d: Launch, dirty: set[int]) -> None:
+    def start(self, sj: SimJob, d: Launch) -> None:
         sj.state = "running"
         sj.role = d.role
         sj.gpus = d.gpus
@@ -201,12 +214,12 @@ class JobLifecycle:
             self.on_gpu[g][sj.book_id] = sj
             if self.stale_on_start:
                 self.clock.stale(g)
-        dirty.update(d.gpus)
+        self.dirty.update(d.gpus)
         groups = len({self.group[g] for g in d.gpus})
         sj.locality = locality_factor(self.perf.cross_group_slowdown, groups)
         if not self.policy.universal_memory:
             held = self._grow_caches(sj, fresh=True)  # on_gpu already lists it: not its own co-runner
             if held is None:
-                self.fail(sj, dirty)  # out of memory while initialising
+                self.fail(sj)  # out of memory while initialising
                 return
             self.driver.hold(sj.book_id, held)

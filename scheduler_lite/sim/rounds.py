@@ -19,6 +19,7 @@ strand), since its rounds move the shares.
 from __future__ import annotations
 
 import math
+import random
 from typing import TYPE_CHECKING
 
 from scheduler_lite.model import GpuView, LocalJob, Role, SetComputeShare, StepSample
@@ -45,7 +46,7 @@ class InvariantError(AssertionError):
 class CoordinatorRounds:
     def __init__(self, clock: Clock, driver: Driver, *, on_gpu: dict[int, dict[str, SimJob]],
                  jobs: dict[str, SimJob], mem: dict[int, int], ccfg: CoordinatorConfig, periodic: bool,
-                 noise: list[float], counters: dict[str, int], migration: MigrationConfig | None) -> None:
+                 seed: int, noise_cv: float, counters: dict[str, int], migration: MigrationConfig | None) -> None:
         self.clock = clock
         self.driver = driver
         self.book = driver.book
@@ -55,7 +56,11 @@ class CoordinatorRounds:
         self.ccfg = ccfg
         self.interval = ccfg.round_interval_s
         self.periodic = periodic
-        self.noise = noise
+        # Step-time noise is drawn once from the seed and indexed by (job, speed epoch, step
+        # number): a sample does not depend on when or how often a coordinator reads it, so
+        # event-driven and periodic rounds see the same steps.
+        rng = random.Random(seed)
+        self.noise = [max(0.1, 1 + rng.gauss(0.0, noise_cv)) for _ in range(NOISE_CYCLE)]
         self.counters = counters
         self.migration = migration
         self.anchor: dict[int, float] = {}  # time of the GPU's last change-driven round

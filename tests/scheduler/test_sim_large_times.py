@@ -39,11 +39,11 @@ def bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     original = JobLifecycle.progress
     count = [0]
 
-    def counting(self: JobLifecycle, sj, dirty):  # type: ignore[no-untyped-def]
+    def counting(self: JobLifecycle, sj):  # type: ignore[no-untyped-def]
         count[0] += 1
         if count[0] > MAX_PROGRESS_EVENTS:
             raise Spinning(f"{count[0]} progress events, the clock at {self.clock.now!r}")
-        return original(self, sj, dirty)
+        return original(self, sj)
 
     monkeypatch.setattr(JobLifecycle, "progress", counting)
 
