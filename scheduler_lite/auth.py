@@ -22,8 +22,11 @@ import grp
 import os
 import pwd
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from scheduler_lite.config import Config
 
 ROOT_UID: Final = 0
 
@@ -61,10 +64,6 @@ class AccessPolicy:
     members: tuple[TenantMembers, ...] = ()
     admins: frozenset[str] = frozenset()
     admin_groups: frozenset[str] = frozenset()
-    _by_tenant: dict[str, TenantMembers] = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._by_tenant.update({m.tenant: m for m in self.members})
 
     @property
     def multi_user(self) -> bool:
@@ -72,7 +71,7 @@ class AccessPolicy:
         return self.daemon_uid == ROOT_UID
 
     def tenant(self, name: str) -> TenantMembers | None:
-        return self._by_tenant.get(name)
+        return next((m for m in self.members if m.tenant == name), None)
 
 
 def check_served(policy: AccessPolicy, who: Identity) -> None:
@@ -157,11 +156,14 @@ def _group_name(gid: int) -> str:
         return f"gid:{gid}"
 
 
-def policy_from_config(members: Iterable[TenantMembers], admins: Iterable[str], admin_groups: Iterable[str],
-                       daemon_uid: int | None = None) -> AccessPolicy:
+def access_policy(config: Config, daemon_uid: int | None = None) -> AccessPolicy:
+    """The config's access rules; a tenant the config gives no users or groups is open to all."""
+    named = {m.tenant: m for m in config.access.members}
+    members = tuple(named.get(t.name, TenantMembers(t.name)) for t in config.tenants)
     uid = os.geteuid() if daemon_uid is None else daemon_uid
-    return AccessPolicy(uid, identity_of_uid(uid).user, tuple(members), frozenset(admins), frozenset(admin_groups))
+    return AccessPolicy(uid, identity_of_uid(uid).user, members, frozenset(config.access.admins),
+                        frozenset(config.access.admin_groups))
 
 
-__all__ = ["AccessDenied", "AccessPolicy", "Identity", "TenantMembers", "check_owner", "check_served",
-           "check_submit", "identity_of_uid", "is_admin", "may_submit", "policy_from_config", "tenants_of"]
+__all__ = ["AccessDenied", "AccessPolicy", "access_policy", "Identity", "TenantMembers", "check_owner", "check_served",
+           "check_submit", "identity_of_uid", "is_admin", "may_submit", "tenants_of"]

@@ -39,13 +39,12 @@ from scheduler_lite.auth import (
     AccessDenied,
     AccessPolicy,
     Identity,
-    TenantMembers,
+    access_policy,
     check_owner,
     check_served,
     check_submit,
     identity_of_uid,
     is_admin,
-    policy_from_config,
     tenants_of,
 )
 from scheduler_lite.config import Config, check_accounts, file_identity
@@ -109,15 +108,9 @@ class _Pending:
     lock: threading.Lock = field(default_factory=threading.Lock)
     claimed: str | None = None
 
-    def take(self) -> bool:
-        """The daemon's thread starts on it; False if the client was already told it timed out."""
-        return self._claim("taken")
-
-    def drop(self) -> bool:
-        """The connection gives up; False if the daemon's thread is already carrying it out."""
-        return self._claim("dropped")
-
-    def _claim(self, by: str) -> bool:
+    def claim(self, by: str) -> bool:
+        """True if `by` got it first; False: the other side had (the client was told it timed out,
+        or the daemon's thread is carrying it out)."""
         with self.lock:
             if self.claimed is None:
                 self.claimed = by
@@ -125,13 +118,6 @@ class _Pending:
 
 
 # ----------------------------------------------------------------------------------------------
-
-
-def access_policy(config: Config, daemon_uid: int | None = None) -> AccessPolicy:
-    """The config's access rules; a tenant the config gives no users or groups is open to all."""
-    named = {m.tenant: m for m in config.access.members}
-    members = [named.get(t.name, TenantMembers(t.name)) for t in config.tenants]
-    return policy_from_config(members, config.access.admins, config.access.admin_groups, daemon_uid)
 
 
 class Server:
@@ -250,7 +236,7 @@ class Server:
             pending = _Pending(identity_of_uid(uid, gid), op, args)
             self._requests.put(pending)
             if not pending.done.wait(ANSWER_TIMEOUT_S):
-                if pending.drop():
+                if pending.claim("dropped"):
                     send(conn, {"ok": False, "error": f"the daemon did not take the request within "
                                 f"{ANSWER_TIMEOUT_S:g} s (busy): nothing was done, try again"})
                     return
@@ -283,7 +269,7 @@ class Server:
                 pending = self._requests.get(timeout=min(left, 0.1))
             except queue.Empty:
                 continue
-            if not pending.take():
+            if not pending.claim("taken"):
                 continue  # its client was told that nothing was done
             pending.answer = self.handle(pending.who, pending.op, pending.args)
             pending.done.set()
@@ -535,7 +521,7 @@ def job_dict(record: JobRecord, who: Identity, policy: AccessPolicy) -> dict[str
     return out
 
 
-__all__ = ["Server", "access_policy", "job_dict"]
+__all__ = ["Server", "job_dict"]
 
 
 # ----------------------------------------------------------------------------------------------

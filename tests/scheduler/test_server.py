@@ -110,7 +110,7 @@ def test_a_request_the_client_gave_up_on_is_never_carried_out(server: Server,
     finally:
         server.close()
     taken = _Pending(ME, "submit", {})
-    assert taken.take() and not taken.drop()
+    assert taken.claim("taken") and not taken.claim("dropped")
 
 
 def test_a_tenant_of_others_is_refused_before_anything_else(server: Server) -> None:
