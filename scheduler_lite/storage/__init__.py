@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from scheduler_lite.storage.base import (
     MAX_EVENTS,
     SCHEMA_VERSION,
@@ -19,12 +17,6 @@ from scheduler_lite.storage.base import (
 from scheduler_lite.storage.memory import MemoryStorage
 from scheduler_lite.storage.sqlite import SqliteStorage
 
-
-def open_storage(path: Path | str | None) -> Storage:
-    """SQLite at `path`; in memory when path is None."""
-    return MemoryStorage() if path is None else SqliteStorage(path)
-
-
 __all__ = [
     "MAX_EVENTS",
     "SCHEMA_VERSION",
@@ -38,5 +30,4 @@ __all__ = [
     "SqliteStorage",
     "Storage",
     "StorageError",
-    "open_storage",
 ]

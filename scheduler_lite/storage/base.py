@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -247,15 +247,17 @@ def seq_of(job_id: object) -> int:
     return int(match[1])
 
 
-def check_request_id(request_id: object) -> str | None:
-    if request_id is not None and (not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None):
+def check_new_job(store: Storage, spec: JobSpec) -> None:
+    """add_job's refusals: a malformed request id, or one its submitter already used."""
+    request_id = spec.request_id
+    if request_id is None:
+        return
+    if not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None:
         raise StorageError(f"request id {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
                            "A-Z a-z 0-9 _ . : -")
-    return request_id
-
-
-def duplicate_request(uid: int | None, request_id: str, job_id: str) -> StorageError:
-    return StorageError(f"request id {request_id!r} of uid {uid} is already recorded as {job_id}")
+    first = store.job_by_request(spec.uid, request_id)
+    if first is not None:
+        raise StorageError(f"request id {request_id!r} of uid {spec.uid} is already recorded as {first.id}")
 
 
 def check_limit(limit: int) -> int:
@@ -272,7 +274,3 @@ def check_fields(fields: Mapping[str, Any]) -> None:
 
 def check_states(states: Iterable[JobStatus] | None) -> frozenset[JobStatus] | None:
     return None if states is None else frozenset(JobStatus(s) for s in states)
-
-
-def iter_sorted_placements(records: Iterable[PlacementRecord], order: Mapping[str, int]) -> Iterator[PlacementRecord]:
-    return iter(sorted(records, key=lambda p: (order.get(p.job_id, 0), p.gpu)))

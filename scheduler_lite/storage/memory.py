@@ -24,10 +24,8 @@ from scheduler_lite.storage.base import (
     StorageError,
     check_fields,
     check_limit,
-    check_request_id,
+    check_new_job,
     check_states,
-    duplicate_request,
-    iter_sorted_placements,
     job_id_for,
     seq_of,
 )
@@ -64,21 +62,12 @@ class MemoryStorage:
             self._depth = 0
 
     def add_job(self, spec: JobSpec) -> JobRecord:
-        check_request_id(spec.request_id)
-        if spec.request_id is not None:
-            first = self.job_by_request(spec.uid, spec.request_id)
-            if first is not None:
-                raise duplicate_request(spec.uid, spec.request_id, first.id)
+        check_new_job(self, spec)
         with self.transaction():
             self._seq += 1
-            record = JobRecord(
-                id=job_id_for(self._seq), seq=self._seq, tenant=spec.tenant, kind=spec.kind,
-                num_gpus=spec.num_gpus, command=tuple(spec.command), workdir=spec.workdir,
-                submit_time=spec.submit_time, env=tuple(spec.env), memory_bytes=spec.memory_bytes,
-                name=spec.name, expected_steps=spec.expected_steps,
-                expected_duration_s=spec.expected_duration_s, uid=spec.uid, user=spec.user,
-                requested_share=spec.requested_share, restartable=spec.restartable, request_id=spec.request_id,
-            )
+            asked = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+            record = JobRecord(id=job_id_for(self._seq), seq=self._seq,
+                               **asked | {"command": tuple(spec.command), "env": tuple(spec.env)})
             self._jobs[record.id] = record
             return record
 
@@ -151,7 +140,7 @@ class MemoryStorage:
     def placements(self, job_id: str | None = None) -> list[PlacementRecord]:
         order = {j.id: j.seq for j in self._jobs.values()}
         found = (p for p in self._placements.values() if job_id is None or p.job_id == job_id)
-        return list(iter_sorted_placements(found, order))
+        return sorted(found, key=lambda p: (order.get(p.job_id, 0), p.gpu))
 
     def clear_placements(self, job_id: str) -> None:
         with self.transaction():

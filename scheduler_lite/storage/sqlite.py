@@ -9,6 +9,7 @@ to i + 1, run under `BEGIN EXCLUSIVE`; a database newer than this code is refuse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import time
@@ -31,9 +32,8 @@ from scheduler_lite.storage.base import (
     StorageError,
     check_fields,
     check_limit,
-    check_request_id,
+    check_new_job,
     check_states,
-    duplicate_request,
     job_id_for,
     seq_of,
 )
@@ -121,13 +121,33 @@ MIGRATIONS: Final[tuple[str, ...]] = (
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
-_JOB_COLUMNS: Final = (
-    "seq, id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state, "
-    "role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, "
-    "cancel_requested, control_seq, expected_steps, expected_duration_s, launch_token, uid, user, "
-    "requested_share, restartable, migrating, launched_at, request_id"
-)
-_JSON_COLUMNS: Final = frozenset({"placement"})
+# JobRecord's fields are the jobs table's columns. These are stored as something else (JSON text,
+# enum values, 0 or 1) and converted each way here; the others are stored as they are.
+_FLAGS: Final = ("cancel_requested", "restartable", "migrating")
+_TO_COLUMN: Final[dict[str, Callable[[Any], Any]]] = {
+    "kind": lambda v: str(JobKind(v)),
+    "state": lambda v: str(JobStatus(v)),
+    "role": lambda v: None if v is None else str(Role(v)),
+    "command": lambda v: json.dumps(list(v)),
+    "env": lambda v: json.dumps([list(kv) for kv in v]),
+    "placement": lambda v: json.dumps(list(v)),
+    **dict.fromkeys(_FLAGS, lambda v: int(bool(v))),
+}
+_FROM_COLUMN: Final[dict[str, Callable[[Any], Any]]] = {
+    "kind": JobKind,
+    "state": JobStatus,
+    "role": lambda v: None if v is None else Role(v),
+    "command": lambda v: tuple(json.loads(v)),
+    "env": lambda v: tuple((k, x) for k, x in json.loads(v)),
+    "placement": lambda v: tuple(json.loads(v)),
+    **dict.fromkeys(_FLAGS, bool),
+}
+_COLUMNS: Final = tuple(f.name for f in dataclasses.fields(JobRecord))
+_DECODE_AT: Final = tuple((i, _FROM_COLUMN[c]) for i, c in enumerate(_COLUMNS) if c in _FROM_COLUMN)
+_SELECT_JOBS: Final = f"SELECT {', '.join(_COLUMNS)} FROM jobs"
+_SPEC_COLUMNS: Final = tuple(f.name for f in dataclasses.fields(JobSpec))  # what add_job writes, and state
+_INSERT_JOB: Final = (f"INSERT INTO jobs (id, state, {', '.join(_SPEC_COLUMNS)}) "
+                      f"VALUES ('', ?, {', '.join('?' * len(_SPEC_COLUMNS))})")
 _ALL_STATES: Final = ", ".join(f"'{s}'" for s in JobStatus)  # every row's state: the (state, seq) index covers all
 
 
@@ -196,21 +216,10 @@ class SqliteStorage:
     # -- jobs -------------------------------------------------------------------------------------
 
     def add_job(self, spec: JobSpec) -> JobRecord:
-        check_request_id(spec.request_id)
         with self.transaction():
-            if spec.request_id is not None:
-                first = self.job_by_request(spec.uid, spec.request_id)
-                if first is not None:
-                    raise duplicate_request(spec.uid, spec.request_id, first.id)
-            cur = self._db.execute(
-                "INSERT INTO jobs (id, tenant, kind, num_gpus, command, workdir, submit_time, env, "
-                "memory_bytes, name, state, expected_steps, expected_duration_s, uid, user, requested_share, "
-                "restartable, request_id) VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (spec.tenant, str(spec.kind), spec.num_gpus, json.dumps(list(spec.command)), spec.workdir,
-                 spec.submit_time, json.dumps([list(kv) for kv in spec.env]), spec.memory_bytes, spec.name,
-                 str(JobStatus.QUEUED), spec.expected_steps, spec.expected_duration_s, spec.uid, spec.user,
-                 spec.requested_share, int(spec.restartable), spec.request_id),
-            )
+            check_new_job(self, spec)
+            cur = self._db.execute(_INSERT_JOB, [str(JobStatus.QUEUED),
+                                                 *(_column(c, getattr(spec, c)) for c in _SPEC_COLUMNS)])
             seq = cur.lastrowid
             assert seq is not None
             self._db.execute("UPDATE jobs SET id = ? WHERE seq = ?", (job_id_for(seq), seq))
@@ -219,23 +228,23 @@ class SqliteStorage:
             return record
 
     def get_job(self, job_id: str) -> JobRecord | None:
-        row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = self._db.execute(f"{_SELECT_JOBS} WHERE id = ?", (job_id,)).fetchone()
         return None if row is None else _job(row)
 
     def job_by_request(self, uid: int | None, request_id: str) -> JobRecord | None:
         # The same expression as the unique index's, so the lookup is an index search.
-        row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE IFNULL(uid, -1) = ? AND request_id = ?",
+        row = self._db.execute(f"{_SELECT_JOBS} WHERE IFNULL(uid, -1) = ? AND request_id = ?",
                                (-1 if uid is None else uid, request_id)).fetchone()
         return None if row is None else _job(row)
 
     def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
         wanted = check_states(states)
         if wanted is None:
-            rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY seq").fetchall()
+            rows = self._db.execute(f"{_SELECT_JOBS} ORDER BY seq").fetchall()
         else:
             marks = ", ".join("?" * len(wanted))
             rows = self._db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN ({marks}) ORDER BY seq",
+                f"{_SELECT_JOBS} WHERE state IN ({marks}) ORDER BY seq",
                 [str(s) for s in wanted],
             ).fetchall()
         return [_job(r) for r in rows]
@@ -248,15 +257,15 @@ class SqliteStorage:
         with self._begin("DEFERRED"):  # one snapshot for the page and its count
             if wanted is None:
                 # Backwards along the primary key from the cursor: reads the page's rows only.
-                rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE seq < ? ORDER BY seq DESC LIMIT ?",
+                rows = self._db.execute(f"{_SELECT_JOBS} WHERE seq < ? ORDER BY seq DESC LIMIT ?",
                                         (below, limit)).fetchall()
-                rows.reverse()
+                jobs = [_job(r) for r in reversed(rows)]
                 # How many are older, read from the (state, seq) index, not the rows: counted
                 # directly near the oldest end, as all jobs (a b-tree count) less the newer ones
                 # near the newest (seq is about a job's position), where `list` reads.
                 remaining = 0
-                if rows:
-                    oldest = rows[0][0]
+                if jobs:
+                    oldest = jobs[0].seq
                     (total,) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()
                     near_newest = oldest > total // 2
                     (counted,) = self._db.execute(f"SELECT COUNT(*) FROM jobs INDEXED BY jobs_by_state WHERE state "
@@ -267,30 +276,20 @@ class SqliteStorage:
                 # The page's seqs from the (state, seq) index alone, then only those rows.
                 marks = ", ".join("?" * len(wanted))
                 names = [str(s) for s in wanted]
-                rows = self._db.execute(
-                    f"SELECT {_JOB_COLUMNS} FROM jobs WHERE seq IN (SELECT seq FROM jobs INDEXED BY jobs_by_state "
+                jobs = [_job(r) for r in self._db.execute(
+                    f"{_SELECT_JOBS} WHERE seq IN (SELECT seq FROM jobs INDEXED BY jobs_by_state "
                     f"WHERE state IN ({marks}) AND seq < ? ORDER BY seq DESC LIMIT ?) ORDER BY seq",
-                    [*names, below, limit]).fetchall()
+                    [*names, below, limit])]
                 remaining = 0
-                if rows:  # the matching older ones' index entries (no row is read)
+                if jobs:  # the matching older ones' index entries (no row is read)
                     (remaining,) = self._db.execute(
                         f"SELECT COUNT(*) FROM jobs INDEXED BY jobs_by_state WHERE state IN ({marks}) AND seq < ?",
-                        [*names, rows[0][0]]).fetchone()
-        return JobPage(tuple(_job(r) for r in rows), remaining)
+                        [*names, jobs[0].seq]).fetchone()
+        return JobPage(tuple(jobs), remaining)
 
     def update_job(self, job_id: str, **fields: Any) -> JobRecord:
         check_fields(fields)
-        if "state" in fields:
-            fields["state"] = str(JobStatus(fields["state"]))
-        values = []
-        for key, value in fields.items():
-            if key in _JSON_COLUMNS:
-                value = json.dumps(list(value))
-            elif key == "role" and value is not None:
-                value = str(Role(value))
-            elif key in ("cancel_requested", "migrating"):
-                value = int(bool(value))
-            values.append(value)
+        values = [_column(k, v) for k, v in fields.items()]
         with self.transaction():
             if fields:
                 assignments = ", ".join(f"{k} = ?" for k in fields)
@@ -391,20 +390,13 @@ def _retry_locked(call: Callable[[], object]) -> None:
             time.sleep(0.01)
 
 
+def _column(name: str, value: Any) -> Any:
+    convert = _TO_COLUMN.get(name)
+    return value if convert is None else convert(value)
+
+
 def _job(row: tuple[Any, ...]) -> JobRecord:
-    (seq, job_id, tenant, kind, num_gpus, command, workdir, submit_time, env, memory_bytes, name, state,
-     role, placement, pid, pid_start, job_dir, started_at, ended_at, exit_code, reason, cancel, control_seq,
-     expected_steps, expected_duration_s, launch_token, uid, user, requested_share, restartable, migrating,
-     launched_at, request_id) = row
-    return JobRecord(
-        id=job_id, seq=seq, tenant=tenant, kind=JobKind(kind), num_gpus=num_gpus,
-        command=tuple(json.loads(command)), workdir=workdir, submit_time=submit_time,
-        env=tuple((k, v) for k, v in json.loads(env)), memory_bytes=memory_bytes, name=name,
-        state=JobStatus(state), role=None if role is None else Role(role),
-        placement=tuple(json.loads(placement)), pid=pid, pid_start=pid_start, job_dir=job_dir,
-        started_at=started_at, ended_at=ended_at, exit_code=exit_code, reason=reason,
-        cancel_requested=bool(cancel), control_seq=control_seq, expected_steps=expected_steps,
-        expected_duration_s=expected_duration_s, launch_token=launch_token, uid=uid, user=user,
-        requested_share=requested_share, restartable=bool(restartable), migrating=bool(migrating),
-        launched_at=launched_at, request_id=request_id,
-    )
+    values = list(row)
+    for i, decode in _DECODE_AT:
+        values[i] = decode(values[i])
+    return JobRecord(*values)

@@ -155,7 +155,7 @@ def test_a_page_of_a_store_with_100k_jobs_reads_the_page_not_the_store(tmp_path:
 
     built: list[str] = []
     real_job = sqlite_module._job
-    monkeypatch.setattr(sqlite_module, "_job", lambda row: built.append(row[1]) or real_job(row))
+    monkeypatch.setattr(sqlite_module, "_job", lambda row: built.append(row[0]) or real_job(row))
     store = SqliteStorage(db)
     hundreds = [0]
 
