@@ -132,6 +132,19 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
         raise ConfigError(where, "<structure>", f"the documented structure (docs/simulator.md): {e}") from None
 
 
+# The model's numbers: the file's keys (PerfModel's fields) and the range each must be in.
+SCALARS = {"step_noise_cv": (0.0, 1.0), "contention_slowdown": (0.0, 100.0),
+           "unisolated_share_exponent": (0.0, 10.0), "colocation_interference": (0.0, 10.0),
+           "cross_group_slowdown": (0.0, 100.0), "checkpoint_restart_s": (0.0, 86400.0)}
+SURGE_FIELDS = {"probability": (0.0, 1.0), "growth": (0.0, 10.0), "at_fraction": (0.0, 1.0)}  # surge_<key>
+# cpu_phases' keys (v4): PerfModel's field and the range of each.
+PHASE_FIELDS = {"input_s": ("input_phase_s", 0.0, 86400.0),
+                "input_max_fraction": ("input_phase_max_fraction", 0.0, 1.0),
+                "evaluation_every_s": ("evaluation_every_s", 0.0, 1e7),
+                "evaluation_s": ("evaluation_s", 0.0, 86400.0)}
+MIN_EVALUATION_EVERY_S = 60.0
+
+
 def _perf_model(raw: dict) -> PerfModel:
     if raw.get("format") != FORMAT or raw.get("version") not in READABLE:
         raise ConfigError("perf_model.format/version", (raw.get("format"), raw.get("version")),
@@ -162,40 +175,24 @@ def _perf_model(raw: dict) -> PerfModel:
             if m not in models:
                 raise ConfigError(f"families.{f}", m, "a name listed under models")
     surge = raw["memory_surge"]
-    check_range("step_noise_cv", raw["step_noise_cv"], 0.0, 1.0)
-    check_range("contention_slowdown", raw["contention_slowdown"], 0.0, 100.0)
-    check_range("unisolated_share_exponent", raw["unisolated_share_exponent"], 0.0, 10.0)
-    check_range("colocation_interference", raw["colocation_interference"], 0.0, 10.0)
-    check_range("cross_group_slowdown", raw["cross_group_slowdown"], 0.0, 100.0)
-    check_range("checkpoint_restart_s", raw["checkpoint_restart_s"], 0.0, 86400.0)
-    check_range("memory_surge.probability", surge["probability"], 0.0, 1.0)
-    check_range("memory_surge.growth", surge["growth"], 0.0, 10.0)
-    check_range("memory_surge.at_fraction", surge["at_fraction"], 0.0, 1.0)
-    phases = _cpu_phases(raw.get("cpu_phases")) if raw["version"] >= 4 else {}
-    return PerfModel(models, families, raw["step_noise_cv"], raw["contention_slowdown"],
-                     raw["unisolated_share_exponent"],
-                     raw["colocation_interference"], raw["cross_group_slowdown"],
-                     raw["checkpoint_restart_s"], surge["probability"], surge["growth"],
-                     surge["at_fraction"],
-                     input_phase_s=phases.get("input_s", 0.0),
-                     input_phase_max_fraction=phases.get("input_max_fraction", 0.0),
-                     evaluation_every_s=phases.get("evaluation_every_s", 0.0),
-                     evaluation_s=phases.get("evaluation_s", 0.0))
-
-
-MIN_EVALUATION_EVERY_S = 60.0
-PHASE_FIELDS = {"input_s": (0.0, 86400.0), "input_max_fraction": (0.0, 1.0),
-                "evaluation_every_s": (0.0, 1e7), "evaluation_s": (0.0, 86400.0)}
+    for key, (low, high) in SCALARS.items():
+        check_range(key, raw[key], low, high)
+    for key, (low, high) in SURGE_FIELDS.items():
+        check_range(f"memory_surge.{key}", surge[key], low, high)
+    phases = _cpu_phases(raw.get("cpu_phases")) if raw["version"] >= 4 else {}  # v3: none
+    return PerfModel(models, families, **{key: raw[key] for key in SCALARS},
+                     **{f"surge_{key}": surge[key] for key in SURGE_FIELDS}, **phases)
 
 
 def _cpu_phases(phases: object) -> dict[str, float]:
-    """The v4 `cpu_phases` object, validated: exactly the four fields, each in its range."""
+    """The v4 `cpu_phases` object, validated (exactly the four fields, each in its range), as
+    PerfModel's fields."""
     if not isinstance(phases, dict):
         raise ConfigError("cpu_phases", phases, "an object with " + ", ".join(PHASE_FIELDS))
     for key in phases:
         if key not in PHASE_FIELDS:
             raise ConfigError(f"cpu_phases.{key}", phases[key], "one of " + ", ".join(PHASE_FIELDS))
-    for key, (low, high) in PHASE_FIELDS.items():
+    for key, (_, low, high) in PHASE_FIELDS.items():
         if key not in phases:
             raise ConfigError(f"cpu_phases.{key}", None, f"a number in [{low}, {high}]")
         check_range(f"cpu_phases.{key}", phases[key], low, high)
@@ -203,8 +200,8 @@ def _cpu_phases(phases: object) -> dict[str, float]:
     if 0 < phases["evaluation_every_s"] < MIN_EVALUATION_EVERY_S:
         raise ConfigError("cpu_phases.evaluation_every_s", phases["evaluation_every_s"],
                           f"0 (no evaluations) or a number in [{MIN_EVALUATION_EVERY_S:g}, "
-                          f"{PHASE_FIELDS['evaluation_every_s'][1]:g}]")
+                          f"{PHASE_FIELDS['evaluation_every_s'][2]:g}]")
     if phases["evaluation_every_s"] > 0 and phases["evaluation_s"] >= phases["evaluation_every_s"]:
         raise ConfigError("cpu_phases.evaluation_s", phases["evaluation_s"],
                           f"below cpu_phases.evaluation_every_s ({phases['evaluation_every_s']})")
-    return phases
+    return {field: phases[key] for key, (field, _, _) in PHASE_FIELDS.items()}
