@@ -59,6 +59,9 @@ NODE_COLUMNS = ("gpu",)
 # (one evaluation per perf_model cpu_phases.evaluation_every_s of work): a bound on the run time
 # keeps a stray value from building millions of them.
 MAX_RUNTIME_S = 1e8
+# The 2023 trace's files in a trace directory.
+PODS = Path("alibaba-gpu-v2023/openb_pod_list_default.csv")
+NODES = Path("alibaba-gpu-v2023/openb_node_list_gpu_node.csv")
 
 
 def _num(row: dict[str, str], field: str, where: str, low: float, high: float, whole: bool = False) -> float:
@@ -247,9 +250,9 @@ def alibaba_v2023(perf: PerfModel, trace_dir: Path | None = None, *, seed: int =
                   gpus: int | None = None, peak_ratio: float | None = None,
                   time_compression: float = 1.0) -> Workload:
     """The 2023 trace from `trace_dir` (default: the development checkout's)."""
-    base = (trace_dir or default_trace_dir()) / "alibaba-gpu-v2023"
-    return load_alibaba(perf, base / "openb_pod_list_default.csv", base / "openb_node_list_gpu_node.csv",
-                        seed=seed, gpus=gpus, peak_ratio=peak_ratio, time_compression=time_compression)
+    base = trace_dir or default_trace_dir()
+    return load_alibaba(perf, base / PODS, base / NODES, seed=seed, gpus=gpus, peak_ratio=peak_ratio,
+                        time_compression=time_compression)
 
 
 __all__ = ["alibaba_v2023", "load_alibaba", "peak_demand", "read_nodes"]

@@ -10,7 +10,7 @@ from typing import NoReturn
 
 from scheduler_lite.policy.registry import POLICIES, get_policy
 from scheduler_lite.policy.validation import ConfigError
-from scheduler_lite.sim.alibaba import load_alibaba
+from scheduler_lite.sim.alibaba import NODES, PODS, load_alibaba
 from scheduler_lite.sim.engine import ROUND_MODES, simulate
 from scheduler_lite.sim.output import plot, write_jobs_csv, write_summary
 from scheduler_lite.sim.perf import load_perf_model
@@ -75,22 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
 PAPER_DEFAULTS = {"jobs": 400, "nodes": 8, "gpus_per_node": 8, "gpu_memory_gib": 32.0, "quota_a": 64,
                   "load": 1.5, "auto_fraction": 0.0}
 ALIBABA_OPTIONS = ("pods", "node_list", "cluster_gpus", "peak_ratio", "time_compression", "trace_dir")
-# The workload builders name their parameters; the user typed these options.
-OPTION_OF = {"num_jobs": "--jobs", "nodes": "--nodes", "gpus_per_node": "--gpus-per-node",
-             "gpu_memory_gib": "--gpu-memory-gib", "quota_a": "--quota-a", "load": "--load",
-             "auto_fraction": "--auto-fraction", "cluster_gpus": "--cluster-gpus", "peak_ratio": "--peak-ratio",
-             "time_compression": "--time-compression"}
 
 
 def _check_options(args: argparse.Namespace) -> None:
     """Options of the other workload are an error, not silently ignored."""
-    given, foreign = (PAPER_DEFAULTS, "alibaba") if args.workload == "alibaba" else (ALIBABA_OPTIONS, "paper")
-    for name in given:
+    other, options = ("paper", PAPER_DEFAULTS) if args.workload == "alibaba" else ("alibaba", ALIBABA_OPTIONS)
+    for name in options:
         value = getattr(args, name)
         if value is not None:
             raise ConfigError(f"--{name.replace('_', '-')}", str(value) if isinstance(value, Path) else value,
-                              f"an option of the {'paper' if foreign == 'alibaba' else 'alibaba'} workload "
-                              f"(this run is --workload {args.workload})")
+                              f"an option of the {other} workload (this run is --workload {args.workload})")
     if args.workload == "paper":
         for name, default in PAPER_DEFAULTS.items():
             if getattr(args, name) is None:
@@ -119,35 +113,26 @@ def _check_out(out: Path) -> None:
         raise ConfigError("--out", str(out), f"a writable directory ({e.strerror})") from None
 
 
-# An input that could not be read, by its path: the option to name, the value to show, what the
-# option accepts.
-Readers = dict[str, tuple[str, str, str]]
-
-
-def _alibaba_paths(args: argparse.Namespace) -> tuple[Path, Path, Readers]:
-    """The pod and node lists, and how to name each when it cannot be read (a default comes
-    from --trace-dir, given or not)."""
-    trace_dir = args.trace_dir or default_trace_dir()
-    base = trace_dir / "alibaba-gpu-v2023"
-    pods = args.pods or base / "openb_pod_list_default.csv"
-    nodes = args.node_list or base / "openb_node_list_gpu_node.csv"
-    where = str(trace_dir) if args.trace_dir is not None else f"{trace_dir} (the default)"
-    readers: Readers = {}
-    for path, flag, given in ((nodes, "--node-list", args.node_list), (pods, "--pods", args.pods)):
-        if given is not None:
-            readers[str(path)] = (flag, str(path), "a readable file")
-        else:
-            readers[str(path)] = ("--trace-dir", where, f"a directory holding {path.relative_to(trace_dir)} "
-                                  f"(or give {flag})")
-    return pods, nodes, readers
-
-
-def _unreadable(e: OSError, readers: Readers) -> ConfigError | OSError:
-    """An input file that could not be read, as an error naming its option (else `e` as is)."""
-    if str(e.filename) not in readers:
-        return e
-    flag, value, accepted = readers[str(e.filename)]
-    return ConfigError(flag, value, f"{accepted} ({e.strerror})")
+def _as_option(e: ConfigError | OSError, args: argparse.Namespace) -> ConfigError | OSError:
+    """The error naming the option the user typed: the workload builders name their parameters
+    (the options' names, but num_jobs), and an input file that could not be read its path (a
+    default one comes from --trace-dir, given or not)."""
+    if isinstance(e, ConfigError):
+        dest = "jobs" if e.field == "num_jobs" else e.field
+        return ConfigError(f"--{dest.replace('_', '-')}", e.value, e.accepted) if dest in vars(args) else e
+    name = str(e.filename)
+    if args.perf_model is not None and name == str(args.perf_model):
+        return ConfigError("--perf-model", name, f"a readable file ({e.strerror})")
+    if args.workload == "alibaba":
+        trace_dir = args.trace_dir or default_trace_dir()
+        for flag, given, default in (("--pods", args.pods, PODS), ("--node-list", args.node_list, NODES)):
+            if given is not None and name == str(given):
+                return ConfigError(flag, name, f"a readable file ({e.strerror})")
+            if given is None and name == str(trace_dir / default):
+                where = str(trace_dir) if args.trace_dir is not None else f"{trace_dir} (the default)"
+                return ConfigError("--trace-dir", where, f"a directory holding {default} (or give {flag}) "
+                                   f"({e.strerror})")
+    return e
 
 
 class _Console:
@@ -169,9 +154,6 @@ class _Console:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    readers: Readers = {}
-    if args.perf_model is not None:
-        readers[str(args.perf_model)] = ("--perf-model", str(args.perf_model), "a readable file")
     try:
         _check_options(args)
         perf = load_perf_model(args.perf_model)
@@ -181,17 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                               quota_a=args.quota_a, load=args.load, auto_fraction=args.auto_fraction)
         else:
             compression = 1.0 if args.time_compression is None else args.time_compression
-            pods, nodes, named = _alibaba_paths(args)
-            readers.update(named)
-            wl = load_alibaba(perf, pods, nodes, gpus=args.cluster_gpus, peak_ratio=args.peak_ratio,
+            trace_dir = args.trace_dir or default_trace_dir()
+            wl = load_alibaba(perf, args.pods or trace_dir / PODS, args.node_list or trace_dir / NODES,
+                              gpus=args.cluster_gpus, peak_ratio=args.peak_ratio,
                               time_compression=compression, seed=args.seed)
         policies = [get_policy(n) for n in (args.policy or list(POLICIES))]
     except (ConfigError, OSError) as e:
-        if isinstance(e, OSError):
-            e = _unreadable(e, readers)
-        if isinstance(e, ConfigError) and e.field in OPTION_OF:
-            e = ConfigError(OPTION_OF[e.field], e.value, e.accepted)
-        print(f"scheduler-lite sim: error: {e}", file=sys.stderr)
+        print(f"scheduler-lite sim: error: {_as_option(e, args)}", file=sys.stderr)
         return 2
     out = _Console()
     results = []
