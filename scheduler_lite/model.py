@@ -285,16 +285,3 @@ class GpuView:
     # Device memory seen on the GPU that no job's limit controls (NVML: a process of no job, the
     # bytes a job holds above its limit; scheduler_lite.misbehaviour): counted as taken.
     unmanaged_bytes: int = 0
-
-    def memory_to_hand_out(self) -> int:
-        """What the coordinator may give the jobs: the GPU less the memory taken outside them."""
-        return max(0, self.gpu.memory_bytes - self.unmanaged_bytes)
-
-    def guarantee_job(self) -> LocalJob | None:
-        for job in self.jobs:
-            if job.role is Role.GUARANTEE:
-                return job
-        return None
-
-    def opportunistic_jobs(self) -> tuple[LocalJob, ...]:
-        return tuple(j for j in self.jobs if j.role is Role.OPPORTUNISTIC)

@@ -32,14 +32,13 @@ job to another and undoing the move when normalised aggregate progress fell.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler_lite.frozen import quick_init
+from scheduler_lite.frozen import quick_init, replacer
 from scheduler_lite.model import (
     GpuView,
     LocalDecision,
@@ -144,23 +143,7 @@ class CoordinatorMemo:
     next_round_at: float | None = None
 
 
-_MEMO_FIELDS = tuple(f.name for f in dataclasses.fields(CoordinatorMemo))
-_KEEP = object()  # "this field as in the memo" in _evolve
-
-
-def _make_evolve() -> Callable[..., CoordinatorMemo]:
-    """`dataclasses.replace` for CoordinatorMemo without its per-call field introspection: a
-    function with one keyword per field, written out once (a round's main cost was the generic
-    loop over the fields)."""
-    params = ", ".join(f"{n}=_KEEP" for n in _MEMO_FIELDS)
-    args = ", ".join(f"memo.{n} if {n} is _KEEP else {n}" for n in _MEMO_FIELDS)
-    source = f"def _evolve(memo, *, {params}):\n    return CoordinatorMemo({args})\n"
-    namespace: dict[str, object] = {"_KEEP": _KEEP, "CoordinatorMemo": CoordinatorMemo}
-    exec(source, namespace)  # noqa: S102 - the source is built from the dataclass's own field names
-    return namespace["_evolve"]  # type: ignore[return-value]
-
-
-_evolve = _make_evolve()
+_evolve = replacer(CoordinatorMemo)  # a round's main cost was dataclasses.replace's loop over the fields
 _NO_IDS: frozenset[str] = frozenset()
 
 
@@ -191,7 +174,7 @@ def is_degraded(samples: Sequence[float], baseline_s: float, config: Coordinator
 def round(
     now: float, view: GpuView, config: CoordinatorConfig, memo: CoordinatorMemo
 ) -> tuple[list[LocalDecision], CoordinatorMemo]:
-    # view.guarantee_job() and view.opportunistic_jobs() in one loop (this runs every round).
+    # The guarantee job and the opportunistic ones, in one loop (this runs every round).
     guarantee = None
     opps: list[LocalJob] = []
     for job in view.jobs:
@@ -222,9 +205,10 @@ def _memory(view: GpuView, cfg: CoordinatorConfig) -> int:
     but never less than `min_memory_bytes` per job. A job's own bytes above its limit count as
     taken, so a job slow to apply a lower limit would otherwise be cut again at each round, down
     to nothing."""
+    whole = view.gpu.memory_bytes
     if not view.unmanaged_bytes:
-        return view.gpu.memory_bytes
-    return max(view.memory_to_hand_out(), min(view.gpu.memory_bytes, len(view.jobs) * cfg.min_memory_bytes))
+        return whole
+    return max(whole - view.unmanaged_bytes, min(whole, len(view.jobs) * cfg.min_memory_bytes))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler_lite.frozen import quick_init
-from scheduler_lite.model import Job, JobKind, LocalJob, Role, StepSample
+from scheduler_lite.frozen import quick_init, replacer
+from scheduler_lite.model import Job, JobKind, JobState, LocalJob, Role, StepSample
 from scheduler_lite.policy.coordinator import CoordinatorMemo, Phase
 
 
@@ -45,6 +45,15 @@ def test_records_stay_frozen_equal_hashable_and_replaceable():
     assert job.with_(memory_demand_bytes=5).memory_demand_bytes == 5 and job.memory_demand_bytes == 0
     local = LocalJob("j", Role.GUARANTEE, 1, 1, 0, 1.0, (StepSample(1.0, 0.5),))
     assert local.steps[0].seconds == 0.5 and local.solo_step_time_s is None
+
+
+def test_replacer_builds_what_dataclasses_replace_builds():
+    job = Job("j", "a", 2, JobKind.AUTO, 1.0, memory_demand_bytes=7)
+    assert replacer(Job)(job, state=JobState.RUNNING, placement=(1, 2)) == dataclasses.replace(
+        job, state=JobState.RUNNING, placement=(1, 2))
+    assert replacer(Job)(job) == job
+    assert replacer(Job, "role", "placement")(job, Role.GUARANTEE, (3, 4)) == dataclasses.replace(
+        job, role=Role.GUARANTEE, placement=(3, 4))
 
 
 def test_refuses_what_it_cannot_build_faithfully():
