@@ -12,8 +12,8 @@ from scheduler_lite.policy.registry import POLICIES, get_policy
 from scheduler_lite.policy.validation import ConfigError
 from scheduler_lite.sim.alibaba import NODES, PODS, load_alibaba
 from scheduler_lite.sim.engine import ROUND_MODES, simulate
-from scheduler_lite.sim.output import plot, write_jobs_csv, write_summary
 from scheduler_lite.sim.perf import load_perf_model
+from scheduler_lite.sim.result import plot, write_jobs_csv, write_summary
 from scheduler_lite.sim.workload import default_trace_dir, paper_recipe
 
 
