@@ -54,7 +54,6 @@ class Simulator:
         perf: PerfModel,
         *,
         seed: int = 0,
-        coordinator_config: CoordinatorConfig | None = None,
         progress: bool = False,
         check_invariants: bool = False,
         rounds: str = "event",
@@ -65,7 +64,7 @@ class Simulator:
         self.policy = policy
         self.perf = perf
         self.seed = seed
-        self.ccfg = (coordinator_config or CoordinatorConfig()).validate()
+        self.ccfg = CoordinatorConfig()  # the daemon's default
         self.sched_cfg = policy.config.validate()
         self.progress = progress
         self.check = check_invariants

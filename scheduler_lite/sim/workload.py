@@ -32,6 +32,9 @@ MAX_SUBMIT_TIME_S = 1e12
 # Error of tf-antman-sjf's run-time predictions: log-normal, sigma 0.25 (recurring tasks are
 # predicted within ~25%, NSDI'22 §5.2); the recipe's and the Alibaba replay's.
 PREDICTION_ERROR_SIGMA = 0.25
+# The recipe's run times, drawn from the Philly quantiles, are clamped to [1 min, 4 h].
+RECIPE_MIN_RUNTIME_S = 60.0
+RECIPE_MAX_RUNTIME_S = 4 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,21 +77,14 @@ def uniform_cluster(nodes: int, gpus_per_node: int, memory_gib: float) -> tuple[
     )
 
 
-class RuntimeQuantiles:
-    """Inverse CDF of the shipped Philly run-time summary (linear between quantiles)."""
-
-    def __init__(self) -> None:
-        raw = json.loads(
-            resources.files("scheduler_lite.data").joinpath("philly_runtime_quantiles.json").read_text()
-        )
-        self.values: list[float] = raw["quantiles_s"]
-
-    def sample(self, rng: random.Random) -> float:
-        u = rng.random() * (len(self.values) - 1)
-        i = int(u)
-        if i >= len(self.values) - 1:
-            return self.values[-1]
-        return self.values[i] + (self.values[i + 1] - self.values[i]) * (u - i)
+def _sample_runtime(quantiles: list[float], rng: random.Random) -> float:
+    """A draw from the inverse CDF of the shipped Philly run-time summary (linear between
+    quantiles)."""
+    u = rng.random() * (len(quantiles) - 1)
+    i = int(u)
+    if i >= len(quantiles) - 1:
+        return quantiles[-1]
+    return quantiles[i] + (quantiles[i + 1] - quantiles[i]) * (u - i)
 
 
 def paper_recipe(
@@ -101,9 +97,6 @@ def paper_recipe(
     gpu_memory_gib: float = 32.0,
     quota_a: int = 64,
     load: float = 1.2,
-    min_runtime_s: float = 60.0,
-    max_runtime_s: float = 4 * 3600.0,
-    prediction_error: float = PREDICTION_ERROR_SIGMA,
     auto_fraction: float = 0.0,
 ) -> Workload:
     """`load`: offered GPU-seconds per second over the cluster size (Poisson arrivals).
@@ -116,11 +109,10 @@ def paper_recipe(
     check_int("quota_a", quota_a, 0, 10_000_000)
     check_range("auto_fraction", auto_fraction, 0.0, 1.0)
     check_range("load", load, 0.0, 100.0, low_open=True)
-    check_range("max_runtime_s", max_runtime_s, min_runtime_s, 1e9)
-    check_range("prediction_error", prediction_error, 0.0, 10.0)
     rng = random.Random(seed)
     gpus = uniform_cluster(nodes, gpus_per_node, gpu_memory_gib)
-    runtimes = RuntimeQuantiles()
+    quantiles = json.loads(resources.files("scheduler_lite.data").joinpath("philly_runtime_quantiles.json")
+                           .read_text())["quantiles_s"]
     families = sorted(perf.families)
     sizes = [s for s, _ in RECIPE_GANG_SIZES if s <= len(gpus)]
     weights = [w for s, w in RECIPE_GANG_SIZES if s <= len(gpus)]
@@ -128,12 +120,12 @@ def paper_recipe(
     for i in range(num_jobs):
         model = rng.choice(perf.families[rng.choice(families)])
         m = perf.models[model]
-        runtime = min(max(runtimes.sample(rng), min_runtime_s), max_runtime_s)
+        runtime = min(max(_sample_runtime(quantiles, rng), RECIPE_MIN_RUNTIME_S), RECIPE_MAX_RUNTIME_S)
         num = rng.choices(sizes, weights)[0]
         tenant = "A" if rng.random() < 0.5 else "B"
         surge = rng.random() < perf.surge_probability
         # Recurring tasks are predicted within ~25% (NSDI'22 §5.2): log-normal error.
-        predicted = runtime * math.exp(rng.gauss(0.0, prediction_error))
+        predicted = runtime * math.exp(rng.gauss(0.0, PREDICTION_ERROR_SIGMA))
         drafts.append((i, model, m, runtime, num, tenant, surge, predicted))
     mean_work = sum(d[3] * d[4] for d in drafts) / num_jobs
     rate = load * len(gpus) / mean_work

@@ -45,7 +45,6 @@ from scheduler_lite.model import (
     Tenant,
     Upgrade,
 )
-from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.registry import get_policy
 from scheduler_lite.sim.engine import Simulator
 from scheduler_lite.sim.perf import load_perf_model
@@ -164,8 +163,7 @@ def run_simulator(scenario: tuple[Spec, ...] = SCENARIO) -> tuple[Simulator, dic
         for s in scenario
     )
     workload = Workload("scripted", gpus, (Tenant("A", 1), Tenant("B", 0)), jobs)
-    sim = Simulator(workload, get_policy("tf-antman"), perf, coordinator_config=CoordinatorConfig(),
-                    rounds="periodic", check_invariants=True)
+    sim = Simulator(workload, get_policy("tf-antman"), perf, rounds="periodic", check_invariants=True)
     sim.driver._setting = "simulator"  # type: ignore[attr-defined]
     result = sim.run()
     assert all(r["state"] == "finished" for r in result.records), result.records
