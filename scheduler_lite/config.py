@@ -4,8 +4,8 @@
 
 Every rejection is a `ConfigError` whose field is the key path in the file
 (`devices.emulated[1].memory`, `coordinator.floor_share`) and whose message gives the accepted
-range. `[scheduler]`, `[coordinator]` and `[migration]` are passed through to the policies' own config classes
-and validated by them, so the ranges live in one place (scheduler_lite/policy/).
+range. `[jobs]`, `[daemon]`, `[scheduler]`, `[coordinator]` and `[migration]` are passed through to their
+config classes (the policies' own in scheduler_lite/policy/) and validated by them, so each range lives in one place.
 """
 
 from __future__ import annotations
@@ -87,6 +87,14 @@ class JobsConfig:
     # A job with no new stats.json for this long is reported `silent`.
     silent_after_s: float = 60.0
 
+    def validate(self) -> JobsConfig:
+        check_range("cancel_grace_s", self.cancel_grace_s, 0.0, 3600.0)
+        check_choice("opportunistic_priority", self.opportunistic_priority, PRIORITIES)
+        check_choice("containment", self.containment, CONTAINMENT_MODES)
+        check_choice("misbehaviour", self.misbehaviour, MISBEHAVIOUR_ACTIONS)
+        check_range("silent_after_s", self.silent_after_s, 1.0, 86400.0)
+        return self
+
 
 @dataclass(frozen=True, slots=True)
 class DaemonConfig:
@@ -96,6 +104,12 @@ class DaemonConfig:
     schedule_interval_s: float = 5.0
     # The paper's "GPU utilisation over the last 10 s" for the opportunistic threshold M.
     utilisation_window_s: float = 10.0
+
+    def validate(self) -> DaemonConfig:
+        check_range("tick_interval_s", self.tick_interval_s, 0.01, 60.0)
+        check_range("schedule_interval_s", self.schedule_interval_s, 0.01, 3600.0)
+        check_range("utilisation_window_s", self.utilisation_window_s, 0.1, 3600.0)
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,9 +251,10 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
     devices = _devices(root.table("devices"))
     tenants, members = _tenants(root.take("tenants", required=True))
     access = _access(root.table("access", required=False), members)
-    jobs = _jobs(root.table("jobs", required=False))
-    daemon = _daemon(root.table("daemon", required=False))
-    scheduler = _pass_through(root.table("scheduler", required=False), SchedulerConfig, sizes=())
+    jobs = _pass_through(root.table("jobs", required=False), JobsConfig, sizes=("host_memory_bytes",),
+                         keys={"host_memory_bytes": "host_memory"})
+    daemon = _pass_through(root.table("daemon", required=False), DaemonConfig)
+    scheduler = _pass_through(root.table("scheduler", required=False), SchedulerConfig)
     coordinator = _pass_through(
         root.table("coordinator", required=False), CoordinatorConfig, sizes=("min_memory_bytes",)
     )
@@ -250,7 +265,7 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
                + [(f"devices.ids[{i}]", d) for i, d in enumerate(devices.nvml_ids or ())])
         cluster = parse_cluster(cluster_value, base_dir, [t.name for t in tenants], ids)
         check_fencing(cluster, daemon.tick_interval_s)
-    migration = _pass_through(root.table("migration", required=False), MigrationConfig, sizes=())
+    migration = _pass_through(root.table("migration", required=False), MigrationConfig)
     root.finish()
     return Config(version, state_dir, devices, tenants, jobs, daemon, scheduler, coordinator, source, access,
                   cluster, migration, as_written if as_written.is_absolute() else Path.cwd() / as_written)
@@ -409,58 +424,27 @@ def _access(t: _Table, members: tuple[TenantMembers, ...]) -> AccessConfig:
     return AccessConfig(members, admins, admin_groups)
 
 
-def _jobs(t: _Table) -> JobsConfig:
-    d = JobsConfig()
-    host = _size(t.path("host_memory"), t.take("host_memory", default=d.host_memory_bytes), 0, MAX_BYTES)
-    grace = t.take("cancel_grace_s", default=d.cancel_grace_s)
-    check_range(t.path("cancel_grace_s"), grace, 0.0, 3600.0)
-    priority = t.take("opportunistic_priority", default=d.opportunistic_priority)
-    check_choice(t.path("opportunistic_priority"), priority, PRIORITIES)
-    containment = t.take("containment", default=d.containment)
-    check_choice(t.path("containment"), containment, CONTAINMENT_MODES)
-    misbehaviour = t.take("misbehaviour", default=d.misbehaviour)
-    check_choice(t.path("misbehaviour"), misbehaviour, MISBEHAVIOUR_ACTIONS)
-    silent = t.take("silent_after_s", default=d.silent_after_s)
-    check_range(t.path("silent_after_s"), silent, 1.0, 86400.0)
-    t.finish()
-    return JobsConfig(host, float(grace), priority, containment, misbehaviour, float(silent))
-
-
-def _daemon(t: _Table) -> DaemonConfig:
-    d = DaemonConfig()
-    values = {}
-    for key, low, high in (
-        ("tick_interval_s", 0.01, 60.0),
-        ("schedule_interval_s", 0.01, 3600.0),
-        ("utilisation_window_s", 0.1, 3600.0),
-    ):
-        v = t.take(key, default=getattr(d, key))
-        check_range(t.path(key), v, low, high)
-        values[key] = float(v)
-    t.finish()
-    return DaemonConfig(**values)
-
-
-def _pass_through(t: _Table, cls: type[C], sizes: tuple[str, ...]) -> C:
-    """Keys map onto the policy config's fields; its own validate() checks the ranges."""
+def _pass_through(t: _Table, cls: type[C], sizes: tuple[str, ...] = (), keys: Mapping[str, str] | None = None) -> C:
+    """Keys map onto the config class's fields (`keys`: field -> key where the file names it
+    otherwise; `sizes`: fields given in bytes or as "4GiB"); its own validate() checks the ranges
+    (a string field's among its choices)."""
+    names = {f.name: (keys or {}).get(f.name, f.name) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     defaults = cls()
     changes: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name not in t.data:
+    for name, key in names.items():
+        if key not in t.data:
             continue
-        value = t.take(f.name)
-        default = getattr(defaults, f.name)
-        if f.name in sizes:
-            value = _size(t.path(f.name), value, 0, MAX_BYTES)
+        value = t.take(key)
+        default = getattr(defaults, name)
+        if name in sizes:
+            value = _size(t.path(key), value, 0, MAX_BYTES)
         elif isinstance(default, bool):
             if not isinstance(value, bool):
-                raise ConfigError(t.path(f.name), value, "true or false")
+                raise ConfigError(t.path(key), value, "true or false")
         elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        elif isinstance(default, str) and not isinstance(value, str):
-            raise ConfigError(t.path(f.name), value, "a string")
-        changes[f.name] = value
-    t.finish([f.name for f in dataclasses.fields(cls)])  # type: ignore[arg-type]
+        changes[name] = value
+    t.finish(list(names.values()))
     config = dataclasses.replace(defaults, **changes)  # type: ignore[type-var]
     try:
         return config.validate()  # type: ignore[attr-defined,no-any-return]

@@ -68,6 +68,8 @@ def test_passes_policy_sections_through() -> None:
         (("jobs", "host_memory"), True, "jobs.host_memory", "bytes"),
         (("jobs", "opportunistic_priority"), "idle", "jobs.opportunistic_priority", "one of low, normal"),
         (("jobs", "misbehaviour"), "kill", "jobs.misbehaviour", "one of warn, stop, requeue"),
+        (("jobs", "containment"), 1, "jobs.containment", "one of auto, off, required"),
+        (("scheduler", "gang_locality"), 1, "scheduler.gang_locality", "one of wait, spread"),
         (("daemon", "tick_interval_s"), 0, "daemon.tick_interval_s", "[0.01, 60.0]"),
         (("scheduler", "utilisation_threshold"), 1.5, "scheduler.utilisation_threshold", "(0.0, 1.0]"),
         (("scheduler", "enable_upgrade"), "yes", "scheduler.enable_upgrade", "true or false"),
