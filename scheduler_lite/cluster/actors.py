@@ -12,7 +12,7 @@ same node pin and environment, but the booking lives as long as the actor:
   directory, refused if the booking was released or claimed already), then runs the class's own
   `__init__`. The node host adopts the actor's worker process from then on, exactly as a task's.
 - The booking ends when that process is gone (`ray.kill`, `exit_actor`, a crash): the node
-  host already ends a booking whose claiming process is gone (`NodeHost._poll_task`). An actor's
+  host already ends a booking whose claiming process is gone (node_host `_BookedTasks.poll`). An actor's
   worker is its own (Ray never reuses it), so it lives exactly as long as the actor. How it
   ended: a graceful exit (Python runs `atexit`) records exit status 0 (job `finished`), a
   constructor that raises 1; a `ray.kill` or a crash records nothing (`failed`, exit unknown).

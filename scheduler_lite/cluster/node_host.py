@@ -55,7 +55,6 @@ from scheduler_lite.launcher import (
     process_running,
     process_start_ticks,
     read_exit,
-    read_exit_status,
     wrappers_under,
 )
 from scheduler_lite.model import Gpu
@@ -88,20 +87,88 @@ class NodeReport:
     fenced: tuple[tuple[str, str], ...] = ()
 
 
+@dataclass(slots=True)
+class _Booking(ProcessHandle):
+    """A Ray task's booking (scheduler_lite.cluster.tasks): Ray starts the process, not this node
+    host. `pid` is 0 until the task claims the booking (its pid file); `env` is what the task must
+    run with; `booked_at` bounds the wait for that claim."""
+
+    job_id: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    booked_at: float = 0.0
+
+
 @dataclass
 class _Part:
     job_id: str
-    rank: int
     token: str
     uid: int | None
-    job_dir: Path
-    handle: ProcessHandle | None = None
+    handle: ProcessHandle  # a _Booking for a Ray task: _BookedTasks runs its verbs, not the launcher
     ended: ExitInfo | None = None
-    # A Ray task's booking (scheduler_lite.cluster.tasks): Ray starts the process, not this node host.
-    # `task_env` is what the task must run with; `handle` is set once the task claims the booking
-    # (its pid file); `expected_at` bounds the wait for that claim.
-    task_env: dict[str, str] | None = None
-    expected_at: float = 0.0
+
+
+class _BookedTasks:
+    """The local host's process verbs (poll, signal, stop, cleanup) for Ray tasks' bookings."""
+
+    def poll(self, b: _Booking) -> ExitInfo | None:
+        """A Ray task's end: its recorded exit status, its process gone, or no claim in time."""
+        if b.pid == 0:
+            pid = read_small_int(b.job_dir / PID_FILE)
+            if pid is not None:  # claimed: the task's process wrote its pid
+                b.pid, b.start_ticks = pid, process_start_ticks(pid)
+            elif (b.job_dir / RELEASED_FILE).exists():  # cancelled before any task claimed it
+                return ExitInfo(None)
+            elif time.monotonic() - b.booked_at > TASK_CLAIM_TIMEOUT_S:
+                log.warning("%s: no Ray task claimed its booking in %.0f s: released", b.job_id,
+                            TASK_CLAIM_TIMEOUT_S)
+                self.release(b)
+                return ExitInfo(None)
+        if (b.job_dir / EXIT_STATUS_FILE).exists():
+            return read_exit(b.job_dir)
+        # Its worker died (killed, crashed): not the same pid and start time (a start time not read
+        # means it was gone already), or a zombie (its parent, the raylet, reaps it; it runs nothing).
+        if b.pid != 0 and (b.start_ticks is None or not process_running(b.pid, b.start_ticks)):
+            return read_exit(b.job_dir) or ExitInfo(None)
+        return None
+
+    @staticmethod
+    def release(b: _Booking, sig: int | None = None) -> None:
+        """No Ray task may run under this booking any more: marked released (a task that starts
+        later refuses to run), and its process, if it runs, gets `sig` (the process alone: a Ray
+        worker shares its process group with the raylet's other workers)."""
+        with contextlib.suppress(OSError):
+            (b.job_dir / RELEASED_FILE).write_text("released\n")
+        pid = read_small_int(b.job_dir / PID_FILE) if b.pid == 0 else b.pid
+        if sig is not None and pid is not None and pid > 1:
+            if b.start_ticks is None or process_start_ticks(pid) == b.start_ticks:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+
+    def signal(self, b: _Booking, sig: int) -> bool:
+        if self.poll(b) is not None:
+            return False
+        self.release(b, sig)
+        return True
+
+    def stop(self, b: _Booking, grace_s: float) -> ExitInfo:
+        ended = self.poll(b)
+        if ended is not None:
+            self.release(b)
+            return ended
+        self.release(b, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while (ended := self.poll(b)) is None and b.pid != 0:
+            if time.monotonic() >= deadline:
+                self.release(b, signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.02)
+        return ended or ExitInfo(None)
+
+    def cleanup(self, b: _Booking) -> None:
+        self.release(b)  # the worker is Ray's: it ends by itself (max_calls=1)
+
+
+_TASKS: Final = _BookedTasks()
 
 
 class NodeHost:
@@ -159,10 +226,8 @@ class NodeHost:
             assert record.launch_token is not None
             job_dir = self._new_launch(record)
             token = part_token(record.launch_token, rank)
-            part = _Part(record.id, rank, token, record.uid, job_dir)
             handle = self.local.launch(record, gpus, limit, share, job_dir, token, extra_env)
-            part.handle = handle
-            self.parts[record.id] = part
+            self.parts[record.id] = _Part(record.id, token, record.uid, handle)
             return handle.pid, handle.start_ticks, str(job_dir)
 
     def expect(self, record: JobRecord, rank: int, gpus: list[Gpu], limit: int, share: float,
@@ -175,8 +240,8 @@ class NodeHost:
             self.local.clear(record.id, (RELEASED_FILE,))
             env = job_environment(self.config, record, gpus, limit, share, job_dir, base={})
             env.update(extra_env)
-            self.parts[record.id] = _Part(record.id, rank, part_token(record.launch_token, rank), record.uid,
-                                          job_dir, task_env=task_env(env), expected_at=time.monotonic())
+            booking = _Booking(0, None, job_dir, job_id=record.id, env=task_env(env), booked_at=time.monotonic())
+            self.parts[record.id] = _Part(record.id, part_token(record.launch_token, rank), record.uid, booking)
             return 0, None, str(job_dir)
 
     def task_options(self, job_id: str) -> dict[str, str] | None:
@@ -184,42 +249,13 @@ class NodeHost:
         node holds no such booking (not made yet, or released)."""
         with self._lock:
             part = self.parts.get(job_id)
-            if part is None or part.task_env is None or part.ended is not None:
+            if part is None or not isinstance(part.handle, _Booking) or part.ended is not None:
                 return None
-            return dict(part.task_env)
+            return dict(part.handle.env)
 
-    def _poll_task(self, part: _Part) -> ExitInfo | None:
-        """A Ray task's end: its recorded exit status, its process gone, or no claim in time."""
-        if part.handle is None:
-            pid = read_small_int(part.job_dir / PID_FILE)
-            if pid is not None:  # claimed: the task's process wrote its pid
-                part.handle = ProcessHandle(pid, process_start_ticks(pid), part.job_dir)
-            elif (part.job_dir / RELEASED_FILE).exists():  # cancelled before any task claimed it
-                return ExitInfo(None)
-            elif time.monotonic() - part.expected_at > TASK_CLAIM_TIMEOUT_S:
-                log.warning("%s: no Ray task claimed its booking in %.0f s: released", part.job_id,
-                            TASK_CLAIM_TIMEOUT_S)
-                self._release_task(part)
-                return ExitInfo(None)
-        if (part.job_dir / EXIT_STATUS_FILE).exists():
-            return ExitInfo(read_exit_status(part.job_dir))
-        if part.handle is not None and not _task_alive(part.handle):
-            return ExitInfo(read_exit_status(part.job_dir))  # the worker died (killed, crashed)
-        return None
-
-    @staticmethod
-    def _release_task(part: _Part, sig: int | None = None) -> None:
-        """No Ray task may run under this booking any more: marked released (a task that starts
-        later refuses to run), and its process, if it runs, gets `sig` (the process alone: a Ray
-        worker shares its process group with the raylet's other workers)."""
-        with contextlib.suppress(OSError):
-            (part.job_dir / RELEASED_FILE).write_text("released\n")
-        pid = read_small_int(part.job_dir / PID_FILE) if part.handle is None else part.handle.pid
-        if sig is not None and pid is not None and pid > 1:
-            ticks = None if part.handle is None else part.handle.start_ticks
-            if ticks is None or process_start_ticks(pid) == ticks:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
+    def _via(self, part: _Part) -> Any:
+        """Who runs the part's process verbs: the local host, or _BookedTasks for a Ray task."""
+        return _TASKS if isinstance(part.handle, _Booking) else self.local
 
     def report(self) -> NodeReport:
         """Exits and the latest stats.json of every part here (one call per node per tick)."""
@@ -227,13 +263,11 @@ class NodeHost:
             self._heard()
             out: dict[str, PartReport] = {}
             for job_id, part in self.parts.items():
-                if part.ended is None and part.task_env is not None:
-                    part.ended = self._poll_task(part)
-                elif part.ended is None and part.handle is not None:
-                    part.ended = self.local.poll(part.handle)
+                if part.ended is None:
+                    part.ended = self._via(part).poll(part.handle)
                 stats, error = None, None
                 try:
-                    stats = read_job_stats(part.job_dir, part.uid)
+                    stats = read_job_stats(part.handle.job_dir, part.uid)
                 except (ProtocolError, OSError) as e:
                     error = str(e)
                 out[job_id] = PartReport(part.ended, stats, error)
@@ -247,29 +281,20 @@ class NodeHost:
         with self._lock:
             self._heard()
             part = self.parts.get(job_id)
-            if part is not None and part.task_env is not None:
-                if part.ended is None and self._poll_task(part) is None:
-                    self._release_task(part, sig)
-                    return True
-                return False
-            if part is None or part.handle is None:
-                return False
-            return self.local.signal(part.handle, sig)
+            return part is not None and bool(self._via(part).signal(part.handle, sig))
 
     def stop(self, job_id: str, grace_s: float) -> ExitInfo | None:
         """SIGTERM, SIGKILL after grace_s, wait; the part is forgotten. None: no such part here."""
         with self._lock:
             self._heard()
             part = self.parts.pop(job_id, None)
-        if part is not None and part.task_env is not None:
-            return self._stop_task(part, grace_s)
-        if part is None or part.handle is None:
+        if part is None:
             # Processes of the job here that this node host does not hold (a sweep kept them for
             # an adoption that did not follow, a node host before this one started them): a stop
             # means nothing of the job runs here afterwards.
             self._kill_wrappers(lambda name: name.split(":")[1] != job_id)
             return None
-        return self.local.stop(part.handle, grace_s)
+        return self._via(part).stop(part.handle, grace_s)
 
     def _kill_wrappers(self, keep: Callable[[str], bool]) -> list[str]:
         """SIGKILL the process groups of the wrappers under this node's jobs directory whose name
@@ -284,41 +309,21 @@ class NodeHost:
 
     def _kill(self, part: _Part) -> None:
         """SIGKILL the part, whatever runs it (a Ray task: its booking released too)."""
-        if part.task_env is not None:
-            self._release_task(part, signal.SIGKILL)
-        elif part.handle is not None:
-            self.local.signal(part.handle, signal.SIGKILL)
-            self.local.cleanup(part.handle)
-
-    def _stop_task(self, part: _Part, grace_s: float) -> ExitInfo:
-        ended = part.ended or self._poll_task(part)
-        if ended is not None:
-            self._release_task(part)
-            return ended
-        self._release_task(part, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while (ended := self._poll_task(part)) is None and part.handle is not None:
-            if time.monotonic() >= deadline:
-                self._release_task(part, signal.SIGKILL)
-                deadline = float("inf")
-            time.sleep(0.02)
-        return ended or ExitInfo(None)
+        self._via(part).signal(part.handle, signal.SIGKILL)
+        self._via(part).cleanup(part.handle)
 
     def cleanup(self, job_id: str) -> None:
         """The global scheduler recorded the part's end: kill what it left behind, forget it."""
         with self._lock:
             self._heard()
             part = self.parts.pop(job_id, None)
-            if part is not None and part.task_env is not None:
-                self._release_task(part)  # the worker is Ray's: it ends by itself (max_calls=1)
-            elif part is not None and part.handle is not None:
-                self.local.cleanup(part.handle)
+            if part is not None:
+                self._via(part).cleanup(part.handle)
 
     def write_control(self, job_id: str, control: Control) -> None:
         with self._lock:
             self._heard()
-            part = self.parts.get(job_id)
-            write_control(part.job_dir if part is not None else self.local.job_dir(job_id), control)
+            write_control(self.local.job_dir(job_id), control)
 
     # -- after a restart of the global scheduler -----------------------------------------------
 
@@ -328,8 +333,8 @@ class NodeHost:
         with self._lock:
             self._heard()
             part = self.parts.get(job_id)
-            if part is not None and part.task_env is not None and part.token == part_token(token, rank):
-                return 0 if part.handle is None else part.handle.pid
+            if part is not None and isinstance(part.handle, _Booking) and part.token == part_token(token, rank):
+                return part.handle.pid
         return self.local.find_launch(job_id, part_token(token, rank), uid, self.local.job_dir(job_id), named=True)
 
     def adopt(self, job_id: str, token: str, rank: int, uid: int | None, pid: int | None,
@@ -338,15 +343,10 @@ class NodeHost:
         with self._lock:
             self._heard()
             part = self.parts.get(job_id)
-            if part is not None and part.task_env is not None and part.token == part_token(token, rank):
-                ended = part.ended or self._poll_task(part)
-                if ended is not None:
-                    return ended
-                return (0, None) if part.handle is None else (part.handle.pid, part.handle.start_ticks)
-            if part is not None and part.handle is not None and part.token == part_token(token, rank):
-                ended = part.ended or self.local.poll(part.handle)
+            if part is not None and part.token == part_token(token, rank):
+                ended = part.ended or self._via(part).poll(part.handle)
                 return ended if ended is not None else (part.handle.pid, part.handle.start_ticks)
-        job_dir = self.jobs_dir / job_id
+        job_dir = self.local.job_dir(job_id)
         if pid is None:
             pid = self.find(job_id, token, rank, uid)
         if pid is None:
@@ -355,7 +355,7 @@ class NodeHost:
         if isinstance(found, ExitInfo):
             return found
         with self._lock:
-            self.parts[job_id] = _Part(job_id, rank, part_token(token, rank), uid, job_dir, found)
+            self.parts[job_id] = _Part(job_id, part_token(token, rank), uid, found)
         return found.pid, found.start_ticks
 
     def prepare(self, job_id: str) -> None:
@@ -384,7 +384,7 @@ class NodeHost:
         with self._lock:
             self._heard()
             for job_id, part in list(self.parts.items()):
-                if process_name(job_id, part.token) not in wanted and (part.task_env is not None or part.handle is not None):
+                if process_name(job_id, part.token) not in wanted:
                     self._kill(part)
                     del self.parts[job_id]
                     stopped.append(job_id)
@@ -417,12 +417,6 @@ class NodeHost:
         self.parts.clear()
         for old in list(self._fenced)[:-FENCED_KEPT]:  # oldest first (insertion order)
             del self._fenced[old]
-
-
-def _task_alive(handle: ProcessHandle) -> bool:
-    """A Ray task's worker still runs: same pid and start time (a start time not read means it
-    was gone already), not a zombie (its parent, the raylet, reaps it; until then it runs nothing)."""
-    return handle.start_ticks is not None and process_running(handle.pid, handle.start_ticks)
 
 
 def actor_class(ray: Any = None) -> type:
