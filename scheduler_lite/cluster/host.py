@@ -32,7 +32,6 @@ scheduler_lite.cluster.parts.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
@@ -191,6 +190,11 @@ class ClusterJobHost:
     def taken_bytes(self, gpu: int) -> int:
         return 0  # the nodes do not run the NVML per-process check (yet)
 
+    containment = None  # the nodes' jobs are not contained, nor checked (yet)
+
+    def findings(self) -> None:
+        return None
+
     # -- the jobs ---------------------------------------------------------------------------------
 
     def prepare(self, launch: Launch, uid: int | None) -> Path:
@@ -249,10 +253,8 @@ class ClusterJobHost:
         if not record.launch_token or not record.placement:
             return None
         node = job_nodes(self.cc, record.placement)[0]
-        try:
-            pid = self.nodes.call(node, "find", record.id, record.launch_token, 0, record.uid)
-        except Exception:  # noqa: BLE001 - cannot tell: look again until the grace period ends
-            return None
+        # No answer: cannot tell; the daemon looks again until the grace period ends.
+        pid = self.nodes.try_call(node, "find", record.id, record.launch_token, 0, record.uid)
         return None if pid is None else int(pid)
 
     def adopt(self, record: JobRecord, pid: int, start_ticks: int | None, job_dir: Path) -> ProcessHandle | ExitInfo:
@@ -287,16 +289,14 @@ class ClusterJobHost:
         """The job's end once every part has ended (the first failure, else success); a part
         that fails gets the others stopped (SIGTERM). From this tick's reports (`refresh`)."""
         assert isinstance(handle, ClusterHandle)
-        for node in handle.nodes:
+        for node in handle.running():
             report = self.nodes.reports.get(node)
-            if node in handle.ended or report is None:
-                continue  # ended already, or no word from that node this tick (lost nodes are handled before)
+            if report is None:
+                continue  # no word from that node this tick (lost nodes are handled before)
             part = report.parts.get(handle.job_id)
             ended = ExitInfo(None) if part is None else part.exit  # unknown to its node: gone
             if ended is not None:
-                handle.ended[node] = ended
-                if handle.failure is None and ended.exit_code != 0:
-                    handle.failure = ended  # parts failing in the same tick: the lowest rank
+                handle.part_ended(node, ended)
         if len(handle.ended) == len(handle.nodes):
             return handle.failure or ExitInfo(0)
         if handle.failure is not None and not handle.stop_sent:
@@ -306,33 +306,20 @@ class ClusterJobHost:
 
     def signal(self, handle: ProcessHandle, sig: int) -> bool:
         assert isinstance(handle, ClusterHandle)
-        sent = False
-        for node in handle.nodes:
-            if node in handle.ended:
-                continue
-            with contextlib.suppress(Exception):
-                sent = bool(self.nodes.call(node, "signal", handle.job_id, sig)) or sent
-        return sent
+        return any([self.nodes.try_call(node, "signal", handle.job_id, sig) for node in handle.running()])
 
     def stop(self, handle: ProcessHandle, grace_s: float) -> ExitInfo:
         assert isinstance(handle, ClusterHandle)
-        for node in handle.nodes:
-            if node in handle.ended:
-                continue
-            ended = None
-            with contextlib.suppress(Exception):
-                ended = self.nodes.call(node, "stop", handle.job_id, grace_s, timeout=grace_s + CALL_TIMEOUT_S)
-            handle.ended[node] = ended if isinstance(ended, ExitInfo) else ExitInfo(None)
-            if handle.failure is None and handle.ended[node].exit_code != 0:
-                handle.failure = handle.ended[node]
+        for node in handle.running():
+            ended = self.nodes.try_call(node, "stop", handle.job_id, grace_s, timeout=grace_s + CALL_TIMEOUT_S)
+            handle.part_ended(node, ended if isinstance(ended, ExitInfo) else ExitInfo(None))
         return handle.failure or ExitInfo(0)
 
     def cleanup(self, handle: ProcessHandle) -> None:
         assert isinstance(handle, ClusterHandle)
         for node in handle.nodes:
             if node in self.nodes.actors:
-                with contextlib.suppress(Exception):
-                    self.nodes.call(node, "cleanup", handle.job_id)
+                self.nodes.try_call(node, "cleanup", handle.job_id)
 
     def kill_leftovers(self, record: JobRecord, job_dir: Path, pid: int | None, start: int | None) -> list[int]:
         # As the launcher does on this machine; the nodes' sweeps (NodeLoss) stop what runs there.
@@ -362,17 +349,14 @@ class ClusterJobHost:
     def recorded_exit(self, record: JobRecord, job_dir: Path) -> ExitInfo | None:
         for node in self.nodes.actors:
             if job_dir.parent == self.cc.node_jobs_dir(self.config.state_dir, node):
-                with contextlib.suppress(Exception):
-                    found = self.nodes.call(node, "recorded_exit", record.id)
-                    return found if isinstance(found, ExitInfo) else None
+                found = self.nodes.try_call(node, "recorded_exit", record.id)
+                return found if isinstance(found, ExitInfo) else None
         return None
 
     def control_seq(self, record: JobRecord, job_dir: Path) -> int:
         if not record.placement:
             return 0
-        with contextlib.suppress(Exception):
-            return int(self.nodes.call(job_nodes(self.cc, record.placement)[0], "control_seq", record.id))
-        return 0
+        return int(self.nodes.try_call(job_nodes(self.cc, record.placement)[0], "control_seq", record.id) or 0)
 
     def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
         """Rank 0's log, read by the node actor of its node (where its job directory is)."""

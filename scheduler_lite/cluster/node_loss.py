@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from scheduler_lite.cluster.nodes import ClusterHandle, Nodes, cause
 from scheduler_lite.cluster.parts import job_nodes, part_token
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from scheduler_lite.cluster.config import ClusterConfig
-    from scheduler_lite.jobhost import HostedJobs
+    from scheduler_lite.cluster.host import ClusterJobHost
 
 log = logging.getLogger("scheduler_lite.cluster")
 
@@ -60,27 +60,17 @@ class _Waiting:
     unsafe: set[str]
 
 
-class Host(Protocol):
-    """What node loss asks of the cluster's job host (scheduler_lite.cluster.host)."""
-
-    @property
-    def jobs(self) -> HostedJobs: ...
-
-    def gpus_changed(self, now: float) -> None: ...
-
-    def find(self, record: JobRecord) -> int | None: ...
-
-
 class NodeLoss:
     """The jobs of nodes lost, fenced, or not here yet; the nodes that (re)join."""
 
-    def __init__(self, cc: ClusterConfig, nodes: Nodes, storage: Storage, clock: Callable[[], float], host: Host,
-                 now: float) -> None:
+    def __init__(self, cc: ClusterConfig, nodes: Nodes, storage: Storage, clock: Callable[[], float],
+                 host: ClusterJobHost, now: float) -> None:
         self.cc = cc
         self.nodes = nodes
         self.storage = storage
         self.clock = clock
         self.host = host
+        self._requeue = cc.on_node_loss == "requeue"  # a lost job goes back to its queue, else fails
         self.waiting: dict[str, _Waiting] = {}
         # Nodes not here may still run parts of jobs (a frozen node actor, one killed on a live
         # node): from when (the start) until swept or cleared (look_for_nodes).
@@ -185,8 +175,8 @@ class NodeLoss:
                              node, job_id, token)
                     continue
                 log.error("node %s fenced %s (the global scheduler was silent too long): it is %s", node,
-                          job_id, "requeued" if self.cc.on_node_loss == "requeue" else "failed")
-                self._lose_job(job_id, node, now, reason=_fencing(node))
+                          job_id, "requeued" if self._requeue else "failed")
+                self._lose_job(job_id, _fencing(node), now)
                 lost = True
         if lost:
             self.host.gpus_changed(now)
@@ -198,7 +188,12 @@ class NodeLoss:
         `node_timeout_s` of the start are lost."""
         if self._orphans_until is not None and now >= self._orphans_until:
             self._orphans_until = None
-            self._give_up_orphans(now)
+            for job_id, w in list(self.waiting.items()):  # orphans: their nodes never answered
+                if w.reason is None:
+                    del self.waiting[job_id]
+                    away = [n for n in w.nodes if n not in self.nodes.actors]
+                    log.error("%s: its node %s has not answered since the start: lost", job_id, away[0])
+                    self._give_up(w.record, f"node {away[0]} lost", now)
         waited = {n for w in self.waiting.values() for n in (w.unsafe if w.reason else w.nodes)}
         due = now - self._last_join >= JOIN_EVERY_S
         if not due and not (waited and now - self._last_look >= WAITED_EVERY_S):
@@ -251,63 +246,47 @@ class NodeLoss:
             self._give_up(record, f"its nodes did not answer: {cause(e)}", now)
         self.host.jobs.changed()
 
-    def _give_up_orphans(self, now: float) -> None:
-        """The jobs of nodes that have not answered within node_timeout_s of the start are lost."""
-        for job_id, w in list(self.waiting.items()):
-            if w.reason is None:
-                del self.waiting[job_id]
-                away = [n for n in w.nodes if n not in self.nodes.actors]
-                log.error("%s: its node %s has not answered since the start: lost", job_id, away[0])
-                self._give_up(w.record, f"node {away[0]} lost", now)
-
     def node_lost(self, node: str, now: float) -> None:
         """Its jobs lost (gang parts elsewhere stopped first), its GPUs out of the book. Its own
         parts may run on (a frozen actor, one killed on a live node) until it is swept or cleared."""
-        log.error("node %s lost: its jobs are %s", node, "requeued" if self.cc.on_node_loss == "requeue" else "failed")
+        log.error("node %s lost: its jobs are %s", node, "requeued" if self._requeue else "failed")
         self._away[node] = self.nodes.last_answer(node, now)
         self.nodes.drop(node)
         self.storage.add_event(now, "node_lost", None, node=node)
         for job_id, live in list(self.host.jobs.live_jobs().items()):
             assert isinstance(live.handle, ClusterHandle)
             if node in live.handle.nodes:
-                self._lose_job(job_id, node, now)
+                self._lose_job(job_id, f"node {node} lost", now)
         for launch in self.host.jobs.booked_launches():  # booked this tick, not started: never ran
             if node in job_nodes(self.cc, launch.gpus):
-                self._record_loss(launch.job_id, node, now)
+                self.host.jobs.record_lost(launch.job_id, now, f"node {node} lost", self._requeue)
                 self.host.jobs.lose(launch.job_id, now)
         self.host.gpus_changed(now)
 
-    def _lose_job(self, job_id: str, node: str, now: float, reason: str | None = None) -> None:
-        """A running job's part on `node` is gone (lost node, fencing): its other parts stopped,
-        its GPUs and quota released; requeued or failed once nothing of it can run anywhere."""
+    def _lose_job(self, job_id: str, reason: str, now: float) -> None:
+        """A running job's part is gone (lost node, fencing): its other parts stopped, its GPUs
+        and quota released; requeued or failed once nothing of it can run anywhere."""
         live = self.host.jobs.lose(job_id, now)
-        assert live is not None and isinstance(live.handle, ClusterHandle)
-        self._give_up(live.record, reason or f"node {node} lost", now)
+        assert live is not None
+        self._give_up(live.record, reason, now)
 
     def _give_up(self, record: JobRecord, reason: str, now: float) -> None:
         """The job is lost: its parts on connected nodes stopped; it waits (`_Waiting`) until
         none can run anywhere, then `_release` requeues or fails it."""
         nodes = job_nodes(self.cc, record.placement)
         unsafe = {n for n in nodes if n in self._away}
-        for node in nodes:
-            if node in self.nodes.actors and not self._stop_part(node, record.id):
+        for node in (n for n in nodes if n in self.nodes.actors):
+            try:
+                self.nodes.call(node, "stop", record.id, 0.0)
+            except Exception as e:  # noqa: BLE001 - the node may be lost next: its sweep stops the part then
+                log.error("node %s: cannot stop %s (%s)", node, record.id, cause(e))
+                self.nodes.stop_later(node, record.id)  # ends it there if the actor resumes
                 unsafe.add(node)  # until its report no longer shows the part, or it is lost and swept
         self.waiting[record.id] = _Waiting(record, nodes, reason, unsafe)
-        if unsafe and self.cc.on_node_loss == "requeue":
+        if unsafe and self._requeue:
             log.warning("%s lost (%s): requeued once nothing of it can run on %s", record.id, reason,
                         ", ".join(sorted(unsafe)))
             self.storage.add_event(now, "lost", record.id, reason=reason, waits_for=sorted(unsafe))
-
-    def _stop_part(self, node: str, job_id: str) -> bool:
-        """Stop the job's part on a connected node; False if the actor did not answer (a stop
-        queued behind the call ends it there if it resumes)."""
-        try:
-            self.nodes.call(node, "stop", job_id, 0.0)
-        except Exception as e:  # noqa: BLE001 - the node may be lost next: its sweep stops the part then
-            log.error("node %s: cannot stop %s (%s)", node, job_id, cause(e))
-            self.nodes.stop_later(node, job_id)
-            return False
-        return True
 
     def release(self, now: float) -> None:
         """Lost jobs nothing of which can run any more are requeued or failed (failed at once: a
@@ -321,15 +300,11 @@ class NodeLoss:
                 part = None if report is None else report.parts.get(job_id)
                 if report is not None and (part is None or part.exit is not None):
                     w.unsafe.discard(node)
-            if w.unsafe and self.cc.on_node_loss == "requeue":
+            if w.unsafe and self._requeue:
                 continue
             del self.waiting[job_id]
-            self._record_loss(job_id, w.nodes[0], now, w.reason)
+            self.host.jobs.record_lost(job_id, now, w.reason, self._requeue)
             self.host.jobs.changed()
-
-    def _record_loss(self, job_id: str, node: str, now: float, reason: str | None = None) -> None:
-        """The daemon records it: back in its queue, or failed (cluster.on_node_loss)."""
-        self.host.jobs.record_lost(job_id, now, reason or f"node {node} lost", self.cc.on_node_loss == "requeue")
 
 
 def _is_part(live: LiveJob, node: str, token: str) -> bool:

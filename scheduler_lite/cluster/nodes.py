@@ -215,6 +215,14 @@ class Nodes:
         except Exception as e:  # noqa: BLE001 - one line for the daemon's log or the client
             raise OSError(f"node {node}: {cause(e)}") from None
 
+    def try_call(self, node: str, method: str, *args: object, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """`call`; None if it fails (node gone, timeout, the actor's own error): the caller
+        cannot tell, and asks again later or takes the part as gone."""
+        try:
+            return self.call(node, method, *args, timeout=timeout)
+        except Exception:  # noqa: BLE001 - see above
+            return None
+
 @dataclass(slots=True)
 class ClusterHandle(ProcessHandle):
     """A job's processes: one part per node, rank order (pid/job_dir are rank 0's)."""
@@ -226,6 +234,15 @@ class ClusterHandle(ProcessHandle):
     # The failure that ended the job: the first part to fail; the parts stopped because of it
     # end by our SIGTERM, which says nothing about the job.
     failure: ExitInfo | None = None
+
+    def running(self) -> list[str]:
+        """The nodes whose part has not ended."""
+        return [n for n in self.nodes if n not in self.ended]
+
+    def part_ended(self, node: str, ended: ExitInfo) -> None:
+        self.ended[node] = ended
+        if self.failure is None and ended.exit_code != 0:
+            self.failure = ended  # parts failing in the same tick: the lowest rank
 
 
 def cause(e: BaseException) -> str:
