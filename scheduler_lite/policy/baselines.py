@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from scheduler_lite.model import ClusterState, GlobalDecision, Job, Place, Preempt, Role
 from scheduler_lite.policy.book import ClusterBook
+from scheduler_lite.policy.global_scheduler import served_ratio
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +44,7 @@ def yarn_cs_schedule(state: ClusterState, config: YarnConfig) -> list[GlobalDeci
     taken: set[int] = set()
     used = {t: idx.quota_used(t) for t in state.tenants}
     waiting_in_quota = False
-    tenants = sorted(
-        state.tenants.values(),
-        key=lambda t: (used[t.name] / t.gpu_quota if t.gpu_quota else math.inf, t.name),
-    )
-    for tenant in tenants:
+    for tenant in sorted(state.tenants.values(), key=served_ratio(used)):
         for job_id in list(idx.iter_pending_guarantee(tenant.name)) + [
             j for j in idx.iter_pending_opportunistic() if state.jobs[j].tenant == tenant.name
         ]:

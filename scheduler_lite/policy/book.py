@@ -303,10 +303,6 @@ class ClusterBook:
         state = JobState.FAILED if failed else JobState.FINISHED
         self.jobs[job_id] = _ended(job, state, ())
 
-    def apply_all(self, decisions: Iterable[GlobalDecision]) -> None:
-        for d in decisions:
-            self.apply(d)
-
     def apply(self, d: GlobalDecision | Migrate) -> None:
         match d:
             case Place():

@@ -114,7 +114,7 @@ class _Pass:
         self.opp_exhausted = False
 
     def run(self) -> list[GlobalDecision]:
-        for tenant in sorted(self.s.tenants.values(), key=_served_ratio(self.quota_used)):
+        for tenant in sorted(self.s.tenants.values(), key=served_ratio(self.quota_used)):
             if self.cfg.enable_upgrade:
                 self._upgrades(tenant.name, tenant.gpu_quota)
             self._guarantee_queue(tenant.name, tenant.gpu_quota)
@@ -414,7 +414,9 @@ class _Pass:
         return gpus
 
 
-def _served_ratio(quota_used: dict[str, int]) -> Callable[[Tenant], tuple[float, str]]:
+def served_ratio(quota_used: dict[str, int]) -> Callable[[Tenant], tuple[float, str]]:
+    """Tenants least served first: quota used / quota (a tenant without quota last), then name."""
+
     def key(tenant: Tenant) -> tuple[float, str]:
         if tenant.gpu_quota <= 0:
             return (math.inf, tenant.name)

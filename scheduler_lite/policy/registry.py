@@ -15,6 +15,7 @@ from scheduler_lite.policy.baselines import (
 )
 from scheduler_lite.policy.global_scheduler import SchedulerConfig, schedule
 from scheduler_lite.policy.migration import MigrationConfig
+from scheduler_lite.policy.validation import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,5 @@ POLICIES: dict[str, PolicySpec] = {
 
 def get_policy(name: str) -> PolicySpec:
     if name not in POLICIES:
-        from scheduler_lite.policy.validation import ConfigError
-
         raise ConfigError("policy", name, "one of " + ", ".join(POLICIES))
     return POLICIES[name]

@@ -16,10 +16,8 @@ class ConfigError(ValueError):
 def check_range(
     field: str, value: float, low: float, high: float, *, low_open: bool = False
 ) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(field, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
-    too_low = value <= low if low_open else value < low
-    if too_low or value > high or math.isnan(value):
+    if (isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value)
+            or (value <= low if low_open else value < low) or value > high):
         raise ConfigError(field, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
 
 

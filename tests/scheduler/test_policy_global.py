@@ -12,7 +12,8 @@ CFG = SchedulerConfig()
 
 def run(b, now=0.0, cfg=CFG):
     decisions = schedule(b.snapshot(now), cfg)
-    b.apply_all(decisions)
+    for d in decisions:
+        b.apply(d)
     return decisions
 
 

@@ -38,7 +38,8 @@ def test_throttled_jobs_no_longer_pile_onto_one_gpu(cfg, most_on_gpu0):
         # Opportunistic jobs on GPU 0 are held to the floor share: its utilisation stays low.
         b.set_utilisation(0, 0.3)
         b.submit(_opp(f"o{i}", 0.5, t=1.0 + i))
-        b.apply_all(schedule(b.snapshot(float(i)), cfg))
+        for d in schedule(b.snapshot(float(i)), cfg):
+            b.apply(d)
     assert len(b.jobs_on(0)) - 1 == most_on_gpu0
 
 
@@ -161,7 +162,8 @@ def test_an_opportunistic_gang_takes_its_gpus_inside_one_nvlink_group():
     b.submit(_opp("pair", 0.3).with_(num_gpus=2))
     assert schedule(b.snapshot(0.0), SHARE) == [Place("pair", (0, 1), Role.OPPORTUNISTIC)]
     b.submit(_opp("three", 0.3, t=2.0).with_(num_gpus=3))
-    b.apply_all(schedule(b.snapshot(0.0), SHARE))
+    for d in schedule(b.snapshot(0.0), SHARE):
+        b.apply(d)
     placed = b.jobs["three"].placement
     assert len(placed) == 3 and len({b.gpus[g].nvlink_group for g in placed}) == 1, placed
 
