@@ -31,7 +31,7 @@ from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
 from scheduler_lite.policy.migration import MigrationConfig
-from scheduler_lite.policy.validation import ConfigError, check_choice, check_int, check_range
+from scheduler_lite.policy.validation import ConfigError, check_choice, check_int, check_name, check_range
 from tf_antman.units import parse_bytes
 
 VERSION: Final = 1
@@ -43,7 +43,6 @@ MIN_DEVICE_BYTES: Final = 64 * MIB  # ANTMAN_DEVICE_MEMORY's lower bound (docs/c
 MAX_BYTES: Final = 1 << 50
 MAX_CONFIG_BYTES: Final = 1 << 20  # a config file's size: a real one is a few KiB
 MAX_DEVICE_ID: Final = 1023  # a GPU id of this machine (a job sees its GPUs as 0.. through ANTMAN_DEVICE_ID)
-_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 C = TypeVar("C")
 SOCKET_FILE: Final = "scheduler.sock"
 MAX_SOCKET_PATH_BYTES: Final = 107  # sockaddr_un.sun_path is 108 bytes with its NUL (Linux)
@@ -51,7 +50,6 @@ PRIORITIES: Final = ("low", "normal")  # jobs.opportunistic_priority
 # POSIX portable user and group names (useradd's default NAME_REGEX, without the trailing '$').
 _ACCOUNT_RE: Final = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 ACCOUNT_RULE: Final = "a list of user or group names (1-32 of a-z, 0-9, '_', '-', starting with a letter or '_')"
-NAME_RULE: Final = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,12 +324,6 @@ def _size(field: str, value: object, low: int, high: int) -> int:
     return value
 
 
-def _name(field: str, value: object) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
-        raise ConfigError(field, value, NAME_RULE)
-    return value
-
-
 def _devices(t: _Table) -> DevicesConfig:
     kind = t.take("kind", required=True)
     if kind not in DEVICE_KINDS:
@@ -366,7 +358,7 @@ def _devices(t: _Table) -> DevicesConfig:
             raise ConfigError(e.path("id"), dev_id, "a device id not used by another device")
         seen.add(dev_id)
         memory = _size(e.path("memory"), e.take("memory", required=True), MIN_DEVICE_BYTES, MAX_BYTES)
-        group = _name(e.path("nvlink_group"), e.take("nvlink_group", default="local"))
+        group = check_name(e.path("nvlink_group"), e.take("nvlink_group", default="local"))
         e.finish()
         devices.append(EmulatedDevice(dev_id, memory, group))
     return DevicesConfig(kind, tuple(devices))
@@ -379,7 +371,7 @@ def _tenants(value: object) -> tuple[tuple[Tenant, ...], tuple[TenantMembers, ..
     members = []
     for i, entry in enumerate(value):
         t = _Table(entry, f"tenants[{i}]")
-        name = _name(t.path("name"), t.take("name", required=True))
+        name = check_name(t.path("name"), t.take("name", required=True))
         if any(x.name == name for x in out):
             raise ConfigError(t.path("name"), name, "a name not used by another tenant")
         quota = t.take("gpu_quota", required=True)

@@ -14,13 +14,12 @@ so the store's placements stay meaningful across restarts and node losses.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from scheduler_lite.policy.validation import ConfigError, check_range
+from scheduler_lite.policy.validation import ConfigError, check_name, check_range
 
 CLUSTER_KINDS: Final = ("ray",)
 ON_NODE_LOSS: Final = ("requeue", "fail")
@@ -29,8 +28,6 @@ MAX_NODES: Final = 64
 NODE_RESOURCE_PREFIX: Final = "antman_node_"
 FENCE_FRACTION: Final = 0.5  # of node_timeout_s: a node actor stops its jobs before the global requeues them
 REPORT_WAIT_S: Final = 2.0  # a tick waits this long at most for the nodes' reports
-_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-NAME_RULE: Final = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
 _KEYS: Final = ("kind", "address", "namespace", "nodes", "span_tenants", "on_node_loss", "jobs_dir",
                 "node_timeout_s")
 
@@ -96,14 +93,12 @@ def parse_cluster(data: object, base_dir: Path, tenants: Sequence[str],
     if not isinstance(address, str) or not address.strip() or len(address) > 256:
         raise ConfigError("cluster.address", address, "a Ray address (\"auto\", \"host:port\", \"ray://host:port\")")
     namespace = data.get("namespace", "scheduler-lite")
-    if not isinstance(namespace, str) or not _NAME_RE.match(namespace):
-        raise ConfigError("cluster.namespace", namespace, NAME_RULE)
+    check_name("cluster.namespace", namespace)
     nodes = data.get("nodes")
     if not isinstance(nodes, list) or not 1 <= len(nodes) <= MAX_NODES:
         raise ConfigError("cluster.nodes", nodes, f"a list of 1 to {MAX_NODES} node names")
     for i, n in enumerate(nodes):
-        if not isinstance(n, str) or not _NAME_RE.match(n):
-            raise ConfigError(f"cluster.nodes[{i}]", n, NAME_RULE)
+        check_name(f"cluster.nodes[{i}]", n)
         if nodes.index(n) != i:
             raise ConfigError(f"cluster.nodes[{i}]", n, "a name not used by another node")
     span = data.get("span_tenants", [])

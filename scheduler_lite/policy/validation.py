@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import Final
+
+_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+NAME_RULE: Final = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
 
 
 class ConfigError(ValueError):
@@ -24,6 +29,13 @@ def check_range(
 def check_int(field: str, value: int, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(field, value, f"an integer in [{low}, {high}]")
+
+
+def check_name(field: str, value: object) -> str:
+    """A name of the configuration (tenant, NVLink group, node, Ray namespace): NAME_RULE."""
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ConfigError(field, value, NAME_RULE)
+    return value
 
 
 def check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
