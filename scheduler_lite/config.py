@@ -199,13 +199,10 @@ def load_config(path: Path) -> Config:
     return parse_config(data, base_dir=path.resolve().parent, source=str(path))
 
 
-def default_config_text() -> str:
-    return resources.files("scheduler_lite.data").joinpath("default_config.toml").read_text(encoding="utf-8")
-
-
 def load_default_config() -> Config:
     """The packaged default (one emulated 4 GiB device, one tenant), state under the user's home."""
-    return parse_config(tomllib.loads(default_config_text()), base_dir=Path.home(), source="<default>")
+    text = resources.files("scheduler_lite.data").joinpath("default_config.toml").read_text(encoding="utf-8")
+    return parse_config(tomllib.loads(text), base_dir=Path.home(), source="<default>")
 
 
 def file_identity(path: Path) -> tuple[int, int] | None:

@@ -141,7 +141,7 @@ class ClusterQueries(Protocol):
 
     def gpus_with_room(self, below: float, min_room: float, unstated: float) -> Iterator[tuple[int, float]]:
         """(GPU, 1 - committed share) for GPUs below `below` utilisation with at least
-        `min_room` share room, least loaded first."""
+        `min_room` share room, least loaded first (gpus_by_utilisation's order)."""
         ...
 
     def may_have_room(self, below: float, share: float, n: int) -> bool:
@@ -152,7 +152,8 @@ class ClusterQueries(Protocol):
     def first_with_room(self, below: float, share: float, unstated: float, demand: int, n: int,
                         skip: set[int], skip_too: set[int]) -> tuple[list[int], list[int]]:
         """In `gpus_with_room(below, share, unstated)` order, less `skip` and `skip_too`: the
-        first n GPUs with `demand` bytes free, and the first n without them."""
+        first n GPUs with `demand` bytes free (fits), and the first n without them (tight),
+        stopping at n fits."""
         ...
 
     def empty_gpus(self, group: str) -> frozenset[int] | set[int]:

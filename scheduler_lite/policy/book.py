@@ -106,7 +106,7 @@ class ClusterBook:
             self._bucket_of[g.id] = b
             self._rung_counts[b][0] += 1
 
-    # -- ClusterQueries -------------------------------------------------------------------------
+    # -- ClusterQueries (model.py says what each answers) ---------------------------------------
 
     def pending_guarantee_queue(self, tenant: str) -> Sequence[str]:
         return tuple(self._pending_g[tenant])
@@ -145,7 +145,6 @@ class ClusterBook:
         return self.gpus[gpu].memory_bytes - self._memory_committed[gpu]
 
     def committed_share(self, gpu: int, unstated: float) -> float:
-        """Requested shares of the jobs on the GPU; `unstated` counts for a job without one."""
         return self._share_stated[gpu] + unstated * self._share_unstated[gpu]
 
     def free_for_guarantee(self, group: str) -> set[int]:
@@ -173,8 +172,6 @@ class ClusterBook:
                     yield gpu
 
     def gpus_with_room(self, below: float, min_room: float, unstated: float) -> Iterator[tuple[int, float]]:
-        """(GPU, 1 - committed share) in `gpus_by_utilisation(below)` order, for the GPUs whose
-        room is at least `min_room` (the others are skipped here, where it is cheap)."""
         stated, count, gpus = self._share_stated, self._share_unstated, self.gpus
         limit = 1.0 - min_room + 1e-9
         # gpus_by_utilisation's loop, inlined: a pass on a 6,504-GPU cluster pulls hundreds of
@@ -192,10 +189,7 @@ class ClusterBook:
                     yield gpu, 1.0 - committed
 
     def may_have_room(self, below: float, share: float, n: int) -> bool:
-        """False only if `gpus_with_room(below, share, unstated)` yields fewer than n GPUs, for
-        any `unstated` >= 0; read from counts, without visiting a GPU.
-
-        When the cluster is full, a request finds no room after reading every GPU below the
+        """When the cluster is full, a request finds no room after reading every GPU below the
         threshold (4,800 per pass at the 20k run's peaks: most of the time of its placement);
         this says so at once. The counts are by the rung of the stated share, which never
         exceeds the committed one, and include the whole boundary bucket: an upper bound,
@@ -213,11 +207,7 @@ class ClusterBook:
 
     def first_with_room(self, below: float, share: float, unstated: float, demand: int, n: int,
                         skip: set[int], skip_too: set[int]) -> tuple[list[int], list[int]]:
-        """The first n GPUs of `gpus_with_room(below, share, unstated)`, less `skip` and
-        `skip_too`, with room for `share` and `demand` bytes free (fits), and the first n with
-        room but without the memory (tight), stopping at n fits.
-
-        One pass over the same order as `gpus_with_room`, for a scheduling pass with a single
+        """One pass over the same order as `gpus_with_room`, for a scheduling pass with a single
         opportunistic job (98% of the passes of a 20k-job run): most GPUs it reads have room
         but not the memory, and a generator, a buffer and a method call per GPU cost 3x this.
         """
