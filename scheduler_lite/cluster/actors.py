@@ -25,18 +25,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from scheduler_lite.cluster.booking import RELEASED_FILE, claim, write_number
 from scheduler_lite.launcher import EXIT_STATUS_FILE
 
-# Options of a Ray task that an actor does not take (Ray rejects them for actors).
-_TASK_ONLY = ("max_calls", "max_retries")
-
 
 def booked_class(job_id: str, cls: type) -> type:
     """A subclass of `cls` whose constructor claims the booking `job_id` before `cls.__init__`
-    (pure Python: the Ray decorator is applied by `actor_class`). TypeError for a class that Ray
+    (pure Python: the Ray decorator is applied by `RayPlacement.actor`). TypeError for a class that Ray
     wrapped already (`@ray.remote`): its constructor cannot be wrapped any more."""
     if not isinstance(cls, type) or hasattr(cls, "__ray_metadata__"):
         raise TypeError(f"cls={cls!r} is invalid: accepted a plain class (not one decorated with @ray.remote)")
@@ -64,31 +61,4 @@ def _ended_gracefully(job_dir: Path) -> None:
             write_number(job_dir / EXIT_STATUS_FILE, 0)
 
 
-class Placement(Protocol):
-    """What an actor takes of a booking (scheduler_lite.cluster.tasks.RayPlacement)."""
-
-    job_id: str
-
-    def options(self, runtime_env: Any = None) -> dict[str, Any]: ...
-
-
-def actor_options(placement: Placement, runtime_env: Any = None) -> dict[str, Any]:
-    """Options for an actor under `placement`: the task's (node pin, environment) without the
-    task-only ones, and no restart or task retry."""
-    opts = {k: v for k, v in placement.options(runtime_env).items() if k not in _TASK_ONLY}
-    opts.update(max_restarts=0, max_task_retries=0)
-    return opts
-
-
-def actor_class(placement: Placement, cls: type, **ray_options: Any) -> Any:
-    """`cls` as a Ray actor class under `placement` (extra Ray options, such as num_cpus or
-    max_concurrency, are passed on; `resources`, `runtime_env` env vars and restarts are the
-    booking's)."""
-    import ray
-
-    runtime_env = ray_options.pop("runtime_env", None)
-    return ray.remote(**{**ray_options, **actor_options(placement, runtime_env)})(booked_class(placement.job_id,
-                                                                                                cls))
-
-
-__all__ = ["actor_class", "actor_options", "booked_class"]
+__all__ = ["booked_class"]

@@ -68,35 +68,41 @@ class RayPlacement:
     job_dir: str
     env: dict[str, str]  # ANTMAN_* (limit, share, job dir, device id 0, device) and SCHEDULER_LITE_*
 
-    def options(self, runtime_env: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Options for `.options(**...)`: pinned to the node, this environment, one call per
-        worker (the worker exits after the task: its GPU memory goes with the booking), no retry
-        (a retry would run outside the booking, which ends with the first attempt)."""
+    def options(self, runtime_env: Mapping[str, Any] | None = None, actor: bool = False) -> dict[str, Any]:
+        """Options for `.options(**...)`: pinned to the node, with this environment. A task: one
+        call per worker (the worker exits after the task: its GPU memory goes with the booking),
+        no retry (a retry would run outside the booking, which ends with the first attempt). An
+        actor (Ray rejects those two for actors): no restart or task retry, for the same reason."""
         merged = dict(runtime_env or {})
         merged["env_vars"] = {**dict(merged.get("env_vars") or {}), **self.env}
-        return {"resources": {f"antman_node_{self.node}": NODE_SHARE}, "runtime_env": merged,
-                "max_retries": 0, "max_calls": 1}
+        once = {"max_restarts": 0, "max_task_retries": 0} if actor else {"max_retries": 0, "max_calls": 1}
+        return {"resources": {f"antman_node_{self.node}": NODE_SHARE}, "runtime_env": merged, **once}
 
     def remote(self, fn: Callable[..., Any], **ray_options: Any) -> Any:
         """`fn` as a Ray remote function running under this booking (extra Ray options, such as
         num_cpus, are passed on; `resources`, `runtime_env` env vars and retries are the booking's)."""
-        import ray
-
-        runtime_env = ray_options.pop("runtime_env", None)
         job_id = self.job_id
 
         def task(*args: Any, **kwargs: Any) -> Any:
             return _run_booked(job_id, fn, *args, **kwargs)
 
         task.__name__ = task.__qualname__ = getattr(fn, "__name__", "task")
-        return ray.remote(**{**ray_options, **self.options(runtime_env)})(task)
+        return self._ray_remote(task, ray_options, actor=False)
 
     def actor(self, cls: type, **ray_options: Any) -> Any:
         """`cls` as a Ray actor class whose one instance runs under this booking
-        (scheduler_lite.cluster.actors): `placement.actor(Trainer).remote(...)` gives the handle."""
-        from scheduler_lite.cluster.actors import actor_class
+        (scheduler_lite.cluster.actors): `placement.actor(Trainer).remote(...)` gives the handle.
+        Extra Ray options (num_cpus, max_concurrency) are passed on; `resources`, `runtime_env`
+        env vars and restarts are the booking's."""
+        from scheduler_lite.cluster.actors import booked_class
 
-        return actor_class(self, cls, **ray_options)
+        return self._ray_remote(booked_class(self.job_id, cls), ray_options, actor=True)
+
+    def _ray_remote(self, target: Any, ray_options: dict[str, Any], actor: bool) -> Any:
+        import ray
+
+        runtime_env = ray_options.pop("runtime_env", None)
+        return ray.remote(**{**ray_options, **self.options(runtime_env, actor)})(target)
 
 
 def _run_booked(job_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -196,7 +196,7 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
 
     import pytest
 
-    from scheduler_lite.cluster.actors import actor_options, booked_class
+    from scheduler_lite.cluster.actors import booked_class
     from scheduler_lite.cluster.tasks import PlacementError, RayPlacement
 
     class Model:
@@ -253,7 +253,7 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
 
     # Ray options: the node pin and environment of a task, no task-only option, no restart.
     placement = RayPlacement("job-1", "n0", 0, "opportunistic", job_dir, {"ANTMAN_JOB_DIR": job_dir})
-    opts = actor_options(placement, {"env_vars": {"MINE": "1"}})
+    opts = placement.options({"env_vars": {"MINE": "1"}}, actor=True)
     assert opts["resources"] == {"antman_node_n0": 0.001} and opts["max_restarts"] == 0
     assert opts["max_task_retries"] == 0 and "max_calls" not in opts and "max_retries" not in opts
     assert opts["runtime_env"]["env_vars"] == {"MINE": "1", "ANTMAN_JOB_DIR": job_dir}
