@@ -308,23 +308,20 @@ def _short(value: object) -> object:
 
 def _size(field: str, value: object, low: int, high: int) -> int:
     accepted = f"bytes (an integer) or a size such as \"4GiB\", in [{low}, {high}] bytes"
-    if isinstance(value, bool):
-        raise ConfigError(field, value, accepted)
     given = value
     if isinstance(value, str):
         try:
             value = parse_bytes(value)
         except ValueError:
             raise ConfigError(field, given, accepted) from None
-    if not isinstance(value, int) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(field, given, accepted)
     return value
 
 
 def _devices(t: _Table) -> DevicesConfig:
     kind = t.take("kind", required=True)
-    if kind not in DEVICE_KINDS:
-        raise ConfigError(t.path("kind"), kind, "one of " + ", ".join(DEVICE_KINDS))
+    check_choice(t.path("kind"), kind, DEVICE_KINDS)
     entries = t.take("emulated", default=[])
     ids_value = t.take("ids")
     t.finish()
