@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from scheduler_lite.policy.validation import ConfigError, check_name, check_range
+from scheduler_lite.policy.validation import ConfigError, check_choice, check_name, check_range
 
 CLUSTER_KINDS: Final = ("ray",)
 ON_NODE_LOSS: Final = ("requeue", "fail")
@@ -87,8 +87,7 @@ def parse_cluster(data: object, base_dir: Path, tenants: Sequence[str],
     if unknown:
         raise ConfigError(f"cluster.{unknown[0]}", "<unknown key>", "one of " + ", ".join(_KEYS))
     kind = data.get("kind")
-    if kind not in CLUSTER_KINDS:
-        raise ConfigError("cluster.kind", kind, "one of " + ", ".join(CLUSTER_KINDS))
+    check_choice("cluster.kind", kind, CLUSTER_KINDS)
     address = data.get("address", "auto")
     if not isinstance(address, str) or not address.strip() or len(address) > 256:
         raise ConfigError("cluster.address", address, "a Ray address (\"auto\", \"host:port\", \"ray://host:port\")")
@@ -108,8 +107,7 @@ def parse_cluster(data: object, base_dir: Path, tenants: Sequence[str],
         if t not in tenants:
             raise ConfigError(f"cluster.span_tenants[{i}]", t, "one of the configured tenants: " + ", ".join(tenants))
     loss = data.get("on_node_loss", "requeue")
-    if loss not in ON_NODE_LOSS:
-        raise ConfigError("cluster.on_node_loss", loss, "one of " + ", ".join(ON_NODE_LOSS))
+    check_choice("cluster.on_node_loss", loss, ON_NODE_LOSS)
     jobs_dir_value = data.get("jobs_dir")
     jobs_dir = None
     if jobs_dir_value is not None:

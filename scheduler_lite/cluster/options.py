@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from scheduler_lite.policy.validation import check_choice
 from tf_antman.units import parse_bytes
 
 KINDS: Final = ("opportunistic", "guarantee")
@@ -62,10 +63,8 @@ def ray_options(
     """Options for `.options(**...)` of a Ray task or actor; ValueError names a bad argument."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int | float) or not 0.0 < num_gpus <= 1.0:
         raise ValueError(f"num_gpus={num_gpus!r} is invalid: accepted a fraction of one GPU in (0, 1]")
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r} is invalid: accepted one of {', '.join(KINDS)}")
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r} is invalid: accepted one of {', '.join(DEVICES)}")
+    check_choice("kind", kind, KINDS)  # a ConfigError is a ValueError
+    check_choice("device", device, DEVICES)
     limit = parse_size("memory", memory)
     size = parse_size("device_memory", device_memory)
     host = parse_size("host_memory", host_memory)

@@ -50,6 +50,7 @@ from scheduler_lite.cluster.booking import (
 )
 from scheduler_lite.cluster.options import KINDS, parse_size
 from scheduler_lite.launcher import EXIT_STATUS_FILE
+from scheduler_lite.policy.validation import check_choice
 
 if TYPE_CHECKING:
     from scheduler_lite.config import Config
@@ -141,8 +142,7 @@ def request_placement(
 
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int | float) or not 0.0 < num_gpus <= 1.0:
         raise ValueError(f"num_gpus={num_gpus!r} is invalid: accepted a fraction of one GPU in (0, 1]")
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r} is invalid: accepted one of {', '.join(KINDS)}")
+    check_choice("kind", kind, KINDS)  # a ConfigError is a ValueError
     if not 0 < timeout_s <= 86400:
         raise ValueError(f"timeout_s={timeout_s!r} is invalid: accepted (0, 86400] seconds")
     if config.cluster is None:
