@@ -172,7 +172,7 @@ _TASKS: Final = _BookedTasks()
 
 
 class NodeHost:
-    """The node host's logic, usable without Ray (unit tests); `actor_class()` makes the Ray actor."""
+    """The node host's logic, usable without Ray (unit tests); `Nodes` makes it the Ray actor."""
 
     def __init__(self, node: str, config: Config, fence: bool = True) -> None:
         assert config.cluster is not None
@@ -419,13 +419,4 @@ class NodeHost:
             del self._fenced[old]
 
 
-def actor_class(ray: Any = None) -> type:
-    """NodeHost as a Ray actor class (`ray`: the module, imported when not given; tests pass a
-    stand-in). No CPU reserved: it mostly waits."""
-    if ray is None:
-        import ray
-
-    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(NodeHost)  # type: ignore[no-any-return]
-
-
-__all__ = ["NodeHost", "NodeReport", "PartReport", "actor_class"]
+__all__ = ["NodeHost", "NodeReport", "PartReport"]

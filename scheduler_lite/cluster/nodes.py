@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from scheduler_lite.cluster.config import NODE_RESOURCE_PREFIX, REPORT_WAIT_S, ClusterConfig
-from scheduler_lite.cluster.node_host import NodeReport, actor_class
+from scheduler_lite.cluster.node_host import NodeHost, NodeReport
 from scheduler_lite.config import Config
 from scheduler_lite.launcher import ExitInfo, ProcessHandle
 from scheduler_lite.model import Gpu
@@ -62,7 +62,7 @@ class Nodes:
         self._answered: dict[str, float] = {}
         # node -> (actor, its info() not answered yet, since when it is asked)
         self._pending: dict[str, tuple[Any, Any, float]] = {}
-        self._actor = actor_class(ray)
+        self._actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(NodeHost)  # it mostly waits
 
     def alive_with_resource(self) -> set[str]:
         """Configured nodes whose Ray node is alive and offers its `antman_node_<name>` resource."""
