@@ -109,34 +109,11 @@ class JobSpeeds:
                 if gpu_util[g] or gpu_mem[g] or gpu_busy[g]:
                     self._gpu_totals(g, 0.0, 0, False)
                 continue
-            if len(jobs) != 1:
-                util, mem_used, gang = self._shared_gpu(g, jobs, touched, None)
-                if gang:
-                    ganged[g] = (util, mem_used, True)
-                elif util != gpu_util[g] or mem_used != gpu_mem[g] or gpu_busy[g] != bool(jobs):
-                    self._gpu_totals(g, util, mem_used, bool(jobs))
-                continue
-            # The common case, without the sums (the same arithmetic as _shared_gpu).
-            (jid, sj), = jobs.items()
-            limit = sj.limits.get(g, 0)
-            want = sj.demand
-            s = 1.0
-            if limit < want and want > 0:
-                if not sj.cpu:  # on the CPU it does not touch its tensors in host memory
-                    s /= sj.perf.memory_slowdown(limit / want)
-                mem_used = limit
-            else:
-                mem_used = want
-            sj.gpu_speed[g] = s
-            touched[jid] = sj
-            u = sj.u * s
-            if u > 1.0:
-                u = 1.0
-            if len(sj.gpus) > 1:
-                ganged[g] = (u, mem_used, True)
-            # _gpu_totals' no-change test, inlined: most recomputations change no total.
-            elif u != gpu_util[g] or mem_used != gpu_mem[g] or not gpu_busy[g]:
-                self._gpu_totals(g, u, mem_used, True)
+            util, mem_used, gang = self._shared_gpu(g, jobs, touched, None)
+            if gang:
+                ganged[g] = (util, mem_used, True)
+            elif util != gpu_util[g] or mem_used != gpu_mem[g] or not gpu_busy[g]:
+                self._gpu_totals(g, util, mem_used, True)
         gang_speed = self._held_back(gpus, touched, ganged) if ganged else {}
         watch = self.policy.coordinated and not self.periodic
         guarantee = Role.GUARANTEE
