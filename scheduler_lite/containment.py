@@ -47,8 +47,11 @@ import signal
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Final
+
+from scheduler_lite.launcher import signal_if
 
 log = logging.getLogger("scheduler_lite")
 
@@ -251,6 +254,26 @@ class Containment:
             time.sleep(0.01)
         return members
 
+    def end(self, cg: JobCgroup) -> list[int]:
+        """Kill what is in the job's cgroup (returns those pids) and remove it: nothing of it runs on."""
+        killed = self.kill(cg)
+        self.remove(cg)
+        return killed
+
+    def signal(self, cg: JobCgroup, sig: int, skip_group: int) -> bool:
+        """`sig` to each member of the job's cgroup outside process group `skip_group` (signalled
+        as a group already: a process must not get a cancel's SIGTERM twice), each only while it
+        is still a member (`signal_if`: a pid reused after the listing is never hit)."""
+        def member(pid: int) -> bool:
+            with open(f"/proc/{pid}/cgroup") as f:
+                inside = any(line.startswith("0::") and line.rstrip("\n").endswith("/" + cg.name) for line in f)
+            return inside and os.getpgid(pid) != skip_group
+
+        sent = False
+        for pid in self.pids(cg):
+            sent = signal_if(pid, sig, partial(member, pid)) or sent
+        return sent
+
     def freeze(self, cg: JobCgroup, frozen: bool) -> bool:
         """Stop (or let go on) every process of the job at once; False where no freezer is."""
         if not self.can_freeze:
@@ -316,11 +339,7 @@ def sweep(state_dir: Path) -> list[int]:
     for launches its store no longer runs, for when no daemon will start there again: a test's
     teardown (tests/conftest.py), after it stopped its daemon with jobs still running."""
     containment = Containment(state_dir)
-    killed: list[int] = []
-    for cg in containment.stale(()):
-        killed += containment.kill(cg)
-        containment.remove(cg)
-    return killed
+    return [pid for cg in containment.stale(()) for pid in containment.end(cg)]
 
 
 def _write_pid(cgroup: Path, pid: int) -> None:
@@ -332,11 +351,5 @@ def _write_pid(cgroup: Path, pid: int) -> None:
         raise
 
 
-def device_minors(gpus: Iterable[int]) -> list[int]:
-    """The NVIDIA minor numbers of these GPU ids. Assumes /dev/nvidiaN is GPU id N, as on a
-    machine whose NVML indices follow the minor numbers (the usual case; not checked here)."""
-    return list(gpus)
-
-
-__all__ = ["CONTAINMENT_MODES", "Containment", "ContainmentUnavailable", "JobCgroup", "device_minors", "mounts",
-           "own_cgroups", "subtree_name", "subtrees", "sweep"]
+__all__ = ["CONTAINMENT_MODES", "Containment", "ContainmentUnavailable", "JobCgroup", "mounts", "own_cgroups",
+           "subtree_name", "subtrees", "sweep"]

@@ -51,13 +51,12 @@ from pathlib import Path
 from typing import Final
 
 from scheduler_lite.config import Config, file_identity
-from scheduler_lite.containment_host import local_job_host
 from scheduler_lite.driver import Driver, Launch, PassWorld
 from scheduler_lite.faults import Faults
 from scheduler_lite.isolation import INITIAL_CONTROL_SEQ
 from scheduler_lite.job_controls import JobControls
 from scheduler_lite.jobenv import MIN_ENV_LIMIT
-from scheduler_lite.jobhost import JobHost
+from scheduler_lite.jobhost import JobHost, local_job_host
 from scheduler_lite.launcher import ExitInfo, LaunchError, after_sigkill, describe_exit
 from scheduler_lite.model import (
     GlobalDecision,
@@ -144,7 +143,7 @@ class Daemon:
         self.config = config
         self.storage = storage
         self.clock = clock
-        # Each job in a cgroup where the machine allows (scheduler_lite.containment_host).
+        # Each job in a cgroup where the machine allows (scheduler_lite.containment).
         self.host: JobHost = host if host is not None else local_job_host(config, storage, clock)
         self._last_schedule = -math.inf
         self._dirty = True

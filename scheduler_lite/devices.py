@@ -128,6 +128,12 @@ class NvmlDevices:
                     out[i] = 1.0
         return out
 
+    def compute_processes(self) -> dict[int, list[tuple[int, int]]]:
+        """(pid, used device bytes) of each GPU's compute processes (the misbehaviour checks;
+        usedGpuMemory None, as NVML reports under some drivers and in MIG mode, counts as 0)."""
+        return {i: [(int(p.pid), int(p.usedGpuMemory or 0)) for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(h)]
+                for i, h in self._handles.items()}
+
     def _nvlink_groups(self) -> dict[int, str]:
         """GPUs joined by active NVLink links, as connected components; the rest share one group."""
         nvml = self._nvml

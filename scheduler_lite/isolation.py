@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Final
 
 from tf_antman.protocol import (
-    STATS_FILE,
     TMP_DIR,
     Control,
     ProtocolError,
@@ -196,34 +195,46 @@ def _grant(path: Path, uid: int) -> None:
 
 
 def read_job_stats(job_dir: Path, owner_uid: int | None) -> Stats | None:
-    """stats.json like tf_antman.protocol.read_stats, refused unless `owner_uid` (or the daemon) owns it.
-
-    The owner check is made on the descriptor that is read: another user's file linked or renamed
-    into the directory is refused, not parsed.
-    """
-    text = _read_owned(stats_path(job_dir), owner_uid, MAX_STATS_BYTES, STATS_FILE)
-    return None if text is None else parse_stats(text)
+    """stats.json like tf_antman.protocol.read_stats, refused unless `owner_uid` (or the daemon) owns it."""
+    found = read_job_file(stats_path(job_dir), owner_uid, MAX_STATS_BYTES)
+    return None if found is None else parse_stats(found[0])
 
 
 def read_small_int(path: Path) -> int | None:
-    """An integer file the job's wrapper writes (pid, exit_status); None when absent or refused.
+    """An integer file the job's wrapper writes (pid); None when absent or refused.
 
     Any owner: only the job's user and root can create files in its directory.
     """
     try:
-        text = _read_owned(path, None, _SMALL_FILE_BYTES, path.name, any_owner=True)
-        return None if text is None else int(text.strip())
-    except (ProtocolError, OSError, ValueError):
+        found = read_job_file(path, any_owner=True)
+        return None if found is None else small_int(found[0].strip())
+    except (ProtocolError, OSError):
         return None
 
 
-def _read_owned(path: Path, owner_uid: int | None, max_bytes: int, label: str, any_owner: bool = False) -> str | None:
+def small_int(word: str) -> int | None:
+    try:
+        return int(word) if len(word) <= 12 else None
+    except ValueError:
+        return None
+
+
+def read_job_file(path: Path, owner_uid: int | None = None, max_bytes: int = _SMALL_FILE_BYTES, *,
+                  any_owner: bool = False) -> tuple[str, float] | None:
+    """(text, modification time) of a file in a job's directory; None when there is none.
+
+    ProtocolError unless it is a regular UTF-8 file of at most `max_bytes` owned by `owner_uid`
+    or the daemon (`any_owner`: by anyone). The owner check is made on the descriptor that is
+    read: another user's file linked or renamed into the directory is refused, not parsed.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError:
-        return read_text(path, max_bytes)  # a link or worse: read_text names the refusal
+        read_text(path, max_bytes)  # a link or worse: read_text names the refusal
+        raise
+    label = path.name
     try:
         info = os.fstat(fd)
         allowed = {os.geteuid()} | ({owner_uid} if owner_uid is not None else set())
@@ -239,7 +250,7 @@ def _read_owned(path: Path, owner_uid: int | None, max_bytes: int, label: str, a
     if len(data) > max_bytes:
         raise ProtocolError(label, f"is more than {max_bytes} bytes")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8"), info.st_mtime
     except UnicodeDecodeError as err:
         raise ProtocolError(label, f"is not UTF-8 (invalid byte at offset {err.start})") from None
 
@@ -269,5 +280,5 @@ def read_log(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
 
 
 __all__ = ["DEFAULT_PATH", "INITIAL_CONTROL_SEQ", "SESSION_VARIABLES", "IsolationError", "JobUser",
-           "base_environment", "daemon_is_root", "job_user", "prepare_job_dir", "process_uid", "read_job_stats",
-           "read_log", "read_small_int"]
+           "base_environment", "daemon_is_root", "job_user", "prepare_job_dir", "process_uid", "read_job_file",
+           "read_job_stats", "read_log", "read_small_int", "small_int"]

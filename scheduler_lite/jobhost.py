@@ -8,23 +8,43 @@ The contract is `JobHost`, each verb and what a host says about its machines sta
                     node side of a cluster (scheduler_lite.cluster.node_host wraps one per node);
   ClusterJobHost    the nodes of a Ray cluster (scheduler_lite.cluster.host): the same verbs fanned
                     out over one Ray actor per node, each wrapping a LocalJobHost there.
+
+The daemon's LocalJobHost (`local_job_host`) is composed of two parts that add the kernel's
+word and a check of what the jobs report to its verbs:
+
+  containment  (scheduler_lite.containment) each launch in a cgroup of its own, where the
+               machine allows: `start` makes it (its devices cgroup denying the managed GPUs the
+               job was not placed on) and puts the wrapper and what it started meanwhile in it;
+               `find` after a restart looks for the wrapper among its members (by its launch
+               token), never through the pid file the job can write; `signal` reaches every
+               member (a cancel's SIGTERM reaches processes that left the job's process group);
+               `stop`, `cleanup`, `kill_leftovers` kill what is left in it (`cgroup.kill`) and
+               remove it; `recover` empties and removes the cgroups of launches the store no
+               longer runs. Inactive (an unprivileged daemon, no cgroup2, a cluster node): jobs
+               run in their process groups alone, as before containment.
+  judge        (scheduler_lite.misbehaviour.Judge) each `stats` read is checked, and each tick
+               (`refresh`), with NVML and containment, each GPU's processes against the jobs'
+               cgroups and limits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from collections.abc import Mapping, Sequence
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from scheduler_lite.devices import DeviceBackend, open_devices
+from scheduler_lite.containment import Containment, JobCgroup
+from scheduler_lite.devices import DeviceBackend, NvmlDevices, open_devices
 from scheduler_lite.isolation import (
     base_environment,
     job_user,
     prepare_job_dir,
     process_uid,
-    read_job_stats,
     read_log,
     read_small_int,
 )
@@ -36,6 +56,7 @@ from scheduler_lite.launcher import (
     STDOUT_FILE,
     ExitInfo,
     Launcher,
+    LaunchError,
     LaunchSpec,
     ProcessHandle,
     has_name,
@@ -43,16 +64,18 @@ from scheduler_lite.launcher import (
     process_running,
     read_exit,
 )
+from scheduler_lite.misbehaviour import Finding, Judge
 from scheduler_lite.model import Gpu
-from scheduler_lite.ranks import has_ranks, merge_rank_stats, rank_control
+from scheduler_lite.ranks import job_stats, write_controls
 from scheduler_lite.tick import LiveJob
-from tf_antman.protocol import Control, ProtocolError, Stats, control_path, parse_control, read_text, write_control
-from tf_antman.protocol.layout import rank_dir
+from tf_antman.protocol import Control, ProtocolError, Stats, control_path, parse_control, read_text
 
 if TYPE_CHECKING:
     from scheduler_lite.config import Config
     from scheduler_lite.driver import Launch, SchedulePolicy
-    from scheduler_lite.storage import JobRecord
+    from scheduler_lite.storage import JobRecord, Storage
+
+log = logging.getLogger("scheduler_lite")
 
 
 class HostedJobs(Protocol):
@@ -111,6 +134,10 @@ class JobHost(Protocol):
     # Device memory on the GPU no job's limit controls (NVML: processes of no job, bytes above a
     # limit): the coordinator counts it as taken. 0 where the host cannot see it.
     def taken_bytes(self, gpu: int) -> int: ...
+    # For `status` and the metrics: the jobs' cgroups (None: a host with nothing to say of them)
+    # and what its jobs (and GPUs) do that they should not (None: not checked here).
+    containment: Containment | None
+    def findings(self) -> Sequence[Finding] | None: ...
 
 
 STALE_FILES = (PID_FILE, EXIT_STATUS_FILE)  # an earlier launch's, in a job directory
@@ -118,16 +145,21 @@ STALE_FILES = (PID_FILE, EXIT_STATUS_FILE)  # an earlier launch's, in a job dire
 
 class LocalJobHost:
     """Jobs on this machine: a process per job under the launcher's wrapper, its files in
-    `jobs_dir/<job id>` (scheduler_lite.isolation lays them out)."""
+    `jobs_dir/<job id>` (scheduler_lite.isolation lays them out); `containment` and `judge`:
+    the module docstring (none given: not contained, not checked)."""
 
     migrates = True
 
     def __init__(self, config: Config, devices: DeviceBackend | None = None, launcher: Launcher | None = None,
-                 jobs_dir: Path | None = None) -> None:
+                 jobs_dir: Path | None = None, *, containment: Containment | None = None,
+                 judge: Judge | None = None) -> None:
         self.config = config
         self.jobs_dir = config.jobs_dir if jobs_dir is None else jobs_dir
         self.devices = devices if devices is not None else open_devices(config.devices)
         self.launcher = launcher if launcher is not None else Launcher()
+        self.containment = containment if containment is not None else Containment(config.state_dir, "off")
+        self.judge = judge
+        self._cgroups: dict[Path, JobCgroup] = {}  # by job directory: the handles' launches
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
@@ -159,14 +191,36 @@ class LocalJobHost:
     def launch(self, record: JobRecord, gpus: Sequence[Gpu], limit: int, share: float, job_dir: Path, token: str,
                extra_env: Mapping[str, str] | None = None) -> ProcessHandle:
         """Start the job's process on `gpus` (ids as the job sees them) with these settings."""
+        if self.judge is not None:
+            self.judge.launched(record.id, share, {g.id: limit for g in gpus})
+        cg = self.containment.cgroup(record.id, token)
+        if cg is not None:
+            # GPU id N's node is /dev/nvidiaN (minor N), as where NVML's indices follow the minor
+            # numbers (the usual machine; not checked here).
+            placed = {g.id for g in gpus}
+            self.containment.create(cg, [g.id for g in self.devices.inventory() if g.id not in placed])
         user = job_user(record.uid)
         env = job_environment(self.config, record, list(gpus), limit, share, job_dir, base=base_environment(user))
         env.update(extra_env or {})
-        return self.launcher.start(LaunchSpec(record.id, record.command, Path(record.workdir), env, job_dir, token,
-                                              user))
+        handle = self.launcher.start(LaunchSpec(record.id, record.command, Path(record.workdir), env, job_dir, token,
+                                                user))
+        if cg is not None:
+            try:
+                self.containment.enter(cg, handle.pid)
+            except OSError as e:  # not contained: not run (it was promised a cgroup)
+                self.launcher.stop(handle, 0.0)
+                self.containment.end(cg)
+                raise LaunchError(f"cannot put {record.id} in its cgroup {cg.v2}: {e.strerror or e}") from None
+            self._cgroups[job_dir] = cg
+        return handle
 
     def find(self, record: JobRecord, job_dir: Path) -> int | None:
-        return self.find_launch(record.id, record.launch_token, record.uid, job_dir)
+        cg = self._launch_cgroup(record)
+        if cg is None:  # not contained (started before containment, or none here)
+            return self.find_launch(record.id, record.launch_token, record.uid, job_dir)
+        assert record.launch_token is not None
+        pid = self.launcher.find(record.id, record.launch_token)
+        return pid if pid is not None and pid in self.containment.pids(cg) else None
 
     def find_launch(self, job_id: str, token: str | None, uid: int | None, job_dir: Path, *,
                     named: bool = False) -> int | None:
@@ -184,43 +238,52 @@ class LocalJobHost:
         return None
 
     def adopt(self, record: JobRecord, pid: int, start_ticks: int | None, job_dir: Path) -> ProcessHandle | ExitInfo:
-        return self.launcher.adopt(pid, start_ticks, job_dir, record.launch_token, record.id)
+        found = self.launcher.adopt(pid, start_ticks, job_dir, record.launch_token, record.id)
+        running = isinstance(found, ProcessHandle)
+        if running and self.judge is not None:
+            self.judge.launched(record.id, 1.0)
+        cg = self._launch_cgroup(record)
+        if cg is not None and running:
+            self._cgroups[job_dir] = cg
+        elif cg is not None:
+            self.containment.end(cg)
+        return found
 
     def poll(self, handle: ProcessHandle) -> ExitInfo | None:
         return self.launcher.poll(handle)
 
     def signal(self, handle: ProcessHandle, sig: int) -> bool:
-        return self.launcher.signal(handle, sig)
+        sent = self.launcher.signal(handle, sig)
+        cg = self._cgroups.get(handle.job_dir)
+        return (cg is not None and self.containment.signal(cg, sig, skip_group=handle.pid)) or sent
 
     def stop(self, handle: ProcessHandle, grace_s: float) -> ExitInfo:
-        return self.launcher.stop(handle, grace_s)
+        info = self.launcher.stop(handle, grace_s)
+        self._ended(handle)
+        return info
 
     def cleanup(self, handle: ProcessHandle) -> None:
         self.launcher.cleanup(handle)
+        self._ended(handle)
 
     def kill_leftovers(self, record: JobRecord, job_dir: Path, pid: int | None, start: int | None) -> list[int]:
-        return self.launcher.kill_leftovers(job_dir, pid, start)
+        killed = self.launcher.kill_leftovers(job_dir, pid, start)
+        cg = self._launch_cgroup(record)
+        return killed if cg is None else killed + [p for p in self.containment.end(cg) if p not in killed]
 
     def stats(self, job_id: str, live: LiveJob) -> Stats | None:
-        first = read_job_stats(live.job_dir, live.record.uid)
-        gpus = len(live.record.placement)
-        if gpus < 2:
-            return first
-        ranks = [read_job_stats(rank_dir(live.job_dir, r), live.record.uid) for r in range(1, gpus)]
-        if all(s is None for s in ranks):
-            return first  # one process for all its GPUs (or its ranks > 0 not started yet)
-        if first is None or any(s is None for s in ranks):
-            return None  # a rank that reports nothing: no new document (silent, as a job writing none)
-        return merge_rank_stats([first, *ranks])
+        # A refused document raises (the daemon reports it) before the judge sees it.
+        found = job_stats(live.job_dir, live.record.uid, len(live.record.placement))
+        if self.judge is not None:
+            memory = {g.id: g.memory_bytes for g in self.devices.inventory()}
+            if self.judge.check(job_id, live, found, [memory.get(g, 0) for g in live.record.placement]):
+                self.signal(live.handle, signal.SIGTERM)
+        return found
 
     def write_control(self, job_id: str, live: LiveJob, control: Control) -> None:
-        gpus = len(live.record.placement)
-        ranked = gpus > 1 and has_ranks(live.job_dir, gpus)
-        for rank in range(gpus - 1, 0, -1):  # rank r's GPU: the placement's r-th
-            here = rank_dir(live.job_dir, rank)
-            if here.is_dir():  # made at prepare (a job launched before ranks existed has none)
-                write_control(here, rank_control(control, rank, ranked))
-        write_control(live.job_dir, rank_control(control, 0, ranked))
+        write_controls(live.job_dir, len(live.record.placement), control)
+        if self.judge is not None:
+            self.judge.sent(job_id, live.record.placement, control)
 
     def recorded_exit(self, record: JobRecord, job_dir: Path) -> ExitInfo | None:
         return read_exit(job_dir)
@@ -232,16 +295,44 @@ class LocalJobHost:
         assert record.job_dir is not None
         return read_log(Path(record.job_dir) / (STDERR_FILE if stderr else STDOUT_FILE), offset, limit)
 
+    def _launch_cgroup(self, record: JobRecord) -> JobCgroup | None:
+        """The cgroup of the record's launch, where it exists."""
+        cg = None if not record.launch_token else self.containment.cgroup(record.id, record.launch_token)
+        return cg if cg is not None and cg.v2.is_dir() else None
+
+    def _ended(self, handle: ProcessHandle) -> None:
+        if self.judge is not None:
+            self.judge.ended(handle.job_dir.name)  # the layout: jobs_dir/<job id>
+        cg = self._cgroups.pop(handle.job_dir, None)
+        if cg is not None:
+            self.containment.end(cg)
+
     # -- the machine: one, always here ------------------------------------------------------------
 
     def attach(self, jobs: HostedJobs) -> None:
         pass  # its GPUs never change under the daemon
 
     def recover(self, running: Sequence[JobRecord], now: float) -> set[str]:
+        keep = [f"{r.id}-{r.launch_token}" for r in running if r.launch_token]
+        for cg in self.containment.stale(keep):
+            killed = self.containment.end(cg)
+            if killed:
+                log.warning("cgroup %s: %d process(es) of a launch the store no longer runs killed", cg.v2, len(killed))
         return set()
 
     def refresh(self, now: float) -> None:
-        pass
+        """With a judge, NVML and containment: each GPU's compute processes
+        (nvmlDeviceGetComputeRunningProcesses) to the judge, with the jobs' cgroups' pids.
+        Without containment the pids cannot be told apart from a job's: not checked."""
+        if self.judge is None or not isinstance(self.devices, NvmlDevices) or not self.containment.active:
+            return
+        try:
+            processes = self.devices.compute_processes()
+        except Exception as e:  # noqa: BLE001 - NVML errors (a lost GPU): the check waits for the next tick
+            log.debug("NVML per-process read failed: %r", e)
+            return
+        owner = {pid: job_dir.name for job_dir, cg in self._cgroups.items() for pid in self.containment.pids(cg)}
+        self.judge.gpu_processes(processes, owner, now)
 
     def policy(self, base: SchedulePolicy) -> SchedulePolicy:
         return base
@@ -256,7 +347,22 @@ class LocalJobHost:
         return ()
 
     def taken_bytes(self, gpu: int) -> int:
-        return 0  # no per-process check here (ContainedJobHost has it, with NVML and containment)
+        return 0 if self.judge is None else self.judge.taken_bytes(gpu)
+
+    def findings(self) -> list[Finding] | None:
+        return None if self.judge is None else self.judge.findings()
+
+
+def local_job_host(config: Config, storage: Storage | None = None,
+                   clock: Callable[[], float] = time.time) -> LocalJobHost:
+    """The daemon's host on this machine: each job contained where the machine allows
+    (jobs.containment), its reports checked (events in `storage`)."""
+    containment = Containment(config.state_dir, config.jobs.containment)
+    if containment.active:
+        log.info("containment: %s", containment.describe())
+    else:
+        log.warning("containment off: %s (docs/security.md)", containment.describe())
+    return LocalJobHost(config, containment=containment, judge=Judge(config.jobs, storage, clock))
 
 
 def control_file_seq(job_dir: Path) -> int:
@@ -268,4 +374,4 @@ def control_file_seq(job_dir: Path) -> int:
         return 0
 
 
-__all__ = ["HostedJobs", "JobHost", "LocalJobHost", "control_file_seq"]
+__all__ = ["HostedJobs", "JobHost", "LocalJobHost", "control_file_seq", "local_job_host"]

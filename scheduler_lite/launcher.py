@@ -33,16 +33,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from scheduler_lite.isolation import JobUser
+from scheduler_lite.isolation import JobUser, read_job_file, small_int
+from tf_antman.protocol import ProtocolError
 
 EXIT_STATUS_FILE: Final = "exit_status"
 PID_FILE: Final = "pid"  # the wrapper's pid, written first: found again if the daemon dies mid-launch
@@ -52,7 +52,6 @@ PROGRAM_PREFIX: Final = "scheduler-lite:"  # every wrapper's $0 starts with it (
 JOB_DIR_VARIABLE: Final = "SCHEDULER_LITE_JOB_DIR"  # in the environment of every process of a job
 # Interpreters tried for the wrapper of a job that runs as another user (the first it can run).
 WRAPPER_PYTHONS: Final = (sys.executable, "/usr/bin/python3")
-_MAX_EXIT_FILE_BYTES: Final = 64
 # Popen returns once execve has closed the child's close-on-exec descriptors, before the kernel
 # has put the new program's arguments in place: until then /proc/<pid>/cmdline reads empty (for
 # milliseconds, longer on a loaded machine). `adopt` waits up to this long for the command line
@@ -202,20 +201,23 @@ def wrappers_under(jobs_dir: Path) -> list[tuple[int, str]]:
     bears the wrapper's name for an instant, but not its group, and is not listed."""
     out = []
     prefix = f"SCHEDULER_LITE_JOB_DIR={jobs_dir}/".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in _pids():
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if len(argv) < 4 or not argv[3].startswith(PROGRAM_PREFIX.encode()):
                 continue  # /bin/sh -c <wrapper> <name> ...
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            leader = os.getpgid(int(entry.name)) == int(entry.name)
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            leader = os.getpgid(pid) == pid
         except OSError:
             continue
         if leader and any(v.startswith(prefix) for v in environ):
-            out.append((int(entry.name), argv[3].decode(errors="replace")))
+            out.append((pid, argv[3].decode(errors="replace")))
     return out
+
+
+def _pids() -> list[int]:
+    """The pids in /proc now."""
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
 
 
 def _cmdline(pid: int) -> bytes | None:
@@ -323,7 +325,7 @@ class Launcher:
         if token and start_ticks is None:
             _await_exec(pid, None, EXEC_GRACE_S)
             if not has_name(pid, process_name(job_id, token)):
-                return _recorded_or_unknown(job_dir)
+                return _recorded(job_dir)
             start_ticks = process_start_ticks(pid)
         handle = ProcessHandle(pid, start_ticks, job_dir)
         ended = self.poll(handle)
@@ -331,17 +333,14 @@ class Launcher:
             # Recorded right after Popen returned, its command line may not be in place yet.
             _await_exec(pid, start_ticks, EXEC_GRACE_S)
             if not has_name(pid, process_name(job_id, token)):
-                return _recorded_or_unknown(job_dir)
+                return _recorded(job_dir)
         return handle if ended is None else ended
 
     @staticmethod
     def find(job_id: str, token: str) -> int | None:
         """The pid of a live process started with this launch token, if any (scans /proc)."""
         name = process_name(job_id, token)
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and has_name(int(entry.name), name) and process_running(int(entry.name), None):
-                return int(entry.name)
-        return None
+        return next((pid for pid in _pids() if has_name(pid, name) and process_running(pid, None)), None)
 
     def poll(self, handle: ProcessHandle) -> ExitInfo | None:
         """None while the process runs; how it ended otherwise (reaps it if it is our child)."""
@@ -356,7 +355,7 @@ class Launcher:
             if code is None:
                 return None
             # Our child: the daemon watched it end (now), its status is exact.
-            return ExitInfo(code if code < 0 else read_exit_status(handle.job_dir, code))
+            return ExitInfo(_recorded(handle.job_dir, code).exit_code)
         fields = _proc_stat(handle.pid)
         if fields is not None and (handle.start_ticks is None or int(fields[19]) == handle.start_ticks):
             if fields[0] != "Z":
@@ -367,12 +366,8 @@ class Launcher:
             _kill_group(handle.pid)
             with contextlib.suppress(ChildProcessError):
                 _, status = os.waitpid(handle.pid, os.WNOHANG)
-                code = os.waitstatus_to_exitcode(status)
-                recorded = _recorded_or_unknown(handle.job_dir)
-                if code >= 0 and recorded.exit_code is not None:
-                    code = recorded.exit_code
-                return ExitInfo(code, recorded.ended_at)
-        return _recorded_or_unknown(handle.job_dir)
+                return _recorded(handle.job_dir, os.waitstatus_to_exitcode(status))
+        return _recorded(handle.job_dir)
 
     def signal(self, handle: ProcessHandle, sig: int) -> bool:
         """Send `sig` to the job's whole process group; False if it is gone."""
@@ -424,7 +419,8 @@ class Launcher:
         the wrapper (`not_before_ticks`, its start time, when known). One that cleared its
         environment is not found.
         """
-        return [pid for pid, start in job_processes(job_dir, pgid, not_before_ticks) if _kill_if_same(pid, start)]
+        return [pid for pid, start in job_processes(job_dir, pgid, not_before_ticks)
+                if signal_if(pid, signal.SIGKILL, lambda pid=pid, start=start: process_start_ticks(pid) == start)]
 
 
 def wrapper_command(user: JobUser | None) -> list[str]:
@@ -463,101 +459,77 @@ def job_processes(job_dir: Path, pgid: int | None, not_before_ticks: int | None)
     """(pid, start ticks) of the live processes of a job (see Launcher.kill_leftovers); scans /proc."""
     marker = f"{JOB_DIR_VARIABLE}={job_dir}".encode()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = _proc_stat(int(entry.name))  # fields[2]: the process group
+    for pid in _pids():
+        fields = _proc_stat(pid)  # fields[2]: the process group
         if fields is None or fields[0] == "Z" or (pgid is not None and int(fields[2]) != pgid):
             continue
         start = int(fields[19])
         if not_before_ticks is not None and start < not_before_ticks:
             continue
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
         if marker in environ:
-            found.append((int(entry.name), start))
+            found.append((pid, start))
     return found
 
 
-def _kill_if_same(pid: int, start_ticks: int) -> bool:
-    """SIGKILL `pid` if it is still the process started at `start_ticks`. A pidfd holds on to the
-    process between the check and the kill: a pid reused meanwhile is never hit."""
+def signal_if(pid: int, sig: int, still: Callable[[], bool]) -> bool:
+    """`sig` to `pid` if `still()` (it is still the process meant: its start time, its cgroup),
+    through a pidfd taken before the check: a pid reused by another process meanwhile is never
+    hit. Without pidfds (Linux < 5.3): check, then signal."""
     try:
-        fd = os.pidfd_open(pid)
+        fd: int | None = os.pidfd_open(pid)
     except ProcessLookupError:
         return False
-    except OSError:  # no pidfd (Linux < 5.3): check, then kill
-        if process_start_ticks(pid) != start_ticks:
-            return False
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-            return True
-        return False
+    except OSError:
+        fd = None
     try:
-        if process_start_ticks(pid) != start_ticks:
+        if not still():
             return False
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        if fd is None:
+            os.kill(pid, sig)
+        else:
+            signal.pidfd_send_signal(fd, sig)
         return True
-    except ProcessLookupError:
+    except OSError:  # gone (or left what `still` checks) meanwhile
         return False
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def read_exit(job_dir: Path) -> ExitInfo | None:
-    """How the wrapper recorded the job's end in `exit_status`, with when (the file's modification
-    time); None when there is no such file, an unknown status when it cannot be read or parsed.
-
-    The job's user writes the file: it is read without following a link or blocking on a FIFO.
-    """
+    """How the wrapper recorded the job's end in `exit_status` (formats: the module docstring),
+    with when (the file's modification time); None when there is no such file, an unknown status
+    when it cannot be read (the job's user writes it: read as isolation.read_job_file reads, a
+    link or worse planted there refused: it ended, how is not told) or parsed."""
     try:
-        fd = os.open(job_dir / EXIT_STATUS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return ExitInfo(None)  # a link or worse, planted: it ended, how is not told
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_EXIT_FILE_BYTES:
-            return ExitInfo(None)
-        text = os.read(fd, _MAX_EXIT_FILE_BYTES).decode("ascii", errors="replace")
-    except OSError:
+        found = read_job_file(job_dir / EXIT_STATUS_FILE, any_owner=True)
+    except (ProtocolError, OSError):
         return ExitInfo(None)
-    finally:
-        os.close(fd)
-    return ExitInfo(parse_exit_status(text), info.st_mtime)
-
-
-def parse_exit_status(text: str) -> int | None:
-    """The exit code an `exit_status` line records (negative: killed by that signal); None if
-    it is none of the formats in the module docstring."""
-    match text.split():
-        case ["exit", code] if (n := _small_int(code)) is not None and 0 <= n <= 255:
-            return n
-        case ["signal", number] if (n := _small_int(number)) is not None and 0 < n < 128:
-            return -n
-        case [legacy] if (n := _small_int(legacy)) is not None:
+    if found is None:
+        return None
+    words, mtime = found[0].split(), found[1]
+    n = small_int(words[-1]) if len(words) in (1, 2) else None
+    match words:
+        case ["exit", _] if n is not None and 0 <= n <= 255:
+            return ExitInfo(n, mtime)
+        case ["signal", _] if n is not None and 0 < n < 128:
+            return ExitInfo(-n, mtime)
+        case [_] if n is not None:
             # The shell's 128+N for a command killed by signal N, as the /bin/sh wrapper wrote
             # it: as a signal, the way Popen reports the wrapper that re-raised it (-N).
-            return -(n - 128) if 128 < n < 160 else n
-    return None
+            return ExitInfo(-(n - 128) if 128 < n < 160 else n, mtime)
+    return ExitInfo(None, mtime)
 
 
-def _small_int(word: str) -> int | None:
-    try:
-        return int(word) if len(word) <= 12 else None
-    except ValueError:
-        return None
-
-
-def _recorded_or_unknown(job_dir: Path) -> ExitInfo:
-    """How a job that is gone ended, from its exit_status file; unknown without one."""
-    return read_exit(job_dir) or ExitInfo(None)
-
-
-def read_exit_status(job_dir: Path, fallback: int | None = None) -> int | None:
-    """The status the wrapper recorded in `exit_status` (read_exit), or `fallback` when there is none."""
-    found = read_exit(job_dir)
-    return fallback if found is None or found.exit_code is None else found.exit_code
+def _recorded(job_dir: Path, code: int | None = None) -> ExitInfo:
+    """How a job that is gone ended: `code` (its wait status, None: not known) unless that is an
+    exit status and its exit_status file records one (the wrapper's exact word: a signal is told
+    from an exit 128+N there); when, as the file tells."""
+    found = read_exit(job_dir) or ExitInfo(None)
+    if code is not None and (code < 0 or found.exit_code is None):
+        return ExitInfo(code, found.ended_at)
+    return found

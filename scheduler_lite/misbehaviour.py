@@ -2,7 +2,8 @@
 
 The coordinator trusts what a job writes in stats.json and that the job applies the controls it
 is sent. These checks say when that trust is broken (pure functions of what the daemon saw; the
-local job host runs them each tick, scheduler_lite.containment_host):
+`Judge` keeps what they need per job and the local job host, scheduler_lite.jobhost, runs it
+each tick):
 
   rejects_controls   the job's stats say it refused the newest control the daemon wrote (its
                      `control_seq_applied` stays below it and `last_rejected` names a refusal):
@@ -17,27 +18,40 @@ local job host runs them each tick, scheduler_lite.containment_host):
   unmanaged          (NVML) a process on a managed GPU that belongs to no job.
 
 The NVML checks take `nvmlDeviceGetComputeRunningProcesses` of each GPU (pid, used bytes;
-`read_gpu_processes`), run each tick by the local job host with `devices.kind = "nvml"` and
-containment (a job's pids are its cgroup's); they ran against a fake NVML only
+`NvmlDevices.compute_processes`), run each tick by the local job host with `devices.kind = "nvml"`
+and containment (a job's pids are its cgroup's); they ran against a fake NVML only
 (tests/scheduler/test_misbehaviour.py), never a real GPU. The bytes a finding says are taken are
 counted by the coordinator (`taken_by_gpu` -> GpuView.unmanaged_bytes: not handed out to
-the jobs). What a finding leads to (an event, a warning in `status`, and for opportunistic
-jobs with `jobs.misbehaviour = "stop"` or `"requeue"` a SIGTERM, the latter putting the job back in
-its queue when it has ended) is the host's and the daemon's.
+the jobs). What a finding leads to: an event `misbehaving` and a log warning when new, a warning
+in `status` while it lasts (`Judge.findings`), and for opportunistic jobs with
+`jobs.misbehaviour = "stop"` a SIGTERM (event `misbehaviour_stop`; the daemon's SIGKILL follows
+after jobs.cancel_grace_s), with `"requeue"` the same and the job marked (`LiveJob.requeue`) for
+the daemon to queue it again when it has ended.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
-from tf_antman.protocol import Stats
+from scheduler_lite.model import Role
+from tf_antman.protocol import Control, Stats
+
+if TYPE_CHECKING:
+    from scheduler_lite.config import JobsConfig
+    from scheduler_lite.storage import Storage
+    from scheduler_lite.tick import LiveJob
+
+log = logging.getLogger("scheduler_lite")
 
 ACTIONS: Final = ("warn", "stop", "requeue")  # jobs.misbehaviour: what is done to an opportunistic job found
 MAX_PLAUSIBLE_BYTES: Final = 1 << 50  # 1 PiB: no device or host figure of one job is larger
 SHARE_SLACK: Final = 0.1  # an achieved share may exceed the share in force by this much (measurement noise)
 SHARE_WINDOW_S: Final = 10.0  # after a share change, the share before it is allowed this long
+SENT_HISTORY: Final = 8  # controls whose shares are kept per job (Sent.shares)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,17 +129,6 @@ def check_stats(job_id: str, stats: Stats | None, *, sent: Sent | None, gpu_memo
     return found
 
 
-def read_gpu_processes(nvml: Any, indices: Iterable[int]) -> dict[int, list[tuple[int, int]]]:
-    """(pid, used device bytes) of the compute processes on each GPU, from NVML
-    (`nvmlDeviceGetComputeRunningProcesses`; usedGpuMemory None, as NVML reports under some
-    drivers and in MIG mode, counts as 0)."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for index in indices:
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        out[index] = [(int(p.pid), int(p.usedGpuMemory or 0)) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)]
-    return out
-
-
 def check_gpu_processes(processes: Mapping[int, Sequence[tuple[int, int]]], owner: Mapping[int, str],
                         limits: Mapping[tuple[str, int], int]) -> list[Finding]:
     """Per-process device memory against the jobs: `owner` maps a pid to its job (from the jobs'
@@ -160,5 +163,118 @@ def taken_by_gpu(found: Iterable[Finding]) -> dict[int, int]:
     return taken
 
 
-__all__ = ["ACTIONS", "MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Sent", "check_gpu_processes", "check_stats",
-           "read_gpu_processes", "taken_by_gpu"]
+
+class Judge:
+    """The checks run on one host's jobs: what each was sent and when it last reported, its
+    findings recorded (an event and a log line when new) and acted on (jobs.misbehaviour)."""
+
+    def __init__(self, jobs: JobsConfig, storage: Storage | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.jobs = jobs
+        self.storage = storage  # where findings are recorded as events (None: logged only)
+        self.clock = clock
+        self.by_job: dict[str, list[Finding]] = {}  # what its latest stats (and NVML) showed
+        self.by_gpu: dict[int, list[Finding]] = {}  # NVML's processes of no job (unmanaged)
+        self._sent: dict[str, Sent] = {}  # the newest control written to each job
+        self._stats_seen: dict[str, tuple[int, float]] = {}  # (stats seq, when first seen) by job id
+        self._launched: dict[str, float] = {}  # when the host launched or adopted it
+        self._limits: dict[str, dict[int, int]] = {}  # each job's memory limit per GPU, as last sent
+        self._device_findings: dict[str, list[Finding]] = {}  # NVML's (over_limit), by job id
+        self._taken: dict[int, int] = {}  # by GPU: NVML's bytes of no job and above limits (taken_bytes)
+
+    def findings(self) -> list[Finding]:
+        """The GPUs' findings, then the jobs' (by job id): `status` warnings and metrics."""
+        return [*(f for gpu in sorted(self.by_gpu) for f in self.by_gpu[gpu]),
+                *(f for job in sorted(self.by_job) for f in self.by_job[job])]
+
+    def launched(self, job_id: str, share: float, limits: Mapping[int, int] | None = None) -> None:
+        """A launch (`limits`: its memory limit per GPU) or an adoption of the job starts afresh."""
+        if limits is not None:
+            self._limits[job_id] = dict(limits)
+        self._launched[job_id] = self.clock()
+        self._sent[job_id] = Sent(0, share, ((0, share),), self.clock())
+        self._stats_seen.pop(job_id, None)
+        self.by_job.pop(job_id, None)
+
+    def ended(self, job_id: str) -> None:
+        for table in (self.by_job, self._sent, self._stats_seen, self._launched, self._limits,
+                      self._device_findings):
+            table.pop(job_id, None)
+
+    def sent(self, job_id: str, placement: Sequence[int], control: Control) -> None:
+        for entry in control.memory_limits:  # device = the GPU's index within the job
+            if 0 <= entry.device < len(placement):
+                self._limits.setdefault(job_id, {})[placement[entry.device]] = entry.limit_bytes
+        before = self._sent.get(job_id)
+        share = control.compute_share if control.compute_share is not None else (1.0 if before is None else before.share)
+        history = (() if before is None else before.shares)[-(SENT_HISTORY - 1):] + ((control.seq, share),)
+        self._sent[job_id] = Sent(control.seq, share, history, self.clock())
+
+    def check(self, job_id: str, live: LiveJob, found: Stats | None, gpu_memory: Sequence[int]) -> bool:
+        """The job's stats (None: none readable) checked with NVML's findings of it, what is new
+        recorded; True where it must be stopped now (SIGTERM: jobs.misbehaviour, an opportunistic
+        job). A stop under way (a cancel's, a migration's or this one) is finished by the daemon's
+        own SIGKILL after jobs.cancel_grace_s (Daemon._kill_after_grace), which records it."""
+        now = self.clock()
+        if found is not None and self._stats_seen.get(job_id, (None,))[0] != found.seq:
+            self._stats_seen[job_id] = (found.seq, now)
+        seen = self._stats_seen.get(job_id)
+        findings = check_stats(job_id, found, sent=self._sent.get(job_id), gpu_memory=gpu_memory,
+                               host_allowance=self.jobs.host_memory_bytes, now=now,
+                               stats_since=None if seen is None else seen[1],
+                               launched_at=self._launched.get(job_id, now), silent_after_s=self.jobs.silent_after_s)
+        findings += self._device_findings.get(job_id, [])
+        known = {f.kind for f in self.by_job.get(job_id, [])}
+        self.by_job[job_id] = findings
+        for f in findings:
+            if f.kind in known:
+                continue
+            log.warning("%s does not cooperate: %s", job_id, f.line())
+            if self.storage is not None:
+                self.storage.add_event(now, "misbehaving", job_id, check=f.kind, detail=f.detail)
+        action = self.jobs.misbehaviour
+        if not findings or live.record.role is not Role.OPPORTUNISTIC or action not in ("stop", "requeue") \
+                or live.stop_sent_at is not None:
+            return False
+        live.stop_sent_at = now
+        checks = sorted({f.kind for f in findings})
+        if action == "requeue":  # the daemon queues it again once it has ended (Daemon.finish)
+            live.requeue = "misbehaving: " + ", ".join(checks)
+        log.warning("%s stopped: an opportunistic job that does not cooperate (jobs.misbehaviour = \"%s\")",
+                    job_id, action)
+        if self.storage is not None:
+            self.storage.add_event(now, "misbehaviour_stop", job_id, signal="SIGTERM", action=action, checks=checks)
+        return True
+
+    def gpu_processes(self, processes: Mapping[int, Sequence[tuple[int, int]]], owner: Mapping[int, str],
+                      now: float) -> None:
+        """Each GPU's compute processes (pid, bytes) against the jobs (`owner`: pid -> job id, from
+        their cgroups) and their limits: a job over its limit is `over_limit` (judged with its
+        stats, `check`), a process of no job `unmanaged` (an event once, a finding while it lasts)."""
+        limits = {(job, gpu): limit for job, per_gpu in self._limits.items() for gpu, limit in per_gpu.items()}
+        found = check_gpu_processes(processes, owner, limits)
+        self._taken = taken_by_gpu(found)
+        self._device_findings = {}
+        unmanaged: dict[int, list[Finding]] = {}
+        for f in found:
+            if f.job_id is not None:
+                self._device_findings.setdefault(f.job_id, []).append(f)
+            elif f.gpu is not None:
+                unmanaged.setdefault(f.gpu, []).append(f)
+        for gpu, items in unmanaged.items():
+            if gpu not in self.by_gpu:
+                log.warning("%s", "; ".join(f.line() for f in items))
+                if self.storage is not None:
+                    for f in items:
+                        self.storage.add_event(now, "misbehaving", None, check=f.kind, gpu=f.gpu, detail=f.detail,
+                                               bytes_taken=f.bytes_taken)
+        self.by_gpu = unmanaged
+
+    def taken_bytes(self, gpu: int) -> int:
+        """The bytes the last NVML read saw on `gpu` that no job's limit controls (a process of
+        no job, what a job holds above its limit): the coordinator does not hand them out."""
+        return self._taken.get(gpu, 0)
+
+
+__all__ = ["ACTIONS", "MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Judge", "Sent",
+           "check_gpu_processes", "check_stats", "taken_by_gpu"]

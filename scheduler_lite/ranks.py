@@ -19,20 +19,40 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from scheduler_lite.isolation import read_job_stats
 from scheduler_lite.jobenv import process_control
-from tf_antman.protocol import Control, MemoryLimit, Stats, stats_path
+from tf_antman.protocol import Control, MemoryLimit, Stats, stats_path, write_control
 from tf_antman.protocol.layout import rank_dir
 
 
-def has_ranks(job_dir: Path, gpus: int) -> bool:
-    """A rank r > 0 of the job has written its stats.json: the job runs a process per GPU (not
-    one process for all of them, which reports device 0 alone in the job directory)."""
-    return any(stats_path(rank_dir(job_dir, r)).exists() for r in range(1, gpus))
+def job_stats(job_dir: Path, uid: int | None, gpus: int) -> Stats | None:
+    """The job's stats (isolation.read_job_stats of each rank's, merged): rank 0's alone while no
+    rank r > 0 has reported (one process for all its GPUs, or its ranks > 0 not started yet);
+    None while one of its ranks reports nothing (no new document: silent, as a job writing none)."""
+    first = read_job_stats(job_dir, uid)
+    ranks = [read_job_stats(rank_dir(job_dir, r), uid) for r in range(1, gpus)]
+    if all(s is None for s in ranks):
+        return first
+    if first is None or any(s is None for s in ranks):
+        return None
+    return merge_rank_stats([first, *ranks])
+
+
+def write_controls(job_dir: Path, gpus: int, control: Control) -> None:
+    """The job's control as each rank takes it (`rank_control`): rank r's GPU is the placement's r-th."""
+    ranked = gpus > 1 and any(stats_path(rank_dir(job_dir, r)).exists() for r in range(1, gpus))
+    for rank in range(gpus - 1, 0, -1):
+        here = rank_dir(job_dir, rank)
+        if here.is_dir():  # made at prepare (a job launched before ranks existed has none)
+            write_control(here, rank_control(control, rank, ranked))
+    write_control(job_dir, rank_control(control, 0, ranked))
 
 
 def rank_control(control: Control, rank: int, ranked: bool) -> Control:
     """Rank `rank`'s control.json: the memory limit of its own GPU, the job's share and pause.
 
+    `ranked`: a rank r > 0 of the job has written its stats.json, so it runs a process per GPU
+    (not one process for all of them, which reports device 0 alone in the job directory).
     Rank 0 of a job not known to run a process per GPU (`ranked` False) may be one process for
     all its GPUs: it gets the tightest limit, for device 0 (jobenv.process_control), which is safe
     for a rank 0 too. The share is the job's (the lowest of its GPUs'): ranks of a data-parallel
@@ -78,4 +98,4 @@ def merge_rank_stats(ranks: Sequence[Stats]) -> Stats:
     )
 
 
-__all__ = ["has_ranks", "merge_rank_stats", "rank_control"]
+__all__ = ["job_stats", "merge_rank_stats", "rank_control", "write_controls"]

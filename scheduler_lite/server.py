@@ -277,9 +277,8 @@ class Server:
     def refresh_snapshot(self) -> ClusterStatus:
         self.snapshot = self.daemon.status()
         # Copied here, on the daemon's thread: the metrics thread reads only these copies.
-        findings = getattr(self.daemon.host, "findings", {})
-        self.findings = tuple((f.job_id or "", f.kind) for job in sorted(findings) for f in findings[job])
-        containment = getattr(self.daemon.host, "containment", None)
+        self.findings = tuple((f.job_id or "", f.kind) for f in self.daemon.host.findings() or ())
+        containment = self.daemon.host.containment
         self.contained = None if containment is None else containment.active
         return self.snapshot
 
@@ -414,12 +413,12 @@ class Server:
         only(args, ())
         doc = plain(self.refresh_snapshot())
         # How the jobs are contained (cgroups), or why they are not: a host without cgroups says nothing.
-        containment = getattr(self.daemon.host, "containment", None)
+        containment = self.daemon.host.containment
         if containment is not None:
             doc["containment"] = {"active": containment.active, "detail": containment.describe()}
-        findings = getattr(self.daemon.host, "findings", None)  # jobs that do not cooperate (misbehaviour)
+        findings = self.daemon.host.findings()  # jobs that do not cooperate (misbehaviour)
         if findings is not None:
-            doc["warnings"] = [f.line() for job in sorted(findings) for f in findings[job]]
+            doc["warnings"] = [f.line() for f in findings]
         return doc
 
     def _tenants(self, who: Identity, args: Mapping[str, Any]) -> Any:

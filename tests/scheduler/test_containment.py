@@ -26,9 +26,9 @@ import pytest
 
 from scheduler_lite.config import load_config
 from scheduler_lite.containment import Containment, ContainmentUnavailable, mounts, own_cgroups
-from scheduler_lite.containment_host import ContainedJobHost
 from scheduler_lite.faults import FAULT_ENV
 from scheduler_lite.isolation import prepare_job_dir
+from scheduler_lite.jobhost import local_job_host
 from scheduler_lite.model import JobKind
 from scheduler_lite.storage import JobSpec, MemoryStorage
 from tests.scheduler.configs import scheduler_config, to_toml
@@ -159,11 +159,11 @@ def test_a_job_on_one_gpu_cannot_open_another_gpu_s_device_node(tmp_path: Path) 
 
 
 def test_a_whole_job_can_be_frozen(tmp_path: Path) -> None:
-    """Freeze through the daemon's own host, on a job whose child left its session."""
+    """Freeze the cgroup of a job the daemon's own host started, whose child left its session."""
     config_path = tmp_path / "sl.toml"
     config_path.write_text(config_text())
     config = load_config(config_path)
-    host = ContainedJobHost(config)
+    host = local_job_host(config)
     if not host.containment.can_freeze:
         pytest.skip("no cgroup.freeze on this kernel")
     store = MemoryStorage()
@@ -178,17 +178,18 @@ def test_a_whole_job_can_be_frozen(tmp_path: Path) -> None:
     config.jobs_dir.mkdir(parents=True)
     job_dir = config.jobs_dir / record.id
     prepare_job_dir(job_dir, None)
-    handle = host.launch(record, list(host.devices.inventory())[:1], 1 << 30, 1.0, job_dir, uuid.uuid4().hex)
+    token = uuid.uuid4().hex
+    handle = host.launch(record, list(host.devices.inventory())[:1], 1 << 30, 1.0, job_dir, token)
     try:
         assert wait_for(lambda: counter.exists() and counter.read_text() != "", 30)
-        cg = host.cgroup_of(handle)
+        cg = host.containment.cgroup(record.id, token)
         assert cg is not None and len(host.containment.pids(cg)) >= 3  # wrapper, command, the escaped child
-        assert host.freeze(handle, True)
+        assert host.containment.freeze(cg, True)
         assert wait_for(lambda: host.containment.frozen(cg), 10)
         before = counter.read_text()
         time.sleep(0.3)
         assert counter.read_text() == before  # the child outside the job's session is stopped too
-        assert host.freeze(handle, False)
+        assert host.containment.freeze(cg, False)
         assert wait_for(lambda: counter.read_text() != before, 10)
     finally:
         host.stop(handle, 0.5)

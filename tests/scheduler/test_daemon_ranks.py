@@ -147,9 +147,8 @@ def test_a_rank_that_stops_reporting_makes_the_job_silent(tmp_path: Path) -> Non
                        env=JOB_ENV)
         d.tick()
         assert run_until(d, lambda d: read_stats(rank_dir(d.job_dir(opp), 1)) is not None, timeout=20, interval=0.02)
-        findings = d.host.findings  # type: ignore[attr-defined]
-        assert run_until(d, lambda d: "silent" in [f.kind for f in findings.get(opp, [])], timeout=20,
-                         interval=0.05)
+        assert run_until(d, lambda d: ("silent", opp) in [(f.kind, f.job_id) for f in d.host.findings() or ()],
+                         timeout=20, interval=0.05)
         stats = read_stats(d.job_dir(opp))
         assert stats is not None and stats.step > 2  # rank 0 kept stepping and writing
     finally:

@@ -111,6 +111,11 @@ class MemoryHost:
     def taken_bytes(self, gpu: int) -> int:
         return 0
 
+    containment = None
+
+    def findings(self) -> None:
+        return None
+
 
 def daemon(tmp_path: Path, here: int = 1) -> tuple[Daemon, MemoryHost]:
     """A daemon on a host whose machines have `here` of the config's 2 GPUs."""

@@ -16,15 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_lite.devices import NvmlDevices
 from scheduler_lite.misbehaviour import (
     MAX_PLAUSIBLE_BYTES,
     Sent,
     check_gpu_processes,
     check_stats,
-    read_gpu_processes,
     taken_by_gpu,
 )
 from tests.scheduler.configs import scheduler_config, to_toml
+from tests.scheduler.test_daemon_devices import FakeNvml as DevicesFakeNvml
 from tests.scheduler.test_daemon_fakes import REPO, wait_for
 from tests.scheduler.test_submit_idempotent import serving
 from tf_antman.protocol import DeviceStats, Rejection, Stats
@@ -79,14 +80,12 @@ class Proc:
     usedGpuMemory: int | None  # noqa: N815 - NVML's field name
 
 
-class FakeNvml:
-    """The two NVML calls the per-process check makes, with per-process memory per GPU."""
+class FakeNvml(DevicesFakeNvml):
+    """test_daemon_devices' NVML, with per-process memory per GPU."""
 
     def __init__(self, processes: dict[int, list[Proc]]) -> None:
+        super().__init__()
         self.processes = processes
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802 - NVML's name
-        return index
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Proc]:  # noqa: N802
         return self.processes[handle]
@@ -94,7 +93,7 @@ class FakeNvml:
 
 def test_per_process_memory_from_a_fake_nvml() -> None:
     nvml = FakeNvml({0: [Proc(10, 3 * GIB), Proc(11, GIB)], 1: [Proc(12, None), Proc(99, 2 * GIB)]})
-    seen = read_gpu_processes(nvml, [0, 1])
+    seen = NvmlDevices([0, 1], nvml=nvml).compute_processes()
     assert seen == {0: [(10, 3 * GIB), (11, GIB)], 1: [(12, 0), (99, 2 * GIB)]}
     found = check_gpu_processes(seen, {10: "job-1", 11: "job-1", 12: "job-2"},
                                 {("job-1", 0): 2 * GIB, ("job-2", 1): GIB})
