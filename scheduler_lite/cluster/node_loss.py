@@ -42,7 +42,6 @@ log = logging.getLogger("scheduler_lite.cluster")
 
 JOIN_EVERY_S: Final = 5.0  # how often nodes not connected are looked for
 WAITED_EVERY_S: Final = 1.0  # how often nodes that jobs wait for are looked for
-_ORPHAN: Final = "<its nodes have not answered yet>"  # _why_not_adopted: wait for them
 
 
 @dataclass
@@ -87,38 +86,32 @@ class NodeLoss:
         jobs the daemon must not adopt now."""
         for record in running:
             nodes = job_nodes(self.cc, record.placement)
-            why = self._lost_before(record) or self.why_not_adopted(record)
-            if why == _ORPHAN:
+            lost_before = self._lost_before(record)
+            if lost_before is None and nodes and not set(nodes) & set(self.nodes.actors):  # none here: wait
                 self.waiting[record.id] = _Waiting(record, nodes, None, set(nodes))
-            elif why is not None:
+            elif (why := lost_before or self.why_not_adopted(record)) is not None:
                 self.waiting[record.id] = _Waiting(record, nodes, why, {n for n in nodes if n in self._away})
         for node in list(self.nodes.actors):
             self._sweep(node, running)
         for record in running:  # a node whose sweep failed, a part fenced since `info`: lost
             why = self.why_not_adopted(record) if record.id not in self.waiting else None
             if why is not None:
-                self._give_up(record, self._lost_reason(record, why), now)
+                self._give_up(record, why, now)
         if not any(w.reason is None for w in self.waiting.values()):
             self._orphans_until = None
         self.release(now)  # the requeued ones are enqueued by the daemon's recovery
         return set(self.waiting)
 
     def why_not_adopted(self, record: JobRecord) -> str | None:
-        """None if the job can be taken over now; _ORPHAN if none of its nodes is here; else why
-        it is lost (a part fenced by its node, a node of it not here)."""
+        """None if the job can be taken over now; else why it is lost (a part fenced by its node, a
+        node of it not here)."""
         nodes = job_nodes(self.cc, record.placement)
         for rank, node in enumerate(nodes):
             fenced = self.nodes.fenced.get(node, {}).get(record.id)
             if node in self.nodes.actors and record.launch_token and fenced == part_token(record.launch_token, rank):
                 return _fencing(node)
         away = [n for n in nodes if n not in self.nodes.actors]
-        if not away:
-            return None
-        return _ORPHAN if len(away) == len(nodes) else f"node {away[0]} lost"
-
-    def _lost_reason(self, record: JobRecord, why: str) -> str:
-        """`why_not_adopted`'s answer as the reason a job is lost (an orphan: its first node)."""
-        return why if why != _ORPHAN else f"node {job_nodes(self.cc, record.placement)[0]} lost"
+        return f"node {away[0]} lost" if away else None
 
     def _lost_before(self, record: JobRecord) -> str | None:
         """Why the job was lost, if a global scheduler lost it and died before it was requeued."""
@@ -237,7 +230,7 @@ class NodeLoss:
         """A job of nodes that answered after the start: taken over as the start does."""
         why = self.why_not_adopted(record)
         if why is not None:  # a sweep failed, or fenced its part: lost after all
-            self._give_up(record, self._lost_reason(record, why), now)
+            self._give_up(record, why, now)
             return
         try:
             self.host.jobs.adopt(record, now, record.pid if record.pid is not None else self.host.find(record))
