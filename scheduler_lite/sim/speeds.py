@@ -227,12 +227,6 @@ class JobSpeeds:
                 self._gpu_totals(g, *totals)
         for g in sorted(again):
             jobs = self.on_gpu[g]
-            if len(jobs) == 1:  # the gang alone: nobody to hold back for, only its reading
-                (jid, sj), = jobs.items()
-                v = speeds[jid]  # its speed moved or it is on `gpus`: touched
-                mem_used = ganged[g][1] if g in ganged else self.gpu_mem[g]  # else unchanged
-                self._gpu_totals(g, min(1.0, sj.u * v), mem_used, True)
-                continue
             here = {}
             for jid, sj in jobs.items():
                 if len(sj.gpus) > 1:
