@@ -223,9 +223,8 @@ class ClusterJobHost:
             share = min(launch.settings.shares[g] for g in mine)
             env = {**common, "SCHEDULER_LITE_NODE_RANK": str(rank)}
             # A Ray task is started by Ray: its node only books it (scheduler_lite.cluster.tasks).
-            how = "expect" if is_ray_task(record.command) else "start"
             try:
-                pid, start, _ = self.nodes.call(node, how, record, rank, local, limit, share, env)
+                pid, start, _ = self.nodes.call(node, "start", record, rank, local, limit, share, env)
             except Exception as e:  # noqa: BLE001 - node gone, bad workdir...: the job did not start
                 if started:
                     self.stop(replace(handle, nodes=tuple(started)), 0.0)

@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
 
 from scheduler_lite.cluster.booking import RELEASED_FILE, TASK_CLAIM_TIMEOUT_S, is_ray_task, task_env
@@ -213,39 +212,29 @@ class NodeHost:
 
     # -- jobs -------------------------------------------------------------------------------------
 
-    def _new_launch(self, record: JobRecord) -> Path:
-        """Lock held: a launch of the job begins here; its job directory made ready."""
-        self._heard()
-        self._fenced.pop(record.id, None)  # a new launch: the old one's fencing is settled
-        return self.local.prepare_dir(record.id, record.uid)
-
     def start(self, record: JobRecord, rank: int, gpus: list[Gpu], limit: int, share: float,
               extra_env: dict[str, str]) -> tuple[int, int | None, str]:
-        """Start the job's part on this node's `gpus` (local ids): (pid, start ticks, job dir)."""
+        """Start the job's part on this node's `gpus` (local ids): (pid, start ticks, job dir). A
+        Ray task is booked instead (pid 0): no process is started (Ray starts it), its environment
+        is kept for the client (`task_options`)."""
         with self._lock:
             assert record.launch_token is not None
-            job_dir = self._new_launch(record)
+            self._heard()
+            self._fenced.pop(record.id, None)  # a new launch: the old one's fencing is settled
+            job_dir = self.local.prepare_dir(record.id, record.uid)
             token = part_token(record.launch_token, rank)
-            handle = self.local.launch(record, gpus, limit, share, job_dir, token, extra_env)
+            handle: ProcessHandle
+            if is_ray_task(record.command):
+                env = job_environment(self.config, record, gpus, limit, share, job_dir, base={})
+                handle = _Booking(0, None, job_dir, job_id=record.id, env=task_env({**env, **extra_env}),
+                                  booked_at=time.monotonic())
+            else:
+                handle = self.local.launch(record, gpus, limit, share, job_dir, token, extra_env)
             self.parts[record.id] = _Part(record.id, token, record.uid, handle)
             return handle.pid, handle.start_ticks, str(job_dir)
 
-    def expect(self, record: JobRecord, rank: int, gpus: list[Gpu], limit: int, share: float,
-               extra_env: dict[str, str]) -> tuple[int, int | None, str]:
-        """Book a Ray task here: its job directory made ready and its environment kept for the
-        client (`task_options`); no process is started (Ray starts it). (0, None, job dir)."""
-        with self._lock:
-            assert record.launch_token is not None and is_ray_task(record.command)
-            job_dir = self._new_launch(record)
-            self.local.clear(record.id, (RELEASED_FILE,))
-            env = job_environment(self.config, record, gpus, limit, share, job_dir, base={})
-            env.update(extra_env)
-            booking = _Booking(0, None, job_dir, job_id=record.id, env=task_env(env), booked_at=time.monotonic())
-            self.parts[record.id] = _Part(record.id, part_token(record.launch_token, rank), record.uid, booking)
-            return 0, None, str(job_dir)
-
     def task_options(self, job_id: str) -> dict[str, str] | None:
-        """The environment of a booked Ray task (the client's half of `expect`); None if this
+        """The environment of a booked Ray task (the client's half of `start`); None if this
         node holds no such booking (not made yet, or released)."""
         with self._lock:
             part = self.parts.get(job_id)

@@ -10,7 +10,7 @@ the task a job of the running global scheduler (`scheduler-lite serve` in cluste
 1. The client submits through the scheduler's socket (the same `submit` as the CLI, so the same
    access checks, tenants and quotas) a one-GPU job whose command is the marker `TASK_COMMAND`.
 2. Algorithm 1 books it (guarantee or opportunistic, tenant quota); the global scheduler asks the
-   node host of the chosen GPU to `expect` it instead of starting a process: the node host makes its
+   node host of the chosen GPU to `start` it, which books it instead of starting a process: it makes its
    job directory ready and keeps its environment (`job_environment`, as for any job).
 3. The client reads that environment from the node host (through Ray: it is a named actor) and
    builds Ray options that pin the task to the node (its `antman_node_<node>` resource).

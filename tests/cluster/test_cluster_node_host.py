@@ -126,7 +126,7 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
 
     config = cluster_config(tmp_path, "ns")
     agent = NodeHost("n0", config, fence=False)
-    pid, _, job_dir = agent.expect(task_record("job-1", "t"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    pid, _, job_dir = agent.start(task_record("job-1", "t"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
     assert pid == 0 and alive(agent) == []  # Ray starts the task, not the agent
     env = agent.task_options("job-1")
     assert env is not None and env["ANTMAN_JOB_DIR"] == job_dir and env["ANTMAN_MEMORY_LIMIT"] == str(256 << 20)
@@ -153,7 +153,7 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
         worker.wait()
 
     # A second booking: stopped (cancel, node loss) while its worker runs: that process alone is killed.
-    agent.expect(task_record("job-2", "u"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    agent.start(task_record("job-2", "u"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (agent.jobs_dir / "job-2" / "pid").write_text(f"{worker.pid}\n")
@@ -172,7 +172,7 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
 
     # A booking no task claims: released after TASK_CLAIM_TIMEOUT_S, as a failure.
     monkeypatch.setattr(node_host_module, "TASK_CLAIM_TIMEOUT_S", 0.0)
-    agent.expect(task_record("job-3", "v"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    agent.start(task_record("job-3", "v"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
     time.sleep(0.01)
     ended3 = agent.report().parts["job-3"].exit
     assert ended3 is not None and ended3.exit_code is None
@@ -180,7 +180,7 @@ def test_ray_task_booking_claimed_adopted_ended_and_released(tmp_path: Path, mon
 
     # A booking cancelled before any task claimed it ends at once (not after the claim timeout).
     monkeypatch.setattr(node_host_module, "TASK_CLAIM_TIMEOUT_S", 300.0)
-    agent.expect(task_record("job-4", "w"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
+    agent.start(task_record("job-4", "w"), 0, [Gpu(0, "n0", GIB, "nv")], 256 << 20, 0.5, {})
     assert agent.report().parts["job-4"].exit is None
     assert agent.signal("job-4", signal.SIGTERM)
     ended4 = agent.report().parts["job-4"].exit
@@ -213,7 +213,7 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
     config = cluster_config(tmp_path, "ns")
     agent = NodeHost("n0", config, fence=False)
     gpu = [Gpu(0, "n0", GIB, "nv")]
-    _, _, job_dir = agent.expect(task_record("job-1", "t"), 0, gpu, 256 << 20, 0.5, {})
+    _, _, job_dir = agent.start(task_record("job-1", "t"), 0, gpu, 256 << 20, 0.5, {})
     monkeypatch.setenv("ANTMAN_JOB_DIR", job_dir)
     monkeypatch.setenv("SCHEDULER_LITE_JOB_ID", "job-1")
     cls = booked_class("job-1", Model)
@@ -232,7 +232,7 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
     assert agent.report().parts["job-1"].exit.exit_code == 0  # type: ignore[union-attr]
 
     # A constructor that raises: exit status 1 (the actor dies; its end is a failure).
-    _, _, dir2 = agent.expect(task_record("job-2", "u"), 0, gpu, 256 << 20, 0.5, {})
+    _, _, dir2 = agent.start(task_record("job-2", "u"), 0, gpu, 256 << 20, 0.5, {})
     monkeypatch.setenv("ANTMAN_JOB_DIR", dir2)
     monkeypatch.setenv("SCHEDULER_LITE_JOB_ID", "job-2")
     with pytest.raises(ValueError):
@@ -241,7 +241,7 @@ def test_ray_actor_claims_its_booking_once_at_construction(tmp_path: Path, monke
     assert agent.report().parts["job-2"].exit.exit_code == 1  # type: ignore[union-attr]
 
     # Released before the actor started (cancelled): the actor refuses to run.
-    _, _, dir3 = agent.expect(task_record("job-3", "v"), 0, gpu, 256 << 20, 0.5, {})
+    _, _, dir3 = agent.start(task_record("job-3", "v"), 0, gpu, 256 << 20, 0.5, {})
     assert agent.signal("job-3", signal.SIGTERM)  # unclaimed: marked released, ends at once
     monkeypatch.setenv("ANTMAN_JOB_DIR", dir3)
     monkeypatch.setenv("SCHEDULER_LITE_JOB_ID", "job-3")
