@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from scheduler_lite.cluster.nodes import ClusterHandle, Nodes, cause
 from scheduler_lite.cluster.parts import job_nodes, part_token
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from scheduler_lite.cluster.config import ClusterConfig
-    from scheduler_lite.cluster.host import ClusterJobHost
+    from scheduler_lite.jobhost import HostedJobs
 
 log = logging.getLogger("scheduler_lite.cluster")
 
@@ -59,11 +59,23 @@ class _Waiting:
     unsafe: set[str]
 
 
+class Host(Protocol):
+    """What node loss asks of the cluster's job host (scheduler_lite.cluster.host, which imports
+    this module: naming it here would make an import circle)."""
+
+    @property
+    def jobs(self) -> HostedJobs: ...
+
+    def gpus_changed(self, now: float) -> None: ...
+
+    def find(self, record: JobRecord) -> int | None: ...
+
+
 class NodeLoss:
     """The jobs of nodes lost, fenced, or not here yet; the nodes that (re)join."""
 
     def __init__(self, cc: ClusterConfig, nodes: Nodes, storage: Storage, clock: Callable[[], float],
-                 host: ClusterJobHost, now: float) -> None:
+                 host: Host, now: float) -> None:
         self.cc = cc
         self.nodes = nodes
         self.storage = storage
