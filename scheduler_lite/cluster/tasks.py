@@ -38,16 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from scheduler_lite.cluster.booking import (
-    RELEASED_FILE,
-    TASK_CLAIM_TIMEOUT_S,
-    TASK_COMMAND,
-    PlacementError,
-    claim,
-    is_ray_task,
-    task_env,
-    write_number,
-)
+from scheduler_lite.cluster.booking import TASK_COMMAND, PlacementError, claim, write_number
 from scheduler_lite.cluster.options import KINDS, parse_size
 from scheduler_lite.launcher import EXIT_STATUS_FILE
 from scheduler_lite.policy.validation import check_choice
@@ -197,5 +188,4 @@ def _wait_placed(config: Config, job_id: str, deadline: float, poll_s: float) ->
         time.sleep(poll_s)
 
 
-__all__ = ["RELEASED_FILE", "TASK_CLAIM_TIMEOUT_S", "TASK_COMMAND", "PlacementError", "RayPlacement", "is_ray_task",
-           "request_placement", "task_env"]
+__all__ = ["TASK_COMMAND", "PlacementError", "RayPlacement", "request_placement"]

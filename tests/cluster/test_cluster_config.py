@@ -188,7 +188,8 @@ def test_request_placement_names_a_bad_argument(tmp_path: Path) -> None:
     """Refused before anything is sent to the scheduler (no daemon runs here)."""
     import dataclasses
 
-    from scheduler_lite.cluster.tasks import RayPlacement, is_ray_task, request_placement, task_env
+    from scheduler_lite.cluster.booking import is_ray_task, task_env
+    from scheduler_lite.cluster.tasks import RayPlacement, request_placement
 
     config = cluster_config(tmp_path, "ns")
     for kwargs, message in (
