@@ -135,21 +135,14 @@ def _as_option(e: ConfigError | OSError, args: argparse.Namespace) -> ConfigErro
     return e
 
 
-class _Console:
-    """Prints the table; a reader that went away (`| head`) stops the printing, not the run:
-    the files in --out are still written."""
-
-    def __init__(self) -> None:
-        self.closed = False
-
-    def say(self, text: str) -> None:
-        if self.closed:
-            return
-        try:
-            print(text, flush=True)
-        except BrokenPipeError:
-            self.closed = True
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no complaint at exit
+def _say(text: str) -> None:
+    """Print a line of the table; a reader that went away (`| head`) stops the printing, not the
+    run: the files in --out are still written."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # The rest of the table, and the flush at exit, go nowhere instead of failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,20 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as e:
         print(f"scheduler-lite sim: error: {_as_option(e, args)}", file=sys.stderr)
         return 2
-    out = _Console()
     results = []
-    out.say(f"{wl.name}: {len(wl.jobs)} jobs ({wl.skipped} skipped), {len(wl.gpus)} GPUs")
-    out.say(f"{'policy':16s} {'avg JCT h':>9s} {'median h':>8s} {'p95 h':>7s} {'makespan h':>10s} "
+    _say(f"{wl.name}: {len(wl.jobs)} jobs ({wl.skipped} skipped), {len(wl.gpus)} GPUs")
+    _say(f"{'policy':16s} {'avg JCT h':>9s} {'median h':>8s} {'p95 h':>7s} {'makespan h':>10s} "
             f"{'guar JCT h':>10s} {'failed':>6s} {'preempt':>7s} {'util':>5s} {'wall s':>6s}")
     for spec in policies:
         r = simulate(wl, spec, perf, seed=args.seed, progress=args.progress, rounds=args.rounds)
         s = r.summary
-        out.say(f"{spec.name:16s} {s['avg_jct_s'] / 3600:9.2f} {s['median_jct_s'] / 3600:8.2f} "
+        _say(f"{spec.name:16s} {s['avg_jct_s'] / 3600:9.2f} {s['median_jct_s'] / 3600:8.2f} "
                 f"{s['p95_jct_s'] / 3600:7.2f} "
                 f"{s['makespan_s'] / 3600:10.2f} {s['guarantee_avg_jct_s'] / 3600:10.2f} "
                 f"{s['failed']:6.0f} {s['preemptions']:7.0f} {s['gpu_compute_util']:5.2f} {s['wall_s']:6.1f}")
         if s.get("unfinished"):
-            out.say(f"{'':16s} {s['unfinished']:.0f} job(s) never finished (nan: no finished job to average)")
+            _say(f"{'':16s} {s['unfinished']:.0f} job(s) never finished (nan: no finished job to average)")
         results.append(r)
         if args.out:
             write_jobs_csv(r, args.out / f"jobs-{spec.name}.csv")

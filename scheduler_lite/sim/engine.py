@@ -5,14 +5,12 @@ settings, busy marks, coordinator memos and settings) is the shared `Driver`, as
 this module supplies time (events), readings (sim/perf.py) and the jobs' progress (their life on
 the GPUs: sim/lifecycle.py).
 
-Events: job arrival, job progress (finish, memory surge, or the start or end of a CPU-bound
-phase), coordinator round on one GPU.
-After each batch of same-time events the global policy runs once on the book's snapshot (when
-jobs are pending and something it reads changed), the local coordinator runs on the GPUs whose
-jobs changed or whose round is due (see "coordinator rounds" below), and the speed of every job
-on a GPU that changed is recomputed from the performance model (sim/speeds.py). Job progress is
-integrated between speed changes, so the cost of a run grows with events, not with simulated
-time.
+After each batch of same-time events (sim/clock.py lists them) the global policy runs once on
+the book's snapshot (when jobs are pending and something it reads changed), the local
+coordinator runs on the GPUs whose jobs changed or whose round is due (sim/rounds.py), and the
+speed of every job on a GPU that changed is recomputed from the performance model
+(sim/speeds.py). Job progress is integrated between speed changes, so the cost of a run grows
+with events, not with simulated time.
 """
 
 from __future__ import annotations
@@ -223,7 +221,7 @@ class Simulator:
         """Whether a pass after a utilisation refresh could decide something new."""
         if self.reads_nothing:
             return False
-        return not self.reads_only_opportunistic or next(self.book.iter_pending_opportunistic(), None) is not None
+        return not self.reads_only_opportunistic or bool(self.book.pending_opportunistic_queue())
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -109,14 +109,14 @@ class CoordinatorRounds:
                 if isinstance(d, SetComputeShare):
                     self.track_share(self.jobs[d.job_id])
         if self.periodic:
-            at = self._tick_after(gpu, now) if self.on_gpu[gpu] else None
-        elif memo.next_round_at is not None:
-            at = self._tick_at_or_after(gpu, memo.next_round_at)
+            at = self._next_tick(gpu)
+        elif memo.next_round_at is None:
+            at = None
         else:
-            at = None
-        if at is not None and not self.periodic and self.alone(gpu):
-            self.deferred[gpu] = at
-            at = None
+            at = self._next_tick(gpu, memo.next_round_at)
+            if self.alone(gpu):
+                self.deferred[gpu] = at
+                at = None
         self.clock.set_round(gpu, at)
         return bool(decisions)
 
@@ -154,7 +154,7 @@ class CoordinatorRounds:
             if decisions:
                 raise InvariantError(f"GPU {gpu}: a lone job's round decided {decisions}")
             memo = self.driver.memo(gpu)
-            at = None if memo.next_round_at is None else self._tick_at_or_after(gpu, memo.next_round_at)
+            at = None if memo.next_round_at is None else self._next_tick(gpu, memo.next_round_at)
         clock.now = now
         if at is not None and still_alone and self.alone(gpu):
             # Only the job's speed changed (e.g. from 0 at its start): the rounds still to come
@@ -163,17 +163,13 @@ class CoordinatorRounds:
         elif at is not None and at > now + 1e-9:
             self.clock.set_round(gpu, at)
 
-    def _tick_after(self, gpu: int, t: float) -> float:
-        """First grid point of the GPU strictly after `t` (and after now)."""
+    def _next_tick(self, gpu: int, at_or_after: float | None = None) -> float:
+        """First grid point of the GPU after now, or at or after `at_or_after` if that is later."""
         anchor = self.anchor[gpu]
-        k = math.floor((max(t, self.clock.now) - anchor) / self.interval + 1e-9) + 1
+        k = math.floor((self.clock.now - anchor) / self.interval + 1e-9) + 1
+        if at_or_after is not None:
+            k = max(k, math.ceil((at_or_after - anchor) / self.interval - 1e-9))
         return anchor + k * self.interval
-
-    def _tick_at_or_after(self, gpu: int, t: float) -> float:
-        anchor = self.anchor[gpu]
-        k = math.ceil((t - anchor) / self.interval - 1e-9)
-        now_k = math.floor((self.clock.now - anchor) / self.interval + 1e-9) + 1
-        return anchor + max(k, now_k) * self.interval
 
     def watch(self, sj: SimJob) -> None:
         """The job's speed changed: the coordinators that read its steps look again."""
@@ -186,7 +182,7 @@ class CoordinatorRounds:
                     continue  # only the guarantee job's steps are read on its GPU
             elif demands_fit([o.demand for o in jobs.values()], self.mem[g]):
                 continue  # opportunistic jobs whose demands fit: their steps are not read
-            at = self._tick_after(g, self.clock.now)
+            at = self._next_tick(g)
             pending = self.clock.round_at.get(g)
             if pending is None or pending > at:
                 self.clock.set_round(g, at)
