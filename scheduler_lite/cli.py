@@ -83,12 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return sim_main(forwarded)
     parser = build_parser()
-    config_path, as_json, rest = _global_options(args_list)
-    args, unknown = parser.parse_known_args(rest)
+    args, unknown = parser.parse_known_args(args_list)
     if unknown:  # the sub-command's options are the ones to read about, not the top level's
         _usage_error(f"{PROG} {args.command}" if args.command else PROG, "unrecognized arguments: " + " ".join(unknown))
-    args.config = config_path or args.config
-    args.json = as_json or args.json
     if args.command is None:
         parser.print_help()
         return 2
@@ -126,9 +123,6 @@ def _sim_argv(argv: list[str]) -> list[str] | None:
     return None
 
 
-# submit's options that take a value: the token after them is not the job's command.
-SUBMIT_VALUE_OPTIONS: Final = frozenset({"--tenant", "--gpus", "--type", "--workdir", "--env", "--memory", "--name",
-                                         "--steps", "--duration", "--share", "--request-id", "--config"})
 # An interrupted submit (the answer lost: the daemon died or restarted) is sent again with the
 # same request id for this long, every SUBMIT_RETRY_PAUSE_S: the daemon answers with the job
 # recorded the first time, or records it now. Then the CLI gives up, saying how to check.
@@ -136,57 +130,25 @@ SUBMIT_RETRY_S: Final = 30.0
 SUBMIT_RETRY_PAUSE_S: Final = 0.5
 
 
-def _global_options(argv: list[str]) -> tuple[str | None, bool, list[str]]:
-    """--config FILE and --json anywhere before the job's command (so `list --json` and `--json list` agree).
-
-    The job's command starts after '--', or at submit's first positional argument: what follows
-    belongs to the job, so `submit python train.py --json` keeps `--json` for train.py.
-    """
-    config, as_json, rest = None, False, []
-    i = 0
-    command: str | None = None
-    while i < len(argv):
-        token = argv[i]
-        if token == "--":
-            rest.extend(argv[i:])
-            break
-        if command == "submit" and not token.startswith("-"):
-            rest.extend(argv[i:])  # the job's command, options and all
-            break
-        if command is None and not token.startswith("-"):
-            command = token
-        if command == "submit" and token in SUBMIT_VALUE_OPTIONS - {"--config"} and i + 1 < len(argv):
-            rest.extend(argv[i : i + 2])
-            i += 2
-            continue
-        if token == "--json":
-            as_json = True
-        elif token == "--config" and i + 1 < len(argv):
-            config = argv[i + 1]
-            i += 1
-        elif token.startswith("--config="):
-            config = token.split("=", 1)[1]
-        else:
-            rest.append(token)
-        i += 1
-    return config, as_json, rest
-
-
-GLOBAL_OPTIONS = "options of every command: --config FILE (TOML config), --json (machine-readable output)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG, description="AntMan-style GPU sharing for the GPUs of one workstation.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", metavar="FILE", help=f"TOML config (default: ${CONFIG_ENV}, else the packaged default)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    # --config and --json before the command or after it (`--json list`, `list --json`): a
+    # sub-command's own only replace the top level's when given (SUPPRESS). What follows submit's
+    # first positional argument is the job's (argparse.REMAINDER): `submit python train.py --json`
+    # keeps `--json` for train.py.
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for parser in (p, common):
+        parser.add_argument("--config", metavar="FILE", help=f"TOML config (default: ${CONFIG_ENV}, else the "
+                                                             "packaged default)")
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, run: Callable[[Config, argparse.Namespace], int | None], help: str,
                 epilog: str = "") -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help, epilog=f"{epilog}\n\n{GLOBAL_OPTIONS}".strip(),
+        sp = sub.add_parser(name, help=help, description=help, epilog=epilog or None, parents=[common],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         sp.set_defaults(run=run)
         return sp

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from scheduler_lite import cli as cli_module
-from scheduler_lite.cli import EXAMPLES, _global_options, main
+from scheduler_lite.cli import EXAMPLES, build_parser, main
 from scheduler_lite.client import call as client_call
 from scheduler_lite.config import CONFIG_ENV, load_config
 from scheduler_lite.isolation import SESSION_VARIABLES
@@ -235,12 +235,12 @@ def test_usage_examples_reach_the_daemon_they_start() -> None:
                 key, _, value = words[1].partition("=")
                 env[key] = value
             elif words[:1] == ["scheduler-lite"]:
-                config, _, rest = _global_options(words[1:])
-                if rest[0] == "sim":
+                args, _ = build_parser().parse_known_args(words[1:])
+                if args.command == "sim":
                     continue  # the simulator reads no config
-                configs.append((rest[0], config or env.get(CONFIG_ENV)))
-                if rest[0] == "submit":
-                    tenant = rest[rest.index("--tenant") + 1]
+                configs.append((args.command, args.config or env.get(CONFIG_ENV)))
+                if args.command == "submit":
+                    tenant = args.tenant
                     assert tenant in {t.name for t in load_config(REPO / str(configs[0][1])).tenants}, line
         assert configs[0][0] == "serve" and configs[0][1] is not None, block
         assert all(config == configs[0][1] for _, config in configs), (block, configs)
