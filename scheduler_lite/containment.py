@@ -113,15 +113,21 @@ def subtree_name(state_dir: Path) -> str:
     return f"scheduler-lite-{digest}"
 
 
+def own_dirs(proc: Path) -> tuple[Path | None, Path | None]:
+    """This process's cgroup2 directory and its v1 devices cgroup directory (None: no such
+    hierarchy mounted), from /proc/self; OSError where that cannot be read."""
+    v2_mount, devices_mount = mounts((proc / "self" / "mountinfo").read_text())
+    own_v2, own_devices = own_cgroups((proc / "self" / "cgroup").read_text())
+    return (None if v2_mount is None or own_v2 is None else v2_mount / own_v2.lstrip("/"),
+            None if devices_mount is None or own_devices is None else devices_mount / own_devices.lstrip("/"))
+
+
 def subtrees(proc: Path = Path("/proc")) -> set[str]:
     """The names of the daemons' subtrees present under this process's cgroup2 directory (where a
     daemon started by this process puts them); empty where cgroups cannot be read."""
     try:
-        v2_mount, _ = mounts((proc / "self" / "mountinfo").read_text())
-        own_v2, _ = own_cgroups((proc / "self" / "cgroup").read_text())
-        if v2_mount is None or own_v2 is None:
-            return set()
-        return {p.name for p in (v2_mount / own_v2.lstrip("/")).glob("scheduler-lite-*")}
+        own_v2 = own_dirs(proc)[0]
+        return set() if own_v2 is None else {p.name for p in own_v2.glob("scheduler-lite-*")}
     except OSError:
         return set()
 
@@ -148,19 +154,14 @@ class Containment:
     def active(self) -> bool:
         return self.v2_root is not None
 
-    @property
-    def limits_devices(self) -> bool:
-        return self.devices_root is not None
-
     def _detect(self) -> str:
         try:
-            v2_mount, devices_mount = mounts((self.proc / "self" / "mountinfo").read_text())
-            own_v2, own_devices = own_cgroups((self.proc / "self" / "cgroup").read_text())
+            own_v2, own_devices = own_dirs(self.proc)
         except OSError as e:
             return f"cgroups cannot be read ({e.strerror}): jobs are not contained"
-        if v2_mount is None or own_v2 is None:
+        if own_v2 is None:
             return "no cgroup2 hierarchy is mounted: jobs are not contained (process groups only)"
-        root = v2_mount / own_v2.lstrip("/") / self.subtree
+        root = own_v2 / self.subtree
         try:
             root.mkdir(exist_ok=True)
         except OSError as e:
@@ -174,8 +175,8 @@ class Containment:
         how = "cgroup.kill" if self.can_kill else "freeze + SIGKILL" if self.can_freeze else "SIGKILL of each member"
         devices = ("GPU device nodes not limited (cgroup v2 needs a BPF device program, not implemented; no v1 "
                    "devices controller is mounted)")
-        if devices_mount is not None and own_devices is not None:
-            droot = devices_mount / own_devices.lstrip("/") / self.subtree
+        if own_devices is not None:
+            droot = own_devices / self.subtree
             try:
                 droot.mkdir(exist_ok=True)
                 self.devices_root = droot
@@ -199,6 +200,10 @@ class Containment:
         name = f"{job_id}-{token}"
         if "/" in name or name.startswith("."):
             raise ValueError(f"cgroup name {name!r}: a job id and a launch token without '/'")
+        return self._named(name)
+
+    def _named(self, name: str) -> JobCgroup:
+        assert self.v2_root is not None
         return JobCgroup(name, self.v2_root / name, None if self.devices_root is None else self.devices_root / name)
 
     def create(self, cg: JobCgroup, denied_gpus: Iterable[int] = ()) -> None:
@@ -222,8 +227,11 @@ class Containment:
                 # The devices cgroup first: once a process is in the v2 one, it counts as contained.
                 for target in (cg.devices, cg.v2):
                     if target is not None:
-                        with contextlib.suppress(ProcessLookupError):
-                            _write_pid(target, p)
+                        try:
+                            (target / "cgroup.procs").write_text(str(p))
+                        except OSError as e:
+                            if e.errno != errno.ESRCH:  # ESRCH: gone meanwhile
+                                raise
                 seen.add(p)
 
     def pids(self, cg: JobCgroup) -> list[int]:
@@ -308,13 +316,10 @@ class Containment:
         """This daemon's job cgroups not named in `keep`: launches whose jobs ended while it was down."""
         if self.v2_root is None:
             return []
-        found = []
-        with contextlib.suppress(FileNotFoundError):
-            for entry in sorted(self.v2_root.iterdir()):
-                if entry.is_dir() and entry.name not in keep:
-                    found.append(JobCgroup(entry.name, entry,
-                                           None if self.devices_root is None else self.devices_root / entry.name))
-        return found
+        try:
+            return [self._named(e.name) for e in sorted(self.v2_root.iterdir()) if e.is_dir() and e.name not in keep]
+        except FileNotFoundError:
+            return []
 
     def _descendants(self, pid: int) -> list[int]:
         out: list[int] = []
@@ -342,14 +347,5 @@ def sweep(state_dir: Path) -> list[int]:
     return [pid for cg in containment.stale(()) for pid in containment.end(cg)]
 
 
-def _write_pid(cgroup: Path, pid: int) -> None:
-    try:
-        (cgroup / "cgroup.procs").write_text(str(pid))
-    except OSError as e:
-        if e.errno == errno.ESRCH:
-            raise ProcessLookupError(pid) from None
-        raise
-
-
 __all__ = ["CONTAINMENT_MODES", "Containment", "ContainmentUnavailable", "JobCgroup", "mounts", "own_cgroups",
-           "subtree_name", "subtrees", "sweep"]
+           "own_dirs", "subtree_name", "subtrees", "sweep"]

@@ -80,17 +80,13 @@ class JobUser:
     shell: str
 
 
-def daemon_is_root() -> bool:
-    return os.geteuid() == 0
-
-
 def job_user(uid: int | None) -> JobUser | None:
     """The account to switch to for a job submitted by `uid`; None: run it as the daemon's user.
 
     Only a root daemon switches. A uid that has no entry in the user database any more cannot be
     run (its home, groups are unknown): IsolationError.
     """
-    if uid is None or not daemon_is_root() or uid == os.geteuid():
+    if uid is None or os.geteuid() != 0 or uid == os.geteuid():
         return None
     try:
         entry = pwd.getpwuid(uid)
@@ -280,5 +276,5 @@ def read_log(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
 
 
 __all__ = ["DEFAULT_PATH", "INITIAL_CONTROL_SEQ", "SESSION_VARIABLES", "IsolationError", "JobUser",
-           "base_environment", "daemon_is_root", "job_user", "prepare_job_dir", "process_uid", "read_job_file",
+           "base_environment", "job_user", "prepare_job_dir", "process_uid", "read_job_file",
            "read_job_stats", "read_log", "read_small_int", "small_int"]

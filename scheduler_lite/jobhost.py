@@ -9,22 +9,13 @@ The contract is `JobHost`, each verb and what a host says about its machines sta
   ClusterJobHost    the nodes of a Ray cluster (scheduler_lite.cluster.host): the same verbs fanned
                     out over one Ray actor per node, each wrapping a LocalJobHost there.
 
-The daemon's LocalJobHost (`local_job_host`) is composed of two parts that add the kernel's
-word and a check of what the jobs report to its verbs:
-
-  containment  (scheduler_lite.containment) each launch in a cgroup of its own, where the
-               machine allows: `start` makes it (its devices cgroup denying the managed GPUs the
-               job was not placed on) and puts the wrapper and what it started meanwhile in it;
-               `find` after a restart looks for the wrapper among its members (by its launch
-               token), never through the pid file the job can write; `signal` reaches every
-               member (a cancel's SIGTERM reaches processes that left the job's process group);
-               `stop`, `cleanup`, `kill_leftovers` kill what is left in it (`cgroup.kill`) and
-               remove it; `recover` empties and removes the cgroups of launches the store no
-               longer runs. Inactive (an unprivileged daemon, no cgroup2, a cluster node): jobs
-               run in their process groups alone, as before containment.
-  judge        (scheduler_lite.misbehaviour.Judge) each `stats` read is checked, and each tick
-               (`refresh`), with NVML and containment, each GPU's processes against the jobs'
-               cgroups and limits.
+The daemon's LocalJobHost (`local_job_host`) has two parts composed into it: `containment`
+(scheduler_lite.containment: each launch in a cgroup of its own where the machine allows; `start`
+puts the job in it, `find` after a restart looks for its wrapper among the members, never in the
+pid file the job can write, `signal` reaches every member, `stop`, `cleanup`, `kill_leftovers`
+and `recover` kill what is left and remove it) and a `judge` (scheduler_lite.misbehaviour: each
+`stats` read checked; each tick, `refresh`, NVML's processes against the jobs' cgroups). A
+cluster node's host has neither: its jobs run in their process groups alone.
 """
 
 from __future__ import annotations

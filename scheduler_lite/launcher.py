@@ -170,9 +170,6 @@ class ExitInfo:
     # when the daemon noticed (it watched the job end).
     ended_at: float | None = None
 
-    def describe(self) -> str:
-        return describe_exit(self.exit_code)
-
 
 def describe_exit(code: int | None, *, ran: bool = True) -> str:
     """How a job ended, for people; `ran=False`: it never ran (cancelled while queued, rejected)."""
@@ -419,8 +416,23 @@ class Launcher:
         the wrapper (`not_before_ticks`, its start time, when known). One that cleared its
         environment is not found.
         """
-        return [pid for pid, start in job_processes(job_dir, pgid, not_before_ticks)
-                if signal_if(pid, signal.SIGKILL, lambda pid=pid, start=start: process_start_ticks(pid) == start)]
+        marker = f"{JOB_DIR_VARIABLE}={job_dir}".encode()
+        killed = []
+        for pid in _pids():
+            fields = _proc_stat(pid)  # fields[2]: the process group
+            if fields is None or fields[0] == "Z" or (pgid is not None and int(fields[2]) != pgid):
+                continue
+            start = int(fields[19])
+            if not_before_ticks is not None and start < not_before_ticks:
+                continue
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in environ and signal_if(pid, signal.SIGKILL,
+                                               lambda pid=pid, start=start: process_start_ticks(pid) == start):
+                killed.append(pid)
+        return killed
 
 
 def wrapper_command(user: JobUser | None) -> list[str]:
@@ -453,26 +465,6 @@ def after_sigkill(ended: ExitInfo, sigkill_sent: bool) -> ExitInfo:
     wrapper records every end it outlives (it catches SIGTERM, SIGINT, SIGHUP), SIGKILL kills it
     too. Without this a job the daemon killed after a restart (not its child) read as unknown."""
     return ExitInfo(-signal.SIGKILL, ended.ended_at) if sigkill_sent and ended.exit_code is None else ended
-
-
-def job_processes(job_dir: Path, pgid: int | None, not_before_ticks: int | None) -> list[tuple[int, int]]:
-    """(pid, start ticks) of the live processes of a job (see Launcher.kill_leftovers); scans /proc."""
-    marker = f"{JOB_DIR_VARIABLE}={job_dir}".encode()
-    found = []
-    for pid in _pids():
-        fields = _proc_stat(pid)  # fields[2]: the process group
-        if fields is None or fields[0] == "Z" or (pgid is not None and int(fields[2]) != pgid):
-            continue
-        start = int(fields[19])
-        if not_before_ticks is not None and start < not_before_ticks:
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if marker in environ:
-            found.append((pid, start))
-    return found
 
 
 def signal_if(pid: int, sig: int, still: Callable[[], bool]) -> bool:

@@ -135,7 +135,7 @@ def test_a_job_that_ends_leaves_no_process_behind(site: Site) -> None:
 
 def test_a_job_on_one_gpu_cannot_open_another_gpu_s_device_node(tmp_path: Path) -> None:
     site = Site(tmp_path, gpus=2)
-    if not PROBE.limits_devices:
+    if PROBE.devices_root is None:  # no v1 devices controller
         pytest.skip(PROBE.describe())
     nodes = []
     for minor in (0, 1):

@@ -61,7 +61,7 @@ def test_runs_in_its_own_group_with_its_env_and_captures_output(tmp_path: Path) 
     assert os.getpgid(handle.pid) == handle.pid  # a group of its own: a cancel reaches its children
     assert os.getpgid(handle.pid) != os.getpgrp()
     ended = wait_exit(launcher, handle)
-    assert ended.exit_code == 3 and ended.describe() == "exit status 3"
+    assert ended.exit_code == 3 and describe_exit(ended.exit_code) == "exit status 3"
     job_dir = tmp_path / "job"
     assert (job_dir / STDOUT_FILE).read_text() == f"out hello {handle.pid}\n"  # the job is in the group
     assert (job_dir / STDERR_FILE).read_text() == "err\n"
@@ -79,7 +79,7 @@ def test_stop_terminates_the_whole_group(tmp_path: Path) -> None:
     assert wait_for(lambda: out.read_text().strip() != "")
     grandchild = int(out.read_text())
     ended = launcher.stop(handle, grace_s=10)
-    assert ended.exit_code == -signal.SIGTERM and ended.describe() == "killed by SIGTERM"
+    assert ended.exit_code == -signal.SIGTERM and describe_exit(ended.exit_code) == "killed by SIGTERM"
     assert wait_for(lambda: process_start_ticks(grandchild) is None or _is_zombie(grandchild))
 
 
@@ -135,7 +135,7 @@ def test_an_exit_status_above_128_is_not_a_signal(tmp_path: Path, status: int) -
     launcher = Launcher()
     handle = launcher.start(spec(tmp_path, f"import sys; sys.exit({status})"))
     ended = wait_exit(launcher, handle)
-    assert ended.exit_code == status and ended.describe() == f"exit status {status}"
+    assert ended.exit_code == status and describe_exit(ended.exit_code) == f"exit status {status}"
     assert (tmp_path / "job" / EXIT_STATUS_FILE).read_text() == f"exit {status}\n"
     assert Launcher().adopt(handle.pid, handle.start_ticks, tmp_path / "job").exit_code == status
 
