@@ -61,7 +61,6 @@ from scheduler_lite.wire import (
     MAX_LIST_LIMIT,
     PROTOCOL_VERSION,
     RequestError,
-    bounded,
     checked_value,
     encode_answer,
     integer,
@@ -382,7 +381,7 @@ class Server:
             wanted = None if states is None else [JobStatus(s) for s in states]
         except ValueError:
             raise RequestError("states is invalid: accepted " + ", ".join(s.value for s in JobStatus)) from None
-        limit = bounded(args, "limit", 1, MAX_LIST_LIMIT)
+        limit = integer(args, "limit", within=(1, MAX_LIST_LIMIT))
         cursor = args.get("cursor")
         if cursor is not None:
             try:
@@ -432,14 +431,12 @@ class Server:
         stderr = args.get("stderr", False)
         if not isinstance(stderr, bool):
             raise RequestError(f"stderr {stderr!r} is invalid: accepted true or false")
-        offset = integer(args, "offset", default=0)
-        if not 0 <= offset <= MAX_LOG_OFFSET:
-            raise RequestError(f"offset {short(offset)} is invalid: accepted an integer in [0, {MAX_LOG_OFFSET}]")
+        offset = integer(args, "offset", default=0, within=(0, MAX_LOG_OFFSET))
         if not record.job_dir:
             return {"data": "", "offset": offset, "done": record.state.done, "started": False,
                     "state": str(record.state)}
         try:
-            data, offset = self.daemon.read_log(record, stderr, offset, MAX_LOG_CHUNK)
+            data, offset = self.daemon.host.read_log(record, stderr, offset, MAX_LOG_CHUNK)  # on its node in a cluster
         except IsolationError:
             raise
         except OSError as e:  # in cluster mode: the job's node is not connected

@@ -3,8 +3,8 @@
 The limit and compute share shown are the ones the job reports in force (its stats.json), not
 what the daemon last decided: a job that has not applied a control yet shows its old settings,
 the daemon's decision next to them (`target_*`), and how many control files are pending.
-Works without the daemon (the CLI reads the store and the job directories); the daemon adds
-utilisation, coordinator phases and reservations.
+The daemon builds it (`Daemon.status`), with utilisation, coordinator phases and reservations;
+the CLI prints the daemon's answer (scheduler_lite.client.cluster_status).
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ class JobOnGpu:
     # step time would otherwise look like a healthy one.
     stats_age_s: float | None = None
     paused: bool = False
+
+
+# JobOnGpu's fields read as they are from the job's stats (and from its entry for this device).
+STATS_FIELDS = ("compute_share", "step", "last_step_ms", "step_ms_median", "achieved_share")
+DEVICE_FIELDS = ("in_use_bytes", "host_in_use_bytes", "host_fallbacks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,17 +128,11 @@ def build_status(
             per_gpu[gpu].append(JobOnGpu(
                 job_id=record.id, tenant=record.tenant, role=record.role or Role.OPPORTUNISTIC,
                 memory_limit_bytes=None if device is None else device.limit_bytes,
-                compute_share=None if found is None else found.compute_share,
                 target_memory_limit_bytes=setting.memory_limit_bytes if setting else None,
                 target_compute_share=setting.compute_share if setting else None,
                 controls_pending=max(0, record.control_seq - applied) if found is not None else record.control_seq,
-                in_use_bytes=None if device is None else device.in_use_bytes,
-                host_in_use_bytes=None if device is None else device.host_in_use_bytes,
-                host_fallbacks=None if device is None else device.host_fallbacks,
-                step=None if found is None else found.step,
-                last_step_ms=None if found is None else found.last_step_ms,
-                step_ms_median=None if found is None else found.step_ms_median,
-                achieved_share=None if found is None else found.achieved_share,
+                **{name: None if device is None else getattr(device, name) for name in DEVICE_FIELDS},
+                **{name: None if found is None else getattr(found, name) for name in STATS_FIELDS},
                 stats_error=error,
                 running_s=_running_s(record, now),
                 stats_age_s=None if found is None or found.wall_time <= 0 else max(0.0, now - found.wall_time),

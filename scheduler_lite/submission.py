@@ -8,7 +8,6 @@ its next tick. `make_job_spec` validates a submission against the config; every 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import time
@@ -39,11 +38,9 @@ class SubmitError(ValueError):
     """A submission that is refused; the message is one line naming what to fix."""
 
 
-def largest_gpu_bytes(config: Config) -> int | None:
-    """Memory of the largest configured GPU; None when only the devices know (nvml)."""
-    if config.devices.kind != "emulated" or not config.devices.emulated:
-        return None
-    return max(d.memory_bytes for d in config.devices.emulated)
+def _fits(value: object, high: float, whole: bool = False) -> bool:
+    """A number in (0, high], an int when `whole`; never a bool (NaN and infinities fail the range)."""
+    return not isinstance(value, bool) and isinstance(value, int if whole else int | float) and 0 < value <= high
 
 
 def make_job_spec(
@@ -89,7 +86,7 @@ def make_job_spec(
     if device_count is not None and config.cluster is not None:  # every node has these devices
         device_count *= len(config.cluster.nodes)
     limit = device_count or 1024
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= limit:
+    if not _fits(gpus, limit, whole=True):
         raise SubmitError(f"--gpus {gpus!r} is invalid: accepted an integer in [1, {limit}]")
     if job_kind is JobKind.GUARANTEE and gpus > found.gpu_quota:
         raise SubmitError(f"a guarantee job of {gpus} GPU(s) can never run: tenant {tenant!r} has a quota "
@@ -129,27 +126,20 @@ def make_job_spec(
             raise SubmitError(f"--env {key}={value!r} is invalid: accepted {variable.accepted} "
                               "(docs/configuration.md)") from None
     if memory_bytes is not None:
-        top = largest_gpu_bytes(config) or MAX_BYTES
-        if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or not 1 <= memory_bytes <= top:
+        # The largest configured GPU; with nvml devices only the daemon's devices know.
+        emulated = config.devices.emulated if config.devices.kind == "emulated" else ()
+        top = max((d.memory_bytes for d in emulated), default=MAX_BYTES)
+        if not _fits(memory_bytes, top, whole=True):
             where = "the largest GPU" if top != MAX_BYTES else "the largest size"
             asked = f" (asked: {format_bytes(memory_bytes)})" if isinstance(memory_bytes, int) and memory_bytes > 0 else ""
             raise SubmitError(f"--memory {memory_bytes!r} is invalid: accepted a size in [1, {top}] bytes "
                               f"({format_bytes(top)}, {where}); leave it out for the whole GPU{asked}")
-    if expected_steps is not None and (
-        isinstance(expected_steps, bool) or not isinstance(expected_steps, int)
-        or not 1 <= expected_steps <= MAX_EXPECTED_STEPS
-    ):
+    if expected_steps is not None and not _fits(expected_steps, MAX_EXPECTED_STEPS, whole=True):
         raise SubmitError(f"--steps {expected_steps!r} is invalid: accepted an integer in [1, {MAX_EXPECTED_STEPS}]")
-    if expected_duration_s is not None and (
-        isinstance(expected_duration_s, bool) or not isinstance(expected_duration_s, int | float)
-        or not math.isfinite(expected_duration_s) or not 0 < expected_duration_s <= MAX_EXPECTED_DURATION_S
-    ):
+    if expected_duration_s is not None and not _fits(expected_duration_s, MAX_EXPECTED_DURATION_S):
         raise SubmitError(f"--duration {expected_duration_s!r} is invalid: accepted seconds in "
                           f"(0, {MAX_EXPECTED_DURATION_S:g}]")
-    if requested_share is not None and (
-        isinstance(requested_share, bool) or not isinstance(requested_share, int | float)
-        or not math.isfinite(requested_share) or not 0 < requested_share <= 1
-    ):
+    if requested_share is not None and not _fits(requested_share, 1):
         raise SubmitError(f"--share {requested_share!r} is invalid: accepted a fraction of one GPU in (0, 1], "
                           "e.g. 0.5; leave it out to state none")
     if not isinstance(restartable, bool):
@@ -225,5 +215,5 @@ def quota_warning(config: Config, gpu_count: int) -> str | None:
             "quota may still wait for another tenant's guarantee jobs")
 
 
-__all__ = ["MAX_SUBMISSION_BYTES", "RESERVED_ENV", "USER_ANTMAN_VARIABLES", "SubmitError", "largest_gpu_bytes",
+__all__ = ["MAX_SUBMISSION_BYTES", "RESERVED_ENV", "USER_ANTMAN_VARIABLES", "SubmitError",
            "make_job_spec", "quota_warning", "request_cancel", "submission_bytes", "submit_job", "submit_once"]

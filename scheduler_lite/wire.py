@@ -177,22 +177,16 @@ def strings(args: Mapping[str, Any], key: str, max_items: int, required: bool = 
     return list(value)  # type: ignore[arg-type]
 
 
-def integer(args: Mapping[str, Any], key: str, default: int | None = None) -> Any:
+def integer(args: Mapping[str, Any], key: str, default: int | None = None,
+            within: tuple[int, int] | None = None) -> Any:
+    """An optional integer, in [low, high] when `within` (one message for a wrong type and a wrong
+    value); without `within`, its range is the caller's to check, with the user's name for the field."""
     value = args.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{key} {short(value)} is invalid: accepted an integer")
-    return value  # its range is the caller's to check, with the user's name for the field
-
-
-def bounded(args: Mapping[str, Any], key: str, low: int, high: int) -> int | None:
-    """An optional integer in [low, high]; one message for a wrong type and a wrong value."""
-    value = args.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise RequestError(f"{key} {short(value)} is invalid: accepted an integer in [{low}, {high}]")
+    if isinstance(value, bool) or not isinstance(value, int) or within and not within[0] <= value <= within[1]:
+        accepted = "an integer" if within is None else f"an integer in [{within[0]}, {within[1]}]"
+        raise RequestError(f"{key} {short(value)} is invalid: accepted {accepted}")
     return value
 
 
@@ -233,6 +227,6 @@ def plain(value: Any) -> Any:
 
 
 __all__ = ["DEFAULT_LIST_LIMIT", "MAX_ANSWER_BYTES", "MAX_ENV_PAIRS", "MAX_LIST_LIMIT", "MAX_REQUEST_BYTES",
-           "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError", "bounded", "checked_value",
+           "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError", "checked_value",
            "encode_answer", "integer", "label", "only", "pairs", "parse", "plain", "read_line", "send", "short",
            "string", "strings"]
