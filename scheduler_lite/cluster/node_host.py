@@ -150,17 +150,14 @@ class _BookedTasks:
         return True
 
     def stop(self, b: _Booking, grace_s: float) -> ExitInfo:
-        ended = self.poll(b)
-        if ended is not None:
-            self.release(b)
-            return ended
-        self.release(b, signal.SIGTERM)
+        self.signal(b, signal.SIGTERM)  # released, and its process told, unless it has ended
         deadline = time.monotonic() + grace_s
         while (ended := self.poll(b)) is None and b.pid != 0:
             if time.monotonic() >= deadline:
                 self.release(b, signal.SIGKILL)
                 deadline = float("inf")
             time.sleep(0.02)
+        self.release(b)
         return ended or ExitInfo(None)
 
     def cleanup(self, b: _Booking) -> None:
