@@ -139,9 +139,14 @@ class Server:
         self._socket_id: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._faults = Faults(os.environ)  # the crash tests' "submitted" point (scheduler_lite.faults)
-        self._handlers: dict[str, Callable[[Identity, Mapping[str, Any]], Any]] = {
-            "ping": self._ping, "submit": self._submit, "cancel": self._cancel, "list": self._list,
-            "show": self._show, "status": self._status, "logs": self._logs, "tenants": self._tenants,
+        # Each op: its handler and the arguments it accepts (any other is refused before it runs).
+        self._handlers: dict[str, tuple[Callable[[Identity, Mapping[str, Any]], Any], tuple[str, ...]]] = {
+            "ping": (self._ping, ()), "cancel": (self._cancel, ("jobs",)), "show": (self._show, ("job",)),
+            "submit": (self._submit, ("command", "tenant", "gpus", "kind", "workdir", "env", "session_env",
+                                      "memory_bytes", "name", "steps", "duration_s", "share", "restartable",
+                                      "request_id")),
+            "list": (self._list, ("states", "limit", "cursor")), "status": (self._status, ()),
+            "logs": (self._logs, ("job", "stderr", "offset")), "tenants": (self._tenants, ()),
         }
 
     # -- socket -----------------------------------------------------------------------------------
@@ -283,11 +288,12 @@ class Server:
 
     def handle(self, who: Identity, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
         """One request, as `who`: the answer document (never raises)."""
-        handler = self._handlers.get(op)
-        if handler is None:
+        if op not in self._handlers:
             return {"ok": False, "error": f"op {op!r} is unknown: accepted " + ", ".join(sorted(self._handlers))}
+        handler, accepted = self._handlers[op]
         try:
             check_served(self.policy, who)
+            only(args, accepted)
             return {"ok": True, "result": handler(who, args)}
         except (AccessDenied, RequestError, SubmitError, StorageError, ProtocolError, IsolationError) as e:
             if isinstance(e, AccessDenied):
@@ -300,14 +306,11 @@ class Server:
     # -- ops --------------------------------------------------------------------------------------
 
     def _ping(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ())
         return {"user": who.user, "uid": who.uid, "admin": is_admin(self.policy, who),
                 "tenants": list(tenants_of(self.policy, who)), "daemon_user": self.policy.daemon_user,
                 "multi_user": self.policy.multi_user, "version": PROTOCOL_VERSION}
 
     def _submit(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ("command", "tenant", "gpus", "kind", "workdir", "env", "session_env", "memory_bytes", "name",
-                    "steps", "duration_s", "share", "restartable", "request_id"))
         command = strings(args, "command", MAX_COMMAND_WORDS, required=True, empty_after_first=True)
         tenant = string(args, "tenant", MAX_NAME)
         gpus = integer(args, "gpus", default=1)
@@ -359,7 +362,6 @@ class Server:
         return {"id": record.id, "job": job_dict(record, who, self.policy), "repeated": not new}
 
     def _cancel(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ("jobs",))
         ids = strings(args, "jobs", MAX_JOBS_PER_CANCEL, required=True)
         records = [self._job(job_id) for job_id in ids]
         for record in records:  # all are checked before any is touched: a refusal changes nothing
@@ -375,7 +377,6 @@ class Server:
         return out
 
     def _list(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ("states", "limit", "cursor"))
         states = strings(args, "states", 8)
         try:
             wanted = None if states is None else [JobStatus(s) for s in states]
@@ -399,7 +400,6 @@ class Server:
                 "remaining": page.remaining, "next_cursor": page.next_cursor}
 
     def _show(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ("job",))
         record = self._job(string(args, "job", MAX_NAME, required=True) or "")
         storage = self.daemon.storage
         events, older = storage.newest_events(record.id, SHOW_EVENTS)
@@ -409,7 +409,6 @@ class Server:
                 "older_events_omitted": older}  # a count (older daemons: a boolean)
 
     def _status(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ())
         doc = plain(self.refresh_snapshot())
         # How the jobs are contained (cgroups), or why they are not: a host without cgroups says nothing.
         containment = self.daemon.host.containment
@@ -421,11 +420,9 @@ class Server:
         return doc
 
     def _tenants(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ())
         return [dataclasses.asdict(t) for t in self.refresh_snapshot().tenants]
 
     def _logs(self, who: Identity, args: Mapping[str, Any]) -> Any:
-        only(args, ("job", "stderr", "offset"))
         record = self._job(string(args, "job", MAX_NAME, required=True) or "")
         check_owner(self.policy, who, "read the logs of", record.id, record.uid, record.user)
         stderr = args.get("stderr", False)
