@@ -76,14 +76,12 @@ def _usage_error(prog: str, message: str) -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    forwarded = _sim_argv(args_list)
-    if forwarded is not None:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command == "sim":  # all that follows `sim` goes to the simulator's own parser, its --help included
         from scheduler_lite.sim import main as sim_main
 
-        return sim_main(forwarded)
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(args_list)
+        return sim_main(unknown)
     if unknown:  # the sub-command's options are the ones to read about, not the top level's
         _usage_error(f"{PROG} {args.command}" if args.command else PROG, "unrecognized arguments: " + " ".join(unknown))
     if args.command is None:
@@ -105,22 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def _sim_argv(argv: list[str]) -> list[str] | None:
-    """`sim ...` goes to the simulator's own parser unchanged (its --help included)."""
-    i = 0
-    while i < len(argv):
-        if argv[i] == "sim":
-            return argv[i + 1 :]
-        if argv[i] == "--config":
-            i += 2
-            continue
-        if argv[i].startswith("-"):
-            i += 1
-            continue
-        return None
-    return None
 
 
 # An interrupted submit (the answer lost: the daemon died or restarted) is sent again with the
