@@ -45,11 +45,8 @@ class ClusterConfig:
     jobs_dir: Path | None = None
     node_timeout_s: float = 10.0  # a node host silent this long is lost (a dead actor is lost at once)
 
-    def node_index(self, node: str) -> int:
-        return self.nodes.index(node)
-
     def global_gpu(self, node: str, local_id: int) -> int:
-        return self.node_index(node) * GPU_ID_STRIDE + local_id
+        return self.nodes.index(node) * GPU_ID_STRIDE + local_id
 
     def node_of(self, gpu: int) -> str:
         return self.nodes[gpu // GPU_ID_STRIDE]

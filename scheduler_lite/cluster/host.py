@@ -279,7 +279,10 @@ class ClusterJobHost:
         if not running or handle.failure is not None:
             if running:  # a failed part ended the job while no scheduler watched: the rest must not run on
                 self.stop(handle, 0.0)
-            return handle.failure or _last_success(handle.ended.values())
+            if handle.failure is not None:
+                return handle.failure
+            times = [e.ended_at for e in handle.ended.values() if e.ended_at is not None]
+            return ExitInfo(0, max(times) if times else None)  # every part succeeded: when the last did
         if nodes[0] not in handle.ended:
             handle.pid, handle.start_ticks = running[0]
         return handle
@@ -364,12 +367,6 @@ class ClusterJobHost:
             raise OSError(f"the log of {record.id} is on node {nodes[0] if nodes else '?'}, which is not connected")
         data, end = self.nodes.ask(nodes[0], "read_log", record.id, stderr, offset, limit)
         return bytes(data), int(end)
-
-
-def _last_success(exits: Iterable[ExitInfo]) -> ExitInfo:
-    """Every part ended with success: the job ended when the last one did."""
-    times = [e.ended_at for e in exits if e.ended_at is not None]
-    return ExitInfo(0, max(times) if times else None)
 
 
 def cluster_daemon(config: Config, storage: Storage, clock: Callable[[], float] = time.time,
