@@ -57,7 +57,7 @@ log = logging.getLogger("scheduler_lite")
 
 CONTAINMENT_MODES: Final = ("auto", "off", "required")
 NVIDIA_MAJOR: Final = 195  # /dev/nvidiaN is c 195:N (nvidiactl is 195:255, left allowed)
-KILL_WAIT_S: Final = 5.0  # how long `kill` waits for the cgroup to empty
+KILL_WAIT_S: Final = 5.0  # how long `end` waits for the cgroup to empty
 SWEEP_ROUNDS: Final = 20  # `enter`'s passes over the wrapper's descendants until none is new
 
 
@@ -242,31 +242,25 @@ class Containment:
             return []
         return [int(x) for x in text.split()]
 
-    def kill(self, cg: JobCgroup) -> list[int]:
-        """End every process in the job's cgroup; returns those that were there. Waits (up to
-        KILL_WAIT_S) until it is empty: a process being killed can still be listed."""
+    def end(self, cg: JobCgroup) -> list[int]:
+        """End every process in the job's cgroup (returns those that were there) and remove it
+        (`remove`): nothing of the job runs on. Waits (up to KILL_WAIT_S) until it is empty: a
+        process being killed can still be listed."""
         members = self.pids(cg)
-        if not members:
-            return []
-        if self.can_kill:
+        if members and self.can_kill:
             with contextlib.suppress(FileNotFoundError):
                 (cg.v2 / "cgroup.kill").write_text("1")
-        else:  # frozen first, so nothing forks between the reading and the killing
+        elif members:  # frozen first, so nothing forks between the reading and the killing
             self.freeze(cg, True)
             for p in self.pids(cg):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
             self.freeze(cg, False)
         deadline = time.monotonic() + KILL_WAIT_S
-        while self.pids(cg) and time.monotonic() < deadline:
+        while members and self.pids(cg) and time.monotonic() < deadline:
             time.sleep(0.01)
-        return members
-
-    def end(self, cg: JobCgroup) -> list[int]:
-        """Kill what is in the job's cgroup (returns those pids) and remove it: nothing of it runs on."""
-        killed = self.kill(cg)
         self.remove(cg)
-        return killed
+        return members
 
     def signal(self, cg: JobCgroup, sig: int, skip_group: int) -> bool:
         """`sig` to each member of the job's cgroup outside process group `skip_group` (signalled
