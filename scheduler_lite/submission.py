@@ -1,8 +1,7 @@
-"""The client side of the daemon: submit and cancel, written into the store (no daemon needed).
-
-The CLI calls these functions and nothing else of the daemon's; the daemon picks the rows up at
-its next tick. `make_job_spec` validates a submission against the config; every refusal is a
-`SubmitError` of one line naming the option and what it accepts.
+"""Submit and cancel, written into the store: by the daemon's socket server for the CLI's
+requests (scheduler_lite.server) and by `Daemon.submit` for the library's; the daemon picks the
+rows up at its next tick. `make_job_spec` validates a submission against the config; every
+refusal is a `SubmitError` of one line naming the option and what it accepts.
 """
 
 from __future__ import annotations

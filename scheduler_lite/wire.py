@@ -78,22 +78,22 @@ def parse(line: bytes) -> tuple[str, Mapping[str, Any]]:
     return op, args
 
 
-def read_line(conn: socket.socket, deadline_s: float | None = None, since: float | None = None) -> bytes:
-    """The request line; with `deadline_s`, all of it must have arrived `deadline_s` seconds after
-    `since` (a `time.monotonic()`, default now): a client that trickles a byte at a time is cut off
-    there, not only one that stops sending (a per-recv timeout alone never fires for it)."""
-    deadline = None if deadline_s is None else (time.monotonic() if since is None else since) + deadline_s
+def read_line(conn: socket.socket, deadline_s: float, since: float) -> bytes:
+    """The request line, all of it arrived `deadline_s` seconds after `since` (a `time.monotonic()`):
+    a client that trickles a byte at a time is cut off there, not only one that stops sending (a
+    per-recv timeout alone never fires for it)."""
+    late = RequestError(f"the request did not arrive within {deadline_s:g} s of connecting: accepted one line "
+                        "sent at once; the connection is closed")
     chunks, size = [], 0
     while True:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _late(deadline_s)
-            conn.settimeout(left)
+        left = since + deadline_s - time.monotonic()
+        if left <= 0:
+            raise late
+        conn.settimeout(left)
         try:
             chunk = conn.recv(65536)
         except TimeoutError:
-            raise _late(deadline_s) from None
+            raise late from None
         if not chunk:
             break
         chunks.append(chunk)
@@ -107,11 +107,6 @@ def read_line(conn: socket.socket, deadline_s: float | None = None, since: float
     if len(line) > MAX_REQUEST_BYTES:
         raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
     return line
-
-
-def _late(deadline_s: float | None) -> RequestError:
-    return RequestError(f"the request did not arrive within {deadline_s:g} s of connecting: accepted one line "
-                        "sent at once; the connection is closed")
 
 
 def encode_answer(doc: Mapping[str, Any], op: str) -> bytes:
