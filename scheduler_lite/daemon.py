@@ -24,14 +24,11 @@ Everything that touches a job's process or files goes through the daemon's job h
 (scheduler_lite.cluster) a `ClusterJobHost` runs them on Ray nodes, with the same loop here.
 
 Steps 3 and 5, the exchange with the running jobs (their stats read, their controls written),
-are scheduler_lite.job_controls; taking over the jobs of a store at the start is
-scheduler_lite.recovery. Both work on the daemon's job table (scheduler_lite.tick.JobTable).
-
-The store (scheduler_lite.storage) is the truth: a new Daemon on the same store takes over the
-jobs it records (scheduler_lite.recovery). The clock is injected: tests drive `tick(now)`
-themselves (scheduler_lite.testing has the loops tests, benches and examples use). A tick's
-report and the record of each running job: scheduler_lite.tick; the crash tests' fault points:
-scheduler_lite.faults.
+are scheduler_lite.job_controls. The store (scheduler_lite.storage) is the truth: a new Daemon on
+the same store takes over the jobs it records (scheduler_lite.recovery). Both work on the
+daemon's job table (scheduler_lite.tick.JobTable, with a tick's report and the record of each
+running job). The clock is injected: tests drive `tick(now)` themselves (scheduler_lite.testing
+has the loops tests, benches and examples use); the crash tests' fault points: scheduler_lite.faults.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from scheduler_lite.config import Config, file_identity
 from scheduler_lite.driver import Driver, Launch, PassWorld
@@ -59,9 +56,7 @@ from scheduler_lite.jobenv import MIN_ENV_LIMIT
 from scheduler_lite.jobhost import JobHost, local_job_host
 from scheduler_lite.launcher import ExitInfo, LaunchError, after_sigkill, describe_exit
 from scheduler_lite.model import (
-    GlobalDecision,
     Gpu,
-    JobKind,
     JobState,
     Place,
     Reject,
@@ -106,9 +101,6 @@ class _PassRecords(PassWorld):
         self.now = now
         self.out = out
         self.launches: list[Launch] = []
-
-    def decided(self, decision: GlobalDecision) -> None:
-        self.out.decisions.append(decision)
 
     def place(self, launch: Launch) -> None:
         self.launches.append(launch)
@@ -185,34 +177,13 @@ class Daemon:
     def gpus(self) -> dict[int, Gpu]:
         return self.jobs.gpus
 
-    @property
-    def _live(self) -> dict[str, LiveJob]:
-        return self.jobs.live
-
     # -- public API -------------------------------------------------------------------------------
 
-    def submit(
-        self,
-        command: Sequence[str],
-        *,
-        tenant: str | None = None,
-        gpus: int = 1,
-        kind: JobKind | str = JobKind.AUTO,
-        workdir: str | Path | None = None,
-        env: Mapping[str, str] | None = None,
-        memory_bytes: int | None = None,
-        name: str = "",
-        expected_steps: int | None = None,
-        expected_duration_s: float | None = None,
-        requested_share: float | None = None,
-        restartable: bool = False,
-    ) -> str:
-        """Queue a job (picked up at the next tick); returns its id. SubmitError if it cannot run."""
-        spec = make_job_spec(self.config, command, tenant=tenant, gpus=gpus, kind=kind, workdir=workdir,
-                             env=env, memory_bytes=memory_bytes, name=name, expected_steps=expected_steps,
-                             expected_duration_s=expected_duration_s, requested_share=requested_share,
-                             restartable=restartable, now=self.clock())
-        return submit_job(self.storage, spec).id
+    def submit(self, command: Sequence[str], **options: Any) -> str:
+        """Queue a job (picked up at the next tick); returns its id. SubmitError if it cannot run.
+        `options`: those of `make_job_spec` (scheduler_lite.submission: tenant, gpus, kind, workdir,
+        env, memory_bytes, name, expected_steps, expected_duration_s, requested_share, restartable)."""
+        return submit_job(self.storage, make_job_spec(self.config, command, now=self.clock(), **options)).id
 
     def cancel(self, job_id: str) -> None:
         """SIGTERM now-ish (next tick), SIGKILL after jobs.cancel_grace_s; a queued job just leaves."""
@@ -223,11 +194,6 @@ class Daemon:
 
     def job_dir(self, job_id: str) -> Path:
         return self.config.jobs_dir / job_id
-
-    def read_log(self, record: JobRecord, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
-        """Up to `limit` bytes of a started job's stdout/stderr from `offset` (`logs`), read by the
-        job's host (on its node in a cluster)."""
-        return self.host.read_log(record, stderr, offset, limit)
 
     def tick(self, now: float | None = None) -> TickReport:
         now = self.clock() if now is None else now
@@ -250,7 +216,7 @@ class Daemon:
     def status(self) -> ClusterStatus:
         utilisation = {g: self.book.gpus[g].utilisation for g in self.gpus}
         phases = {g: str(m.phase) for g, m in self.driver.memos.items()}
-        stats = {j: (live.stats, live.stats_error) for j, live in self._live.items()}
+        stats = {j: (live.stats, live.stats_error) for j, live in self.jobs.live.items()}
         status = build_status(self.config, self.storage, list(self.gpus.values()), self.clock(), stats,
                               utilisation, phases, self.book.reservations)
         absent = self.host.absent()
@@ -274,7 +240,9 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, lambda signum, frame: self._stop.set())
         log.info("serving %d GPU(s) from %s", len(self.gpus), self.config.state_dir)
-        held = {path: found for path in self._state_files() if (found := file_identity(path)) is not None}
+        # The state directory's files that make this daemon the one serving it.
+        state_files = [self.config.state_dir / LOCK_FILE, self.config.socket_path, self.config.db_path]
+        held = {path: found for path in state_files if (found := file_identity(path)) is not None}
         lost = None
         try:
             while not self._stop.is_set():
@@ -295,14 +263,10 @@ class Daemon:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            log.info("stopped; %d running job(s) left running for the next start", len(self._live))
+            log.info("stopped; %d running job(s) left running for the next start", len(self.jobs.live))
         if lost is not None:
             raise StateDirLostError(errno.ENOENT, "the daemon's state file was removed or replaced while it served; "
                                     "it stopped, its jobs keep running", str(lost))
-
-    def _state_files(self) -> list[Path]:
-        """The state directory's files that make this daemon the one serving it (checked each tick)."""
-        return [self.config.state_dir / LOCK_FILE, self.config.socket_path, self.config.db_path]
 
     def stop(self) -> None:
         self._stop.set()
@@ -330,16 +294,20 @@ class Daemon:
         self._dirty = True
 
     def record_lost(self, job_id: str, now: float, reason: str, requeue: bool) -> None:
-        """In the store: the job back in its queue (no placement, no token: it never ran) or failed."""
+        """In the store, off its GPUs: a job without a process (a lost node's, a launch that failed
+        or that a restart finds never started) back in its queue (no token: as if it never ran) or
+        failed without an exit status of its own."""
         with self.storage.transaction():
+            self.storage.clear_placements(job_id)
             if requeue:
                 self.storage.update_job(job_id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
-                                        started_at=None, launch_token=None, pid=None, pid_start=None,
-                                        control_seq=0)
+                                        started_at=None, launched_at=None, launch_token=None, pid=None,
+                                        pid_start=None, control_seq=0)
                 self.storage.add_event(now, "requeued", job_id, reason=reason)
-                self.storage.clear_placements(job_id)
             else:
-                self._record_failed(job_id, now, reason)
+                self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
+                self.storage.add_event(now, "exited", job_id, state=str(JobStatus.FAILED), exit_code=None,
+                                       reason=reason)
 
     def adopt(self, record: JobRecord, now: float, launched_pid: int | None) -> None:
         self._recovery.readopt(record, now, launched_pid)
@@ -392,7 +360,7 @@ class Daemon:
                 out.ended.append((record.id, JobStatus.CANCELLED, None))
                 self._dirty = True
             else:
-                live = self._live.get(record.id)
+                live = self.jobs.live.get(record.id)
                 if live is not None and live.stop_sent_at is None:
                     live.stop_sent_at = now
                     self.host.signal(live.handle, signal.SIGTERM)
@@ -450,7 +418,7 @@ class Daemon:
                 self.restart_moved(job_id, self.jobs.moves.pop(job_id), ended, now, out)
             else:
                 self._kill_after_grace(job_id, live, now, why="migration")
-        for job_id, live in list(self._live.items()):
+        for job_id, live in list(self.jobs.live.items()):
             ended = self.host.poll(live.handle)
             if ended is not None:
                 self._faults.at("ended")
@@ -471,7 +439,7 @@ class Daemon:
         """A running job ended: its end recorded, its GPUs and quota released; or, stopped to be
         queued again (`live.requeue`, not cancelled meanwhile), back in its queue as a lost
         node's never-run job is (`record_lost`): no placement, no token, a new launch later."""
-        live = self._live.pop(job_id)
+        live = self.jobs.live.pop(job_id)
         self.host.cleanup(live.handle)
         record = self.storage.get_job(job_id) or live.record
         if live.requeue is not None and not record.cancel_requested:
@@ -480,13 +448,12 @@ class Daemon:
             log.info("%s requeued: %s", job_id, live.requeue)
             self._dirty = True
             return
-        state = self.record_end(record, ended, now, None)
-        self.driver.finish(job_id, now, failed=state is not JobStatus.FINISHED)
-        self._dirty = True
-        if out is not None:
-            out.ended.append((job_id, state, ended.exit_code))
+        self.record_end(record, ended, now, None, out)
 
-    def record_end(self, record: JobRecord, ended: ExitInfo, now: float, note: str | None) -> JobStatus:
+    def record_end(self, record: JobRecord, ended: ExitInfo, now: float, note: str | None,
+                   out: TickLog | None = None) -> None:
+        """A job's end recorded (with `note`, if any, after its exit), and, if the driver holds
+        it (not one a restart found ended), its GPUs and quota released."""
         if record.cancel_requested:
             state = JobStatus.CANCELLED
         elif ended.exit_code == 0:
@@ -501,7 +468,11 @@ class Daemon:
             self.storage.add_event(now, "exited", record.id, state=str(state), exit_code=ended.exit_code,
                                    reason=reason)
         log.info("%s %s: %s", record.id, state, reason)
-        return state
+        if record.id in self.driver.settings:
+            self.driver.finish(record.id, now, failed=state is not JobStatus.FINISHED)
+        self._dirty = True
+        if out is not None:
+            out.ended.append((record.id, state, ended.exit_code))
 
     # -- 4. schedule ------------------------------------------------------------------------------
 
@@ -509,19 +480,16 @@ class Daemon:
         self._dirty = False
         self._last_schedule = now
         records = _PassRecords(self, now, out)
-        self.driver.run_pass(now, records)  # the decision loop the simulator runs too (driver.py)
+        out.decisions.extend(self.driver.run_pass(now, records))  # the simulator's decision loop too (driver.py)
         for launch in records.launches:  # booked after the pass's records
-            try:
-                self._book_launch(launch, now)
-            except Exception as e:  # noqa: BLE001 - whatever it was, the GPUs must not stay held
-                self._launch_failed(launch, now, out, f"could not book the launch: {e}")
+            self._book_launch(launch, now, out)
 
     def _upgraded(self, job_id: str, now: float, out: TickLog) -> None:
         """An auto job became a guarantee job where it runs: record it, write its control."""
         with self.storage.transaction():
             self.storage.update_job(job_id, role=Role.GUARANTEE)
             self.storage.add_event(now, "upgraded", job_id)
-        live = self._live.get(job_id)
+        live = self.jobs.live.get(job_id)
         if live is not None:
             live.record = self.storage.get_job(job_id) or live.record
             self.controls.write_control(job_id, now, out)  # its share is 1 now
@@ -538,13 +506,13 @@ class Daemon:
             return
         cfg = self.config.migration
         # Not a job being stopped (a cancel) or stopped to be queued again (jobs.misbehaviour = "requeue").
-        restartable = [j for j, live in self._live.items()
+        restartable = [j for j, live in self.jobs.live.items()
                        if live.record.restartable and live.stop_sent_at is None and live.requeue is None]
         low = self.driver.stranded(restartable, cfg.stranded_share) if restartable else {}
         if not low:
             return
         for move in self.driver.plan_migrations(now, low, cfg):
-            live = self._live.pop(move.job_id)
+            live = self.jobs.live.pop(move.job_id)
             old = live.record.placement
             launch = self.driver.migrate(move, now)
             with self.storage.transaction():
@@ -571,54 +539,44 @@ class Daemon:
         record = self.storage.get_job(job_id)
         assert record is not None
         if record.cancel_requested or job_id not in self.driver.settings:
-            state = self.record_end(record, ended, now, "stopped while migrating")
-            if job_id in self.driver.settings:
-                self.driver.finish(job_id, now, failed=state is not JobStatus.FINISHED)
-            self._dirty = True
-            if out is not None:
-                out.ended.append((job_id, state, ended.exit_code))
+            self.record_end(record, ended, now, "stopped while migrating", out)
             return
         # The old launch's pid and exit files go when the host prepares the new launch (by them a
         # restart would adopt, or end, the new one).
         self.storage.add_event(now, "migrated", job_id, exit=describe_exit(ended.exit_code), gpus=list(launch.gpus))
-        try:
-            self._book_launch(launch, now, started_at=record.started_at)
-        except Exception as e:  # noqa: BLE001 - as for any launch: the GPUs must not stay held
-            self._launch_failed(launch, now, TickLog(now) if out is None else out,
-                                f"could not book the migrated launch: {e}")
+        self._book_launch(launch, now, out, started_at=record.started_at)
 
-    def _book_launch(self, launch: Launch, now: float, started_at: float | None = None) -> None:
+    def _book_launch(self, launch: Launch, now: float, out: TickLog | None, started_at: float | None = None) -> None:
         """Record the launch (with its token) before any process exists: a crash now requeues it.
+        Whatever fails, the GPUs must not stay held: the booking is released (`_launch_failed`).
 
         `started_at`: kept from the first launch when a migrated job starts again (its runtime);
         `launched_at` is this launch's (how long the process now running has run)."""
-        booked = self.storage.get_job(launch.job_id)
-        job_dir = self.host.prepare(launch, None if booked is None else booked.uid)
-        with self.storage.transaction():
-            self.storage.update_job(launch.job_id, state=JobStatus.RUNNING, role=launch.role, placement=launch.gpus,
-                                    job_dir=str(job_dir), started_at=now if started_at is None else started_at,
-                                    launched_at=now, pid=None, pid_start=None, launch_token=uuid.uuid4().hex,
-                                    control_seq=INITIAL_CONTROL_SEQ, migrating=False)
-            for g in launch.gpus:
-                self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
-        self.jobs.booked.append(launch)
-        self._faults.at("booked")
+        try:
+            booked = self.storage.get_job(launch.job_id)
+            job_dir = self.host.prepare(launch, None if booked is None else booked.uid)
+            with self.storage.transaction():
+                self.storage.update_job(launch.job_id, state=JobStatus.RUNNING, role=launch.role,
+                                        placement=launch.gpus, job_dir=str(job_dir),
+                                        started_at=now if started_at is None else started_at, launched_at=now,
+                                        pid=None, pid_start=None, launch_token=uuid.uuid4().hex,
+                                        control_seq=INITIAL_CONTROL_SEQ, migrating=False)
+                for g in launch.gpus:
+                    self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
+            self.jobs.booked.append(launch)
+            self._faults.at("booked")
+        except Exception as e:  # noqa: BLE001 - whatever it was
+            what = "the launch" if started_at is None else "the migrated launch"
+            self._launch_failed(launch, now, out, f"could not book {what}: {e}")
 
-    def _launch_failed(self, launch: Launch, now: float, out: TickLog, reason: str) -> None:
+    def _launch_failed(self, launch: Launch, now: float, out: TickLog | None, reason: str) -> None:
         """Release the booking (driver and store): the job failed, its GPUs are free again."""
         log.error("%s: %s", launch.job_id, reason)
         self.driver.finish(launch.job_id, now, failed=True)
         self._dirty = True
-        self._record_failed(launch.job_id, now, reason)
-        out.ended.append((launch.job_id, JobStatus.FAILED, None))
-
-    def _record_failed(self, job_id: str, now: float, reason: str) -> None:
-        """In the store: the job failed without an exit status of its own, off its GPUs."""
-        with self.storage.transaction():
-            self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
-            self.storage.clear_placements(job_id)
-            self.storage.add_event(now, "exited", job_id, state=str(JobStatus.FAILED), exit_code=None,
-                                   reason=reason)
+        self.record_lost(launch.job_id, now, reason, requeue=False)
+        if out is not None:
+            out.ended.append((launch.job_id, JobStatus.FAILED, None))
 
     # -- 6. launch --------------------------------------------------------------------------------
 
@@ -628,28 +586,26 @@ class Daemon:
             if launch.job_id not in self.driver.settings:  # released meanwhile
                 continue
             try:
-                self._start(launch, now, out)
+                record = self.storage.get_job(launch.job_id)
+                assert record is not None and record.launch_token is not None and record.job_dir is not None
+                job_dir = Path(record.job_dir)
+                limit, share = launch.memory_limit_bytes(), launch.compute_share()
+                handle = self.host.start(launch, record, job_dir, [self.gpus[g] for g in launch.gpus])
+                self._faults.at("started")
+                with self.storage.transaction():
+                    record = self.storage.update_job(launch.job_id, pid=handle.pid, pid_start=handle.start_ticks)
+                    for g in launch.gpus:
+                        self.storage.set_placement(launch.job_id, g, launch.settings.limits[g],
+                                                   launch.settings.shares[g])
+                    self.storage.add_event(now, "launched", launch.job_id, pid=handle.pid, gpus=list(launch.gpus),
+                                           role=str(launch.role), memory_limit_bytes=max(MIN_ENV_LIMIT, limit),
+                                           compute_share=share)
+                self.jobs.live[launch.job_id] = LiveJob(record, handle, job_dir, control_seq=record.control_seq)
+                out.launched.append(launch.job_id)
             except LaunchError as e:
                 self._launch_failed(launch, now, out, str(e))
             except Exception as e:  # noqa: BLE001 - between booking and launch: release the booking
                 self._launch_failed(launch, now, out, f"could not start: {e!r}")
-
-    def _start(self, launch: Launch, now: float, out: TickLog) -> None:
-        record = self.storage.get_job(launch.job_id)
-        assert record is not None and record.launch_token is not None and record.job_dir is not None
-        job_dir = Path(record.job_dir)
-        limit, share = launch.memory_limit_bytes(), launch.compute_share()
-        handle = self.host.start(launch, record, job_dir, [self.gpus[g] for g in launch.gpus])
-        self._faults.at("started")
-        with self.storage.transaction():
-            record = self.storage.update_job(launch.job_id, pid=handle.pid, pid_start=handle.start_ticks)
-            for g in launch.gpus:
-                self.storage.set_placement(launch.job_id, g, launch.settings.limits[g], launch.settings.shares[g])
-            self.storage.add_event(now, "launched", launch.job_id, pid=handle.pid, gpus=list(launch.gpus),
-                                   role=str(launch.role), memory_limit_bytes=max(MIN_ENV_LIMIT, limit),
-                                   compute_share=share)
-        self._live[launch.job_id] = LiveJob(record, handle, job_dir, control_seq=record.control_seq)
-        out.launched.append(launch.job_id)
 
 
 # ----------------------------------------------------------------------------------------------

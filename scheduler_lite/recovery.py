@@ -40,13 +40,15 @@ LAUNCH_GRACE_S: Final = 5.0
 
 
 class RecoverySteps(Protocol):
-    """The daemon's steps recovery hands jobs to."""
+    """The daemon's steps recovery hands jobs to (the daemon, which imports this module)."""
 
     def job_dir(self, job_id: str) -> Path: ...
 
     def enqueue(self, record: JobRecord, now: float, out: TickLog | None) -> bool: ...
 
-    def record_end(self, record: JobRecord, ended: ExitInfo, now: float, note: str | None) -> JobStatus: ...
+    def record_end(self, record: JobRecord, ended: ExitInfo, now: float, note: str | None) -> None: ...
+
+    def record_lost(self, job_id: str, now: float, reason: str, requeue: bool) -> None: ...
 
     def restart_moved(self, job_id: str, launch: Launch, ended: ExitInfo, now: float, out: TickLog | None) -> None: ...
 
@@ -128,11 +130,7 @@ class Recovery:
                 self._record_unwatched_end(record, ended, now)
                 return
             # No process carries its token and it never wrote a pid: the command never ran.
-            with self.storage.transaction():
-                self.storage.update_job(record.id, state=JobStatus.QUEUED, role=None, placement=(), job_dir=None,
-                                        started_at=None, launched_at=None, launch_token=None)
-                self.storage.clear_placements(record.id)
-                self.storage.add_event(now, "requeued", record.id, reason="never started")
+            self.steps.record_lost(record.id, now, "never started", requeue=True)
             return
         found = self.host.adopt(record, pid, start, job_dir)
         if isinstance(found, ExitInfo):  # ended unwatched: nothing of it may outlive it (migrating or not)

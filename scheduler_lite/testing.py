@@ -33,14 +33,9 @@ def stop_all_jobs(daemon: Daemon, grace_s: float | None = None) -> None:
     (a daemon that stops leaves its jobs running for the next one)."""
     grace = daemon.config.jobs.cancel_grace_s if grace_s is None else grace_s
     jobs = daemon.jobs
-    for job_id in list(jobs.stopping):  # mid-migration: stopped, not started again
-        with contextlib.suppress(Exception):
-            daemon.storage.update_job(job_id, cancel_requested=True)
-        live = jobs.stopping.pop(job_id)
-        jobs.moves.pop(job_id, None)
-        ended = daemon.host.stop(live.handle, grace)
-        jobs.live[job_id] = live
-        daemon.finish(job_id, ended, daemon.clock(), None)
+    jobs.live.update(jobs.stopping)  # mid-migration: stopped, not started again
+    jobs.stopping.clear()
+    jobs.moves.clear()
     for job_id in list(jobs.live):
         with contextlib.suppress(Exception):
             daemon.storage.update_job(job_id, cancel_requested=True)

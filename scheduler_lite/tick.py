@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Final
 
@@ -54,8 +54,7 @@ class TickLog:
     migrating: list[Migrate] = field(default_factory=list)
 
     def freeze(self) -> TickReport:
-        return TickReport(self.now, tuple(self.picked_up), tuple(self.launched), tuple(self.ended),
-                          tuple(self.decisions), tuple(self.controls), tuple(self.migrating))
+        return TickReport(self.now, *(tuple(getattr(self, f.name)) for f in fields(self)[1:]))
 
 
 @dataclass

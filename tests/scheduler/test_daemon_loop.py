@@ -386,7 +386,7 @@ def test_a_restart_while_the_jobs_wrapper_is_still_inside_execve_adopts_it(
     assert record is not None and record.state is JobStatus.RUNNING and record.pid == pid, record
     assert len(reads) > 3  # it looked again until the command line was there
     assert d2.book.jobs_on(0) == (job,) and "adopted" in [e.kind for e in d2.storage.events(job)]
-    assert d2.host.poll(d2._live[job].handle) is None  # alive: not killed as a leftover
+    assert d2.host.poll(d2.jobs.live[job].handle) is None  # alive: not killed as a leftover
     assert run_until(d2, lambda d: steps_of(d, job) >= 1, timeout=20, interval=0.02)  # and watched
 
 
@@ -442,8 +442,8 @@ def test_serve_stops_when_its_lock_file_is_replaced(tmp_path: Path, daemons: lis
         os.close(held)
     assert lost.value.filename == str(lock)
     assert any(r.levelname == "ERROR" and str(lock) in r.getMessage() for r in caplog.records)
-    assert d.job(job).state is JobStatus.RUNNING and job in d._live  # type: ignore[union-attr]
-    assert d.host.poll(d._live[job].handle) is None  # not stopped
+    assert d.job(job).state is JobStatus.RUNNING and job in d.jobs.live  # type: ignore[union-attr]
+    assert d.host.poll(d.jobs.live[job].handle) is None  # not stopped
 
 
 def test_run_until_gives_up_after_the_timeout(tmp_path: Path, daemons: list[Daemon]) -> None:

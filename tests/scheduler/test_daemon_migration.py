@@ -81,7 +81,7 @@ def test_a_stranded_restartable_job_moves_to_the_gpu_that_idles(tmp_path: Path, 
     m, f = stranded_setup(d, tmp_path, restartable=True)
     assert ticking(d, lambda d: "migrating" in kinds(d, m), m)
     assert d.storage.get_job(f).state is JobStatus.FINISHED  # the move waited for GPU 1 to idle
-    assert ticking(d, lambda d: m in d._live and d.storage.get_job(m).pid is not None, m)
+    assert ticking(d, lambda d: m in d.jobs.live and d.storage.get_job(m).pid is not None, m)
     record = d.storage.get_job(m)
     assert record.state is JobStatus.RUNNING and record.placement == (1,) and not record.migrating
     assert d.book.jobs_on(1) == (m,) and m not in d.book.jobs_on(0)
@@ -104,7 +104,7 @@ def test_a_migrated_job_s_new_process_counts_its_running_time_from_its_own_launc
     d = new_daemon(daemons, tmp_path)
     m, _ = stranded_setup(d, tmp_path, restartable=True)
     first = d.storage.get_job(m)
-    assert ticking(d, lambda d: m in d._live and d.storage.get_job(m).placement == (1,), m)
+    assert ticking(d, lambda d: m in d.jobs.live and d.storage.get_job(m).placement == (1,), m)
     record = d.storage.get_job(m)
     assert record.started_at == first.started_at and record.launched_at is not None
     assert record.launched_at - record.started_at >= 2.0  # the move waited for GPU 1 (about 3 s)
@@ -136,7 +136,7 @@ def test_a_migration_survives_a_daemon_restart(tmp_path: Path, daemons: list[Dae
     second = new_daemon(daemons, tmp_path)
     assert "migration_resumed" in kinds(second, m)
     # Still running: stopped again (it ignores SIGTERM: SIGKILL after jobs.cancel_grace_s).
-    assert ticking(second, lambda d: m in d._live and d.storage.get_job(m).pid is not None, m)
+    assert ticking(second, lambda d: m in d.jobs.live and d.storage.get_job(m).pid is not None, m)
     record = second.storage.get_job(m)
     assert record.state is JobStatus.RUNNING and record.placement == (1,) and not record.migrating
     assert wait_for(lambda: (tmp_path / "runs.log").read_text().split() == [m, m])
@@ -179,7 +179,7 @@ def test_a_job_stopped_to_be_requeued_is_not_moved(tmp_path: Path, daemons: list
     a requeue, Daemon.finish) is not picked for a migration, whose end would start it elsewhere."""
     d = new_daemon(daemons, tmp_path)
     m, f = stranded_setup(d, tmp_path, restartable=True)
-    d._live[m].requeue = "misbehaving: impossible"  # as the job host marks it
+    d.jobs.live[m].requeue = "misbehaving: impossible"  # as the job host marks it
     assert ticking(d, lambda d: d.storage.get_job(f).state is JobStatus.FINISHED, m)
     for _ in range(20):
         d.tick()

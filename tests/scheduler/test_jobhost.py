@@ -140,7 +140,7 @@ def test_a_job_runs_and_ends_through_the_host_verbs_only(tmp_path: Path) -> None
     host.stats_by_job[job] = running_stats(5, 1 << 30)
     d.tick()
     assert d.status().gpu(0).job(job).step == 5  # type: ignore[union-attr]  # the host's stats, as read
-    assert d.read_log(d.job(job), False, 0, 100) == (b"from the host", 13)  # type: ignore[arg-type]
+    assert d.host.read_log(d.job(job), False, 0, 100) == (b"from the host", 13)  # type: ignore[arg-type]
     d.cancel(job)
     d.tick()
     assert ("SIGTERM", job) in host.calls
