@@ -9,8 +9,8 @@ is the one copy. A `Driver` owns:
   * the settings in force per placed job (memory limit and compute share per GPU): the initial
     ones at launch (`Launch`) and every coordinator decision after (`round`);
   * the per-GPU `CoordinatorMemo`s and the coordinator's inputs (`local_job`): step samples,
-    measured peak memory, and the solo step time (measured while the job ran alone, unless the
-    world knows it, as the simulator does);
+    measured peak memory, and the solo step time measured while the job ran alone (the
+    daemon's; the simulator builds its views from its model, sim/rounds.py);
   * busy marks: a GPU that received a job reads as fully used (utilisation 1.0) until a
     utilisation reading covers the job's running time (`observe_utilisation`). The policy
     places at most one opportunistic job per GPU per pass for the same reason; without the mark,
@@ -122,17 +122,11 @@ class Launch:
 
 @dataclass(frozen=True, slots=True)
 class Reading:
-    """What the world measured of one job on one GPU, for the coordinator.
-
-    `demand_bytes`: the job's peak memory (device + host) as measured, None until it is; then
-    the book's (declared) demand stands in. `solo_step_s`: the world's own knowledge of the
-    job's step time alone (the simulator's model); None lets the driver's measurement stand.
-    """
+    """What the daemon read of one job on one GPU, for the coordinator (its measured peak memory
+    and solo step time are the driver's: `observe_memory`, `observe_steps`)."""
 
     steps: tuple[StepSample, ...] = ()
-    demand_bytes: int | None = None
     spill_bytes: int = 0
-    solo_step_s: float | None = None
 
 
 NO_READING: Final = Reading()
@@ -142,9 +136,6 @@ class PassWorld:
     """What a world does with each decision of a global pass (`Driver.run_pass`), after the
     driver applied it to the book and the settings: the table in this module's docstring. Each
     method does nothing here; a world overrides those it acts on."""
-
-    def decided(self, decision: GlobalDecision) -> None:
-        """Every decision, first (the daemon's tick log)."""
 
     def place(self, launch: Launch) -> None:
         """A Place, with the settings it starts with: the world starts the job."""
@@ -221,7 +212,6 @@ class Driver:
         decisions, launches = self.schedule(now)
         starts = iter(launches)
         for d in decisions:
-            world.decided(d)
             # isinstance in the order of frequency: Places are most of a busy pass.
             if isinstance(d, Place):
                 world.place(next(starts))
@@ -402,11 +392,6 @@ class Driver:
     def solo_step_s(self, job_id: str) -> float | None:
         return self._solo.get(job_id)
 
-    def demand_bytes(self, job_id: str, gpu: int) -> int:
-        """Measured peak when there is one, else the demand the book holds (declared or modelled)."""
-        measured = self._peak.get(job_id, {}).get(gpu)
-        return self.book.jobs[job_id].memory_demand_bytes if measured is None else measured
-
     # -- coordinator -------------------------------------------------------------------------------
 
     def local_job(self, job_id: str, gpu: int, reading: Reading = NO_READING) -> LocalJob:
@@ -414,10 +399,10 @@ class Driver:
         settings = self.settings.get(job_id)
         limit = 0 if settings is None else settings.limits.get(gpu, 0)
         share = 1.0 if settings is None else settings.shares.get(gpu, 1.0)
-        demand = reading.demand_bytes if reading.demand_bytes is not None else self.demand_bytes(job_id, gpu)
-        solo = reading.solo_step_s if reading.solo_step_s is not None else self._solo.get(job_id)
+        # The measured peak when there is one, else the demand the book holds (declared).
+        demand = self._peak.get(job_id, {}).get(gpu, job.memory_demand_bytes)
         return LocalJob(job_id, job.role or Role.OPPORTUNISTIC, demand, limit, reading.spill_bytes, share,
-                        reading.steps, solo)
+                        reading.steps, self._solo.get(job_id))
 
     def view(self, gpu: int, readings: Mapping[str, Reading], unmanaged_bytes: int = 0) -> GpuView:
         """The coordinator's input for one GPU; `unmanaged_bytes`: device memory seen there that

@@ -104,8 +104,8 @@ class JobControls:
             self.table.driver.first_step(job_id, now)
         live.last_step = stats.step
         live.stats = stats
-        for index, gpu in enumerate(live.record.placement):
-            device = next((d for d in stats.devices if d.device == index), None)
+        for gpu in live.record.placement:
+            device = live.device_stats(gpu)
             if device is not None:
                 self.table.driver.observe_memory(job_id, gpu, device.step_peak_bytes + device.host_in_use_bytes)
         self.table.driver.observe_steps(job_id, live.samples)

@@ -36,9 +36,6 @@ class Recorder(PassWorld):
         self.driver = driver
         self.calls: list[tuple[str, str]] = []
 
-    def decided(self, decision: GlobalDecision) -> None:
-        self.calls.append(("decided", decision.job_id))
-
     def place(self, launch: Launch) -> None:
         # Applied before the world hears of it: the job runs in the book, its settings exist.
         assert self.driver.book.jobs[launch.job_id].placement == launch.gpus
@@ -69,5 +66,4 @@ def test_each_decision_reaches_the_world_once_in_the_policys_order() -> None:
     driver = _driver(DECISIONS)
     world = Recorder(driver)
     assert driver.run_pass(0.0, world) == DECISIONS
-    assert world.calls == [("decided", "a"), ("place", "a"), ("decided", "r"), ("reject", "r"),
-                           ("decided", "g"), ("reserve", "g"), ("decided", "b"), ("place", "b")]
+    assert world.calls == [("place", "a"), ("reject", "r"), ("reserve", "g"), ("place", "b")]
