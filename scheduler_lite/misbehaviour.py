@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from scheduler_lite.model import Role
@@ -164,6 +164,19 @@ def taken_by_gpu(found: Iterable[Finding]) -> dict[int, int]:
 
 
 
+@dataclass(slots=True)
+class _Watched:
+    """What the judge keeps of one job."""
+
+    launched_at: float  # when the host launched or adopted it
+    sent: Sent | None = None  # the newest control written to it
+    limits: dict[int, int] = field(default_factory=dict)  # its memory limit per GPU, as last sent
+    stats_seq: int | None = None  # of its newest stats
+    stats_since: float | None = None  # when that was first seen
+    findings: list[Finding] = field(default_factory=list)  # what its latest stats (and NVML) showed
+    on_gpus: list[Finding] = field(default_factory=list)  # NVML's of it (over_limit), by the last read
+
+
 class Judge:
     """The checks run on one host's jobs: what each was sent and when it last reported, its
     findings recorded (an event and a log line when new) and acted on (jobs.misbehaviour)."""
@@ -173,42 +186,32 @@ class Judge:
         self.jobs = jobs
         self.storage = storage  # where findings are recorded as events (None: logged only)
         self.clock = clock
-        self.by_job: dict[str, list[Finding]] = {}  # what its latest stats (and NVML) showed
+        self._jobs: dict[str, _Watched] = {}  # from its launch (or adoption) to its end
         self.by_gpu: dict[int, list[Finding]] = {}  # NVML's processes of no job (unmanaged)
-        self._sent: dict[str, Sent] = {}  # the newest control written to each job
-        self._stats_seen: dict[str, tuple[int, float]] = {}  # (stats seq, when first seen) by job id
-        self._launched: dict[str, float] = {}  # when the host launched or adopted it
-        self._limits: dict[str, dict[int, int]] = {}  # each job's memory limit per GPU, as last sent
-        self._device_findings: dict[str, list[Finding]] = {}  # NVML's (over_limit), by job id
         self._taken: dict[int, int] = {}  # by GPU: NVML's bytes of no job and above limits (taken_bytes)
 
     def findings(self) -> list[Finding]:
         """The GPUs' findings, then the jobs' (by job id): `status` warnings and metrics."""
         return [*(f for gpu in sorted(self.by_gpu) for f in self.by_gpu[gpu]),
-                *(f for job in sorted(self.by_job) for f in self.by_job[job])]
+                *(f for job in sorted(self._jobs) for f in self._jobs[job].findings)]
 
     def launched(self, job_id: str, share: float, limits: Mapping[int, int] | None = None) -> None:
         """A launch (`limits`: its memory limit per GPU) or an adoption of the job starts afresh."""
-        if limits is not None:
-            self._limits[job_id] = dict(limits)
-        self._launched[job_id] = self.clock()
-        self._sent[job_id] = Sent(0, share, ((0, share),), self.clock())
-        self._stats_seen.pop(job_id, None)
-        self.by_job.pop(job_id, None)
+        now = self.clock()
+        self._jobs[job_id] = _Watched(now, Sent(0, share, ((0, share),), now), dict(limits or {}))
 
     def ended(self, job_id: str) -> None:
-        for table in (self.by_job, self._sent, self._stats_seen, self._launched, self._limits,
-                      self._device_findings):
-            table.pop(job_id, None)
+        self._jobs.pop(job_id, None)
 
     def sent(self, job_id: str, placement: Sequence[int], control: Control) -> None:
+        job = self._jobs.setdefault(job_id, _Watched(self.clock()))  # launched or adopted first, as a rule
         for entry in control.memory_limits:  # device = the GPU's index within the job
             if 0 <= entry.device < len(placement):
-                self._limits.setdefault(job_id, {})[placement[entry.device]] = entry.limit_bytes
-        before = self._sent.get(job_id)
+                job.limits[placement[entry.device]] = entry.limit_bytes
+        before = job.sent
         share = control.compute_share if control.compute_share is not None else (1.0 if before is None else before.share)
         history = (() if before is None else before.shares)[-(SENT_HISTORY - 1):] + ((control.seq, share),)
-        self._sent[job_id] = Sent(control.seq, share, history, self.clock())
+        job.sent = Sent(control.seq, share, history, self.clock())
 
     def check(self, job_id: str, live: LiveJob, found: Stats | None, gpu_memory: Sequence[int]) -> bool:
         """The job's stats (None: none readable) checked with NVML's findings of it, what is new
@@ -216,16 +219,16 @@ class Judge:
         job). A stop under way (a cancel's, a migration's or this one) is finished by the daemon's
         own SIGKILL after jobs.cancel_grace_s (Daemon._kill_after_grace), which records it."""
         now = self.clock()
-        if found is not None and self._stats_seen.get(job_id, (None,))[0] != found.seq:
-            self._stats_seen[job_id] = (found.seq, now)
-        seen = self._stats_seen.get(job_id)
-        findings = check_stats(job_id, found, sent=self._sent.get(job_id), gpu_memory=gpu_memory,
+        job = self._jobs.setdefault(job_id, _Watched(now))
+        if found is not None and job.stats_seq != found.seq:
+            job.stats_seq, job.stats_since = found.seq, now
+        findings = check_stats(job_id, found, sent=job.sent, gpu_memory=gpu_memory,
                                host_allowance=self.jobs.host_memory_bytes, now=now,
-                               stats_since=None if seen is None else seen[1],
-                               launched_at=self._launched.get(job_id, now), silent_after_s=self.jobs.silent_after_s)
-        findings += self._device_findings.get(job_id, [])
-        known = {f.kind for f in self.by_job.get(job_id, [])}
-        self.by_job[job_id] = findings
+                               stats_since=job.stats_since,
+                               launched_at=job.launched_at, silent_after_s=self.jobs.silent_after_s)
+        findings += job.on_gpus
+        known = {f.kind for f in job.findings}
+        job.findings = findings
         for f in findings:
             if f.kind in known:
                 continue
@@ -251,14 +254,15 @@ class Judge:
         """Each GPU's compute processes (pid, bytes) against the jobs (`owner`: pid -> job id, from
         their cgroups) and their limits: a job over its limit is `over_limit` (judged with its
         stats, `check`), a process of no job `unmanaged` (an event once, a finding while it lasts)."""
-        limits = {(job, gpu): limit for job, per_gpu in self._limits.items() for gpu, limit in per_gpu.items()}
+        limits = {(job_id, gpu): limit for job_id, job in self._jobs.items() for gpu, limit in job.limits.items()}
         found = check_gpu_processes(processes, owner, limits)
         self._taken = taken_by_gpu(found)
-        self._device_findings = {}
+        for job in self._jobs.values():
+            job.on_gpus = []
         unmanaged: dict[int, list[Finding]] = {}
         for f in found:
-            if f.job_id is not None:
-                self._device_findings.setdefault(f.job_id, []).append(f)
+            if f.job_id is not None:  # over_limit: a job with limits, so watched
+                self._jobs[f.job_id].on_gpus.append(f)
             elif f.gpu is not None:
                 unmanaged.setdefault(f.gpu, []).append(f)
         for gpu, items in unmanaged.items():
