@@ -143,12 +143,10 @@ class Daemon:
         self._stop = threading.Event()
         self._faults = Faults(os.environ)
         now = clock()
-        tenants = list(config.tenants)
-        known = {t.name for t in tenants}
-        for record in storage.list_jobs([JobStatus.RUNNING]):
-            if record.tenant not in known:  # dropped from the config while its job ran
-                tenants.append(Tenant(record.tenant, 0))
-                known.add(record.tenant)
+        # A tenant dropped from the config while its job ran: in the book, with quota 0, until it ends.
+        known = {t.name for t in config.tenants}
+        dropped = dict.fromkeys(r.tenant for r in storage.list_jobs([JobStatus.RUNNING]) if r.tenant not in known)
+        tenants = [*config.tenants, *(Tenant(name, 0) for name in dropped)]
         gpus = {g.id: g for g in self.host.devices.inventory()}
         driver = Driver(gpus.values(), tenants, policy=self.host.policy(schedule),  # type: ignore[arg-type]
                         scheduler_config=config.scheduler, coordinator_config=config.coordinator)

@@ -444,18 +444,4 @@ class Driver:
                 self.book.set_utilisation(g, BUSY)
 
 
-def estimate_remaining_s(*, step: int | None, step_s: float | None, expected_steps: int | None,
-                         expected_duration_s: float | None, running_s: float) -> float | None:
-    """Remaining run time from what the job gave at submission and its measured step rate.
-
-    Steps asked for and a step time measured: (steps left) x (median step time). Otherwise a
-    duration asked for: what is left of it. Otherwise None (the policy assumes its default).
-    """
-    if expected_steps is not None and step is not None and step_s is not None:
-        return max(0.0, (expected_steps - step) * step_s)
-    if expected_duration_s is not None:
-        return max(0.0, expected_duration_s - running_s)
-    return None
-
-
-__all__ = ["BUSY", "NO_READING", "Driver", "Launch", "PassWorld", "Reading", "Settings", "estimate_remaining_s"]
+__all__ = ["BUSY", "NO_READING", "Driver", "Launch", "PassWorld", "Reading", "Settings"]

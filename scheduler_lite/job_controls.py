@@ -20,7 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from scheduler_lite.devices import JobLoad, job_load
-from scheduler_lite.driver import Reading, estimate_remaining_s
+from scheduler_lite.driver import Reading
 from scheduler_lite.faults import Faults
 from scheduler_lite.jobhost import JobHost
 from scheduler_lite.model import Role, SetComputeShare, SetMemoryLimit, StepSample
@@ -109,11 +109,16 @@ class JobControls:
             if device is not None:
                 self.table.driver.observe_memory(job_id, gpu, device.step_peak_bytes + device.host_in_use_bytes)
         self.table.driver.observe_steps(job_id, live.samples)
+        # The remaining run time, from what the job gave at submission and its measured step rate:
+        # (steps left) x (median step time), else what is left of the duration asked for, else
+        # None (the policy assumes its default).
         step_s = None if stats.step_ms_median is None else stats.step_ms_median / 1000.0
-        started = live.record.started_at if live.record.started_at is not None else now
-        remaining = estimate_remaining_s(step=stats.step, step_s=step_s, expected_steps=live.record.expected_steps,
-                                         expected_duration_s=live.record.expected_duration_s,
-                                         running_s=now - started)
+        record, remaining = live.record, None
+        if record.expected_steps is not None and step_s is not None:
+            remaining = max(0.0, (record.expected_steps - stats.step) * step_s)
+        elif record.expected_duration_s is not None:
+            running_s = now - (record.started_at if record.started_at is not None else now)
+            remaining = max(0.0, record.expected_duration_s - running_s)
         self.table.book.update_hints(job_id, mean_step_time_s=step_s, estimated_remaining_s=remaining)
 
     # -- 5. coordinate ----------------------------------------------------------------------------

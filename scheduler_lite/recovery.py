@@ -42,8 +42,6 @@ LAUNCH_GRACE_S: Final = 5.0
 class RecoverySteps(Protocol):
     """The daemon's steps recovery hands jobs to (the daemon, which imports this module)."""
 
-    def job_dir(self, job_id: str) -> Path: ...
-
     def enqueue(self, record: JobRecord, now: float, out: TickLog | None) -> bool: ...
 
     def record_end(self, record: JobRecord, ended: ExitInfo, now: float, note: str | None) -> None: ...
@@ -103,7 +101,7 @@ class Recovery:
             time.sleep(0.1)
 
     def _job_dir(self, record: JobRecord) -> Path:
-        return Path(record.job_dir) if record.job_dir else self.steps.job_dir(record.id)
+        return Path(record.job_dir) if record.job_dir else self.config.jobs_dir / record.id
 
     def _kill_leftovers(self, record: JobRecord, job_dir: Path, pid: int | None, start: int | None) -> None:
         """SIGKILL what is left of a job that ended while the daemon was down, as the daemon does
