@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,12 +95,12 @@ class Job:
 class ClusterQueries(Protocol):
     """Read-only questions the global scheduler asks; answered from incremental indexes."""
 
-    def pending_guarantee_queue(self, tenant: str) -> Sequence[str]:
-        """Pending guarantee and auto jobs of a tenant, oldest first."""
+    def pending_guarantee_queue(self, tenant: str) -> Collection[str]:
+        """Pending guarantee and auto jobs of a tenant, oldest first (a live view)."""
         ...
 
-    def pending_opportunistic_queue(self) -> Sequence[str]:
-        """Pending jobs submitted as opportunistic, all tenants, oldest first."""
+    def pending_opportunistic_queue(self) -> Collection[str]:
+        """Pending jobs submitted as opportunistic, all tenants, oldest first (a live view)."""
         ...
 
     def quota_used(self, tenant: str) -> int:

@@ -10,7 +10,7 @@ and waits there, an opportunistic one waits in its queue. Used by the global sch
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -77,10 +77,10 @@ class _Without:
         self._index = index
         self._hidden = hidden
 
-    def pending_guarantee_queue(self, tenant: str) -> Sequence[str]:
+    def pending_guarantee_queue(self, tenant: str) -> Collection[str]:
         return [j for j in self._index.pending_guarantee_queue(tenant) if j not in self._hidden]
 
-    def pending_opportunistic_queue(self) -> Sequence[str]:
+    def pending_opportunistic_queue(self) -> Collection[str]:
         return [j for j in self._index.pending_opportunistic_queue() if j not in self._hidden]
 
     def __getattr__(self, name: str) -> Any:

@@ -45,8 +45,8 @@ def yarn_cs_schedule(state: ClusterState, config: YarnConfig) -> list[GlobalDeci
     used = {t: idx.quota_used(t) for t in state.tenants}
     waiting_in_quota = False
     for tenant in sorted(state.tenants.values(), key=served_ratio(used)):
-        for job_id in list(idx.iter_pending_guarantee(tenant.name)) + [
-            j for j in idx.iter_pending_opportunistic() if state.jobs[j].tenant == tenant.name
+        for job_id in list(idx.pending_guarantee_queue(tenant.name)) + [
+            j for j in idx.pending_opportunistic_queue() if state.jobs[j].tenant == tenant.name
         ]:
             job = state.jobs[job_id]
             in_quota = used[tenant.name] + job.num_gpus <= tenant.gpu_quota
@@ -115,8 +115,8 @@ def _preempt_for(
 def gandiva_schedule(state: ClusterState, config: GandivaConfig) -> list[GlobalDecision]:
     idx = _book(state)
     out: list[GlobalDecision] = []
-    pending = [state.jobs[j] for t in state.tenants for j in idx.iter_pending_guarantee(t)]
-    pending += [state.jobs[j] for j in idx.iter_pending_opportunistic()]
+    pending = [state.jobs[j] for t in state.tenants for j in idx.pending_guarantee_queue(t)]
+    pending += [state.jobs[j] for j in idx.pending_opportunistic_queue()]
     pending.sort(key=lambda j: (j.submit_time, j.id))
     placed_now: dict[int, int] = {}  # memory handed out in this pass
     for job in pending:

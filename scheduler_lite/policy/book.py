@@ -9,7 +9,7 @@ must not keep them across calls.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from types import MappingProxyType
 
 from scheduler_lite.frozen import replacer
@@ -108,17 +108,11 @@ class ClusterBook:
 
     # -- ClusterQueries (model.py says what each answers) ---------------------------------------
 
-    def pending_guarantee_queue(self, tenant: str) -> Sequence[str]:
-        return tuple(self._pending_g[tenant])
+    def pending_guarantee_queue(self, tenant: str) -> Collection[str]:
+        return self._pending_g[tenant].keys()
 
-    def pending_opportunistic_queue(self) -> Sequence[str]:
-        return tuple(self._pending_o)
-
-    def iter_pending_guarantee(self, tenant: str) -> Iterator[str]:
-        return iter(self._pending_g[tenant])
-
-    def iter_pending_opportunistic(self) -> Iterator[str]:
-        return iter(self._pending_o)
+    def pending_opportunistic_queue(self) -> Collection[str]:
+        return self._pending_o.keys()
 
     def pending_count(self) -> int:
         return len(self._pending_o) + sum(map(len, self._pending_g.values()))
