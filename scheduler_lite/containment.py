@@ -138,7 +138,6 @@ class Containment:
     def __init__(self, state_dir: Path, mode: str = "auto", *, proc: Path = Path("/proc")) -> None:
         if mode not in CONTAINMENT_MODES:
             raise ValueError(f"jobs.containment={mode!r} is invalid: accepted " + ", ".join(CONTAINMENT_MODES))
-        self.mode = mode
         self.proc = proc
         self.subtree = subtree_name(state_dir)
         self.v2_root: Path | None = None

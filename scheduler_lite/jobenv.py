@@ -14,8 +14,7 @@ from scheduler_lite.storage import JobRecord
 from scheduler_lite.submission import RESERVED_ENV
 from tf_antman.protocol import Control, MemoryLimit
 
-MIB: Final = 1 << 20
-MIN_ENV_LIMIT: Final = MIB  # ANTMAN_MEMORY_LIMIT's lower bound
+MIN_ENV_LIMIT: Final = 1 << 20  # ANTMAN_MEMORY_LIMIT's lower bound (1 MiB)
 CUDA_DEVICE_ORDER: Final = "PCI_BUS_ID"  # NVML's order: what CUDA_VISIBLE_DEVICES' indices mean
 
 

@@ -131,9 +131,6 @@ class JobHost(Protocol):
     def findings(self) -> Sequence[Finding] | None: ...
 
 
-STALE_FILES = (PID_FILE, EXIT_STATUS_FILE)  # an earlier launch's, in a job directory
-
-
 class LocalJobHost:
     """Jobs on this machine: a process per job under the launcher's wrapper, its files in
     `jobs_dir/<job id>` (scheduler_lite.isolation lays them out); `containment` and `judge`:
@@ -141,12 +138,11 @@ class LocalJobHost:
 
     migrates = True
 
-    def __init__(self, config: Config, devices: DeviceBackend | None = None, launcher: Launcher | None = None,
-                 jobs_dir: Path | None = None, *, containment: Containment | None = None,
-                 judge: Judge | None = None) -> None:
+    def __init__(self, config: Config, launcher: Launcher | None = None, jobs_dir: Path | None = None, *,
+                 containment: Containment | None = None, judge: Judge | None = None) -> None:
         self.config = config
         self.jobs_dir = config.jobs_dir if jobs_dir is None else jobs_dir
-        self.devices = devices if devices is not None else open_devices(config.devices)
+        self.devices: DeviceBackend = open_devices(config.devices)
         self.launcher = launcher if launcher is not None else Launcher()
         self.containment = containment if containment is not None else Containment(config.state_dir, "off")
         self.judge = judge
@@ -159,7 +155,7 @@ class LocalJobHost:
 
     def clear(self, job_id: str, extra: Sequence[str] = ()) -> None:
         """Drop the files an earlier launch of the job left (its pid, its exit status)."""
-        for stale in (*STALE_FILES, *extra):
+        for stale in (PID_FILE, EXIT_STATUS_FILE, *extra):
             with contextlib.suppress(FileNotFoundError):
                 (self.job_dir(job_id) / stale).unlink()
 

@@ -31,6 +31,7 @@ that and by its process group (`kill_leftovers`), never by a group id alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -135,8 +136,6 @@ _SH_WRAPPER: Final = (
     'if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ]; then trap - TERM INT HUP; kill -"$((rc - 128))" "$$"; fi; '
     'exit "$rc"'
 )
-# Which interpreter each job user's wrapper runs with (None: the /bin/sh wrapper), found once.
-_usable_python: dict[int, str | None] = {}
 
 
 class LaunchError(RuntimeError):
@@ -442,12 +441,11 @@ def wrapper_command(user: JobUser | None) -> list[str]:
     return ["/bin/sh", "-c", _SH_WRAPPER] if not python else [python, "-ISc", _PY_WRAPPER]
 
 
+@functools.cache
 def _python_for(user: JobUser) -> str | None:
-    """The first of WRAPPER_PYTHONS that `user` can run (tried once per user: an interpreter in
-    a virtualenv under /root is not reachable by other users)."""
-    if user.uid not in _usable_python:
-        _usable_python[user.uid] = next((p for p in WRAPPER_PYTHONS if p and _runs_as(p, user)), None)
-    return _usable_python[user.uid]
+    """The first of WRAPPER_PYTHONS that `user` can run (None: the /bin/sh wrapper), tried once per
+    user: an interpreter in a virtualenv under /root is not reachable by other users."""
+    return next((p for p in WRAPPER_PYTHONS if p and _runs_as(p, user)), None)
 
 
 def _runs_as(python: str, user: JobUser) -> bool:
