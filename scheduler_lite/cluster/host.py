@@ -41,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from scheduler_lite.cluster.booking import is_ray_task
-from scheduler_lite.cluster.config import FENCE_FRACTION, ClusterConfig
+from scheduler_lite.cluster.config import ClusterConfig
 from scheduler_lite.cluster.node_loss import NodeLoss
 from scheduler_lite.cluster.nodes import CALL_TIMEOUT_S, ClusterHandle, Nodes, cause
 from scheduler_lite.cluster.parts import job_nodes, merge_stats, split_control
@@ -116,8 +116,7 @@ class ClusterJobHost:
         of its fence (a frozen node must not cost the healthy nodes their jobs). A node not here
         joins later (`NodeLoss.look_for_nodes`); why it is not here is logged."""
         alive = self.nodes.alive_with_resource()
-        fence_s = self.cc.node_timeout_s * FENCE_FRACTION
-        self.nodes.connect_all(sorted(alive), now, wait_s=CALL_TIMEOUT_S, busy_wait_s=fence_s / 2)
+        self.nodes.connect_all(sorted(alive), now)
         unknown = self.nodes.unknown_resources()
         for i, node in enumerate(self.cc.nodes):
             if node not in alive:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from scheduler_lite.cluster.config import NODE_RESOURCE_PREFIX, REPORT_WAIT_S, ClusterConfig
+from scheduler_lite.cluster.config import FENCE_FRACTION, NODE_RESOURCE_PREFIX, REPORT_WAIT_S, ClusterConfig
 from scheduler_lite.cluster.node_host import NodeHost, NodeReport
 from scheduler_lite.config import Config
 from scheduler_lite.launcher import ExitInfo, ProcessHandle
@@ -123,27 +123,22 @@ class Nodes:
         log.info("node %s (%s): actor pid %s, %d GPU(s)", node, info["hostname"], info["pid"], len(self.gpus[node]))
         return True
 
-    def connect_all(self, nodes: Sequence[str], now: float, wait_s: float, busy_wait_s: float) -> list[str]:
-        """Ask every node's actor at once; wait until all have answered, for `wait_s` at most,
-        and for `busy_wait_s` at most once a node actor running jobs has answered (it fences them
-        if the sweep and reports that follow come too late). The nodes connected."""
-        ray = self.ray
+    def connect_all(self, nodes: Sequence[str], now: float) -> None:
+        """Ask every node's actor at once; wait until all have answered, for CALL_TIMEOUT_S at
+        most, and for half of its fence at most once a node actor running jobs has answered (it
+        fences them if the sweep and reports that follow come too late)."""
         left = list(nodes)
-        done: list[str] = []
-        end = time.monotonic() + wait_s
+        end = time.monotonic() + CALL_TIMEOUT_S
         while left:
             for node in list(left):
-                if self.connect(node, now):
-                    done.append(node)
-                    if self.busy[node]:
-                        end = min(end, time.monotonic() + busy_wait_s)
+                if self.connect(node, now) and self.busy[node]:
+                    end = min(end, time.monotonic() + self.cc.node_timeout_s * FENCE_FRACTION / 2)
                 if node not in self._pending:  # answered, or failed (retried by the loop later)
                     left.remove(node)
             remaining = end - time.monotonic()
             if not left or remaining <= 0:
                 break
-            ray.wait([self._pending[n][1] for n in left], num_returns=1, timeout=min(remaining, 0.5))
-        return done
+            self.ray.wait([self._pending[n][1] for n in left], num_returns=1, timeout=min(remaining, 0.5))
 
     def last_answer(self, node: str, default: float) -> float:
         """When the node's actor last answered (connect or report)."""
