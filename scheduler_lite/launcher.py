@@ -231,18 +231,18 @@ def has_name(pid: int, name: str) -> bool:
     return cmdline is not None and name.encode() in cmdline.split(b"\0")[:5]
 
 
-def _await_exec(pid: int, start_ticks: int | None, timeout_s: float, poll_s: float = 0.01) -> None:
-    """Return once `pid` (the process started at `start_ticks`, when given) is not inside execve:
-    its command line is in place, or it is gone, a zombie, a kernel thread, or `timeout_s` passed."""
-    deadline = time.monotonic() + timeout_s
+def _shows(pid: int, start_ticks: int | None, name: str) -> bool:
+    """`has_name(pid, name)`, once `pid` (the process started at `start_ticks`, when given) is not
+    inside execve: its command line is in place, or it is gone, a zombie, a kernel thread, or
+    EXEC_GRACE_S passed."""
+    deadline = time.monotonic() + EXEC_GRACE_S
     while True:
         fields = _proc_stat(pid)
         if (fields is None or fields[0] == "Z" or int(fields[6]) & _PF_KTHREAD
-                or (start_ticks is not None and int(fields[19]) != start_ticks)):
-            return
-        if _cmdline(pid) != b"" or time.monotonic() >= deadline:
-            return
-        time.sleep(poll_s)
+                or (start_ticks is not None and int(fields[19]) != start_ticks)
+                or _cmdline(pid) != b"" or time.monotonic() >= deadline):
+            return has_name(pid, name)
+        time.sleep(0.01)
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -318,18 +318,16 @@ class Launcher:
         another process reads as the job having ended. A live process whose command line is
         still empty (inside execve) is waited for, up to EXEC_GRACE_S.
         """
-        if token and start_ticks is None:
-            _await_exec(pid, None, EXEC_GRACE_S)
-            if not has_name(pid, process_name(job_id, token)):
+        name = process_name(job_id, token) if token else ""
+        if name and start_ticks is None:
+            if not _shows(pid, None, name):
                 return _recorded(job_dir)
             start_ticks = process_start_ticks(pid)
         handle = ProcessHandle(pid, start_ticks, job_dir)
         ended = self.poll(handle)
-        if ended is None and token:
-            # Recorded right after Popen returned, its command line may not be in place yet.
-            _await_exec(pid, start_ticks, EXEC_GRACE_S)
-            if not has_name(pid, process_name(job_id, token)):
-                return _recorded(job_dir)
+        # Recorded right after Popen returned, its command line may not be in place yet.
+        if ended is None and name and not _shows(pid, start_ticks, name):
+            return _recorded(job_dir)
         return handle if ended is None else ended
 
     @staticmethod
