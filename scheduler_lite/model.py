@@ -17,7 +17,6 @@ applies decisions; a caller that fails to carry one out releases what it booked
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -87,9 +86,6 @@ class Job:
     # Fraction of one GPU's compute the job asks for (PAI's GPU request, Alibaba's gpu_milli);
     # None: not stated. Opportunistic placement adds these up per GPU (global_scheduler.py).
     requested_share: float | None = None
-
-    def with_(self, **changes: object) -> Job:
-        return dataclasses.replace(self, **changes)
 
 
 class ClusterQueries(Protocol):

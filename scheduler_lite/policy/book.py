@@ -250,7 +250,7 @@ class ClusterBook:
 
     def update_hints(self, job_id: str, **hints: object) -> None:
         """Refresh reported statistics (step time, remaining time) of a job."""
-        self.jobs[job_id] = self.jobs[job_id].with_(**hints)
+        self.jobs[job_id] = _evolve(self.jobs[job_id], **hints)
 
     def set_memory_demand(self, job_id: str, demand_bytes: int) -> None:
         """A running job's memory demand changed (surge): committed memory follows."""

@@ -42,7 +42,7 @@ def test_records_stay_frozen_equal_hashable_and_replaceable():
     assert dataclasses.replace(memo, level=0.4).level == 0.4
     assert CoordinatorMemo().phase is Phase.IDLE and CoordinatorMemo().opportunistic == frozenset()
     job = Job("j", "a", 1, JobKind.GUARANTEE, 0.0)
-    assert job.with_(memory_demand_bytes=5).memory_demand_bytes == 5 and job.memory_demand_bytes == 0
+    assert dataclasses.replace(job, memory_demand_bytes=5).memory_demand_bytes == 5 and job.memory_demand_bytes == 0
     local = LocalJob("j", Role.GUARANTEE, 1, 1, 0, 1.0, (StepSample(1.0, 0.5),))
     assert local.steps[0].seconds == 0.5 and local.solo_step_time_s is None
 

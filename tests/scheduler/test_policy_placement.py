@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -15,8 +16,8 @@ UTILISATION = SchedulerConfig(opportunistic_placement="utilisation")
 
 
 def _opp(jid: str, share: float | None, memory_gib: float = 4.0, t: float = 1.0):
-    return job(jid, tenant="B", kind=JobKind.OPPORTUNISTIC, t=t).with_(
-        requested_share=share, memory_demand_bytes=int(memory_gib * GIB))
+    return replace(job(jid, tenant="B", kind=JobKind.OPPORTUNISTIC, t=t),
+                   requested_share=share, memory_demand_bytes=int(memory_gib * GIB))
 
 
 @pytest.mark.parametrize(
@@ -28,10 +29,10 @@ def _opp(jid: str, share: float | None, memory_gib: float = 4.0, t: float = 1.0)
 )
 def test_throttled_jobs_no_longer_pile_onto_one_gpu(cfg, most_on_gpu0):
     b = book(nodes=1, per_node=4)
-    b.submit(job("g").with_(requested_share=0.4))
+    b.submit(replace(job("g"), requested_share=0.4))
     b.apply(Place("g", (0,), Role.GUARANTEE))
     for gpu in (1, 2, 3):  # each busy with a guarantee job asking for the whole GPU
-        b.submit(job(f"h{gpu}").with_(requested_share=1.0))
+        b.submit(replace(job(f"h{gpu}"), requested_share=1.0))
         b.apply(Place(f"h{gpu}", (gpu,), Role.GUARANTEE))
         b.set_utilisation(gpu, 0.5)
     for i in range(6):
@@ -45,9 +46,9 @@ def test_throttled_jobs_no_longer_pile_onto_one_gpu(cfg, most_on_gpu0):
 
 def test_a_gpu_with_the_memory_free_comes_first():
     b = book(nodes=1, per_node=2)
-    b.submit(job("big").with_(requested_share=0.3, memory_demand_bytes=30 * GIB))
+    b.submit(replace(job("big"), requested_share=0.3, memory_demand_bytes=30 * GIB))
     b.apply(Place("big", (0,), Role.GUARANTEE))
-    b.submit(job("small").with_(requested_share=0.3, memory_demand_bytes=2 * GIB))
+    b.submit(replace(job("small"), requested_share=0.3, memory_demand_bytes=2 * GIB))
     b.apply(Place("small", (1,), Role.GUARANTEE))
     b.set_utilisation(0, 0.2)  # less utilised, but without the job's 8 GiB free
     b.set_utilisation(1, 0.4)
@@ -159,9 +160,9 @@ def test_an_opportunistic_gang_takes_its_gpus_inside_one_nvlink_group():
     b = book(nodes=2, per_node=4)
     for gpu, u in enumerate((0.10, 0.20, 0.40, 0.50, 0.15, 0.25, 0.45, 0.55)):
         b.set_utilisation(gpu, u)
-    b.submit(_opp("pair", 0.3).with_(num_gpus=2))
+    b.submit(replace(_opp("pair", 0.3), num_gpus=2))
     assert schedule(b.snapshot(0.0), SHARE) == [Place("pair", (0, 1), Role.OPPORTUNISTIC)]
-    b.submit(_opp("three", 0.3, t=2.0).with_(num_gpus=3))
+    b.submit(replace(_opp("three", 0.3, t=2.0), num_gpus=3))
     for d in schedule(b.snapshot(0.0), SHARE):
         b.apply(d)
     placed = b.jobs["three"].placement
@@ -171,7 +172,7 @@ def test_an_opportunistic_gang_takes_its_gpus_inside_one_nvlink_group():
 def test_a_gang_no_group_can_hold_is_spread_rather_than_kept_waiting():
     b = book(nodes=2, per_node=2)
     for gpu in (1, 3):  # one GPU of each group taken whole by a guarantee job
-        b.submit(job(f"g{gpu}").with_(requested_share=1.0))
+        b.submit(replace(job(f"g{gpu}"), requested_share=1.0))
         b.apply(Place(f"g{gpu}", (gpu,), Role.GUARANTEE))
-    b.submit(_opp("pair", 0.5).with_(num_gpus=2))
+    b.submit(replace(_opp("pair", 0.5), num_gpus=2))
     assert schedule(b.snapshot(0.0), SHARE) == [Place("pair", (0, 2), Role.OPPORTUNISTIC)]
