@@ -69,6 +69,7 @@ from scheduler_lite.model import (
 from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.global_scheduler import schedule
 from scheduler_lite.recovery import Recovery, book_job
+from scheduler_lite.state_dir import LOCK_FILE
 from scheduler_lite.status import ClusterStatus, build_status
 from scheduler_lite.storage import MAX_EVENTS, JobRecord, JobStatus, Storage
 from scheduler_lite.submission import make_job_spec, quota_warning, request_cancel, submit_job
@@ -76,7 +77,6 @@ from scheduler_lite.tick import JobTable, LiveJob, TickLog, TickReport
 
 log = logging.getLogger("scheduler_lite")
 
-LOCK_FILE: Final = "daemon.lock"
 PRUNE_EVERY_TICKS: Final = 1000  # events beyond MAX_EVENTS are deleted this often
 
 
