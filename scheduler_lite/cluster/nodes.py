@@ -30,7 +30,7 @@ CALL_TIMEOUT_S: Final = 10.0  # one actor call (start, stop, adopt...) must answ
 def actor_name(node: str) -> str:
     """The node actor's registered name (as 0.1.0 named it: a global scheduler finds the node
     actors an older one made, with the jobs they run)."""
-    return f"scheduler-lite-actor-{node}"
+    return f"scheduler-lite-agent-{node}"
 
 
 class Nodes:
