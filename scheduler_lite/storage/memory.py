@@ -39,27 +39,23 @@ class MemoryStorage:
         self._quotas: dict[str, int] = {}
         self._seq = 0
         self._last_event = 0
-        self._depth = 0
+        self._open = False  # inside a transaction block: a nested one joins it
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        if self._depth:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
+        if self._open:
+            yield
             return
         saved = (dict(self._jobs), list(self._events), dict(self._placements), dict(self._quotas), self._seq,
                  self._last_event)
-        self._depth = 1
+        self._open = True
         try:
             yield
         except BaseException:
             self._jobs, self._events, self._placements, self._quotas, self._seq, self._last_event = saved
             raise
         finally:
-            self._depth = 0
+            self._open = False
 
     def add_job(self, spec: JobSpec) -> JobRecord:
         check_new_job(self, spec)

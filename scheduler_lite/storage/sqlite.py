@@ -158,7 +158,7 @@ class SqliteStorage:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         # Autocommit mode: transactions are ours (BEGIN IMMEDIATE), not the sqlite3 module's.
         self._db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
-        self._depth = 0
+        self._open = False  # inside a transaction block: a nested one joins it
         self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         # Switching to WAL needs the database to itself and SQLite does not always wait for that
         # (many CLI processes opening a new store at once): retried within the busy timeout.
@@ -192,22 +192,18 @@ class SqliteStorage:
 
     @contextmanager
     def _begin(self, mode: str) -> Iterator[None]:
-        if self._depth:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
+        if self._open:
+            yield
             return
         self._db.execute(f"BEGIN {mode}")
-        self._depth = 1
+        self._open = True
         try:
             yield
         except BaseException:
-            self._depth = 0
+            self._open = False
             self._db.execute("ROLLBACK")
             raise
-        self._depth = 0
+        self._open = False
         self._db.execute("COMMIT")
 
     def transaction(self) -> Any:
