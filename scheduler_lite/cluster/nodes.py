@@ -78,10 +78,10 @@ class Nodes:
     def _offered(self) -> set[str]:
         return {r for n in self.ray.nodes() if n.get("Alive") for r in (n.get("Resources") or {})}
 
-    def connect(self, node: str, now: float, wait_s: float = 0.0) -> bool:
+    def connect(self, node: str, now: float) -> bool:
         """The node's actor (found by name, else created on the node); False if it has not
-        answered within `wait_s`. Never blocks the loop longer: a node actor still being created (its
-        node not up yet) is asked again at the next call, so the other nodes keep their reports
+        answered yet. Never blocks the loop: a node actor still being created (its node not up
+        yet) is asked again at the next call, so the other nodes keep their reports
         coming (a stalled loop would make their actors fence their jobs). A node actor asked for
         `node_timeout_s` without an answer (frozen) is killed, so that the next call makes a new
         one, whose sweep stops what the old one left running."""
@@ -96,7 +96,7 @@ class Nodes:
                 ).remote(node, self.config)
             self._pending[node] = (actor, actor.info.remote(), now)
         actor, ref, asked = self._pending[node]
-        ready, _ = ray.wait([ref], timeout=wait_s)
+        ready, _ = ray.wait([ref], timeout=0)
         if not ready:
             if now - asked >= self.cc.node_timeout_s:
                 log.error("node %s: its actor has not answered for %.0f s: killed, a new one is made",
