@@ -200,10 +200,10 @@ class SqliteStorage:
         try:
             yield
         except BaseException:
-            self._open = False
             self._db.execute("ROLLBACK")
             raise
-        self._open = False
+        finally:
+            self._open = False
         self._db.execute("COMMIT")
 
     def transaction(self) -> Any:
@@ -235,14 +235,8 @@ class SqliteStorage:
 
     def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
         wanted = check_states(states)
-        if wanted is None:
-            rows = self._db.execute(f"{_SELECT_JOBS} ORDER BY seq").fetchall()
-        else:
-            marks = ", ".join("?" * len(wanted))
-            rows = self._db.execute(
-                f"{_SELECT_JOBS} WHERE state IN ({marks}) ORDER BY seq",
-                [str(s) for s in wanted],
-            ).fetchall()
+        where = "" if wanted is None else f" WHERE state IN ({', '.join('?' * len(wanted))})"
+        rows = self._db.execute(f"{_SELECT_JOBS}{where} ORDER BY seq", [str(s) for s in wanted or ()])
         return [_job(r) for r in rows]
 
     def jobs_page(self, limit: int, before: str | None = None,
