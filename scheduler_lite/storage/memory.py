@@ -1,6 +1,7 @@
 """Storage in process memory: for tests and for using the daemon as a library without a file.
 
-Transactions are real: a block that raises restores what was there before it.
+Transactions are real: a block that raises restores what was there before it. A call that
+changes one thing, all at once, needs none of its own.
 """
 
 from __future__ import annotations
@@ -98,19 +99,15 @@ class MemoryStorage:
             fields["state"] = JobStatus(fields["state"])
         if "placement" in fields:
             fields["placement"] = tuple(fields["placement"])
-        with self.transaction():
-            record = dataclasses.replace(self._jobs[job_id], **fields)
-            self._jobs[job_id] = record
-            return record
+        record = self._jobs[job_id] = dataclasses.replace(self._jobs[job_id], **fields)
+        return record
 
     def add_event(self, time: float, kind: str, job_id: str | None = None, /, **detail: Any) -> int:
         # Round-trip through JSON: the same check (and the same copies) as the SQLite store.
         detail = json.loads(json.dumps(detail))
-        with self.transaction():
-            self._last_event += 1
-            event = EventRecord(self._last_event, time, job_id, kind, detail)
-            self._events.append(event)
-            return event.id
+        self._last_event += 1
+        self._events.append(EventRecord(self._last_event, time, job_id, kind, detail))
+        return self._last_event
 
     def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
         out = [copy.deepcopy(e) for e in self._events if e.id > after_id and (job_id is None or e.job_id == job_id)]
@@ -122,16 +119,14 @@ class MemoryStorage:
         return [copy.deepcopy(e) for e in newest], len(mine) - len(newest)
 
     def prune_events(self, keep: int = MAX_EVENTS) -> int:
-        with self.transaction():
-            dropped = max(0, len(self._events) - keep)
-            self._events = self._events[dropped:]
-            return dropped
+        dropped = max(0, len(self._events) - keep)
+        self._events = self._events[dropped:]
+        return dropped
 
     def set_placement(self, job_id: str, gpu: int, memory_limit_bytes: int, compute_share: float) -> None:
         if job_id not in self._jobs:
             raise StorageError(f"no job {job_id!r}")
-        with self.transaction():
-            self._placements[(job_id, gpu)] = PlacementRecord(job_id, gpu, memory_limit_bytes, float(compute_share))
+        self._placements[(job_id, gpu)] = PlacementRecord(job_id, gpu, memory_limit_bytes, float(compute_share))
 
     def placements(self, job_id: str | None = None) -> list[PlacementRecord]:
         order = {j.id: j.seq for j in self._jobs.values()}
@@ -139,13 +134,11 @@ class MemoryStorage:
         return sorted(found, key=lambda p: (order.get(p.job_id, 0), p.gpu))
 
     def clear_placements(self, job_id: str) -> None:
-        with self.transaction():
-            for key in [k for k in self._placements if k[0] == job_id]:
-                del self._placements[key]
+        for key in [k for k in self._placements if k[0] == job_id]:
+            del self._placements[key]
 
     def set_quota(self, tenant: str, gpu_quota: int) -> None:
-        with self.transaction():
-            self._quotas[tenant] = gpu_quota
+        self._quotas[tenant] = gpu_quota
 
     def quotas(self) -> dict[str, int]:
         return dict(self._quotas)
