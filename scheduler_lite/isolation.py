@@ -122,8 +122,7 @@ def prepare_job_dir(job_dir: Path, user: JobUser | None, ranks: int = 1) -> None
     try:
         os.mkdir(job_dir, 0o700)
     except FileExistsError:
-        _lock_down(job_dir)
-        _empty(job_dir)
+        _reclaim(job_dir)
     opened: list[Path] = []  # directories opened to the job's user, innermost first
     for rank in range(ranks - 1, 0, -1):
         if not opened:
@@ -149,18 +148,16 @@ def prepare_job_dir(job_dir: Path, user: JobUser | None, ranks: int = 1) -> None
         _grant(path, user.uid)
 
 
-def _lock_down(job_dir: Path) -> None:
+def _reclaim(job_dir: Path) -> None:
+    """A directory used before: locked down (the daemon's alone), then emptied of all the job
+    could have put there; the daemon's own logs kept (appended to)."""
+    me = os.geteuid()
     info = os.lstat(job_dir)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != me:
         raise IsolationError(errno.EPERM, f"{job_dir} is not a directory owned by the daemon; refusing to use it")
     os.chmod(job_dir, 0o700)
     with contextlib.suppress(OSError):
         os.removexattr(job_dir, ACL_XATTR)
-
-
-def _empty(job_dir: Path) -> None:
-    """Remove all the job could have put here; keep the daemon's own logs (appended to)."""
-    me = os.geteuid()
     for entry in os.scandir(job_dir):
         info = entry.stat(follow_symlinks=False)
         if entry.name in LOG_FILES and stat.S_ISREG(info.st_mode) and info.st_uid == me and info.st_nlink == 1:
