@@ -308,9 +308,8 @@ class LocalJobHost:
         return set()
 
     def refresh(self, now: float) -> None:
-        """With a judge, NVML and containment: each GPU's compute processes
-        (nvmlDeviceGetComputeRunningProcesses) to the judge, with the jobs' cgroups' pids.
-        Without containment the pids cannot be told apart from a job's: not checked."""
+        """Each GPU's compute processes to the judge with the jobs' cgroups' pids, where NVML and
+        containment are (without cgroups a job's pids cannot be told from another's: not checked)."""
         if self.judge is None or not isinstance(self.devices, NvmlDevices) or not self.containment.active:
             return
         try:

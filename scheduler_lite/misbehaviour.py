@@ -275,8 +275,7 @@ class Judge:
         self.by_gpu = unmanaged
 
     def taken_bytes(self, gpu: int) -> int:
-        """The bytes the last NVML read saw on `gpu` that no job's limit controls (a process of
-        no job, what a job holds above its limit): the coordinator does not hand them out."""
+        """JobHost.taken_bytes as the last NVML read saw it (taken_by_gpu of its findings)."""
         return self._taken.get(gpu, 0)
 
 
