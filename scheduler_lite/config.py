@@ -26,7 +26,6 @@ from typing import Any, Final, TypeVar
 from scheduler_lite.auth import TenantMembers
 from scheduler_lite.cluster.config import ClusterConfig, check_fencing, parse_cluster
 from scheduler_lite.containment import CONTAINMENT_MODES
-from scheduler_lite.misbehaviour import ACTIONS as MISBEHAVIOUR_ACTIONS
 from scheduler_lite.model import Tenant
 from scheduler_lite.policy.coordinator import CoordinatorConfig
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
@@ -47,6 +46,7 @@ C = TypeVar("C")
 SOCKET_FILE: Final = "scheduler.sock"
 MAX_SOCKET_PATH_BYTES: Final = 107  # sockaddr_un.sun_path is 108 bytes with its NUL (Linux)
 PRIORITIES: Final = ("low", "normal")  # jobs.opportunistic_priority
+MISBEHAVIOUR_ACTIONS: Final = ("warn", "stop", "requeue")  # jobs.misbehaviour (scheduler_lite.misbehaviour)
 # POSIX portable user and group names (useradd's default NAME_REGEX, without the trailing '$').
 _ACCOUNT_RE: Final = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 ACCOUNT_RULE: Final = "a list of user or group names (1-32 of a-z, 0-9, '_', '-', starting with a letter or '_')"

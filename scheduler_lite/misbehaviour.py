@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("scheduler_lite")
 
-ACTIONS: Final = ("warn", "stop", "requeue")  # jobs.misbehaviour: what is done to an opportunistic job found
 MAX_PLAUSIBLE_BYTES: Final = 1 << 50  # 1 PiB: no device or host figure of one job is larger
 SHARE_SLACK: Final = 0.1  # an achieved share may exceed the share in force by this much (measurement noise)
 SHARE_WINDOW_S: Final = 10.0  # after a share change, the share before it is allowed this long
@@ -279,5 +278,5 @@ class Judge:
         return self._taken.get(gpu, 0)
 
 
-__all__ = ["ACTIONS", "MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Judge", "Sent",
+__all__ = ["MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Judge", "Sent",
            "check_gpu_processes", "check_stats", "taken_by_gpu"]
