@@ -78,11 +78,9 @@ def mounts(mountinfo: str) -> tuple[Path | None, Path | None]:
     """(cgroup2 mount point, cgroup v1 devices mount point) from /proc/self/mountinfo's text."""
     v2 = devices = None
     for line in mountinfo.splitlines():
-        left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
+        left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
-        if len(fields) < 5 or len(tail) < 3:
+        if len(fields) < 5 or len(tail) < 3:  # no " - " separator: no tail
             continue
         point = Path(fields[4].replace("\\040", " "))
         if tail[0] == "cgroup2" and v2 is None:
