@@ -17,7 +17,7 @@ cgroup.procs of the common ancestor, root's). So with containment on:
     managed GPUs it was not placed on (as Slurm's ConstrainDevices): unsetting
     CUDA_VISIBLE_DEVICES does not reach another GPU. On a pure cgroup v2 machine this needs a
     BPF_PROG_TYPE_CGROUP_DEVICE program, which is not implemented: devices are not limited there,
-    and `describe()` says so.
+    and `detail` says so.
 
 How a process gets in: the wrapper (scheduler_lite.launcher) starts, the daemon writes its pid
 into the cgroup right after Popen returns, then moves whatever the wrapper has started meanwhile
@@ -28,7 +28,7 @@ would not be found (docs/security.md says so).
 
 Where cgroups cannot be used (a daemon without write access to its cgroup: not root and no
 delegated subtree; no cgroup2 mounted), `Containment.active` is False, jobs run as before (process
-groups, pid files, launch tokens), and `describe()` says why: `status` and the daemon's log show it.
+groups, pid files, launch tokens), and `detail` says why: `status` and the daemon's log show it.
 `jobs.containment = "required"` refuses to start instead; `"off"` never uses cgroups.
 
 What it does not do: limit memory, CPU or I/O (no controllers are enabled: on a hybrid machine
@@ -141,11 +141,12 @@ class Containment:
         self.v2_root: Path | None = None
         self.devices_root: Path | None = None
         self.can_kill = self.can_freeze = False
-        self.why = "jobs.containment = \"off\""
+        # One line for `status` and the log: what is contained, or why nothing is.
+        self.detail = "jobs.containment = \"off\""
         if mode != "off":
-            self.why = self._detect()
+            self.detail = self._detect()
             if self.v2_root is None and mode == "required":
-                raise ContainmentUnavailable(f"jobs.containment = \"required\" but {self.why}")
+                raise ContainmentUnavailable(f"jobs.containment = \"required\" but {self.detail}")
 
     @property
     def active(self) -> bool:
@@ -183,10 +184,6 @@ class Containment:
             except OSError as e:
                 devices = f"GPU device nodes not limited ({droot.parent}: {e.strerror})"
         return f"each job in a cgroup of its own under {root} (ended by {how}); {devices}"
-
-    def describe(self) -> str:
-        """One line for `status` and the log: what is contained, or why nothing is."""
-        return self.why
 
     # -- one job ----------------------------------------------------------------------------------
 

@@ -345,9 +345,9 @@ def local_job_host(config: Config, storage: Storage | None = None,
     (jobs.containment), its reports checked (events in `storage`)."""
     containment = Containment(config.state_dir, config.jobs.containment)
     if containment.active:
-        log.info("containment: %s", containment.describe())
+        log.info("containment: %s", containment.detail)
     else:
-        log.warning("containment off: %s (docs/security.md)", containment.describe())
+        log.warning("containment off: %s (docs/security.md)", containment.detail)
     return LocalJobHost(config, containment=containment, judge=Judge(config.jobs, storage, clock))
 
 

@@ -413,7 +413,7 @@ class Server:
         # How the jobs are contained (cgroups), or why they are not: a host without cgroups says nothing.
         containment = self.daemon.host.containment
         if containment is not None:
-            doc["containment"] = {"active": containment.active, "detail": containment.describe()}
+            doc["containment"] = {"active": containment.active, "detail": containment.detail}
         findings = self.daemon.host.findings()  # jobs that do not cooperate (misbehaviour)
         if findings is not None:
             doc["warnings"] = [f.line() for f in findings]

@@ -37,7 +37,7 @@ from tests.scheduler.test_submit_idempotent import serving
 
 PROBE = Containment(Path("/tmp/sl-containment-probe"))
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not PROBE.active,
-                                reason=f"needs root and cgroups: {PROBE.describe()}")
+                                reason=f"needs root and cgroups: {PROBE.detail}")
 MODE = os.environ.get("SL_TEST_CONTAINMENT", "auto")  # "off": the same tests against uncontained jobs (red)
 
 
@@ -136,7 +136,7 @@ def test_a_job_that_ends_leaves_no_process_behind(site: Site) -> None:
 def test_a_job_on_one_gpu_cannot_open_another_gpu_s_device_node(tmp_path: Path) -> None:
     site = Site(tmp_path, gpus=2)
     if PROBE.devices_root is None:  # no v1 devices controller
-        pytest.skip(PROBE.describe())
+        pytest.skip(PROBE.detail)
     nodes = []
     for minor in (0, 1):
         node = tmp_path / f"nvidia{minor}"
@@ -249,10 +249,10 @@ def test_without_cgroup2_containment_is_off_and_says_why_or_refuses(tmp_path: Pa
     (proc / "self" / "cgroup").write_text("0::/\n")
     off = Containment(tmp_path, "auto", proc=proc)
     assert not off.active and off.cgroup("job-1", "t") is None
-    assert off.describe() == "no cgroup2 hierarchy is mounted: jobs are not contained (process groups only)"
+    assert off.detail == "no cgroup2 hierarchy is mounted: jobs are not contained (process groups only)"
     with pytest.raises(ContainmentUnavailable, match='jobs.containment = "required" but no cgroup2 hierarchy'):
         Containment(tmp_path, "required", proc=proc)
-    assert Containment(tmp_path, "off").describe() == 'jobs.containment = "off"'
+    assert Containment(tmp_path, "off").detail == 'jobs.containment = "off"'
 
 
 # -- test hygiene: a test's job cgroups go with it (tests/conftest.py) -------------------------------
