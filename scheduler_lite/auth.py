@@ -23,10 +23,7 @@ import os
 import pwd
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
-
-if TYPE_CHECKING:
-    from scheduler_lite.config import Config
+from typing import Final
 
 ROOT_UID: Final = 0
 
@@ -156,14 +153,5 @@ def _group_name(gid: int) -> str:
         return f"gid:{gid}"
 
 
-def access_policy(config: Config, daemon_uid: int | None = None) -> AccessPolicy:
-    """The config's access rules; a tenant the config gives no users or groups is open to all."""
-    named = {m.tenant: m for m in config.access.members}
-    members = tuple(named.get(t.name, TenantMembers(t.name)) for t in config.tenants)
-    uid = os.geteuid() if daemon_uid is None else daemon_uid
-    return AccessPolicy(uid, identity_of_uid(uid).user, members, frozenset(config.access.admins),
-                        frozenset(config.access.admin_groups))
-
-
-__all__ = ["AccessDenied", "AccessPolicy", "access_policy", "Identity", "TenantMembers", "check_owner", "check_served",
+__all__ = ["AccessDenied", "AccessPolicy", "Identity", "TenantMembers", "check_owner", "check_served",
            "check_submit", "identity_of_uid", "is_admin", "may_submit", "tenants_of"]

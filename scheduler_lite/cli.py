@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Final, NoReturn
 
 from scheduler_lite.client import AnswerLost, ClientError, NoDaemon, call, cluster_status, job_record
-from scheduler_lite.config import CONFIG_ENV, Config, resolve_config
+from scheduler_lite.config import CONFIG_ENV, Config, check_accounts, resolve_config
 from scheduler_lite.devices import DeviceError
 from scheduler_lite.isolation import SESSION_VARIABLES
 from scheduler_lite.launcher import describe_exit
@@ -209,15 +209,59 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     from scheduler_lite.containment import ContainmentUnavailable
     from scheduler_lite.daemon import DaemonLockedError  # only `serve` runs the loop
     from scheduler_lite.metrics import MetricsUnavailable
-    from scheduler_lite.server import run_daemon
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run_daemon(config, metrics_port=args.metrics_port, metrics_address=args.metrics_address)
+        _run_daemon(config, args.metrics_port, args.metrics_address)
     except (DaemonLockedError, MetricsUnavailable, ContainmentUnavailable) as e:
         raise UserError(str(e)) from None
     return 0
+
+
+def _run_daemon(config: Config, metrics_port: int | None, metrics_address: str) -> None:
+    """Lock the state directory, open the store, serve the socket, tick."""
+    from scheduler_lite.daemon import Daemon, lock_state_dir
+    from scheduler_lite.metrics import start_metrics_server
+    from scheduler_lite.server import Server
+    from scheduler_lite.state_dir import check_state_dir, secure_state_dir
+    from scheduler_lite.storage import SqliteStorage
+
+    multi_user = os.geteuid() == 0
+    check_state_dir(config)
+    check_accounts(config)
+    lock = lock_state_dir(config.state_dir)  # first: a second `serve` is told another daemon runs
+    stop_metrics = None
+    try:
+        # The metrics endpoint before the daemon: constructing it takes over the store's jobs
+        # (re-adopts, requeues, stops), which a bad --metrics-port or --metrics-address must not
+        # do before it is refused. Scrapes find no snapshot until the server below publishes one.
+        served: list[Server] = []
+        if metrics_port is not None:
+            stop_metrics = start_metrics_server(metrics_port, metrics_address, lambda: served[0] if served else None)
+            logging.getLogger("scheduler_lite").info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
+        secure_state_dir(config, multi_user)
+        storage = SqliteStorage(config.db_path)
+        secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
+        try:
+            if config.cluster is not None:  # cluster mode: the global scheduler (imports Ray)
+                from scheduler_lite.cluster.host import cluster_daemon
+                daemon: Daemon = cluster_daemon(config, storage)
+            else:
+                daemon = Daemon(config, storage)
+            server = Server(daemon, config)
+            served.append(server)
+            server.start()
+            try:
+                daemon.serve(between_ticks=server.serve_requests)
+            finally:
+                server.close()
+        finally:
+            storage.close()
+    finally:
+        if stop_metrics is not None:
+            stop_metrics()
+        os.close(lock)
 
 
 def cmd_submit(config: Config, args: argparse.Namespace) -> int:

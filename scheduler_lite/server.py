@@ -39,7 +39,7 @@ from scheduler_lite.auth import (
     AccessDenied,
     AccessPolicy,
     Identity,
-    access_policy,
+    TenantMembers,
     check_owner,
     check_served,
     check_submit,
@@ -47,11 +47,10 @@ from scheduler_lite.auth import (
     is_admin,
     tenants_of,
 )
-from scheduler_lite.config import Config, check_accounts, file_identity
+from scheduler_lite.config import Config, file_identity
 from scheduler_lite.faults import Faults
 from scheduler_lite.isolation import SESSION_VARIABLES, IsolationError, job_user
 from scheduler_lite.model import JobKind
-from scheduler_lite.state_dir import check_state_dir, secure_state_dir
 from scheduler_lite.status import ClusterStatus
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
 from scheduler_lite.storage.base import seq_of
@@ -114,6 +113,16 @@ class _Pending:
             if self.claimed is None:
                 self.claimed = by
             return self.claimed == by
+
+
+def access_policy(config: Config) -> AccessPolicy:
+    """The config's access rules, for a daemon running as this process's user; a tenant the
+    config gives no users or groups is open to all."""
+    named = {m.tenant: m for m in config.access.members}
+    members = tuple(named.get(t.name, TenantMembers(t.name)) for t in config.tenants)
+    uid = os.geteuid()
+    return AccessPolicy(uid, identity_of_uid(uid).user, members, frozenset(config.access.admins),
+                        frozenset(config.access.admin_groups))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,50 +523,4 @@ def job_dict(record: JobRecord, who: Identity, policy: AccessPolicy) -> dict[str
     return out
 
 
-__all__ = ["Server", "job_dict"]
-
-
-# ----------------------------------------------------------------------------------------------
-
-
-def run_daemon(config: Config, *, metrics_port: int | None = None, metrics_address: str = "127.0.0.1") -> None:
-    """`scheduler-lite serve`: lock the state directory, open the store, serve the socket, tick."""
-    from scheduler_lite.daemon import Daemon, lock_state_dir
-    from scheduler_lite.metrics import start_metrics_server
-    from scheduler_lite.storage import SqliteStorage
-
-    multi_user = os.geteuid() == 0
-    check_state_dir(config)
-    check_accounts(config)
-    lock = lock_state_dir(config.state_dir)  # first: a second `serve` is told another daemon runs
-    stop_metrics = None
-    try:
-        # The metrics endpoint before the daemon: constructing it takes over the store's jobs
-        # (re-adopts, requeues, stops), which a bad --metrics-port or --metrics-address must not
-        # do before it is refused. Scrapes find no snapshot until the server below publishes one.
-        served: list[Server] = []
-        if metrics_port is not None:
-            stop_metrics = start_metrics_server(metrics_port, metrics_address, lambda: served[0] if served else None)
-            log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
-        secure_state_dir(config, multi_user)
-        storage = SqliteStorage(config.db_path)
-        secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
-        try:
-            if config.cluster is not None:  # cluster mode: the global scheduler (imports Ray)
-                from scheduler_lite.cluster.host import cluster_daemon
-                daemon: Daemon = cluster_daemon(config, storage)
-            else:
-                daemon = Daemon(config, storage)
-            server = Server(daemon, config)
-            served.append(server)
-            server.start()
-            try:
-                daemon.serve(between_ticks=server.serve_requests)
-            finally:
-                server.close()
-        finally:
-            storage.close()
-    finally:
-        if stop_metrics is not None:
-            stop_metrics()
-        os.close(lock)
+__all__ = ["Server", "access_policy", "job_dict"]
