@@ -36,7 +36,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,7 +48,7 @@ from scheduler_lite.cluster.parts import job_nodes, merge_stats, split_control
 from scheduler_lite.cluster.placement import node_aware
 from scheduler_lite.config import Config
 from scheduler_lite.daemon import Daemon
-from scheduler_lite.devices import EmulatedDevices, JobLoad
+from scheduler_lite.devices import JobLoad, jobs_utilisation
 from scheduler_lite.driver import Launch, SchedulePolicy
 from scheduler_lite.jobenv import process_control
 from scheduler_lite.jobhost import HostedJobs
@@ -61,21 +61,21 @@ from tf_antman.protocol import Control, Stats
 log = logging.getLogger("scheduler_lite.cluster")
 
 
-class ClusterDevices(EmulatedDevices):
-    """The global inventory; utilisation derived from the jobs' stats (emulated) or as read by
-    each node's NVML (in its report)."""
+class ClusterDevices:
+    """The global inventory (`gpus`: the connected nodes', set by the host); utilisation derived
+    from the jobs' stats (emulated) or as read by each node's NVML (in its report)."""
 
     def __init__(self, kind: str, nodes: Nodes) -> None:
         self.kind = kind
         self.nodes = nodes
-        self._gpus = ()
+        self.gpus: tuple[Gpu, ...] = ()
 
-    def set_inventory(self, gpus: Iterable[Gpu]) -> None:
-        self._gpus = tuple(gpus)
+    def inventory(self) -> tuple[Gpu, ...]:
+        return self.gpus
 
     def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
         if self.kind == "emulated":
-            return super().utilisation(loads)
+            return {gpu.id: jobs_utilisation(loads.get(gpu.id, ())) for gpu in self.gpus}
         out = {}
         cc = self.nodes.cc
         for node, report in self.nodes.reports.items():
@@ -105,7 +105,7 @@ class ClusterJobHost:
         now = clock()
         self._connect_at_start(now)
         self.devices = ClusterDevices(config.devices.kind, self.nodes)
-        self.devices.set_inventory(self._all_gpus())
+        self.devices.gpus = self._all_gpus()
         self.loss = NodeLoss(self.cc, self.nodes, storage, clock, self, now)
 
     # -- the nodes --------------------------------------------------------------------------------
@@ -127,8 +127,8 @@ class ClusterJobHost:
                 log.warning("cluster.nodes[%d] %r: its node actor has not answered yet; its GPUs join when it does, "
                             "its jobs wait for it up to cluster.node_timeout_s", i, node)
 
-    def _all_gpus(self) -> list[Gpu]:
-        return [g for node in self.cc.nodes for g in self.nodes.gpus.get(node, ())]
+    def _all_gpus(self) -> tuple[Gpu, ...]:
+        return tuple(g for node in self.cc.nodes for g in self.nodes.gpus.get(node, ()))
 
     @property
     def jobs(self) -> HostedJobs:
@@ -141,7 +141,7 @@ class ClusterJobHost:
     def gpus_changed(self, now: float) -> None:
         """Nodes left or joined: the daemon's GPUs are the connected nodes' now."""
         gpus = self._all_gpus()
-        self.devices.set_inventory(gpus)
+        self.devices.gpus = gpus
         self.jobs.gpus_changed(gpus, now, size_known=self.size_known())
 
     def recover(self, running: Sequence[JobRecord], now: float) -> set[str]:
