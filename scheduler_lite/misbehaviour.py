@@ -92,15 +92,14 @@ class Sent:
 
 
 def check_stats(job_id: str, stats: Stats | None, *, sent: Sent | None, gpu_memory: Sequence[int],
-                host_allowance: int, now: float, stats_since: float | None, launched_at: float,
-                silent_after_s: float) -> list[Finding]:
+                host_allowance: int, now: float, since: float, silent_after_s: float) -> list[Finding]:
     """What one job's stats (None: none readable) say is wrong. `gpu_memory`: the memory of its
-    GPUs in placement order; `stats_since`: when the daemon last saw a new stats document."""
+    GPUs in placement order; `since`: when the daemon last saw a new stats document (none yet:
+    when the job was launched)."""
     found: list[Finding] = []
-    last = launched_at if stats_since is None else stats_since
-    if now - last > silent_after_s:
+    if now - since > silent_after_s:
         what = "no stats.json since its launch" if stats is None else "no new stats.json"
-        found.append(Finding("silent", job_id, f"{what} for {now - last:.0f} s (jobs.silent_after_s = "
+        found.append(Finding("silent", job_id, f"{what} for {now - since:.0f} s (jobs.silent_after_s = "
                                                f"{silent_after_s:g}): it may not run tf-antman"))
     if stats is None:
         return found
@@ -167,11 +166,10 @@ def taken_by_gpu(found: Iterable[Finding]) -> dict[int, int]:
 class _Watched:
     """What the judge keeps of one job."""
 
-    launched_at: float  # when the host launched or adopted it
+    since: float  # when its newest stats were first seen (none yet: when the host launched or adopted it)
     sent: Sent | None = None  # the newest control written to it
     limits: dict[int, int] = field(default_factory=dict)  # its memory limit per GPU, as last sent
     stats_seq: int | None = None  # of its newest stats
-    stats_since: float | None = None  # when that was first seen
     findings: list[Finding] = field(default_factory=list)  # what its latest stats (and NVML) showed
     on_gpus: list[Finding] = field(default_factory=list)  # NVML's of it (over_limit), by the last read
 
@@ -220,11 +218,10 @@ class Judge:
         now = self.clock()
         job = self._jobs.setdefault(job_id, _Watched(now))
         if found is not None and job.stats_seq != found.seq:
-            job.stats_seq, job.stats_since = found.seq, now
+            job.stats_seq, job.since = found.seq, now
         findings = check_stats(job_id, found, sent=job.sent, gpu_memory=gpu_memory,
-                               host_allowance=self.jobs.host_memory_bytes, now=now,
-                               stats_since=job.stats_since,
-                               launched_at=job.launched_at, silent_after_s=self.jobs.silent_after_s)
+                               host_allowance=self.jobs.host_memory_bytes, now=now, since=job.since,
+                               silent_after_s=self.jobs.silent_after_s)
         findings += job.on_gpus
         known = {f.kind for f in job.findings}
         job.findings = findings

@@ -47,31 +47,31 @@ def kinds(found: list) -> list[str]:
     return [f.kind for f in found]
 
 
-CHECK = {"gpu_memory": [GIB], "host_allowance": GIB, "now": 100.0, "launched_at": 0.0, "silent_after_s": 60.0}
+CHECK = {"gpu_memory": [GIB], "host_allowance": GIB, "now": 100.0, "silent_after_s": 60.0}
 
 
 def test_the_checks() -> None:
-    assert check_stats("j", stats(), sent=Sent(2, 1.0), stats_since=90.0, **CHECK) == []
+    assert check_stats("j", stats(), sent=Sent(2, 1.0), since=90.0, **CHECK) == []
     # 1 PiB in use, an achieved share of 1.0 against 0.05 in force, controls refused, silence.
-    assert kinds(check_stats("j", stats(devices=(device(MAX_PLAUSIBLE_BYTES),)), sent=None, stats_since=90.0,
+    assert kinds(check_stats("j", stats(devices=(device(MAX_PLAUSIBLE_BYTES),)), sent=None, since=90.0,
                              **CHECK)) == ["impossible"]
-    assert kinds(check_stats("j", stats(achieved_share=1.0), sent=Sent(2, 0.05), stats_since=90.0, **CHECK)) == [
+    assert kinds(check_stats("j", stats(achieved_share=1.0), sent=Sent(2, 0.05), since=90.0, **CHECK)) == [
         "impossible"]
-    assert check_stats("j", stats(achieved_share=0.14), sent=Sent(2, 0.05), stats_since=90.0, **CHECK) == []
+    assert check_stats("j", stats(achieved_share=0.14), sent=Sent(2, 0.05), since=90.0, **CHECK) == []
     # The share the job says it applied counts, and for a while after a change the one before it.
     changed = Sent(3, 0.05, ((2, 0.5), (3, 0.05)), written_at=95.0)
-    assert check_stats("j", stats(achieved_share=0.5, control_seq_applied=2), sent=changed, stats_since=99.0,
+    assert check_stats("j", stats(achieved_share=0.5, control_seq_applied=2), sent=changed, since=99.0,
                        **CHECK) == []
-    assert check_stats("j", stats(achieved_share=0.5, control_seq_applied=3), sent=changed, stats_since=99.0,
+    assert check_stats("j", stats(achieved_share=0.5, control_seq_applied=3), sent=changed, since=99.0,
                        **CHECK) == []  # 5 s after the change: its window may straddle it
-    assert kinds(check_stats("j", stats(achieved_share=0.5, control_seq_applied=3), sent=changed, stats_since=99.0,
+    assert kinds(check_stats("j", stats(achieved_share=0.5, control_seq_applied=3), sent=changed, since=99.0,
                              **{**CHECK, "now": 120.0})) == ["impossible"]  # 25 s after: held at 0.05
     refused = stats(control_seq_applied=1, controls_rejected=4,
                     last_rejected=Rejection.clipped(2, "seq", "must be greater than 9007199254740991"))
-    found = check_stats("j", refused, sent=Sent(2, 0.05), stats_since=90.0, **CHECK)
+    found = check_stats("j", refused, sent=Sent(2, 0.05), since=90.0, **CHECK)
     assert kinds(found) == ["rejects_controls"] and "must be greater than 9007199254740991" in found[0].detail
-    assert kinds(check_stats("j", None, sent=None, stats_since=None, **CHECK)) == ["silent"]
-    assert kinds(check_stats("j", stats(), sent=None, stats_since=30.0, **CHECK)) == ["silent"]
+    assert kinds(check_stats("j", None, sent=None, since=0.0, **CHECK)) == ["silent"]
+    assert kinds(check_stats("j", stats(), sent=None, since=30.0, **CHECK)) == ["silent"]
 
 
 @dataclass
