@@ -97,8 +97,6 @@ class Simulator:
         self.life = JobLifecycle(self.clock, self.driver, self.speeds, self.rounds, perf=perf, policy=policy,
                                  mem=self.mem, group={g.id: g.nvlink_group for g in workload.gpus}, jobs=self.jobs,
                                  on_gpu=self.on_gpu, counters=self.counters, stale_on_start=not reads_nothing)
-        self.timeseries: list[tuple[float, float, float, int]] = []
-        self.sample_every = 1.0
 
     # -- driver ---------------------------------------------------------------------------------
 
@@ -116,7 +114,8 @@ class Simulator:
         # the same series whatever events in between changed nothing. About 400 points: the
         # grid spans the arrivals plus the time the cluster needs for all their work.
         work_s = sum(j.runtime_s * j.num_gpus for j in self.w.jobs) / max(1, len(self.mem))
-        sample_every = self.sample_every = max(1.0, (last_submit + work_s) / 400)
+        sample_every = max(1.0, (last_submit + work_s) / 400)
+        timeseries: list[tuple[float, float, float, int]] = []
         samples = 0
         next_sample = 0.0
         mem_total = sum(self.mem.values())
@@ -134,7 +133,7 @@ class Simulator:
             t = heap[0][0]
             clock.now = t
             while next_sample <= t:
-                self.timeseries.append((next_sample, speeds.util_sum / n_gpus, speeds.mem_sum / mem_total,
+                timeseries.append((next_sample, speeds.util_sum / n_gpus, speeds.mem_sum / mem_total,
                                         speeds.busy_gpus))
                 samples += 1
                 next_sample = samples * sample_every
@@ -190,7 +189,7 @@ class Simulator:
         if self.progress:
             _bar(total, total)
             print(file=sys.stderr)
-        return self._result(time.perf_counter() - wall)
+        return self._result(time.perf_counter() - wall, timeseries, sample_every)
 
     def _refresh_utilisation(self) -> bool:
         """Hand the book the utilisation of the GPUs that changed; True if any did."""
@@ -275,7 +274,8 @@ class Simulator:
             if self.policy.name.startswith("yarn") and len(sjs) > 1:
                 raise InvariantError(f"GPU {g}: {len(sjs)} jobs under an exclusive policy")
 
-    def _result(self, wall_s: float) -> SimResult:
+    def _result(self, wall_s: float, timeseries: list[tuple[float, float, float, int]],
+                sample_every: float) -> SimResult:
         records = [job_record(sj) for sj in self.all_jobs]
         first = min((j.submit_time for j in self.w.jobs), default=0.0)
         speeds = self.speeds
@@ -283,7 +283,7 @@ class Simulator:
                                   speeds.busy_integral), self.counters, wall_s)
         # Stale heap entries (rounds of GPUs that emptied) run the clock past the last job:
         # the series ends at the first point after it.
-        series = [p for p in self.timeseries if p[0] < last + self.sample_every]
+        series = [p for p in timeseries if p[0] < last + sample_every]
         return SimResult(self.policy.name, self.w.name, self.seed, records, summary, series)
 
 

@@ -8,7 +8,7 @@ demands do not fit together) changed speed; the grid points it skips would see t
 times as the round before, so the coordinator would return no decisions and the same memo
 (tests/scheduler/test_sim_rounds.py checks this equivalence without step noise). A lone job
 whose rounds decide nothing has them deferred and run only if something happens on its GPU
-before it leaves (`_catch_up`).
+before it leaves (`catch_up`).
 
 `CoordinatorRounds` is a part of `engine.Simulator`, handed the clock, the driver and the jobs
 on each GPU at construction; it plans rounds on the clock (`Clock.set_round`). It also keeps the

@@ -77,8 +77,8 @@ class JobSpeeds:
         """Its phase and next phase edge at its work done (an edge within `work_tolerance`
         counts as reached, the same bound JobLifecycle.progress and Clock.reschedule use: an edge they call
         reached must be passed here): at a (re)start, which may repeat or redo work, and at each
-        edge. Between two calls its work only grows, so `edge_at` alone tells _progress and
-        _reschedule when the phase changes next."""
+        edge. Between two calls its work only grows, so `edge_at` alone tells progress and
+        reschedule when the phase changes next."""
         edges = sj.trace.cpu_phases
         if edges:
             done = sj.trace.runtime_s - sj.remaining + work_tolerance(self.clock.now, sj.speed)
