@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler_lite.policy.global_scheduler import SchedulerConfig
 from scheduler_lite.policy.registry import POLICIES, PolicySpec
-from scheduler_lite.sim.alibaba import alibaba_v2023
+from scheduler_lite.sim.alibaba import NODES, PODS, load_alibaba
 from scheduler_lite.sim.engine import simulate
 from scheduler_lite.sim.perf import PerfModel, load_perf_model
 from scheduler_lite.sim.workload import default_trace_dir, paper_recipe
@@ -170,7 +170,8 @@ def main() -> int:
         if not (default_trace_dir() / "alibaba-gpu-v2023").is_dir():
             print("alibaba trace absent: skipped")
         else:
-            wl = alibaba_v2023(perf, peak_ratio=ALIBABA_PEAK_RATIO)
+            wl = load_alibaba(perf, default_trace_dir() / PODS, default_trace_dir() / NODES,
+                              peak_ratio=ALIBABA_PEAK_RATIO)
             print(f"\n{wl.name}: {len(wl.jobs)} GPU pods ({wl.skipped} CPU-only or Pending skipped), "
                   f"cluster sized so peak demand = {ALIBABA_PEAK_RATIO} x its GPUs")
             print(f"{'policy':10s} {'avg JCT h':>9s} {'median h':>9s} {'p95 h':>8s} {'queue h':>8s} {'OOM':>5s}")

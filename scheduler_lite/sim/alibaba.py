@@ -42,7 +42,6 @@ from scheduler_lite.sim.workload import (
     PREDICTION_ERROR_SIGMA,
     TraceJob,
     Workload,
-    default_trace_dir,
 )
 
 # GPU memory per model of the Alibaba node list. G2 and G3 are undisclosed: assumed 32 GiB.
@@ -246,13 +245,4 @@ def load_alibaba(
     return Workload(name, tuple(cluster), (_Tenant("alibaba", len(cluster)),), tuple(jobs), skipped)
 
 
-def alibaba_v2023(perf: PerfModel, trace_dir: Path | None = None, *, seed: int = 0,
-                  gpus: int | None = None, peak_ratio: float | None = None,
-                  time_compression: float = 1.0) -> Workload:
-    """The 2023 trace from `trace_dir` (default: the development checkout's)."""
-    base = trace_dir or default_trace_dir()
-    return load_alibaba(perf, base / PODS, base / NODES, seed=seed, gpus=gpus, peak_ratio=peak_ratio,
-                        time_compression=time_compression)
-
-
-__all__ = ["alibaba_v2023", "load_alibaba", "peak_demand", "read_nodes"]
+__all__ = ["NODES", "PODS", "load_alibaba", "peak_demand", "read_nodes"]

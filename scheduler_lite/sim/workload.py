@@ -3,8 +3,9 @@
 (a) `paper_recipe`: AntMan §5.2: 9 models in 5 equally likely families (Table 3), tenants A
     (64-GPU quota, guarantee jobs) and B (no quota, opportunistic jobs), run times drawn from
     the Philly distribution (shipped as quantiles), 8 nodes x 8 V100-32GB.
-(b) `alibaba.alibaba_v2023`: the 8,152-task Alibaba GPU trace (sim/alibaba.py: any pod and node
-    list of that format, on a scaled cluster); see docs/simulator.md.
+(b) `alibaba.load_alibaba`: the 8,152-task Alibaba GPU trace (`alibaba.PODS` and `NODES` under
+    `default_trace_dir()`), or any pod and node list of that format, on a scaled cluster; see
+    docs/simulator.md.
 """
 
 from __future__ import annotations
