@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from scheduler_lite.config import CONFIG_ENV, Config, check_accounts, resolve_co
 from scheduler_lite.devices import DeviceError
 from scheduler_lite.isolation import SESSION_VARIABLES
 from scheduler_lite.launcher import describe_exit
-from scheduler_lite.model import JobKind, Tenant
+from scheduler_lite.model import JobKind
 from scheduler_lite.policy.validation import ConfigError
 from scheduler_lite.status import ClusterStatus, JobOnGpu
 from scheduler_lite.storage import JobRecord, JobStatus, StorageError
@@ -433,7 +432,7 @@ def cmd_status(config: Config, args: argparse.Namespace) -> int:
         _print_json(found)
         return 0
     _print_status(cluster_status(found))
-    _print_quota_warning(config, found["tenants"], len(found["gpus"]))
+    _print_quota_warning(found["tenants"], len(found["gpus"]))
     for line in found.get("warnings") or ():  # jobs that do not cooperate (scheduler_lite.misbehaviour)
         print(f"WARNING: {_printable(str(line))}")
     contained = found.get("containment")  # absent from a daemon before containment, or in cluster mode
@@ -479,15 +478,14 @@ def cmd_tenants(config: Config, args: argparse.Namespace) -> int:
     _table(["TENANT", "GPU QUOTA", "QUOTA USED", "RUNNING", "QUEUED"],
            [[t["name"], str(t["gpu_quota"]), str(t["quota_used"]), str(t["running"]), str(t["queued"])]
             for t in tenants])
-    _print_quota_warning(config, tenants, len(found["gpus"]))
+    _print_quota_warning(tenants, len(found["gpus"]))
     return 0
 
 
-def _print_quota_warning(config: Config, tenants: Sequence[dict[str, Any]], gpu_count: int) -> None:
+def _print_quota_warning(tenants: Sequence[dict[str, Any]], gpu_count: int) -> None:
     """The quotas and GPUs of the daemon's answer, not of this client's config file: the file may
     have been edited since the daemon started, and with nvml devices only the daemon knows its GPUs."""
-    served = dataclasses.replace(config, tenants=tuple(Tenant(t["name"], t["gpu_quota"]) for t in tenants))
-    warning = quota_warning(served, gpu_count)
+    warning = quota_warning((t["gpu_quota"] for t in tenants), gpu_count)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
 

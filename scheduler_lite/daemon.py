@@ -72,7 +72,7 @@ from scheduler_lite.recovery import Recovery, book_job
 from scheduler_lite.state_dir import LOCK_FILE
 from scheduler_lite.status import ClusterStatus, build_status
 from scheduler_lite.storage import MAX_EVENTS, JobRecord, JobStatus, Storage
-from scheduler_lite.submission import make_job_spec, quota_warning, request_cancel, submit_job
+from scheduler_lite.submission import make_job_spec, quota_warning, request_cancel, submit_once
 from scheduler_lite.tick import JobTable, LiveJob, TickLog, TickReport
 
 log = logging.getLogger("scheduler_lite")
@@ -152,7 +152,7 @@ class Daemon:
                         scheduler_config=config.scheduler, coordinator_config=config.coordinator)
         self.jobs = JobTable(driver, gpus)
         self.controls = JobControls(config, storage, self.host, self.jobs, self._faults)
-        warning = quota_warning(config, len(gpus))
+        warning = quota_warning((t.gpu_quota for t in config.tenants), len(gpus))
         if warning:
             log.warning("%s", warning)
         with storage.transaction():
@@ -181,7 +181,7 @@ class Daemon:
         """Queue a job (picked up at the next tick); returns its id. SubmitError if it cannot run.
         `options`: those of `make_job_spec` (scheduler_lite.submission: tenant, gpus, kind, workdir,
         env, memory_bytes, name, expected_steps, expected_duration_s, requested_share, restartable)."""
-        return submit_job(self.storage, make_job_spec(self.config, command, now=self.clock(), **options)).id
+        return submit_once(self.storage, make_job_spec(self.config, command, now=self.clock(), **options))[0].id
 
     def cancel(self, job_id: str) -> None:
         """SIGTERM now-ish (next tick), SIGKILL after jobs.cancel_grace_s; a queued job just leaves."""

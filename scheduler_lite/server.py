@@ -335,15 +335,6 @@ class Server:
         memory = integer(args, "memory_bytes")
         name = label(args, "name", MAX_NAME) or ""
         steps = integer(args, "steps")
-        duration = args.get("duration_s")
-        if duration is not None and (isinstance(duration, bool) or not isinstance(duration, int | float)):
-            raise RequestError(f"duration_s {duration!r} is invalid: accepted a number of seconds")
-        share = args.get("share")
-        if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)):
-            raise RequestError(f"share {share!r} is invalid: accepted a fraction of one GPU in (0, 1]")
-        restartable = args.get("restartable", False)
-        if not isinstance(restartable, bool):
-            raise RequestError(f"restartable {restartable!r} is invalid: accepted true or false")
         request_id = string(args, "request_id", 64)  # its form: make_job_spec
         chosen = check_submit(self.policy, who, tenant)
         # The session's variables that --env does not set are recorded with the job (and count
@@ -354,11 +345,11 @@ class Server:
         # at the path itself, so what it stores and answers (where a link or `..` leads, whether
         # something exists) is only what the submitter can see anyway.
         physical = resolve_workdir(who, workdir)
-        # The --env allow-list and every range: the same checks as the library's submissions.
+        # The --env allow-list, every range, duration_s's, share's and restartable's types: as the library's.
         spec = make_job_spec(self.config, command, tenant=chosen, gpus=gpus, kind=kind, workdir=physical,
                              workdir_resolved=True, env=env, memory_bytes=memory, name=name, expected_steps=steps,
-                             expected_duration_s=duration, requested_share=share, restartable=restartable,
-                             now=self.daemon.clock(), request_id=request_id)
+                             expected_duration_s=args.get("duration_s"), requested_share=args.get("share"),
+                             restartable=args.get("restartable", False), now=self.daemon.clock(), request_id=request_id)
         spec = dataclasses.replace(spec, uid=who.uid, user=who.user)
         record, new = submit_once(self.daemon.storage, spec)
         if new:

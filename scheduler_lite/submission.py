@@ -18,6 +18,7 @@ from scheduler_lite.config import MAX_BYTES, Config
 from scheduler_lite.model import JobKind
 from scheduler_lite.storage import JobRecord, JobSpec, Storage
 from scheduler_lite.storage.base import REQUEST_ID
+from scheduler_lite.wire import short
 from tf_antman.config import VARIABLES as ANTMAN_VARIABLES
 from tf_antman.units import format_bytes
 
@@ -136,13 +137,13 @@ def make_job_spec(
     if expected_steps is not None and not _fits(expected_steps, MAX_EXPECTED_STEPS, whole=True):
         raise SubmitError(f"--steps {expected_steps!r} is invalid: accepted an integer in [1, {MAX_EXPECTED_STEPS}]")
     if expected_duration_s is not None and not _fits(expected_duration_s, MAX_EXPECTED_DURATION_S):
-        raise SubmitError(f"--duration {expected_duration_s!r} is invalid: accepted seconds in "
+        raise SubmitError(f"--duration {short(expected_duration_s)} is invalid: accepted seconds in "
                           f"(0, {MAX_EXPECTED_DURATION_S:g}]")
     if requested_share is not None and not _fits(requested_share, 1):
-        raise SubmitError(f"--share {requested_share!r} is invalid: accepted a fraction of one GPU in (0, 1], "
+        raise SubmitError(f"--share {short(requested_share)} is invalid: accepted a fraction of one GPU in (0, 1], "
                           "e.g. 0.5; leave it out to state none")
     if not isinstance(restartable, bool):
-        raise SubmitError(f"--restartable {restartable!r} is invalid: accepted true or false")
+        raise SubmitError(f"--restartable {short(restartable)} is invalid: accepted true or false")
     if request_id is not None and (not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None):
         raise SubmitError(f"--request-id {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
                           "A-Z a-z 0-9 _ . : -")
@@ -164,10 +165,6 @@ def submission_bytes(command: Sequence[str], env: Iterable[tuple[str, str]]) -> 
 # What a retried submission must repeat to be the same one (JobSpec's fields but the time).
 _SAME_SUBMISSION: Final = ("tenant", "kind", "num_gpus", "command", "workdir", "env", "memory_bytes", "name",
                            "expected_steps", "expected_duration_s", "requested_share", "restartable")
-
-
-def submit_job(storage: Storage, spec: JobSpec) -> JobRecord:
-    return submit_once(storage, spec)[0]
 
 
 def submit_once(storage: Storage, spec: JobSpec) -> tuple[JobRecord, bool]:
@@ -205,9 +202,9 @@ def request_cancel(storage: Storage, job_id: str, now: float) -> JobRecord:
     return record
 
 
-def quota_warning(config: Config, gpu_count: int) -> str | None:
+def quota_warning(quotas: Iterable[int], gpu_count: int) -> str | None:
     """One line when the tenants' quotas sum above the GPUs: then a quota is not a guarantee."""
-    total = sum(t.gpu_quota for t in config.tenants)
+    total = sum(quotas)
     if total <= gpu_count:
         return None
     return (f"tenant quotas sum to {total} GPUs but {gpu_count} GPU(s) are configured: a tenant within its "
@@ -215,4 +212,4 @@ def quota_warning(config: Config, gpu_count: int) -> str | None:
 
 
 __all__ = ["MAX_SUBMISSION_BYTES", "RESERVED_ENV", "USER_ANTMAN_VARIABLES", "SubmitError",
-           "make_job_spec", "quota_warning", "request_cancel", "submission_bytes", "submit_job", "submit_once"]
+           "make_job_spec", "quota_warning", "request_cancel", "submission_bytes", "submit_once"]

@@ -30,7 +30,7 @@ from scheduler_lite.faults import FAULT_AFTER_ENV, FAULT_ENV, FAULT_POINTS
 from scheduler_lite.launcher import EXIT_STATUS_FILE, process_running, wrappers_under
 from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage import JobRecord, JobSpec, JobStatus, SqliteStorage
-from scheduler_lite.submission import request_cancel, submit_job
+from scheduler_lite.submission import request_cancel, submit_once
 from scheduler_lite.testing import stop_all_jobs
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_fakes import JOB_ENV, REPO, fake_command, wait_for
@@ -98,7 +98,7 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
         tenant, kind = ("A", JobKind.GUARANTEE) if i % 3 == 0 else ("B", JobKind.OPPORTUNISTIC)
         spec = JobSpec(tenant=tenant, kind=kind, num_gpus=1, command=tuple(fake_command(steps=30, step_s=0.05)),
                        workdir=str(tmp_path), submit_time=time.time(), env=env)
-        submitted.append(submit_job(store, spec).id)
+        submitted.append(submit_once(store, spec)[0].id)
     store.close()
     daemon_log = tmp_path / "daemon.log"
     deaths = []
@@ -170,7 +170,7 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
 def _record_launch(store: SqliteStorage, tmp_path: Path, token: str | None) -> str:
     spec = JobSpec(tenant="B", kind=JobKind.OPPORTUNISTIC, num_gpus=1, command=("true",), workdir=str(tmp_path),
                    submit_time=time.time())
-    job = submit_job(store, spec).id
+    job = submit_once(store, spec)[0].id
     job_dir = tmp_path / "state" / "jobs" / job
     job_dir.mkdir(parents=True)
     store.update_job(job, state=JobStatus.RUNNING, role=Role.OPPORTUNISTIC, placement=(0,), job_dir=str(job_dir),
@@ -246,7 +246,7 @@ def serving(tmp_path: Path) -> Iterator[tuple[SqliteStorage, Path]]:
 def queue(store: SqliteStorage, tmp_path: Path, *command: str) -> str:
     spec = JobSpec(tenant="B", kind=JobKind.OPPORTUNISTIC, num_gpus=1, command=command, workdir=str(tmp_path),
                    submit_time=time.time())
-    return submit_job(store, spec).id
+    return submit_once(store, spec)[0].id
 
 
 def kill_9(daemon: subprocess.Popen[bytes]) -> None:

@@ -21,7 +21,7 @@ from scheduler_lite.jobenv import job_environment
 from scheduler_lite.launcher import EXIT_STATUS_FILE, ExitInfo, Launcher, LaunchSpec, ProcessHandle
 from scheduler_lite.model import Place, Reject, Role, SetComputeShare, SetMemoryLimit
 from scheduler_lite.storage import JobStatus, SqliteStorage
-from scheduler_lite.submission import make_job_spec, submit_job
+from scheduler_lite.submission import make_job_spec, submit_once
 from scheduler_lite.testing import run_until, stop_all_jobs
 from tests.protocol.test_protocol_schema import stats_doc
 from tests.scheduler.configs import scheduler_config
@@ -300,7 +300,7 @@ def test_jobs_that_can_never_run_here_fail_once_with_the_reason(tmp_path: Path, 
                          base_dir=tmp_path)
 
     def queue(storage: SqliteStorage, **how: object) -> str:
-        return submit_job(storage, make_job_spec(roomy, ["true"], **how)).id  # type: ignore[arg-type]
+        return submit_once(storage, make_job_spec(roomy, ["true"], **how))[0].id  # type: ignore[arg-type]
 
     old = SqliteStorage(roomy.db_path)
     gang = queue(old, tenant="B", kind="opportunistic", gpus=3)
@@ -337,8 +337,8 @@ def test_queued_jobs_of_a_tenant_removed_from_the_config_fail_while_its_running_
     del d1
 
     d2 = new_daemon(daemons, tmp_path, quotas={"A": 1})
-    later = submit_job(d2.storage, make_job_spec(make_config(tmp_path), ["true"], tenant="B",  # an old CLI's
-                                                 kind="opportunistic")).id
+    later = submit_once(d2.storage, make_job_spec(make_config(tmp_path), ["true"], tenant="B",  # an old CLI's
+                                                  kind="opportunistic"))[0].id
     report = d2.tick()
     for job in [*waiting, later]:
         record = d2.job(job)
