@@ -66,7 +66,6 @@ class Simulator:
         self.sched_cfg = policy.config.validate()
         self.progress = progress
         self.check = check_invariants
-        self.periodic = rounds == "periodic"
         reads_nothing = self.reads_nothing = policy.schedule is yarn_cs_schedule
         self.driver = Driver(workload.gpus, workload.tenants, policy=policy.schedule,  # type: ignore[arg-type]
                              scheduler_config=self.sched_cfg, coordinator_config=self.ccfg,
@@ -89,11 +88,10 @@ class Simulator:
         self.migration = policy.migration.validate() if policy.migration is not None else None
         self.clock = Clock()
         self.rounds = CoordinatorRounds(self.clock, self.driver, on_gpu=self.on_gpu, jobs=self.jobs, mem=self.mem,
-                                        ccfg=self.ccfg, periodic=self.periodic, seed=seed,
+                                        ccfg=self.ccfg, periodic=rounds == "periodic", seed=seed,
                                         noise_cv=perf.step_noise_cv, counters=self.counters,
                                         migration=self.migration)
-        self.speeds = JobSpeeds(self.clock, self.rounds, perf=perf, policy=policy, on_gpu=self.on_gpu,
-                                periodic=self.periodic)
+        self.speeds = JobSpeeds(self.clock, self.rounds, perf=perf, policy=policy, on_gpu=self.on_gpu)
         self.life = JobLifecycle(self.clock, self.driver, self.speeds, self.rounds, perf=perf, policy=policy,
                                  mem=self.mem, group={g.id: g.nvlink_group for g in workload.gpus}, jobs=self.jobs,
                                  on_gpu=self.on_gpu, counters=self.counters, stale_on_start=not reads_nothing)

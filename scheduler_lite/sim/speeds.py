@@ -32,13 +32,12 @@ if TYPE_CHECKING:
 
 class JobSpeeds:
     def __init__(self, clock: Clock, rounds: CoordinatorRounds, *, perf: PerfModel, policy: PolicySpec,
-                 on_gpu: dict[int, dict[str, SimJob]], periodic: bool) -> None:
+                 on_gpu: dict[int, dict[str, SimJob]]) -> None:
         self.clock = clock
         self.rounds = rounds
         self.perf = perf
         self.policy = policy
         self.on_gpu = on_gpu
-        self.periodic = periodic
         self.gpu_util = dict.fromkeys(on_gpu, 0.0)
         self.gpu_mem = dict.fromkeys(on_gpu, 0)
         self.gpu_busy = dict.fromkeys(on_gpu, False)
@@ -115,7 +114,7 @@ class JobSpeeds:
             elif util != gpu_util[g] or mem_used != gpu_mem[g] or not gpu_busy[g]:
                 self._gpu_totals(g, util, mem_used, True)
         gang_speed = self._held_back(gpus, touched, ganged) if ganged else {}
-        watch = self.policy.coordinated and not self.periodic
+        watch = self.policy.coordinated and not self.rounds.periodic
         guarantee = Role.GUARANTEE
         deferred = self.rounds.deferred
         for jid, sj in touched.items():
