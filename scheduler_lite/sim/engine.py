@@ -63,12 +63,11 @@ class Simulator:
         self.perf = perf
         self.seed = seed
         self.ccfg = CoordinatorConfig()  # the daemon's default
-        self.sched_cfg = policy.config.validate()
         self.progress = progress
         self.check = check_invariants
         reads_nothing = self.reads_nothing = policy.schedule is yarn_cs_schedule
         self.driver = Driver(workload.gpus, workload.tenants, policy=policy.schedule,  # type: ignore[arg-type]
-                             scheduler_config=self.sched_cfg, coordinator_config=self.ccfg,
+                             scheduler_config=policy.config.validate(), coordinator_config=self.ccfg,
                              universal_memory=policy.universal_memory, marks_busy=not reads_nothing)
         self.book = self.driver.book
         self.mem = {g.id: g.memory_bytes for g in workload.gpus}
@@ -85,12 +84,11 @@ class Simulator:
         self.reads_only_opportunistic = policy.schedule is global_scheduler.schedule and not has_auto
         self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0,
                          "upgrades": 0}
-        self.migration = policy.migration.validate() if policy.migration is not None else None
         self.clock = Clock()
         self.rounds = CoordinatorRounds(self.clock, self.driver, on_gpu=self.on_gpu, jobs=self.jobs, mem=self.mem,
                                         ccfg=self.ccfg, periodic=rounds == "periodic", seed=seed,
                                         noise_cv=perf.step_noise_cv, counters=self.counters,
-                                        migration=self.migration)
+                                        migration=None if policy.migration is None else policy.migration.validate())
         self.speeds = JobSpeeds(self.clock, self.rounds, perf=perf, policy=policy, on_gpu=self.on_gpu)
         self.life = JobLifecycle(self.clock, self.driver, self.speeds, self.rounds, perf=perf, policy=policy,
                                  mem=self.mem, group={g.id: g.nvlink_group for g in workload.gpus}, jobs=self.jobs,
@@ -238,11 +236,12 @@ class Simulator:
 
     def _migrate(self) -> None:
         """Re-place stranded opportunistic jobs (policy/migration.py); each pays a checkpoint-restart."""
-        assert self.migration is not None
+        migration = self.rounds.migration
+        assert migration is not None
         life = self.life
         life.repass = False
         now = self.clock.now
-        moves = self.driver.plan_migrations(now, self.rounds.low_shares, self.migration)
+        moves = self.driver.plan_migrations(now, self.rounds.low_shares, migration)
         for m in moves:
             sj = self.jobs[m.job_id]
             self.speeds.settle(sj)
