@@ -46,12 +46,7 @@ class Identity:
 class TenantMembers:
     tenant: str
     users: frozenset[str] = frozenset()
-    groups: frozenset[str] = frozenset()
-
-    @property
-    def open(self) -> bool:
-        """Names no user and no group: every local user may submit."""
-        return not self.users and not self.groups
+    groups: frozenset[str] = frozenset()  # neither users nor groups: open to every local user
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +82,8 @@ def may_submit(policy: AccessPolicy, who: Identity, tenant: str) -> bool:
     members = policy.tenant(tenant)
     if members is None:
         return False
-    return members.open or is_admin(policy, who) or who.user in members.users or bool(who.groups & members.groups)
+    is_open = not members.users and not members.groups
+    return is_open or is_admin(policy, who) or who.user in members.users or bool(who.groups & members.groups)
 
 
 def tenants_of(policy: AccessPolicy, who: Identity) -> tuple[str, ...]:

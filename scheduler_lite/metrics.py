@@ -54,9 +54,6 @@ class StatusCollector:
     def __init__(self, server: Callable[[], Server | None]) -> None:
         self.server = server
 
-    def describe(self) -> list[Any]:
-        return []  # values are produced at scrape time only
-
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
@@ -118,7 +115,7 @@ def start_metrics_server(port: int, address: str, server: Callable[[], Server | 
     except ImportError:
         raise MetricsUnavailable("--metrics-port needs prometheus_client: pip install 'tf-antman[metrics]' "
                                  "(or prometheus_client)") from None
-    registry = CollectorRegistry(auto_describe=False)
+    registry = CollectorRegistry(auto_describe=False)  # the collector has no describe(): samples exist at scrape time only
     registry.register(StatusCollector(server))  # type: ignore[arg-type]
     try:
         server, thread = start_http_server(port, addr=address, registry=registry)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from scheduler_lite.config import Config
 from scheduler_lite.model import Gpu, Role
 from scheduler_lite.storage import JobRecord, JobStatus, Storage
-from tf_antman.protocol import ProtocolError, Stats, read_stats
+from tf_antman.protocol import Stats
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,33 +91,25 @@ class ClusterStatus:
         return next(g for g in self.gpus if g.id == gpu_id)
 
 
-def read_job_stats(record: JobRecord) -> tuple[Stats | None, str | None]:
-    if not record.job_dir:
-        return None, None
-    try:
-        return read_stats(Path(record.job_dir)), None
-    except (ProtocolError, OSError) as e:
-        return None, str(e)
-
-
 def build_status(
     config: Config,
     storage: Storage,
     gpus: Sequence[Gpu],
     now: float,
-    stats: Mapping[str, tuple[Stats | None, str | None]] | None = None,
-    utilisation: Mapping[int, float] | None = None,
-    phases: Mapping[int, str] | None = None,
-    reservations: Mapping[str, tuple[int, ...]] | None = None,
+    stats: Mapping[str, tuple[Stats | None, str | None]],
+    utilisation: Mapping[int, float],
+    phases: Mapping[int, str],
+    reservations: Mapping[str, tuple[int, ...]],
 ) -> ClusterStatus:
-    """Per GPU: its jobs with limits and shares in force, memory in use, host fallback, step times."""
+    """Per GPU: its jobs with limits and shares in force, memory in use, host fallback, step times.
+    `stats`: the daemon's newest read of each running job's stats, or why it was refused."""
     running = storage.list_jobs([JobStatus.RUNNING])
     queued = storage.list_jobs([JobStatus.QUEUED])
     settings = {(p.job_id, p.gpu): p for p in storage.placements()}
-    reserved_for = {g: j for j, gs in (reservations or {}).items() for g in gs}
+    reserved_for = {g: j for j, gs in reservations.items() for g in gs}
     per_gpu: dict[int, list[JobOnGpu]] = {g.id: [] for g in gpus}
     for record in running:
-        found, error = (stats or {}).get(record.id) or read_job_stats(record)
+        found, error = stats.get(record.id, (None, None))
         for index, gpu in enumerate(record.placement):
             if gpu not in per_gpu:
                 continue
@@ -139,9 +130,8 @@ def build_status(
                 paused=found is not None and found.state == "paused",
             ))
     gpu_status = tuple(
-        GpuStatus(g.id, g.memory_bytes, g.nvlink_group, None if utilisation is None else utilisation.get(g.id),
-                  tuple(per_gpu[g.id]), reserved_for.get(g.id), None if phases is None else phases.get(g.id),
-                  g.node)
+        GpuStatus(g.id, g.memory_bytes, g.nvlink_group, utilisation.get(g.id), tuple(per_gpu[g.id]),
+                  reserved_for.get(g.id), phases.get(g.id), g.node)
         for g in gpus
     )
     tenants = []
@@ -161,4 +151,4 @@ def _running_s(record: JobRecord, now: float) -> float | None:
     return None if launched is None else max(0.0, now - launched)
 
 
-__all__ = ["ClusterStatus", "GpuStatus", "JobOnGpu", "TenantStatus", "build_status", "read_job_stats"]
+__all__ = ["ClusterStatus", "GpuStatus", "JobOnGpu", "TenantStatus", "build_status"]
