@@ -31,6 +31,7 @@ import struct
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -63,7 +64,6 @@ from scheduler_lite.wire import (
     checked_value,
     encode_answer,
     integer,
-    label,
     only,
     pairs,
     parse,
@@ -141,7 +141,7 @@ class Server:
         self.contained: bool | None = None  # containment on (None: a host without it)
         self._requests: queue.Queue[_Pending] = queue.Queue()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._per_uid: dict[int, int] = {}  # open connections by the peer's uid
+        self._per_uid: Counter[int] = Counter()  # open connections by the peer's uid
         self._per_uid_lock = threading.Lock()
         self._closed = threading.Event()
         self._sock: socket.socket | None = None
@@ -225,17 +225,14 @@ class Server:
     def _enter(self, uid: int) -> bool:
         """Count a connection of `uid`; False (nothing counted) when it has MAX_CONNECTIONS_PER_UID open."""
         with self._per_uid_lock:
-            held = self._per_uid.get(uid, 0)
-            if held >= MAX_CONNECTIONS_PER_UID:
+            if self._per_uid[uid] >= MAX_CONNECTIONS_PER_UID:
                 return False
-            self._per_uid[uid] = held + 1
+            self._per_uid[uid] += 1
             return True
 
     def _leave(self, uid: int) -> None:
         with self._per_uid_lock:
-            held = self._per_uid.pop(uid, 0) - 1
-            if held > 0:
-                self._per_uid[uid] = held
+            self._per_uid -= Counter({uid: 1})  # in place; a uid at 0 goes
 
     def _connection(self, conn: socket.socket, uid: int, gid: int, accepted: float) -> None:
         try:
@@ -333,7 +330,7 @@ class Server:
         if not isinstance(session, dict) or not all(k in SESSION_VARIABLES for k in session):
             raise RequestError("session_env is invalid: accepted an object with keys among " + ", ".join(SESSION_VARIABLES))
         memory = integer(args, "memory_bytes")
-        name = label(args, "name", MAX_NAME) or ""
+        name = string(args, "name", MAX_NAME, label=True) or ""
         steps = integer(args, "steps")
         request_id = string(args, "request_id", 64)  # its form: make_job_spec
         chosen = check_submit(self.policy, who, tenant)

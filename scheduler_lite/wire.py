@@ -131,29 +131,20 @@ def only(args: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
         raise RequestError(f"argument {unknown[0]!r} is unknown: accepted " + (", ".join(accepted) or "none"))
 
 
-def string(args: Mapping[str, Any], key: str, max_len: int, required: bool = False) -> str | None:
+def string(args: Mapping[str, Any], key: str, max_len: int, required: bool = False,
+           label: bool = False) -> str | None:
+    """A string without NUL; a `label` (shown in `list`'s columns) without any control character:
+    a newline or a tab would forge a row, ESC drive the reader's terminal. The CLI escapes them in
+    any cell too, for the commands, which may hold them legitimately, and for jobs stored before
+    this check. One message for each field's every refusal (NUL is a control character too)."""
     value = args.get(key)
     if value is None and not required:
         return None
-    if not isinstance(value, str) or not value and required or len(value) > max_len or "\0" in value:
+    if (not isinstance(value, str) or not value and required or len(value) > max_len
+            or (any(unicodedata.category(c) in UNPRINTABLE for c in value) if label else "\0" in value)):
+        rule = "control characters (newline, tab, escape, bidirectional overrides...)" if label else "NUL"
         raise RequestError(f"{key} {short(value)} is invalid: accepted a string of at most {max_len} characters "
-                           "without NUL" + (" (required)" if required else ""))
-    return value
-
-
-def label(args: Mapping[str, Any], key: str, max_len: int) -> str | None:
-    """A string shown in `list`'s columns: no control characters (a newline or a tab would forge
-    a row; ESC would drive the reader's terminal). The CLI escapes them in any cell too, for the
-    commands, which may hold them legitimately, and for jobs stored before this check."""
-    value = args.get(key)
-    if value is None:
-        return None
-    # One message for every refusal (NUL is a control character too): a too-long name used to
-    # be told "without NUL" and a tab "without control characters", the same field's two rules.
-    if (not isinstance(value, str) or len(value) > max_len
-            or any(unicodedata.category(c) in UNPRINTABLE for c in value)):
-        raise RequestError(f"{key} {short(value)} is invalid: accepted a string of at most {max_len} characters "
-                           "without control characters (newline, tab, escape, bidirectional overrides...)")
+                           f"without {rule}" + (" (required)" if required else ""))
     return value
 
 
@@ -223,5 +214,5 @@ def plain(value: Any) -> Any:
 
 __all__ = ["DEFAULT_LIST_LIMIT", "MAX_ANSWER_BYTES", "MAX_ENV_PAIRS", "MAX_LIST_LIMIT", "MAX_REQUEST_BYTES",
            "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError", "checked_value",
-           "encode_answer", "integer", "label", "only", "pairs", "parse", "plain", "read_line", "send", "short",
+           "encode_answer", "integer", "only", "pairs", "parse", "plain", "read_line", "send", "short",
            "string", "strings"]
