@@ -242,7 +242,8 @@ class Server:
                 conn.settimeout(1.0)  # one short line; a client that reads nothing does not hold the slot
                 send(conn, {"ok": False, "error": str(e)})
                 return
-            conn.settimeout(ANSWER_TIMEOUT_S)  # not what was left of the request's deadline
+            # Not what was left of the request's deadline: each answer's whole send (sendall's timeout is its total).
+            conn.settimeout(ANSWER_TIMEOUT_S)
             pending = _Pending(identity_of_uid(uid, gid), op, args)
             self._requests.put(pending)
             if not pending.done.wait(ANSWER_TIMEOUT_S):
@@ -256,7 +257,6 @@ class Server:
                                 "still take effect (check with `scheduler-lite list`)"})
                     return
             assert pending.answer is not None
-            conn.settimeout(ANSWER_TIMEOUT_S)  # for the whole answer (sendall's timeout is its total)
             send(conn, encode_answer(pending.answer, op))
         except OSError:
             pass  # the client went away
@@ -321,8 +321,7 @@ class Server:
         tenant = string(args, "tenant", MAX_NAME)
         gpus = integer(args, "gpus", default=1)
         kind = string(args, "kind", 32) or str(JobKind.AUTO)
-        workdir = string(args, "workdir", 4096, required=True)
-        assert workdir is not None
+        workdir = string(args, "workdir", 4096, required=True) or ""
         if not os.path.isabs(workdir):
             raise RequestError(f"workdir {workdir!r} is invalid: accepted an absolute path")
         env = pairs(args, "env")
