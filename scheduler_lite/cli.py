@@ -636,7 +636,3 @@ def _print_status(status: ClusterStatus) -> None:
 
 def _print_json(value: Any) -> None:
     print(json.dumps(plain(value), indent=None, sort_keys=False))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

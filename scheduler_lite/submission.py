@@ -82,10 +82,10 @@ def make_job_spec(
         job_kind = JobKind(kind)
     except ValueError:
         raise SubmitError(f"--type {kind!r} is invalid: accepted " + ", ".join(k.value for k in JobKind)) from None
-    device_count = len(config.devices.emulated) if config.devices.kind == "emulated" else None
-    if device_count is not None and config.cluster is not None:  # every node has these devices
-        device_count *= len(config.cluster.nodes)
-    limit = device_count or 1024
+    # With nvml devices only the daemon's devices know how many GPUs and how large the largest.
+    emulated = config.devices.emulated if config.devices.kind == "emulated" else ()
+    nodes = 1 if config.cluster is None else len(config.cluster.nodes)  # every node has these devices
+    limit = len(emulated) * nodes or 1024
     if not _fits(gpus, limit, whole=True):
         raise SubmitError(f"--gpus {gpus!r} is invalid: accepted an integer in [1, {limit}]")
     if job_kind is JobKind.GUARANTEE and gpus > found.gpu_quota:
@@ -126,8 +126,6 @@ def make_job_spec(
             raise SubmitError(f"--env {key}={value!r} is invalid: accepted {variable.accepted} "
                               "(docs/configuration.md)") from None
     if memory_bytes is not None:
-        # The largest configured GPU; with nvml devices only the daemon's devices know.
-        emulated = config.devices.emulated if config.devices.kind == "emulated" else ()
         top = max((d.memory_bytes for d in emulated), default=MAX_BYTES)
         if not _fits(memory_bytes, top, whole=True):
             where = "the largest GPU" if top != MAX_BYTES else "the largest size"
