@@ -10,6 +10,7 @@ config classes (the policies' own in scheduler_lite/policy/) and validated by th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import grp
 import os
@@ -428,7 +429,8 @@ def _pass_through(t: _Table, cls: type[C], sizes: tuple[str, ...] = (), keys: Ma
             if not isinstance(value, bool):
                 raise ConfigError(t.path(key), value, "true or false")
         elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            with contextlib.suppress(OverflowError):  # too large for a float: validate() names the range
+                value = float(value)
         changes[name] = value
     t.finish(list(names.values()))
     config = dataclasses.replace(defaults, **changes)  # type: ignore[type-var]

@@ -21,8 +21,9 @@ class ConfigError(ValueError):
 def check_range(
     field: str, value: float, low: float, high: float, *, low_open: bool = False
 ) -> None:
-    if (isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value)
-            or (value <= low if low_open else value < low) or value > high):
+    # NaN last: math.isnan raises OverflowError for an int too large for a float (TOML allows one).
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or (value <= low if low_open else value < low) or value > high or math.isnan(value)):
         raise ConfigError(field, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
 
 

@@ -81,6 +81,10 @@ def test_passes_policy_sections_through() -> None:
         (("paths", "state_dir"), "st\0ate", "paths.state_dir", "a directory path"),
         (("paths", "state_dir"), "s" * 100, "paths.state_dir", "room for the socket 'scheduler.sock': at most 92"),
         (("devices", "emulated", 0, "memory"), "1e999", "devices.emulated[0].memory", "a size such as"),
+        # Integers too large for a float (TOML allows them): the range, not an OverflowError.
+        (("jobs", "cancel_grace_s"), 10**400, "jobs.cancel_grace_s", "[0.0, 3600.0]"),
+        (("daemon", "tick_interval_s"), -(10**400), "daemon.tick_interval_s", "[0.01, 60.0]"),
+        (("coordinator", "floor_share"), 10**400, "coordinator.floor_share", "[0.0, 1.0]"),
     ],
 )
 def test_rejections_name_the_key_and_the_accepted_range(path: tuple, value: object, field: str,
