@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -205,44 +206,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(config: Config, args: argparse.Namespace) -> int:
+    """Lock the state directory, open the store, serve the socket, tick; undone in reverse order."""
     from scheduler_lite.containment import ContainmentUnavailable
-    from scheduler_lite.daemon import DaemonLockedError  # only `serve` runs the loop
-    from scheduler_lite.metrics import MetricsUnavailable
-
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        _run_daemon(config, args.metrics_port, args.metrics_address)
-    except (DaemonLockedError, MetricsUnavailable, ContainmentUnavailable) as e:
-        raise UserError(str(e)) from None
-    return 0
-
-
-def _run_daemon(config: Config, metrics_port: int | None, metrics_address: str) -> None:
-    """Lock the state directory, open the store, serve the socket, tick."""
-    from scheduler_lite.daemon import Daemon, lock_state_dir
-    from scheduler_lite.metrics import start_metrics_server
+    from scheduler_lite.daemon import Daemon, DaemonLockedError, lock_state_dir  # only `serve` runs the loop
+    from scheduler_lite.metrics import MetricsUnavailable, start_metrics_server
     from scheduler_lite.server import Server
     from scheduler_lite.state_dir import check_state_dir, secure_state_dir
     from scheduler_lite.storage import SqliteStorage
 
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     multi_user = os.geteuid() == 0
     check_state_dir(config)
     check_accounts(config)
-    lock = lock_state_dir(config.state_dir)  # first: a second `serve` is told another daemon runs
-    stop_metrics = None
     try:
-        # The metrics endpoint before the daemon: constructing it takes over the store's jobs
-        # (re-adopts, requeues, stops), which a bad --metrics-port or --metrics-address must not
-        # do before it is refused. Scrapes find no snapshot until the server below publishes one.
-        served: list[Server] = []
-        if metrics_port is not None:
-            stop_metrics = start_metrics_server(metrics_port, metrics_address, lambda: served[0] if served else None)
-            logging.getLogger("scheduler_lite").info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
-        secure_state_dir(config, multi_user)
-        storage = SqliteStorage(config.db_path)
-        secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(os.close, lock_state_dir(config.state_dir))  # first: a second `serve` is told another runs
+            # The metrics endpoint before the daemon: constructing it takes over the store's jobs
+            # (re-adopts, requeues, stops), which a bad --metrics-port or --metrics-address must not
+            # do before it is refused. Scrapes find no snapshot until the server below publishes one.
+            served: list[Server] = []
+            if args.metrics_port is not None:
+                undo.callback(start_metrics_server(args.metrics_port, args.metrics_address,
+                                                   lambda: served[0] if served else None))
+                logging.getLogger("scheduler_lite").info("metrics on http://%s:%d/metrics", args.metrics_address,
+                                                         args.metrics_port)
+            secure_state_dir(config, multi_user)
+            storage = SqliteStorage(config.db_path)
+            undo.callback(storage.close)
+            secure_state_dir(config, multi_user)  # again: the -wal and -shm files exist now
             if config.cluster is not None:  # cluster mode: the global scheduler (imports Ray)
                 from scheduler_lite.cluster.host import cluster_daemon
                 daemon: Daemon = cluster_daemon(config, storage)
@@ -251,16 +243,11 @@ def _run_daemon(config: Config, metrics_port: int | None, metrics_address: str) 
             server = Server(daemon, config)
             served.append(server)
             server.start()
-            try:
-                daemon.serve(between_ticks=server.serve_requests)
-            finally:
-                server.close()
-        finally:
-            storage.close()
-    finally:
-        if stop_metrics is not None:
-            stop_metrics()
-        os.close(lock)
+            undo.callback(server.close)
+            daemon.serve(between_ticks=server.serve_requests)
+    except (DaemonLockedError, MetricsUnavailable, ContainmentUnavailable) as e:
+        raise UserError(str(e)) from None
+    return 0
 
 
 def cmd_submit(config: Config, args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """A daemon with its socket server inside the test process, for tests that run the CLI in-process.
 
 `ticks=False` answers requests but never ticks: submitted jobs stay queued, so the CLI's answers
-about the store are deterministic. `ticks=True` is the real loop (`cli._run_daemon`).
+about the store are deterministic. `ticks=True` is the real loop (`cli.cmd_serve`).
 """
 
 from __future__ import annotations
