@@ -94,16 +94,11 @@ def read_line(conn: socket.socket, deadline_s: float, since: float) -> bytes:
             chunk = conn.recv(65536)
         except TimeoutError:
             raise late from None
-        if not chunk:
-            break
         chunks.append(chunk)
         size += len(chunk)
-        if b"\n" in chunk:
+        if not chunk or b"\n" in chunk or size > MAX_REQUEST_BYTES:  # closed, a line, or more than one can be
             break
-        if size > MAX_REQUEST_BYTES:
-            raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
-    data = b"".join(chunks)
-    line = data.split(b"\n", 1)[0]
+    line = b"".join(chunks).split(b"\n", 1)[0]
     if len(line) > MAX_REQUEST_BYTES:
         raise RequestError(f"the request is larger than {MAX_REQUEST_BYTES} bytes")
     return line
