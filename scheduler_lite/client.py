@@ -105,18 +105,16 @@ def _read_answer(sock: socket.socket) -> bytes:
             chunk = sock.recv(1 << 16)
         except ConnectionResetError:
             break  # closed after its line (the line is read first), or without one: said below
-        if not chunk:
-            break
         chunks.append(chunk)
         size += len(chunk)
         if size > MAX_ANSWER_BYTES:
             raise ClientError(f"the daemon's answer is larger than {MAX_ANSWER_BYTES} bytes (the daemon refuses to "
                               "send one: is it the same scheduler-lite version?)")
-        if chunk.endswith(b"\n"):
+        if not chunk or chunk.endswith(b"\n"):  # closed, or the whole line
             break
-    if not chunks:
-        raise AnswerLost("the daemon closed the connection without an answer (see its log)")
     data = b"".join(chunks)
+    if not data:
+        raise AnswerLost("the daemon closed the connection without an answer (see its log)")
     if not data.endswith(b"\n"):  # cut off mid-line: the daemon died while sending it
         raise AnswerLost("the daemon closed the connection in the middle of its answer (see its log)")
     return data
