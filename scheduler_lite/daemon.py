@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from scheduler_lite.config import Config, file_identity
 from scheduler_lite.driver import Driver, Launch, PassWorld
@@ -57,6 +57,7 @@ from scheduler_lite.jobhost import JobHost, local_job_host
 from scheduler_lite.launcher import ExitInfo, LaunchError, after_sigkill, describe_exit
 from scheduler_lite.model import (
     Gpu,
+    JobKind,
     JobState,
     Place,
     Reject,
@@ -177,11 +178,28 @@ class Daemon:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def submit(self, command: Sequence[str], **options: Any) -> str:
-        """Queue a job (picked up at the next tick); returns its id. SubmitError if it cannot run.
-        `options`: those of `make_job_spec` (scheduler_lite.submission: tenant, gpus, kind, workdir,
-        env, memory_bytes, name, expected_steps, expected_duration_s, requested_share, restartable)."""
-        return submit_once(self.storage, make_job_spec(self.config, command, now=self.clock(), **options))[0].id
+    def submit(
+        self,
+        command: Sequence[str],
+        *,
+        tenant: str | None = None,
+        gpus: int = 1,
+        kind: JobKind | str = JobKind.AUTO,
+        workdir: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        memory_bytes: int | None = None,
+        name: str = "",
+        expected_steps: int | None = None,
+        expected_duration_s: float | None = None,
+        requested_share: float | None = None,
+        restartable: bool = False,
+    ) -> str:
+        """Queue a job (picked up at the next tick); returns its id. SubmitError if it cannot run."""
+        spec = make_job_spec(self.config, command, tenant=tenant, gpus=gpus, kind=kind, workdir=workdir,
+                             env=env, memory_bytes=memory_bytes, name=name, expected_steps=expected_steps,
+                             expected_duration_s=expected_duration_s, requested_share=requested_share,
+                             restartable=restartable, now=self.clock())
+        return submit_once(self.storage, spec)[0].id
 
     def cancel(self, job_id: str) -> None:
         """SIGTERM now-ish (next tick), SIGKILL after jobs.cancel_grace_s; a queued job just leaves."""

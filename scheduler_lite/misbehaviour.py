@@ -161,7 +161,6 @@ def taken_by_gpu(found: Iterable[Finding]) -> dict[int, int]:
     return taken
 
 
-
 @dataclass(slots=True)
 class _Watched:
     """What the judge keeps of one job."""

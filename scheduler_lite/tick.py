@@ -54,7 +54,8 @@ class TickLog:
     migrating: list[Migrate] = field(default_factory=list)
 
     def freeze(self) -> TickReport:
-        return TickReport(self.now, *(tuple(getattr(self, f.name)) for f in fields(self)[1:]))
+        # By name: TickReport's fields are TickLog's, frozen (their order may differ).
+        return TickReport(now=self.now, **{f.name: tuple(getattr(self, f.name)) for f in fields(self)[1:]})
 
 
 @dataclass

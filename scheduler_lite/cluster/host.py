@@ -9,8 +9,8 @@ carried out by the node actors (scheduler_lite.cluster.node_host: a LocalJobHost
   the daemon asks          one machine (LocalJobHost)           cluster (ClusterJobHost)
   =======================  ===================================  ===============================
   GPUs                     devices.inventory()                  every connected node's, global
-                                                                ids node_index * 100 + local id,
-                                                                NVLink group "<node>/<group>"
+                                                                ids (index in cluster.nodes) * 100
+                                                                + local id, NVLink group "<node>/<group>"
   stats.json, exits        read in the job dir                  one `report` per node per tick
   start a job              Launcher.start                       `start` on each node of it
   control.json             write_control                        `write_control`, split per node

@@ -167,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     _say(f"{wl.name}: {len(wl.jobs)} jobs ({wl.skipped} skipped), {len(wl.gpus)} GPUs")
     _say(f"{'policy':16s} {'avg JCT h':>9s} {'median h':>8s} {'p95 h':>7s} {'makespan h':>10s} "
-            f"{'guar JCT h':>10s} {'failed':>6s} {'preempt':>7s} {'util':>5s} {'wall s':>6s}")
+         f"{'guar JCT h':>10s} {'failed':>6s} {'preempt':>7s} {'util':>5s} {'wall s':>6s}")
     for spec in policies:
         r = simulate(wl, spec, perf, seed=args.seed, progress=args.progress, rounds=args.rounds)
         s = r.summary
         _say(f"{spec.name:16s} {s['avg_jct_s'] / 3600:9.2f} {s['median_jct_s'] / 3600:8.2f} "
-                f"{s['p95_jct_s'] / 3600:7.2f} "
-                f"{s['makespan_s'] / 3600:10.2f} {s['guarantee_avg_jct_s'] / 3600:10.2f} "
-                f"{s['failed']:6.0f} {s['preemptions']:7.0f} {s['gpu_compute_util']:5.2f} {s['wall_s']:6.1f}")
+             f"{s['p95_jct_s'] / 3600:7.2f} "
+             f"{s['makespan_s'] / 3600:10.2f} {s['guarantee_avg_jct_s'] / 3600:10.2f} "
+             f"{s['failed']:6.0f} {s['preemptions']:7.0f} {s['gpu_compute_util']:5.2f} {s['wall_s']:6.1f}")
         if s.get("unfinished"):
             _say(f"{'':16s} {s['unfinished']:.0f} job(s) never finished (nan: no finished job to average)")
         results.append(r)
