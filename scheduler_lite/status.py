@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from scheduler_lite.config import Config
 from scheduler_lite.model import Gpu, Role
-from scheduler_lite.storage import JobRecord, JobStatus, Storage
+from scheduler_lite.storage import JobStatus, Storage
 from tf_antman.protocol import Stats
 
 
@@ -110,22 +110,23 @@ def build_status(
     per_gpu: dict[int, list[JobOnGpu]] = {g.id: [] for g in gpus}
     for record in running:
         found, error = stats.get(record.id, (None, None))
+        applied = 0 if found is None else found.control_seq_applied
+        launched = record.launched_at if record.launched_at is not None else record.started_at  # before schema 5
         for index, gpu in enumerate(record.placement):
             if gpu not in per_gpu:
                 continue
             setting = settings.get((record.id, gpu))
             device = None if found is None else next((d for d in found.devices if d.device == index), None)
-            applied = 0 if found is None else found.control_seq_applied
             per_gpu[gpu].append(JobOnGpu(
                 job_id=record.id, tenant=record.tenant, role=record.role or Role.OPPORTUNISTIC,
                 memory_limit_bytes=None if device is None else device.limit_bytes,
                 target_memory_limit_bytes=setting.memory_limit_bytes if setting else None,
                 target_compute_share=setting.compute_share if setting else None,
-                controls_pending=max(0, record.control_seq - applied) if found is not None else record.control_seq,
+                controls_pending=max(0, record.control_seq - applied),
                 **{name: None if device is None else getattr(device, name) for name in DEVICE_FIELDS},
                 **{name: None if found is None else getattr(found, name) for name in STATS_FIELDS},
                 stats_error=error,
-                running_s=_running_s(record, now),
+                running_s=None if launched is None else max(0.0, now - launched),
                 stats_age_s=None if found is None or found.wall_time <= 0 else max(0.0, now - found.wall_time),
                 paused=found is not None and found.state == "paused",
             ))
@@ -144,11 +145,6 @@ def build_status(
             len(mine), sum(1 for r in queued if r.tenant == name),
         ))
     return ClusterStatus(now, gpu_status, tuple(tenants), tuple(r.id for r in queued), tuple(r.id for r in running))
-
-
-def _running_s(record: JobRecord, now: float) -> float | None:
-    launched = record.launched_at if record.launched_at is not None else record.started_at  # before schema 5
-    return None if launched is None else max(0.0, now - launched)
 
 
 __all__ = ["ClusterStatus", "GpuStatus", "JobOnGpu", "TenantStatus", "build_status"]
