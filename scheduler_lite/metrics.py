@@ -11,7 +11,7 @@ prometheus_client is an optional dependency (`pip install tf-antman[metrics]`); 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 PREFIX: Final = "scheduler_lite"
 # name, help, what it reads (docs/scheduler.md, "Metrics", lists the same)
-GPU_METRICS: Final = (
-    ("gpu_memory_bytes", "Device memory of the GPU"),
-    ("gpu_utilisation_ratio", "GPU utilisation averaged over daemon.utilisation_window_s (0..1)"),
+GPU_METRICS: Final = (  # the GpuStatus field
+    ("gpu_memory_bytes", "Device memory of the GPU", "memory_bytes"),
+    ("gpu_utilisation_ratio", "GPU utilisation averaged over daemon.utilisation_window_s (0..1)", "utilisation"),
 )
 JOB_METRICS: Final = (  # the JobOnGpu field; step_ms_median is reported in seconds
     ("job_memory_limit_bytes", "Device memory limit in force, as the job reports it", "memory_limit_bytes"),
@@ -62,48 +62,37 @@ class StatusCollector:
             return
         status = server.snapshot
 
-        def family(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+        def family(name: str, doc: str, labels: list[str],
+                   samples: Iterable[tuple[list[str], float | None]]) -> GaugeMetricFamily:
+            """The gauge with a sample per (label values, value); a value the status lacks (None) is left out."""
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+            for values, value in samples:
+                if value is not None:
+                    gauge.add_metric(values, value)
+            return gauge
 
-        when = family("status_time_seconds", "Time of the status snapshot these samples come from", [])
-        when.add_metric([], status.time)
-        yield when
-        gpu = {name: family(name, doc, ["gpu"]) for name, doc in GPU_METRICS}
-        job = {name: family(name, doc, ["job", "gpu", "tenant", "role"]) for name, doc, _ in JOB_METRICS}
-        state = family("job_state", "1 for the job's state (running or queued)", ["job", "tenant", "state"])
-        for g in status.gpus:
-            gpu["gpu_memory_bytes"].add_metric([str(g.id)], g.memory_bytes)
-            if g.utilisation is not None:
-                gpu["gpu_utilisation_ratio"].add_metric([str(g.id)], g.utilisation)
-            for j in g.jobs:
-                labels = [j.job_id, str(g.id), j.tenant, str(j.role)]
-                for name, _, field in JOB_METRICS:
-                    value = getattr(j, field)
-                    if value is not None:
-                        job[name].add_metric(labels, value / 1000.0 if field == "step_ms_median" else value)
-        tenant_of = {j.job_id: j.tenant for g in status.gpus for j in g.jobs}
-        for job_id in status.running:
-            state.add_metric([job_id, tenant_of.get(job_id, ""), "running"], 1)
-        for job_id in status.queued:
-            state.add_metric([job_id, "", "queued"], 1)
-        tenant = {name: family(name, doc, ["tenant"]) for name, doc, _ in TENANT_METRICS}
-        for t in status.tenants:
-            for name, _, field in TENANT_METRICS:
-                tenant[name].add_metric([t.name], getattr(t, field))
-        yield from gpu.values()
-        yield from job.values()
-        yield state
-        yield from tenant.values()
-        bad = family("job_misbehaving", "1 while a job does not cooperate (the check that found it: "
-                     "rejects_controls, silent, impossible, ...)", ["job", "check"])
-        for job_id, check in server.findings:
-            bad.add_metric([job_id, check], 1)
-        yield bad
+        yield family("status_time_seconds", "Time of the status snapshot these samples come from", [],
+                     [([], status.time)])
+        for name, doc, field in GPU_METRICS:
+            yield family(name, doc, ["gpu"], (([str(g.id)], getattr(g, field)) for g in status.gpus))
+        on_gpus = [([j.job_id, str(g.id), j.tenant, str(j.role)], j) for g in status.gpus for j in g.jobs]
+        for name, doc, field in JOB_METRICS:
+            values = ((labels, getattr(j, field)) for labels, j in on_gpus)
+            if field == "step_ms_median":
+                values = ((labels, None if ms is None else ms / 1000.0) for labels, ms in values)
+            yield family(name, doc, ["job", "gpu", "tenant", "role"], values)
+        tenant_of = {j.job_id: j.tenant for _, j in on_gpus}
+        yield family("job_state", "1 for the job's state (running or queued)", ["job", "tenant", "state"],
+                     [*(([job_id, tenant_of.get(job_id, ""), "running"], 1) for job_id in status.running),
+                      *(([job_id, "", "queued"], 1) for job_id in status.queued)])
+        for name, doc, field in TENANT_METRICS:
+            yield family(name, doc, ["tenant"], (([t.name], getattr(t, field)) for t in status.tenants))
+        yield family("job_misbehaving", "1 while a job does not cooperate (the check that found it: "
+                     "rejects_controls, silent, impossible, ...)", ["job", "check"],
+                     (([job_id, check], 1) for job_id, check in server.findings))
         if server.contained is not None:
-            contained = family("containment_active",
-                               "1 when each job runs in a cgroup of its own, 0 when jobs are not contained", [])
-            contained.add_metric([], 1 if server.contained else 0)
-            yield contained
+            yield family("containment_active", "1 when each job runs in a cgroup of its own, 0 when jobs are not "
+                         "contained", [], [([], 1 if server.contained else 0)])
 
 
 def start_metrics_server(port: int, address: str, server: Callable[[], Server | None]) -> Callable[[], None]:
