@@ -89,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         config = resolve_config(args.config)
-        return int(args.run(config, args) or 0)
+        args.run(config, args)
+        return 0
     except (UserError, ConfigError, SubmitError, StorageError, DeviceError, ClientError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--json", action="store_true", help="machine-readable output")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, run: Callable[[Config, argparse.Namespace], int | None], help: str,
+    def command(name: str, run: Callable[[Config, argparse.Namespace], None], help: str,
                 epilog: str = "") -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help, epilog=epilog or None, parents=[common],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands.
 
 
-def cmd_serve(config: Config, args: argparse.Namespace) -> int:
+def cmd_serve(config: Config, args: argparse.Namespace) -> None:
     """Lock the state directory, open the store, serve the socket, tick; undone in reverse order."""
     from scheduler_lite.containment import ContainmentUnavailable
     from scheduler_lite.daemon import Daemon, DaemonLockedError, lock_state_dir  # only `serve` runs the loop
@@ -247,10 +248,9 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
             daemon.serve(between_ticks=server.serve_requests)
     except (DaemonLockedError, MetricsUnavailable, ContainmentUnavailable) as e:
         raise UserError(str(e)) from None
-    return 0
 
 
-def cmd_submit(config: Config, args: argparse.Namespace) -> int:
+def cmd_submit(config: Config, args: argparse.Namespace) -> None:
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]
@@ -280,7 +280,6 @@ def cmd_submit(config: Config, args: argparse.Namespace) -> int:
         _print_json(result)
     else:
         print(result["id"])
-    return 0
 
 
 def _submit(config: Config, request_id: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -309,7 +308,7 @@ def _submit(config: Config, request_id: str, request: dict[str, Any]) -> dict[st
         time.sleep(SUBMIT_RETRY_PAUSE_S)
 
 
-def cmd_list(config: Config, args: argparse.Namespace) -> int:
+def cmd_list(config: Config, args: argparse.Namespace) -> None:
     found, remaining = _newest_jobs(config, args.state, None if args.all else args.limit)
     if args.json:
         _print_json(found)
@@ -325,7 +324,6 @@ def cmd_list(config: Config, args: argparse.Namespace) -> int:
         which = "matching job" if args.state else "job"
         print(f"({remaining:,} older {which}{'s' if remaining != 1 else ''} not shown: --limit N shows the newest N, "
               "--all every one)", file=sys.stderr)
-    return 0
 
 
 def _newest_jobs(config: Config, states: list[str] | None, count: int | None) -> tuple[list[dict[str, Any]], int]:
@@ -367,11 +365,11 @@ def _at_least_one(text: str) -> int:
     return int(text)
 
 
-def cmd_show(config: Config, args: argparse.Namespace) -> int:
+def cmd_show(config: Config, args: argparse.Namespace) -> None:
     found = call(config, "show", job=args.job)
     if args.json:
         _print_json(found)
-        return 0
+        return
     job = job_record(found["job"])
     fields = [
         ("id", job.id), ("name", job.name or "-"), ("tenant", job.tenant), ("user", job.user or "-"),
@@ -400,24 +398,22 @@ def cmd_show(config: Config, args: argparse.Namespace) -> int:
         _table(["TIME", "EVENT", "DETAIL"],
                [[_clock(e["time"]), e["kind"], " ".join(f"{k}={_value(v)}" for k, v in e["detail"].items())]
                 for e in found["events"]])
-    return 0
 
 
-def cmd_cancel(config: Config, args: argparse.Namespace) -> int:
+def cmd_cancel(config: Config, args: argparse.Namespace) -> None:
     out = call(config, "cancel", jobs=list(args.jobs))
     if args.json:
         _print_json(out)
     else:
         for item in out:
             print(f"{item['id']}: {item['result']}")
-    return 0
 
 
-def cmd_status(config: Config, args: argparse.Namespace) -> int:
+def cmd_status(config: Config, args: argparse.Namespace) -> None:
     found = call(config, "status")
     if args.json:
         _print_json(found)
-        return 0
+        return
     _print_status(cluster_status(found))
     _print_quota_warning(found["tenants"], len(found["gpus"]))
     for line in found.get("warnings") or ():  # jobs that do not cooperate (scheduler_lite.misbehaviour)
@@ -425,10 +421,9 @@ def cmd_status(config: Config, args: argparse.Namespace) -> int:
     contained = found.get("containment")  # absent from a daemon before containment, or in cluster mode
     if isinstance(contained, dict):
         print(f"\ncontainment: {'on' if contained.get('active') else 'OFF'}: {contained.get('detail')}")
-    return 0
 
 
-def cmd_logs(config: Config, args: argparse.Namespace) -> int:
+def cmd_logs(config: Config, args: argparse.Namespace) -> None:
     offset = 0
     # The log's bytes as the job wrote them: the daemon's chunks end at arbitrary byte offsets
     # (mid-character in UTF-8), and a job's output need not be text at all.
@@ -449,11 +444,11 @@ def cmd_logs(config: Config, args: argparse.Namespace) -> int:
         if not args.follow or chunk["done"]:
             if not chunk["started"]:  # followed while queued, then cancelled or rejected
                 print(f"{args.job} ended without starting ({chunk['state']}): no logs", file=sys.stderr)
-            return 0
+            return
         time.sleep(0.5)
 
 
-def cmd_tenants(config: Config, args: argparse.Namespace) -> int:
+def cmd_tenants(config: Config, args: argparse.Namespace) -> None:
     # The `status` op, not `tenants`: its answer has the same tenants and the daemon's GPUs, which
     # the quota warning needs, and every daemon version gives both (the `tenants` op's answer, a
     # list, stays as it was for the scripts that read it).
@@ -461,12 +456,11 @@ def cmd_tenants(config: Config, args: argparse.Namespace) -> int:
     tenants = found["tenants"]
     if args.json:
         _print_json(tenants)
-        return 0
+        return
     _table(["TENANT", "GPU QUOTA", "QUOTA USED", "RUNNING", "QUEUED"],
            [[t["name"], str(t["gpu_quota"]), str(t["quota_used"]), str(t["running"]), str(t["queued"])]
             for t in tenants])
     _print_quota_warning(tenants, len(found["gpus"]))
-    return 0
 
 
 def _print_quota_warning(tenants: Sequence[dict[str, Any]], gpu_count: int) -> None:
