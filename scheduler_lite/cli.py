@@ -458,8 +458,7 @@ def cmd_tenants(config: Config, args: argparse.Namespace) -> None:
         _print_json(tenants)
         return
     _table(["TENANT", "GPU QUOTA", "QUOTA USED", "RUNNING", "QUEUED"],
-           [[t["name"], str(t["gpu_quota"]), str(t["quota_used"]), str(t["running"]), str(t["queued"])]
-            for t in tenants])
+           [[t[k] for k in ("name", "gpu_quota", "quota_used", "running", "queued")] for t in tenants])
     _print_quota_warning(tenants, len(found["gpus"]))
 
 
@@ -537,7 +536,8 @@ def _printable(text: str) -> str:
                    for c in text)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> None:
+def _table(header: list[str], rows: list[list[Any]]) -> None:
+    """Cells as str() gives them, escaped (_printable), in left-aligned columns."""
     if not rows:
         print("(none)")
         return
