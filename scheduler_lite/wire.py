@@ -165,7 +165,7 @@ def integer(args: Mapping[str, Any], key: str, default: int | None = None,
     value = args.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or within and not within[0] <= value <= within[1]:
+    if isinstance(value, bool) or not isinstance(value, int) or (within and not within[0] <= value <= within[1]):
         accepted = "an integer" if within is None else f"an integer in [{within[0]}, {within[1]}]"
         raise RequestError(f"{key} {short(value)} is invalid: accepted {accepted}")
     return value
