@@ -78,6 +78,3 @@ def process_control(control: Control) -> Control:
     if not control.memory_limits or [m.device for m in control.memory_limits] == [0]:
         return control
     return replace(control, memory_limits=(MemoryLimit(0, min(m.limit_bytes for m in control.memory_limits)),))
-
-
-__all__ = ["CUDA_DEVICE_ORDER", "MIN_ENV_LIMIT", "job_environment", "process_control"]

@@ -358,6 +358,3 @@ def control_file_seq(job_dir: Path) -> int:
         return 0 if text is None else parse_control(text).seq
     except (ProtocolError, OSError):
         return 0
-
-
-__all__ = ["HostedJobs", "JobHost", "LocalJobHost", "control_file_seq", "local_job_host"]

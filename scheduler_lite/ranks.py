@@ -96,6 +96,3 @@ def merge_rank_stats(ranks: Sequence[Stats]) -> Stats:
         last_rejected=behind[0].last_rejected if behind else base.last_rejected,
         wall_time=min(s.wall_time for s in ranks),
     )
-
-
-__all__ = ["job_stats", "merge_rank_stats", "rank_control", "write_controls"]

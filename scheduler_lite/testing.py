@@ -41,6 +41,3 @@ def stop_all_jobs(daemon: Daemon, grace_s: float | None = None) -> None:
             daemon.storage.update_job(job_id, cancel_requested=True)
         ended = daemon.host.stop(jobs.live[job_id].handle, grace)
         daemon.finish(job_id, ended, daemon.clock(), None)
-
-
-__all__ = ["run_until", "stop_all_jobs"]

@@ -205,9 +205,3 @@ def plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
     return value
-
-
-__all__ = ["DEFAULT_LIST_LIMIT", "MAX_ANSWER_BYTES", "MAX_ENV_PAIRS", "MAX_LIST_LIMIT", "MAX_REQUEST_BYTES",
-           "MAX_STRING", "PROTOCOL_VERSION", "UNPRINTABLE", "RequestError", "checked_value",
-           "encode_answer", "integer", "only", "pairs", "parse", "plain", "read_line", "send", "short",
-           "string", "strings"]
