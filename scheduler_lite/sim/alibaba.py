@@ -1,27 +1,9 @@
 """Replay any pod list and node list in the Alibaba cluster-trace-gpu-v2023 format.
 
-Pod list columns (header row required): `name, num_gpu, gpu_milli, qos, pod_phase,
-creation_time, deletion_time, scheduled_time` (others ignored). Node list: `sn, gpu, model`.
-
-* CPU-only pods (`num_gpu` 0) are skipped, and so are `Pending` pods: they never ran, so the
-  trace holds no run time for them (their deletion - creation time is waiting, not work).
-  Anything else malformed is an error naming the file, line and field, never a skip: a row
-  with more or fewer fields than the header, an unknown `pod_phase`, a `gpu_milli` that is not
-  a number in [0, 1000] (on any row), a GPU pod that ran without the fields it needs.
-* Run time = deletion - scheduled time; arrival = creation time / `time_compression` (run times
-  are kept, so compression raises the offered load).
-* QoS `BE` -> opportunistic, `LS`/`Burstable`/`Guaranteed` -> guarantee, one tenant whose quota
-  is the whole cluster. `gpu_milli / 1000` is a single-GPU pod's requested share, solo
-  utilisation and, times 16 GiB (the smallest GPU of the trace), its memory demand; a multi-GPU
-  pod asks for whole GPUs.
-* Cluster: the trace's own nodes, or a subset spread evenly over the node list (so the GPU
-  model mix stays) with the fewest GPUs that are at least `gpus`, or sized so that the trace's
-  peak demand (whole GPUs of the pods running at once if every pod started on arrival) is
-  `peak_ratio` x capacity (or as close above as the spread allows).
-  On its own 6,212 GPUs the 2023 trace peaks at 70 GPUs: nothing ever queues and every policy
-  ties, so the replay is only meaningful on a scaled cluster.
-* tf-antman-sjf's predicted run time: the run time x a lognormal error (sigma
-  `PREDICTION_ERROR_SIGMA`, as in the paper recipe), from a random stream of its own.
+docs/simulator.md ("Workloads" (b)) gives the rules: which pods are skipped, run time and
+arrival, QoS -> job kind, gpu_milli -> share, utilisation and memory, how the cluster is picked
+from the node list (`_pick_nodes`) or sized to the trace's peak demand (`peak_demand`), and the
+input checks: anything malformed is an error naming the file, line and field, never a skip.
 """
 
 from __future__ import annotations
