@@ -131,13 +131,10 @@ class ClusterQueries(Protocol):
         """GPU memory minus the memory demands of the jobs placed on it."""
         ...
 
-    def committed_share(self, gpu: int, unstated: float) -> float:
-        """Sum of `requested_share` of the jobs on the GPU; `unstated` for each without one."""
-        ...
-
     def gpus_with_room(self, below: float, min_room: float, unstated: float) -> Iterator[tuple[int, float]]:
         """(GPU, 1 - committed share) for GPUs below `below` utilisation with at least
-        `min_room` share room, least loaded first (gpus_by_utilisation's order)."""
+        `min_room` share room, least loaded first (gpus_by_utilisation's order). The committed
+        share is the sum of `requested_share` of the GPU's jobs, `unstated` for each without one."""
         ...
 
     def may_have_room(self, below: float, share: float, n: int) -> bool:

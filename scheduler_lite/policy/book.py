@@ -138,9 +138,6 @@ class ClusterBook:
     def memory_free(self, gpu: int) -> int:
         return self.gpus[gpu].memory_bytes - self._memory_committed[gpu]
 
-    def committed_share(self, gpu: int, unstated: float) -> float:
-        return self._share_stated[gpu] + unstated * self._share_unstated[gpu]
-
     def free_for_guarantee(self, group: str) -> set[int]:
         return self._guarantee_free.free[group]
 

@@ -66,7 +66,12 @@ def test_unstated_share_counts_as_configured():
     assert schedule(b.snapshot(0.0), SHARE) == [Place("o", (0,), Role.OPPORTUNISTIC)]  # counts 0
     strict = SchedulerConfig(unknown_requested_share=0.6)
     assert schedule(b.snapshot(0.0), strict) == []  # 0.6 + 0.6 > 1: it waits
-    assert b.committed_share(0, 0.6) == pytest.approx(0.6)
+    assert _committed(b, 0.6) == pytest.approx(0.6)
+
+
+def _committed(b, unstated: float) -> float:
+    """GPU 0's committed share, as the placement reads it (its room: 1 - committed)."""
+    return 1.0 - dict(b.gpus_with_room(1.1, 0.0, unstated))[0]
 
 
 def test_committed_share_follows_place_and_release():
@@ -75,11 +80,11 @@ def test_committed_share_follows_place_and_release():
     b.apply(Place("a", (0,), Role.OPPORTUNISTIC))
     b.submit(_opp("b", 0.5))
     b.apply(Place("b", (0,), Role.OPPORTUNISTIC))
-    assert b.committed_share(0, 0.0) == pytest.approx(0.75)
+    assert _committed(b, 0.0) == pytest.approx(0.75)
     b.finish("a")
-    assert b.committed_share(0, 0.0) == pytest.approx(0.5)
+    assert _committed(b, 0.0) == pytest.approx(0.5)
     b.finish("b")
-    assert b.committed_share(0, 0.0) == 0.0
+    assert _committed(b, 0.0) == 0.0
 
 
 def test_bad_placement_choice_is_rejected_with_its_name():
