@@ -8,16 +8,11 @@ same node pin and environment, but the booking lives as long as the actor:
     ray.get(trainer.train.remote(steps=100))
     ray.kill(trainer)                                     # its worker exits: the booking ends
 
-- The actor's constructor first claims the booking (`booking.claim`: its pid into the job
-  directory, refused if the booking was released or claimed already), then runs the class's own
-  `__init__`. The node host adopts the actor's worker process from then on, exactly as a task's.
-- The booking ends when that process is gone (`ray.kill`, `exit_actor`, a crash): the node
-  host already ends a booking whose claiming process is gone (node_host `_BookedTasks.poll`). An actor's
-  worker is its own (Ray never reuses it), so it lives exactly as long as the actor. How it
-  ended: a graceful exit (Python runs `atexit`) records exit status 0 (job `finished`), a
-  constructor that raises 1; a `ray.kill` or a crash records nothing (`failed`, exit unknown).
-- `max_restarts=0` and `max_task_retries=0`: a restarted actor would run outside the booking,
-  which ended with the first process (and a second claim is refused anyway).
+The actor's constructor claims the booking (`booking.claim`, exclusive: one instance per
+booking) before the class's own `__init__`; the node host then watches the actor's worker process
+as a task's, and the booking ends with it (an actor's worker is its own: Ray never reuses it).
+How it ended is recorded here: a graceful exit 0, a constructor that raises 1, a `ray.kill` or a
+crash nothing (docs/cluster.md, "Ray actors under a booking").
 """
 
 from __future__ import annotations

@@ -7,26 +7,12 @@ the task a job of the running global scheduler (`scheduler-lite serve` in cluste
     placement = request_placement(config, num_gpus=0.5, kind="opportunistic", tenant="research")
     ref = placement.remote(train).remote(steps=1000)     # pinned to the booked node, under tf-antman
 
-1. The client submits through the scheduler's socket (the same `submit` as the CLI, so the same
-   access checks, tenants and quotas) a one-GPU job whose command is the marker `TASK_COMMAND`.
-2. Algorithm 1 books it (guarantee or opportunistic, tenant quota); the global scheduler asks the
-   node host of the chosen GPU to `start` it, which books it instead of starting a process: it makes its
-   job directory ready and keeps its environment (`job_environment`, as for any job).
-3. The client reads that environment from the node host (through Ray: it is a named actor) and
-   builds Ray options that pin the task to the node (its `antman_node_<node>` resource).
-4. The task's wrapper (`_run_booked`, in the Ray worker) writes its pid into the job directory
-   (the node host adopts the process: `booking.claim`), refuses to run if the booking was released meanwhile,
-   runs the function, and records its exit status. tf-antman in the worker writes stats.json and
-   follows control.json in that directory, so the coordinator watches and adjusts it exactly like
-   a job the node host started.
-5. The booking ends when the exit status is recorded, the worker process is gone, or no task
-   claimed it within `TASK_CLAIM_TIMEOUT_S`; the global scheduler then releases GPU and quota.
-
-Ray actors get the same booking through `RayPlacement.actor` (scheduler_lite.cluster.actors).
-
-Why the socket and not a Ray actor for the global scheduler: the socket already carries
-submission with its checks (who may submit to which tenant, ranges) and crash safety (the store);
-Ray only carries what lives on the node (the environment, from the node host that made it).
+The client submits a one-GPU job whose command is the marker `TASK_COMMAND` through the
+scheduler's socket (the CLI's `submit`, with its checks), waits until Algorithm 1 places it, and
+reads the environment the node host booked for it (`task_options`); the task's wrapper
+(`_run_booked`, in the Ray worker) claims the booking (`booking.claim`), runs the function and
+records its exit status. Ray actors get the same booking through `RayPlacement.actor`
+(scheduler_lite.cluster.actors). The steps, their ends and why the socket: docs/cluster.md.
 """
 
 from __future__ import annotations
