@@ -1,19 +1,8 @@
 """The simulator's job performance model, read from `scheduler_lite/data/perf_model.json`.
 
-speed = 1 / (memory_slowdown(limit / demand) * contention * bandwidth interference), as a fraction
-of the job's solo speed (bandwidth interference, caching and locality: sim/interference.py).
-Memory: the model's curve, linear between points and flat beyond its ends (universal memory
-keeps the rest in host memory). Compute: jobs on a GPU
-ask for D = sum of their effective utilisations u_i (an opportunistic job under AntMan is capped
-by its compute share). Nothing happens while D <= 1. When D > 1:
-* with isolation (compute shares enforced): every job is slowed by 1 + k (D - 1), k =
-  `contention_slowdown` (k = 1: proportional time slicing);
-* without isolation (Gandiva's packing): kernels of the co-runners interleave freely and the
-  job that issues more kernels wins (AntMan §5.1, Fig. 12). Job i gets the GPU fraction
-  u_i^a / sum_j u_j^a and runs at min(1, that / u_i) of its solo speed, a =
-  `unisolated_share_exponent`; what a job cannot use is lost to kernel queueing. a = 1 is
-  proportional time slicing; a = 2.55 reproduces the one published measurement, ESPnet
-  (u = 0.3) slowed from 20.1 to 105.2 min next to ResNet-50 (u = 0.9), with ResNet-50 unhurt.
+docs/simulator.md ("Performance model") gives the formula (speed = compute speed / (memory
+slowdown x contention x bandwidth interference)), every parameter's source and the file format;
+bandwidth interference, caching and locality are in sim/interference.py.
 """
 
 from __future__ import annotations
@@ -43,6 +32,8 @@ class ModelPerf:
     curve_y: tuple[float, ...]  # slowdown factor at that fraction
 
     def memory_slowdown(self, fraction: float) -> float:
+        """The curve at `fraction` of the demand on the GPU: linear between points, flat beyond
+        its ends (universal memory keeps the rest in host memory)."""
         xs, ys = self.curve_x, self.curve_y
         if fraction >= xs[-1]:
             return ys[-1]
@@ -99,7 +90,10 @@ class PerfModel:
         return 1.0 + self.contention_slowdown * (demand - 1.0)
 
     def unisolated_speeds(self, demands: list[float]) -> list[float]:
-        """Speed of each job (fraction of solo) packed without isolation (module docstring)."""
+        """Speed of each job (fraction of solo) packed without isolation: kernels interleave
+        freely and the job that issues more wins (AntMan §5.1, Fig. 12). Job i gets u_i^a /
+        sum_j u_j^a of the GPU and runs at min(1, that / u_i); what it cannot use is lost to
+        kernel queueing."""
         if sum(demands) <= 1.0:
             return [1.0] * len(demands)
         a = self.unisolated_share_exponent
@@ -113,11 +107,8 @@ def load_perf_model(path: Path | None = None) -> PerfModel:
     """The shipped model, or the file at `path`; ConfigError naming the field for anything off."""
     where = "<shipped perf_model.json>" if path is None else str(path)
     try:
-        if path is None:
-            text = resources.files("scheduler_lite.data").joinpath("perf_model.json").read_text(encoding="utf-8")
-        else:
-            text = Path(path).read_text(encoding="utf-8")
-        raw = json.loads(text)
+        source = resources.files("scheduler_lite.data").joinpath("perf_model.json") if path is None else Path(path)
+        raw = json.loads(source.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(where, "<file>", f"a JSON object, {FORMAT!r} (docs/simulator.md): {e}") from None
     if not isinstance(raw, dict):
