@@ -1,18 +1,10 @@
 """Lost nodes and the jobs they held, for the global scheduler of cluster mode.
 
-A node whose actor is dead (ActorDiedError, its Ray node gone) or silent for
-`cluster.node_timeout_s` is lost: a gang's parts on other nodes are stopped, quotas and settings
-are released by the driver, and its GPUs leave the book. Its jobs are failed at once
-(`on_node_loss = "fail"`) or requeued (`"requeue"`), but not before nothing of them can run there
-any more: until then they wait (running in the store, with a `lost` event; `_Waiting`). A node
-that comes (back) is swept first (scheduler_lite.cluster.node_host: processes of jobs the store does
-not count as running there are killed), then its GPUs join; a node whose Ray node is gone counts
-as swept `node_timeout_s` after its last answer. Parts a node actor fenced (stopped because the global
-scheduler was silent) are lost as with their node.
-
-At the start of a global scheduler (`recover`), a job of nodes that have not answered waits for
-them up to `node_timeout_s` (adopted if they come, lost otherwise); a job with a part fenced, on a
-node lost before a crash of the global scheduler, or with a part on a node not here is lost.
+A node is lost when its actor dies or is silent for `cluster.node_timeout_s`; parts its actor
+fenced are lost as with their node; at the start of a global scheduler (`recover`), a job whose
+nodes have not answered waits for them up to `node_timeout_s`. A lost job is requeued or failed
+(`on_node_loss`) only once nothing of it can run any more (its nodes swept or cleared), so that
+a job never runs next to its rerun. The whole story: docs/cluster.md, "Faults".
 
 `NodeLoss` is a component of the cluster's job host (scheduler_lite.cluster.host): it keeps
 the jobs that wait for nodes, asks the host to rebuild the GPUs when nodes come and go, and

@@ -7,15 +7,8 @@ into what tf-antman enforces inside the worker process:
     opts = ray_options(0.5, memory="6GiB", kind="opportunistic", job_dir="/tmp/jobs/trainer-3")
     Trainer.options(**opts).remote()
 
-  * `ANTMAN_MEMORY_LIMIT`: `memory` if given, else the fraction of `device_memory`;
-  * `ANTMAN_COMPUTE_SHARE`: the fraction for an opportunistic task (its cap), 1.0 for a guarantee
-    task (AntMan's roles: the guarantee task is never throttled, its opportunistic neighbours are);
-  * `ANTMAN_JOB_DIR`: where the worker writes stats.json and reads control.json
-    (docs/protocol.md), so a coordinator can watch and adjust it; one directory per actor or task;
-  * the device: `"cuda"` asks Ray for `num_gpus`; `"emulated"` (docs/emulated-device.md, no GPU)
-    asks Ray for none and emulates a `device_memory`-sized GPU;
-  * `ANTMAN_DEVICE_PRIORITY=low` for an opportunistic task on the emulated device, as the daemon
-    gives its opportunistic jobs (tf_antman/priority.py).
+The variables (memory limit, compute share: the fraction for an opportunistic task, 1.0 for a
+guarantee one, job directory, device) are listed in docs/cluster.md, "Ray users".
 
 Ray starts a dedicated worker process for a runtime environment, with these variables set before
 Python starts, so tf-antman's import hook activates when the task imports TensorFlow. The result
@@ -91,7 +84,7 @@ def ray_options(
         env["ANTMAN_HOST_MEMORY"] = str(host)
     if job_dir is not None:
         env["ANTMAN_JOB_DIR"] = str(job_dir)
-    if kind == "opportunistic" and device == "emulated":
+    if kind == "opportunistic" and device == "emulated":  # as the daemon's opportunistic jobs (tf_antman/priority.py)
         env["ANTMAN_DEVICE_PRIORITY"] = "low"
     merged = dict(runtime_env or {})
     merged["env_vars"] = {**dict(merged.get("env_vars") or {}), **env}
