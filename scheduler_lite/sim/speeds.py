@@ -185,8 +185,8 @@ class JobSpeeds:
                 if gangs is not None:
                     util += sj.u * gangs[jid]  # what it runs at, not what this GPU would allow
                     continue
-            # Bandwidth interference (interference.bandwidth_slowdown, inlined): from the
-            # co-runners' effective utilisation, however far below 1 the total is.
+            # Bandwidth interference (interference.py): 1 + c x the co-runners' effective
+            # utilisation, however far below 1 the total is.
             s = fair / (slow * (1.0 + c * (demand - u)))
             if sj.cpu:
                 s = 1.0  # a CPU phase: the GPU's contention is not its own

@@ -11,7 +11,6 @@ from scheduler_lite.policy.registry import POLICIES
 from scheduler_lite.sim.engine import simulate
 from scheduler_lite.sim.interference import (
     MIB,
-    bandwidth_slowdown,
     cached_reservation,
     grow_cache,
     locality_factor,
@@ -24,8 +23,8 @@ PERF = load_perf_model()
 
 def test_bandwidth_coefficient_reproduces_antman_fig12():
     # ESPnet 20.1 -> 20.8 min next to ResNet-50 (u 0.9) held to 57% of its speed.
-    assert bandwidth_slowdown(PERF.colocation_interference, 0.9 * 0.57) == pytest.approx(20.8 / 20.1, abs=0.002)
-    assert bandwidth_slowdown(PERF.colocation_interference, 0.0) == 1.0
+    # The slowdown is 1 + c x the co-runners' effective utilisation (speeds.JobSpeeds._shared_gpu).
+    assert 1 + PERF.colocation_interference * 0.9 * 0.57 == pytest.approx(20.8 / 20.1, abs=0.002)
 
 
 def test_bfc_reservation_doubles_from_2_mib():
