@@ -337,16 +337,10 @@ class SqliteStorage:
             )
 
     def placements(self, job_id: str | None = None) -> list[PlacementRecord]:
-        sql = (
-            "SELECT p.job_id, p.gpu, p.memory_limit_bytes, p.compute_share FROM placements p "
-            "JOIN jobs j ON j.id = p.job_id"
-        )
-        args: list[Any] = []
-        if job_id is not None:
-            sql += " WHERE p.job_id = ?"
-            args.append(job_id)
-        sql += " ORDER BY j.seq, p.gpu"
-        return [PlacementRecord(*row) for row in self._db.execute(sql, args)]
+        where = "" if job_id is None else " WHERE p.job_id = ?"
+        rows = self._db.execute("SELECT p.job_id, p.gpu, p.memory_limit_bytes, p.compute_share FROM placements p "
+                                f"JOIN jobs j ON j.id = p.job_id{where} ORDER BY j.seq, p.gpu", [job_id] if where else [])
+        return [PlacementRecord(*row) for row in rows]
 
     def clear_placements(self, job_id: str) -> None:
         with self.transaction():
