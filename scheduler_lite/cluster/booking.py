@@ -70,7 +70,3 @@ def claim(job_id: str, what: str = "task", exclusive: bool = False) -> Path:
     if (job_dir / RELEASED_FILE).exists():  # after the pid: a release racing with us sees the pid
         raise PlacementError(f"{job_id}: the booking was released before the {what} started")
     return job_dir
-
-
-__all__ = ["RELEASED_FILE", "TASK_CLAIM_TIMEOUT_S", "TASK_COMMAND", "PlacementError", "claim", "is_ray_task",
-           "task_env", "write_number"]

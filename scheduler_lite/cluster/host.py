@@ -372,6 +372,3 @@ def cluster_daemon(config: Config, storage: Storage, clock: Callable[[], float] 
                    nodes: Nodes | None = None) -> Daemon:
     """The global scheduler: the daemon with its jobs on the cluster's nodes."""
     return Daemon(config, storage, clock, host=ClusterJobHost(config, storage, clock, nodes))
-
-
-__all__ = ["ClusterDevices", "ClusterJobHost", "cluster_daemon"]

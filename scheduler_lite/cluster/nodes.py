@@ -244,6 +244,3 @@ def cause(e: BaseException) -> str:
     """The last line of an error (a RayTaskError's text ends with the remote exception)."""
     text = str(e).strip()
     return text.splitlines()[-1] if text else type(e).__name__
-
-
-__all__ = ["CALL_TIMEOUT_S", "ClusterHandle", "Nodes", "actor_name", "cause"]

@@ -1,4 +1,4 @@
-"""A job over several nodes: one part per node (scheduler_lite.cluster.actor runs each part).
+"""A job over several nodes: one part per node (scheduler_lite.cluster.node_host runs each part).
 
 Pure functions of a placement (global GPU ids, scheduler_lite.cluster.config): the nodes of a job
 in rank order, each part's launch token and device indices, and the translation between the
@@ -58,6 +58,3 @@ def merge_stats(parts: Mapping[str, Stats], placement: Sequence[int], node_of: C
                       if 0 <= d.device < len(indices[node])), key=lambda d: d.device)
     applied = min(p.control_seq_applied for p in parts.values())
     return replace(first, devices=tuple(devices), control_seq_applied=applied)
-
-
-__all__ = ["job_nodes", "merge_stats", "part_indices", "part_token", "split_control"]

@@ -4,7 +4,7 @@ Algorithm 1 (scheduler_lite.policy.global_scheduler) places a gang inside one gr
 else over whole groups; `node_aware` then refuses a gang that would span nodes unless its tenant
 is in `cluster.span_tenants`: a guarantee gang holds (Reserve) the GPUs it found on its best node
 and waits there, an opportunistic one waits in its queue. Used by the global scheduler
-(scheduler_lite.cluster.scheduler) as its driver's policy.
+(scheduler_lite.cluster.host) as its driver's policy.
 """
 
 from __future__ import annotations
@@ -85,6 +85,3 @@ class _Without:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._index, name)
-
-
-__all__ = ["node_aware"]
