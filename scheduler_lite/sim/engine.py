@@ -57,7 +57,9 @@ class Simulator:
         rounds: str = "event",
     ) -> None:
         check_choice("rounds", rounds, ROUND_MODES)
-        _check_submit_times(workload)
+        for j in workload.jobs:  # workload.py says why arrivals have a bound
+            if not 0.0 <= j.submit_time <= MAX_SUBMIT_TIME_S:
+                raise ConfigError(f"job {j.id} submit_time", j.submit_time, f"a time in [0, {MAX_SUBMIT_TIME_S:g}] s")
         self.w = workload
         self.policy = policy
         self.perf = perf
@@ -161,9 +163,7 @@ class Simulator:
                     refreshed = self._refresh_utilisation()
                 elif round_version.get(key) == ver:  # type: ignore[arg-type]
                     rounds.add(key)  # type: ignore[arg-type]
-            if (need_schedule or (refreshed and self._reads_util())) and (
-                self.book.pending_count() or self._upgradable()
-            ):
+            if (need_schedule or (refreshed and self._reads_util())) and self._worth_a_pass():
                 self._schedule()
             if rounds_of.low_shares and (need_schedule or refreshed):
                 self._migrate()
@@ -200,10 +200,12 @@ class Simulator:
         clock.util_stale.clear()
         return changed
 
-    def _upgradable(self) -> bool:
-        """Running auto jobs an upgrade pass could promote (found by the daemon-equivalence test:
-        without this, a finish freeing quota upgraded nothing unless some job was pending)."""
-        return self.has_auto and any(self.book.upgradable_jobs(t) for t in self.book.tenants)
+    def _worth_a_pass(self) -> bool:
+        """Jobs pending, or running auto jobs an upgrade pass could promote (found by the
+        daemon-equivalence test: without these, a finish freeing quota upgraded nothing unless
+        some job was pending)."""
+        return bool(self.book.pending_count()) or (
+            self.has_auto and any(self.book.upgradable_jobs(t) for t in self.book.tenants))
 
     def _reads_util(self) -> bool:
         """Whether a pass after a utilisation refresh could decide something new."""
@@ -231,7 +233,7 @@ class Simulator:
             self.life.repass = False
             self.counters["schedule_calls"] += 1
             self.counters["decisions"] += len(self.driver.run_pass(self.clock.now, self.life))
-            if not (self.life.repass and (self.book.pending_count() or self._upgradable())):
+            if not (self.life.repass and self._worth_a_pass()):
                 return
 
     def _migrate(self) -> None:
@@ -252,7 +254,7 @@ class Simulator:
             life.start(sj, launch)
             sj.migrations += 1
             self.counters["migrations"] += 1
-        if life.repass and (self.book.pending_count() or self._upgradable()):
+        if life.repass and self._worth_a_pass():
             self._schedule()  # a restart failed (JobLifecycle.fail): its GPUs are free, the job may wait
 
     # -- checks and results ---------------------------------------------------------------------
@@ -282,13 +284,6 @@ class Simulator:
         # the series ends at the first point after it.
         series = [p for p in timeseries if p[0] < last + sample_every]
         return SimResult(self.policy.name, self.w.name, self.seed, records, summary, series)
-
-
-def _check_submit_times(workload: Workload) -> None:
-    """Arrivals within [0, MAX_SUBMIT_TIME_S] (workload.py says why there is a bound)."""
-    for j in workload.jobs:
-        if not 0.0 <= j.submit_time <= MAX_SUBMIT_TIME_S:
-            raise ConfigError(f"job {j.id} submit_time", j.submit_time, f"a time in [0, {MAX_SUBMIT_TIME_S:g}] s")
 
 
 def _bar(done: int, total: int) -> None:
