@@ -87,16 +87,11 @@ class JobSpeeds:
             sj.edge_at = edges[i] if i < len(edges) else math.inf
 
     def recompute(self, gpus: set[int]) -> None:
-        """Speeds of the jobs on `gpus`, and the GPUs' totals, from the performance model.
-
-        A gang runs at its gang speed: its slowest GPU's speed times its locality factor. On its
-        other GPUs, and on every GPU when it spans NVLink groups, it issues kernels more slowly
-        than that GPU would let it, so there its utilisation (the GPU's reading) and its share
-        of the contention and bandwidth interference its co-runners see follow the gang speed
-        (`_held_back`). One pass, not a fixed point: the gang speed comes from the per-GPU speeds
-        with every job at its full demand; the co-runners then see the gang held back. A
-        co-runner's new speed does not feed back into the gang speed (that would be a loop over
-        every gang sharing a GPU with another).
+        """Speeds of the jobs on `gpus`, and the GPUs' totals, from the performance model: a
+        gang at its gang speed, held back on its GPUs (`_held_back`) in one pass, not a fixed
+        point (docs/simulator.md, "A gang runs at its gang speed", says what each GPU sees; a
+        co-runner's new speed feeding back into the gang speed would loop over every gang
+        sharing a GPU with another).
         """
         touched: dict[str, SimJob] = {}
         gpu_util, gpu_mem, gpu_busy = self.gpu_util, self.gpu_mem, self.gpu_busy
