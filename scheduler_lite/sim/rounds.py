@@ -1,14 +1,7 @@
-"""When the simulator runs a GPU's coordinator round, and what the round sees.
-
-A GPU's rounds run on its own grid: when its jobs change (the grid restarts there), then every
-round_interval_s. Periodic mode runs every grid point of every GPU with jobs. Event mode runs
-only the grid points the coordinator asked for (memo.next_round_at) or at which a job whose
-steps it reads (a guarantee job's; on a GPU without one, opportunistic jobs' whose memory
-demands do not fit together) changed speed; the grid points it skips would see the same step
-times as the round before, so the coordinator would return no decisions and the same memo
-(tests/scheduler/test_sim_rounds.py checks this equivalence without step noise). A lone job
-whose rounds decide nothing has them deferred and run only if something happens on its GPU
-before it leaves (`catch_up`).
+"""When the simulator runs a GPU's coordinator round, and what the round sees: each GPU's own
+grid, the grid points event mode skips (they would decide nothing), a lone job's deferred
+rounds (`alone`, `catch_up`), as docs/simulator.md ("When the policies run") describes them;
+tests/scheduler/test_sim_rounds.py checks that event and periodic rounds agree without noise.
 
 `CoordinatorRounds` is a part of `engine.Simulator`, handed the clock, the driver and the jobs
 on each GPU at construction; it plans rounds on the clock (`Clock.set_round`). It also keeps the
