@@ -77,12 +77,9 @@ class Simulator:
         self.all_jobs: list[SimJob] = []
         self.on_gpu: dict[int, dict[str, SimJob]] = {g: {} for g in self.mem}  # book order
         has_auto = self.has_auto = any(j.kind is JobKind.AUTO for j in workload.jobs)
-        # The global policy sees utilisation as the daemon does: refreshed every
-        # UTILISATION_REFRESH_S (the paper's 10 s average, sim/clock.py), not the instant a share
-        # moves. A pass runs on arrivals, finishes and surges, and after a refresh that changed a
-        # GPU if the policy reads utilisation (`_reads_util`); other passes would decide the same
-        # as the last one. tf-antman's reads it only to place opportunistic jobs (and time only
-        # for auto jobs).
+        # Which utilisation refreshes (sim/clock.py) call for a pass (`_reads_util`; docs/simulator.md,
+        # "Global passes"): tf-antman reads utilisation only to place opportunistic jobs (and time
+        # only for auto jobs).
         self.reads_only_opportunistic = policy.schedule is global_scheduler.schedule and not has_auto
         self.counters = {"events": 0, "schedule_calls": 0, "rounds": 0, "decisions": 0, "migrations": 0,
                          "upgrades": 0}
