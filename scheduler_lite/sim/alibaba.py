@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import math
 import random
 from collections.abc import Iterator
@@ -147,16 +148,9 @@ def _pod(row: dict[str, str], where: str, name: str, num: int, milli: float, per
 
 def peak_demand(jobs: list[TraceJob]) -> int:
     """Most whole GPUs asked for at once if every job started on arrival."""
-    events = []
-    for j in jobs:
-        events.append((j.submit_time, j.num_gpus))
-        events.append((j.submit_time + j.runtime_s, -j.num_gpus))
-    events.sort(key=lambda e: (e[0], e[1]))  # departures first at equal times
-    peak = running = 0
-    for _, d in events:
-        running += d
-        peak = max(peak, running)
-    return peak
+    events = sorted([(j.submit_time, j.num_gpus) for j in jobs]  # departures (< 0) first at equal times
+                    + [(j.submit_time + j.runtime_s, -j.num_gpus) for j in jobs])
+    return max(itertools.accumulate(d for _, d in events), default=0)
 
 
 def load_alibaba(
