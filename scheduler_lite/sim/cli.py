@@ -96,21 +96,16 @@ def _check_options(args: argparse.Namespace) -> None:
             import matplotlib  # noqa: F401 - only whether it is there
         except ImportError:
             raise ConfigError("--plots", True, "matplotlib installed (pip install matplotlib)") from None
-    if args.out is not None:  # before hours of simulation, not after
-        _check_out(args.out)
-
-
-def _check_out(out: Path) -> None:
-    """--out is (made) a directory we can write in; ConfigError naming --out if not."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError("--out", str(out), "a directory (this is a file)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError("--out", str(out), f"a writable directory ({e.strerror})") from None
+    if (out := args.out) is not None:  # (made) a directory we can write in, before hours of simulation
+        if out.exists() and not out.is_dir():
+            raise ConfigError("--out", str(out), "a directory (this is a file)")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError("--out", str(out), f"a writable directory ({e.strerror})") from None
 
 
 def _as_option(e: ConfigError | OSError, args: argparse.Namespace) -> ConfigError | OSError:
