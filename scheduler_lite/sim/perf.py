@@ -17,9 +17,8 @@ from scheduler_lite.model import GIB
 from scheduler_lite.policy.validation import ConfigError, check_range
 
 FORMAT = "scheduler_lite.perf_model"
-VERSION = 4  # v4: cpu_phases; v3: colocation_overhead became colocation_interference,
-# cross_group_slowdown, checkpoint_restart_s
-READABLE = (3, 4)  # a v3 file is read as a model without CPU phases
+READABLE = (3, 4)  # v4 added cpu_phases (a v3 file is read as a model without them); v3 renamed
+# colocation_overhead to colocation_interference and added cross_group_slowdown, checkpoint_restart_s
 
 
 @dataclass(frozen=True, slots=True)
