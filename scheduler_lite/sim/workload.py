@@ -1,11 +1,6 @@
-"""Clusters and job traces the simulator runs.
-
-(a) `paper_recipe`: AntMan §5.2: 9 models in 5 equally likely families (Table 3), tenants A
-    (64-GPU quota, guarantee jobs) and B (no quota, opportunistic jobs), run times drawn from
-    the Philly distribution (shipped as quantiles), 8 nodes x 8 V100-32GB.
-(b) `alibaba.load_alibaba`: the 8,152-task Alibaba GPU trace (`alibaba.PODS` and `NODES` under
-    `default_trace_dir()`), or any pod and node list of that format, on a scaled cluster; see
-    docs/simulator.md.
+"""Clusters and job traces the simulator runs: `paper_recipe` (AntMan §5.2) and, in alibaba.py,
+`load_alibaba` (cluster-trace-gpu-v2023: `alibaba.PODS` and `NODES` under `default_trace_dir()`,
+or any pod and node list of that format); docs/simulator.md ("Workloads") describes both.
 """
 
 from __future__ import annotations
