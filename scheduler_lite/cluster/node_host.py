@@ -14,7 +14,7 @@ by its own token after a restart even when several "nodes" share one machine (te
 Fencing: a node host that hears nothing from the global scheduler for `fence_s` (half of
 `cluster.node_timeout_s`) stops its jobs: by then the global scheduler, which declares a silent
 node lost after `node_timeout_s`, may requeue them elsewhere, and a job must never run twice.
-Every call of the global scheduler checks the silence before it acts (`_heard`), so a node host
+Every call of the global scheduler checks the silence before it acts (`_called`), so a node host
 that was frozen (SIGSTOP, a stalled VM) fences its jobs before it answers, whichever of its
 threads runs first. The parts it fenced are remembered with their launch tokens: reported once
 (`report`), and told to a global scheduler that restarts (`info`), so that a job stopped while no
@@ -32,7 +32,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -194,18 +194,20 @@ class NodeHost:
     def info(self) -> dict[str, object]:
         """Who answers, the node's GPUs with their local ids, the parts it runs and the parts it
         fenced (job id -> part token: a restarting global scheduler requeues those jobs)."""
-        with self._lock:
-            self._heard()
+        with self._called():
             return {"node": self.node, "hostname": socket.gethostname(), "pid": os.getpid(),
                     "jobs_dir": str(self.jobs_dir), "gpus": list(self.devices.inventory()),
                     "parts": sorted(self.parts), "fenced": dict(self._fenced)}
 
-    def _heard(self) -> None:
-        """A call of the global scheduler (lock held): fence first if it has been silent for
+    @contextlib.contextmanager
+    def _called(self) -> Iterator[None]:
+        """A call of the global scheduler, under the lock: fence first if it has been silent for
         `fence_s` (a frozen node host that resumes must not act on jobs the scheduler may have
         requeued), then its silence starts again."""
-        self._fence_if_silent()
-        self._contact = time.monotonic()
+        with self._lock:
+            self._fence_if_silent()
+            self._contact = time.monotonic()
+            yield
 
     # -- jobs -------------------------------------------------------------------------------------
 
@@ -214,9 +216,8 @@ class NodeHost:
         """Start the job's part on this node's `gpus` (local ids): (pid, start ticks, job dir). A
         Ray task is booked instead (pid 0): no process is started (Ray starts it), its environment
         is kept for the client (`task_options`)."""
-        with self._lock:
-            assert record.launch_token is not None
-            self._heard()
+        assert record.launch_token is not None
+        with self._called():
             self._fenced.pop(record.id, None)  # a new launch: the old one's fencing is settled
             job_dir = self.local.prepare_dir(record.id, record.uid)
             token = part_token(record.launch_token, rank)
@@ -245,8 +246,7 @@ class NodeHost:
 
     def report(self) -> NodeReport:
         """Exits and the latest stats.json of every part here (one call per node per tick)."""
-        with self._lock:
-            self._heard()
+        with self._called():
             out: dict[str, PartReport] = {}
             for job_id, part in self.parts.items():
                 if part.ended is None:
@@ -264,15 +264,13 @@ class NodeHost:
             return NodeReport(self.node, os.getpid(), out, util, fenced)
 
     def signal(self, job_id: str, sig: int) -> bool:
-        with self._lock:
-            self._heard()
+        with self._called():
             part = self.parts.get(job_id)
             return part is not None and bool(self._via(part).signal(part.handle, sig))
 
     def stop(self, job_id: str, grace_s: float) -> ExitInfo | None:
         """SIGTERM, SIGKILL after grace_s, wait; the part is forgotten. None: no such part here."""
-        with self._lock:
-            self._heard()
+        with self._called():
             part = self.parts.pop(job_id, None)
         if part is None:
             # Processes of the job here that this node host does not hold (a sweep kept them for
@@ -300,15 +298,13 @@ class NodeHost:
 
     def cleanup(self, job_id: str) -> None:
         """The global scheduler recorded the part's end: kill what it left behind, forget it."""
-        with self._lock:
-            self._heard()
+        with self._called():
             part = self.parts.pop(job_id, None)
             if part is not None:
                 self._via(part).cleanup(part.handle)
 
     def write_control(self, job_id: str, control: Control) -> None:
-        with self._lock:
-            self._heard()
+        with self._called():
             write_control(self.local.job_dir(job_id), control)
 
     # -- after a restart of the global scheduler -----------------------------------------------
@@ -316,8 +312,7 @@ class NodeHost:
     def find(self, job_id: str, token: str, rank: int, uid: int | None) -> int | None:
         """The pid of the part started with this launch token: pid file, else the token (/proc).
         A Ray task booked here with this token: 0 until its process claims it."""
-        with self._lock:
-            self._heard()
+        with self._called():
             part = self.parts.get(job_id)
             if part is not None and isinstance(part.handle, _Booking) and part.token == part_token(token, rank):
                 return part.handle.pid
@@ -326,8 +321,7 @@ class NodeHost:
     def adopt(self, job_id: str, token: str, rank: int, uid: int | None, pid: int | None,
               start_ticks: int | None) -> tuple[int, int | None] | ExitInfo:
         """Take the part back: (pid, start ticks) while it runs, else how it ended (and when)."""
-        with self._lock:
-            self._heard()
+        with self._called():
             part = self.parts.get(job_id)
             if part is not None and part.token == part_token(token, rank):
                 ended = part.ended or self._via(part).poll(part.handle)
@@ -347,8 +341,7 @@ class NodeHost:
     def prepare(self, job_id: str) -> None:
         """A launch of the job here is being booked: the files an earlier launch left go first
         (JobHost.prepare says why), a Ray task's release with them."""
-        with self._lock:
-            self._heard()
+        with self._called():
             self.local.clear(job_id, (RELEASED_FILE,))
 
     def read_log(self, job_id: str, stderr: bool, offset: int, limit: int) -> tuple[bytes, int]:
@@ -367,8 +360,7 @@ class NodeHost:
         by the wrapper's name and its job directory under this node's."""
         wanted = {process_name(j, t) for j, t in keep}
         stopped = []
-        with self._lock:
-            self._heard()
+        with self._called():
             for job_id, part in list(self.parts.items()):
                 if process_name(job_id, part.token) not in wanted:
                     self._kill(part)
