@@ -9,7 +9,6 @@ input checks: anything malformed is an error naming the file, line and field, ne
 from __future__ import annotations
 
 import csv
-import dataclasses
 import itertools
 import math
 import random
@@ -120,9 +119,10 @@ def _pick_nodes(nodes: list[tuple[str, int, str]], gpus: int) -> list[tuple[str,
 
 
 def _pod(row: dict[str, str], where: str, name: str, num: int, milli: float, perf: PerfModel,
-         time_compression: float) -> TraceJob:
+         time_compression: float, rng: random.Random, predictions: random.Random) -> TraceJob:
     """The job of a GPU pod that ran (Running, Succeeded, Failed): every field it needs must be
-    there, in range (a missing scheduled_time is an error, not a pod that never ran)."""
+    there, in range (a missing scheduled_time is an error, not a pod that never ran). Its surge
+    is drawn from `rng`, its predicted run time from `predictions`."""
     qos = row["qos"]
     if qos not in GUARANTEE_QOS + OPPORTUNISTIC_QOS:
         raise ConfigError(f"{where} qos", qos, "one of " + ", ".join(GUARANTEE_QOS + OPPORTUNISTIC_QOS))
@@ -143,6 +143,8 @@ def _pod(row: dict[str, str], where: str, name: str, num: int, milli: float, per
         memory_demand_bytes=int(share * DEMAND_REFERENCE_GIB * GIB), utilisation=share,
         step_time_s=perf.models["generic"].step_time_s, surge_growth=perf.surge_growth,
         requested_share=share, cpu_phases=perf.cpu_phases(runtime),
+        surge_at_fraction=perf.surge_at_fraction if rng.random() < perf.surge_probability else None,
+        predicted_runtime_s=runtime * math.exp(predictions.gauss(0.0, PREDICTION_ERROR_SIGMA)),
     )
 
 
@@ -191,11 +193,7 @@ def load_alibaba(
         if name in seen:
             raise ConfigError(f"{where} name", name, f"a name used once (line {seen[name]} has it)")
         seen[name] = i
-        job = _pod(row, where, name, num, milli, perf, time_compression)
-        surge = rng.random() < perf.surge_probability
-        predicted = job.runtime_s * math.exp(predictions.gauss(0.0, PREDICTION_ERROR_SIGMA))
-        jobs.append(dataclasses.replace(job, predicted_runtime_s=predicted,
-                                        surge_at_fraction=perf.surge_at_fraction if surge else None))
+        jobs.append(_pod(row, where, name, num, milli, perf, time_compression, rng, predictions))
     if not jobs:
         raise ConfigError(f"{pods}", "no GPU pod that ran", "at least one row with num_gpu > 0, "
                           "a scheduled_time and a pod_phase other than Pending")
