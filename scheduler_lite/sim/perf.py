@@ -82,12 +82,6 @@ class PerfModel:
                 at += self.evaluation_every_s
         return tuple(edges)
 
-    def contention(self, demand: float) -> float:
-        """Slowdown of every job on a GPU with compute isolation, at total demand D."""
-        if demand <= 1.0:
-            return 1.0
-        return 1.0 + self.contention_slowdown * (demand - 1.0)
-
     def unisolated_speeds(self, demands: list[float]) -> list[float]:
         """Speed of each job (fraction of solo) packed without isolation: kernels interleave
         freely and the job that issues more wins (AntMan §5.1, Fig. 12). Job i gets u_i^a /

@@ -160,7 +160,7 @@ class JobSpeeds:
         demand = 0.0
         for u in demands:
             demand += u
-        # perf.contention, inlined: this runs after every round that moved a share.
+        # With isolation every job is slowed by 1 + k (D - 1) once the summed demand D > 1.
         slow = 1.0 + k * (demand - 1.0) if demand > 1.0 else 1.0
         compute = None
         if not isolated and n > 1 and demand > 1.0:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib import resources
 
 import pytest
 
+from scheduler_lite.model import GIB, JobKind, Role
+from scheduler_lite.policy.registry import POLICIES
 from scheduler_lite.policy.validation import ConfigError
+from scheduler_lite.sim.clock import Clock
 from scheduler_lite.sim.perf import load_perf_model
-from scheduler_lite.sim.workload import paper_recipe
+from scheduler_lite.sim.simjob import SimJob
+from scheduler_lite.sim.speeds import JobSpeeds
+from scheduler_lite.sim.workload import TraceJob, paper_recipe
 
 PERF = load_perf_model()
 
@@ -25,7 +31,21 @@ def test_packing_without_isolation_reproduces_antman_fig12():
 def test_packing_equal_jobs_is_proportional_time_slicing():
     assert PERF.unisolated_speeds([0.9, 0.9]) == pytest.approx([1 / 1.8, 1 / 1.8])
     assert PERF.unisolated_speeds([0.3, 0.5]) == [1.0, 1.0]  # the GPU is not saturated
-    assert PERF.contention(1.4) == pytest.approx(1 + PERF.contention_slowdown * 0.4)
+
+
+def test_isolated_jobs_over_a_full_gpu_are_slowed_by_contention():
+    # Two guarantee jobs of u 0.7 on one GPU with compute isolation: D = 1.4, each slowed by
+    # 1 + k (D - 1) (speeds.JobSpeeds._shared_gpu), and by bandwidth interference from the other.
+    trace = TraceJob("a", "A", JobKind.GUARANTEE, 0.0, 1, 100.0, "generic", GIB, 0.7, 0.5)
+    jobs = {}
+    for jid in ("a", "b"):
+        sj = SimJob(dataclasses.replace(trace, id=jid), PERF.models["generic"], 0)
+        sj.gpus, sj.limits, sj.role = (0,), {0: GIB}, Role.GUARANTEE
+        jobs[jid] = sj
+    speeds = JobSpeeds(Clock(), None, perf=PERF, policy=POLICIES["tf-antman"], on_gpu={0: jobs})  # type: ignore[arg-type]
+    speeds._shared_gpu(0, jobs, {}, None)
+    slow = (1 + PERF.contention_slowdown * 0.4) * (1 + PERF.colocation_interference * 0.7)
+    assert [sj.gpu_speed[0] for sj in jobs.values()] == pytest.approx([1 / slow, 1 / slow])
 
 
 def _raw() -> dict:
