@@ -46,6 +46,9 @@ def test_isolated_jobs_over_a_full_gpu_are_slowed_by_contention():
     speeds._shared_gpu(0, jobs, {}, None)
     slow = (1 + PERF.contention_slowdown * 0.4) * (1 + PERF.colocation_interference * 0.7)
     assert [sj.gpu_speed[0] for sj in jobs.values()] == pytest.approx([1 / slow, 1 / slow])
+    alone = {"a": jobs["a"]}  # no co-runner: no contention, no bandwidth interference
+    speeds._shared_gpu(0, alone, {}, None)
+    assert jobs["a"].gpu_speed[0] == 1.0
 
 
 def _raw() -> dict:
