@@ -1,4 +1,4 @@
-"""Durable state of the daemon behind one contract (base.Storage): memory and SQLite implementations."""
+"""Durable state of the daemon behind one contract (base.Storage), kept by SQLite (in a file or in memory)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from scheduler_lite.storage.base import (
     Storage,
     StorageError,
 )
-from scheduler_lite.storage.memory import MemoryStorage
-from scheduler_lite.storage.sqlite import SqliteStorage
+from scheduler_lite.storage.sqlite import MemoryStorage, SqliteStorage
 
 __all__ = [
     "MAX_EVENTS",

@@ -1,7 +1,7 @@
 """The storage contract of the daemon: what every implementation stores and promises.
 
-One contract, several implementations (`MemoryStorage` for tests and the library, `SqliteStorage`
-for the daemon and the CLI, which share one database file); tests/scheduler/test_storage_contract.py
+One contract, kept by `SqliteStorage` in the database file the daemon and the CLI share, or by
+`MemoryStorage` (tests, the library) in an in-memory database; tests/scheduler/test_storage_contract.py
 runs the same suite against each.
 
 The store is the truth about jobs: the daemon's in-memory book is rebuilt from it on start, so a

@@ -1,4 +1,5 @@
-"""Storage in one SQLite file, shared by the daemon and the CLI processes.
+"""Storage in one SQLite file, shared by the daemon and the CLI processes (or, `MemoryStorage`,
+in an in-memory database of its own).
 
 WAL so that readers (`scheduler-lite list`) never block the daemon's writes; a busy timeout so
 that two writers wait for each other instead of failing; every write inside `BEGIN IMMEDIATE`
@@ -154,10 +155,14 @@ _ALL_STATES: Final = ", ".join(f"'{s}'" for s in JobStatus)  # every row's state
 class SqliteStorage:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        if str(path) != ":memory:":
+        in_memory = str(path) == ":memory:"
+        if not in_memory:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Autocommit mode: transactions are ours (BEGIN IMMEDIATE), not the sqlite3 module's.
-        self._db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        # Autocommit mode: transactions are ours (BEGIN IMMEDIATE), not the sqlite3 module's. An
+        # in-memory database is this connection alone: like any object it may pass to another
+        # thread (a test builds the daemon, a thread serves it), used by one at a time.
+        self._db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                   check_same_thread=not in_memory)
         self._open = False  # inside a transaction block: a nested one joins it
         self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         # Switching to WAL needs the database to itself and SQLite does not always wait for that
@@ -359,6 +364,14 @@ class SqliteStorage:
 
     def close(self) -> None:
         self._db.close()
+
+
+class MemoryStorage(SqliteStorage):
+    """Storage without a file (tests, the daemon as a library): SQLite's in-memory database, so
+    the one implementation of the contract serves both."""
+
+    def __init__(self) -> None:
+        super().__init__(":memory:")
 
 
 def _retry_locked(call: Callable[[], object]) -> None:
