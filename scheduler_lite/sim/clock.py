@@ -7,7 +7,7 @@ another time) leaves the old entry in the heap, skipped when it comes up.
 
 The simulator's parts (sim/lifecycle.py, sim/speeds.py, sim/rounds.py) share one `Clock`, handed
 to each at construction; it points at none of them (a part that pointed back at the simulator
-would make a reference cycle: sim/nogc.py says why the run must leave none).
+would make a reference cycle: engine.simulate says why the run must leave none).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cyclic collector is paused during a simulation and restored after it (sim/nogc.py)."""
+"""The cyclic collector is paused during a simulation and restored after it (engine.simulate)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 from scheduler_lite.policy.registry import POLICIES
 from scheduler_lite.sim import engine
 from scheduler_lite.sim.engine import simulate
-from scheduler_lite.sim.nogc import collector_paused
 from scheduler_lite.sim.perf import load_perf_model
 from scheduler_lite.sim.workload import paper_recipe
 
@@ -41,17 +40,20 @@ def test_simulation_runs_without_the_collector_and_gives_it_back(collector_on, m
     assert gc.isenabled()
 
 
-def test_the_collector_comes_back_after_an_error(collector_on):
-    with pytest.raises(RuntimeError, match="boom"), collector_paused():
+def test_the_collector_comes_back_after_an_error(collector_on, monkeypatch):
+    def boom(self):
         assert not gc.isenabled()
         raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.Simulator, "run", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        simulate(WL, POLICIES["tf-antman"], PERF, seed=1)
     assert gc.isenabled()
 
 
 def test_a_caller_that_had_it_off_keeps_it_off(collector_on):
     gc.disable()
-    with collector_paused():
-        pass
+    simulate(WL, POLICIES["tf-antman"], PERF, seed=1)
     assert not gc.isenabled()
 
 
