@@ -1,4 +1,4 @@
-"""Durable state of the daemon behind one contract (base.Storage), kept by SQLite (in a file or in memory)."""
+"""Durable state of the daemon behind one contract (`Storage`), kept by SQLite (in a file or in memory)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from scheduler_lite.storage.base import (
     JobSpec,
     JobStatus,
     PlacementRecord,
-    Storage,
     StorageError,
 )
 from scheduler_lite.storage.sqlite import MemoryStorage, SqliteStorage
+
+Storage = SqliteStorage  # the contract is what its methods promise; MemoryStorage is one too
 
 __all__ = [
     "MAX_EVENTS",

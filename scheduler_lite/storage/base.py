@@ -1,8 +1,7 @@
-"""The storage contract of the daemon: what every implementation stores and promises.
-
-One contract, kept by `SqliteStorage` in the database file the daemon and the CLI share, or by
-`MemoryStorage` (tests, the library) in an in-memory database; tests/scheduler/test_storage_contract.py
-runs the same suite against each.
+"""What the daemon's store holds (its records) and the rules of its contract, which the methods of
+`SqliteStorage` (sqlite.py, also `Storage`) state: kept in the database file the daemon and the CLI
+share, or by `MemoryStorage` (tests, the library) in an in-memory database;
+tests/scheduler/test_storage_contract.py runs the same suite against each.
 
 The store is the truth about jobs: the daemon's in-memory book is rebuilt from it on start, so a
 crash loses nothing that was committed. Writes are column-level (`update_job(id, **fields)`), so
@@ -14,9 +13,8 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from scheduler_lite.model import JobKind, Role
 
@@ -167,74 +165,6 @@ class PlacementRecord:
     compute_share: float
 
 
-class Storage(Protocol):
-    def transaction(self) -> AbstractContextManager[None]:
-        """Group calls atomically: all committed at the end of the block, none if it raises.
-        Nested blocks join the outermost one."""
-        ...
-
-    def add_job(self, spec: JobSpec) -> JobRecord:
-        """Store a queued job under a new id (unique for the life of the store). StorageError when
-        `spec.request_id` is set and a job of the same submitter (`uid`, None for the daemon's
-        own user) already carries it: a submission is recorded once."""
-        ...
-
-    def job_by_request(self, uid: int | None, request_id: str) -> JobRecord | None:
-        """The job submitted by `uid` (None: the daemon's own user, library submissions) with
-        this request id, if any; another submitter's job with the same id is not found."""
-        ...
-
-    def get_job(self, job_id: str) -> JobRecord | None: ...
-
-    def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
-        """Jobs in submission order, optionally only those in `states`."""
-        ...
-
-    def jobs_page(self, limit: int, before: str | None = None,
-                  states: Iterable[JobStatus] | None = None) -> JobPage:
-        """The newest `limit` (>= 1) jobs, optionally only those in `states`, submitted before the
-        job `before` (a cursor: a job id, whether or not that job exists; None: from the newest),
-        in submission order, with how many matching older ones remain. A keyset on `seq`, not an
-        offset: jobs submitted between two pages never shift the next one. Reads the page's jobs
-        and an index, never every job (`list` on a store of 100,000 jobs)."""
-        ...
-
-    def update_job(self, job_id: str, **fields: Any) -> JobRecord:
-        """Set columns of UPDATABLE; StorageError for an unknown job or column."""
-        ...
-
-    def add_event(self, time: float, kind: str, job_id: str | None = None, /, **detail: Any) -> int:
-        """Append an event (detail must be JSON-serialisable); returns its id, increasing."""
-        ...
-
-    def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
-        """Events with id > after_id, oldest first, of one job or all."""
-        ...
-
-    def newest_events(self, job_id: str, n: int) -> tuple[list[EventRecord], int]:
-        """The job's newest `n` events, oldest first, and how many older ones it has (what `show`
-        answers: a job can have 100,000 events, some large, and reading them all is not bounded)."""
-        ...
-
-    def prune_events(self, keep: int = MAX_EVENTS) -> int:
-        """Delete all but the newest `keep` events; returns how many were deleted."""
-        ...
-
-    def set_placement(self, job_id: str, gpu: int, memory_limit_bytes: int, compute_share: float) -> None: ...
-
-    def placements(self, job_id: str | None = None) -> list[PlacementRecord]:
-        """Ordered by job submission, then GPU."""
-        ...
-
-    def clear_placements(self, job_id: str) -> None: ...
-
-    def set_quota(self, tenant: str, gpu_quota: int) -> None: ...
-
-    def quotas(self) -> dict[str, int]: ...
-
-    def close(self) -> None: ...
-
-
 def job_id_for(seq: int) -> str:
     return f"job-{seq}"
 
@@ -245,19 +175,6 @@ def seq_of(job_id: object) -> int:
     if match is None or int(match[1]) > MAX_SEQ:
         raise StorageError(f"{str(job_id)[:60]!r} is not a job id: accepted job-N, N in [1, {MAX_SEQ}]")
     return int(match[1])
-
-
-def check_new_job(store: Storage, spec: JobSpec) -> None:
-    """add_job's refusals: a malformed request id, or one its submitter already used."""
-    request_id = spec.request_id
-    if request_id is None:
-        return
-    if not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None:
-        raise StorageError(f"request id {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
-                           "A-Z a-z 0-9 _ . : -")
-    first = store.job_by_request(spec.uid, request_id)
-    if first is not None:
-        raise StorageError(f"request id {request_id!r} of uid {spec.uid} is already recorded as {first.id}")
 
 
 def check_limit(limit: int) -> int:

@@ -15,7 +15,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Final
 
@@ -23,6 +23,7 @@ from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage.base import (
     MAX_EVENTS,
     MAX_SEQ,
+    REQUEST_ID,
     SCHEMA_VERSION,
     EventRecord,
     JobPage,
@@ -33,7 +34,6 @@ from scheduler_lite.storage.base import (
     StorageError,
     check_fields,
     check_limit,
-    check_new_job,
     check_states,
     job_id_for,
     seq_of,
@@ -211,14 +211,25 @@ class SqliteStorage:
             self._open = False
         self._db.execute("COMMIT")
 
-    def transaction(self) -> Any:
+    def transaction(self) -> AbstractContextManager[None]:
+        """Group calls atomically: all committed at the end of the block, none if it raises.
+        Nested blocks join the outermost one."""
         return self._begin("IMMEDIATE")
 
     # -- jobs -------------------------------------------------------------------------------------
 
     def add_job(self, spec: JobSpec) -> JobRecord:
+        """Store a queued job under a new id (unique for the life of the store). StorageError when
+        `spec.request_id` is malformed, or set and a job of the same submitter (`uid`, None for the
+        daemon's own user) already carries it: a submission is recorded once."""
+        request_id = spec.request_id
+        if request_id is not None and (not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None):
+            raise StorageError(f"request id {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
+                               "A-Z a-z 0-9 _ . : -")
         with self.transaction():
-            check_new_job(self, spec)
+            first = None if request_id is None else self.job_by_request(spec.uid, request_id)
+            if first is not None:
+                raise StorageError(f"request id {request_id!r} of uid {spec.uid} is already recorded as {first.id}")
             cur = self._db.execute(_INSERT_JOB, [str(JobStatus.QUEUED),
                                                  *(_column(c, getattr(spec, c)) for c in _SPEC_COLUMNS)])
             seq = cur.lastrowid
@@ -233,12 +244,15 @@ class SqliteStorage:
         return None if row is None else _job(row)
 
     def job_by_request(self, uid: int | None, request_id: str) -> JobRecord | None:
+        """The job submitted by `uid` (None: the daemon's own user, library submissions) with
+        this request id, if any; another submitter's job with the same id is not found."""
         # The same expression as the unique index's, so the lookup is an index search.
         row = self._db.execute(f"{_SELECT_JOBS} WHERE IFNULL(uid, -1) = ? AND request_id = ?",
                                (-1 if uid is None else uid, request_id)).fetchone()
         return None if row is None else _job(row)
 
     def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
+        """Jobs in submission order, optionally only those in `states`."""
         wanted = check_states(states)
         where = "" if wanted is None else f" WHERE state IN ({', '.join('?' * len(wanted))})"
         rows = self._db.execute(f"{_SELECT_JOBS}{where} ORDER BY seq", [str(s) for s in wanted or ()])
@@ -246,6 +260,11 @@ class SqliteStorage:
 
     def jobs_page(self, limit: int, before: str | None = None,
                   states: Iterable[JobStatus] | None = None) -> JobPage:
+        """The newest `limit` (>= 1) jobs, optionally only those in `states`, submitted before the
+        job `before` (a cursor: a job id, whether or not that job exists; None: from the newest),
+        in submission order, with how many matching older ones remain. A keyset on `seq`, not an
+        offset: jobs submitted between two pages never shift the next one. Reads the page's jobs
+        and an index, never every job (`list` on a store of 100,000 jobs)."""
         check_limit(limit)
         below = MAX_SEQ if before is None else seq_of(before)  # seq < below; ids never reach MAX_SEQ
         wanted = check_states(states)
@@ -283,6 +302,7 @@ class SqliteStorage:
         return JobPage(tuple(jobs), remaining)
 
     def update_job(self, job_id: str, **fields: Any) -> JobRecord:
+        """Set columns of UPDATABLE; StorageError for an unknown job or column."""
         check_fields(fields)
         values = [_column(k, v) for k, v in fields.items()]
         with self.transaction():
@@ -297,6 +317,7 @@ class SqliteStorage:
     # -- events -----------------------------------------------------------------------------------
 
     def add_event(self, time: float, kind: str, job_id: str | None = None, /, **detail: Any) -> int:
+        """Append an event (detail must be JSON-serialisable); returns its id, increasing."""
         text = json.dumps(detail)
         with self.transaction():
             cur = self._db.execute(
@@ -306,6 +327,7 @@ class SqliteStorage:
             return cur.lastrowid
 
     def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
+        """Events with id > after_id, oldest first, of one job or all."""
         sql = "SELECT id, time, job_id, kind, detail FROM events WHERE id > ?"
         args: list[Any] = [after_id]
         if job_id is not None:
@@ -318,12 +340,15 @@ class SqliteStorage:
         return [EventRecord(i, t, j, k, json.loads(d)) for i, t, j, k, d in self._db.execute(sql, args)]
 
     def newest_events(self, job_id: str, n: int) -> tuple[list[EventRecord], int]:
+        """The job's newest `n` events, oldest first, and how many older ones it has (what `show`
+        answers: a job can have 100,000 events, some large, and reading them all is not bounded)."""
         rows = self._db.execute("SELECT id, time, job_id, kind, detail FROM events WHERE job_id = ? "
                                 "ORDER BY id DESC LIMIT ?", (job_id, max(0, n))).fetchall()
         (total,) = self._db.execute("SELECT COUNT(*) FROM events WHERE job_id = ?", (job_id,)).fetchone()
         return [EventRecord(i, t, j, k, json.loads(d)) for i, t, j, k, d in reversed(rows)], total - len(rows)
 
     def prune_events(self, keep: int = MAX_EVENTS) -> int:
+        """Delete all but the newest `keep` events; returns how many were deleted."""
         with self.transaction():
             cur = self._db.execute("DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (keep,))
             return cur.rowcount
@@ -342,6 +367,7 @@ class SqliteStorage:
             )
 
     def placements(self, job_id: str | None = None) -> list[PlacementRecord]:
+        """Ordered by job submission, then GPU."""
         where = "" if job_id is None else " WHERE p.job_id = ?"
         rows = self._db.execute("SELECT p.job_id, p.gpu, p.memory_limit_bytes, p.compute_share FROM placements p "
                                 f"JOIN jobs j ON j.id = p.job_id{where} ORDER BY j.seq, p.gpu", [job_id] if where else [])

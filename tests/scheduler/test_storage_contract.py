@@ -1,4 +1,4 @@
-"""One contract, run against every Storage implementation (scheduler_lite/storage/base.py)."""
+"""One contract (scheduler_lite/storage: Storage), run against a database file and an in-memory one."""
 
 from __future__ import annotations
 
