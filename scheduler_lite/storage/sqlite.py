@@ -328,16 +328,10 @@ class SqliteStorage:
 
     def events(self, job_id: str | None = None, after_id: int = 0, limit: int | None = None) -> list[EventRecord]:
         """Events with id > after_id, oldest first, of one job or all."""
-        sql = "SELECT id, time, job_id, kind, detail FROM events WHERE id > ?"
-        args: list[Any] = [after_id]
-        if job_id is not None:
-            sql += " AND job_id = ?"
-            args.append(job_id)
-        sql += " ORDER BY id"
-        if limit is not None:
-            sql += " LIMIT ?"
-            args.append(limit)
-        return [EventRecord(i, t, j, k, json.loads(d)) for i, t, j, k, d in self._db.execute(sql, args)]
+        where = "" if job_id is None else " AND job_id = ?"
+        args = [after_id, *([job_id] if where else []), -1 if limit is None else limit]  # LIMIT -1: no limit
+        return [EventRecord(i, t, j, k, json.loads(d)) for i, t, j, k, d in self._db.execute(
+            f"SELECT id, time, job_id, kind, detail FROM events WHERE id > ?{where} ORDER BY id LIMIT ?", args)]
 
     def newest_events(self, job_id: str, n: int) -> tuple[list[EventRecord], int]:
         """The job's newest `n` events, oldest first, and how many older ones it has (what `show`
