@@ -92,8 +92,7 @@ class JobLifecycle(PassWorld):
             return EARLY
         if surge_pending:
             for g in sj.gpus:
-                if g in self.rounds.deferred:
-                    self.rounds.catch_up(g, inclusive=False)
+                self.rounds.catch_up(g, inclusive=False)
             sj.surged = True
             cap = min(self.mem[g] for g in sj.gpus)
             sj.demand = min(cap, int(sj.demand * (1 + tj.surge_growth)))
@@ -209,8 +208,7 @@ class JobLifecycle(PassWorld):
         # the driver's busy mark on its GPUs lasts until then.
         self.driver.first_step(sj.book_id, self.clock.now)
         for g in d.gpus:
-            if g in self.rounds.deferred:
-                self.rounds.catch_up(g, inclusive=False)
+            self.rounds.catch_up(g, inclusive=False)
             self.on_gpu[g][sj.book_id] = sj
             if self.stale_on_start:
                 self.clock.stale(g)

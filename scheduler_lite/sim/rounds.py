@@ -131,7 +131,7 @@ class CoordinatorRounds:
         return sj.limits.get(gpu, 0) == self.mem[gpu] and sj.shares.get(gpu, 1.0) == 1.0
 
     def catch_up(self, gpu: int, inclusive: bool, still_alone: bool = False) -> None:
-        """Run the deferred rounds of a lone job (`alone`) before its GPU changes.
+        """Run the deferred rounds of a lone job (`alone`), if any, before its GPU changes.
 
         Rounds due before now see the GPU as it was then (nothing changed since, or this would
         have run earlier). A round due exactly now runs here when the change is not one that
