@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -176,18 +176,3 @@ def seq_of(job_id: object) -> int:
         raise StorageError(f"{str(job_id)[:60]!r} is not a job id: accepted job-N, N in [1, {MAX_SEQ}]")
     return int(match[1])
 
-
-def check_limit(limit: int) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise StorageError(f"page limit {limit!r} is invalid: accepted an integer >= 1")
-    return limit
-
-
-def check_fields(fields: Mapping[str, Any]) -> None:
-    bad = sorted(set(fields) - UPDATABLE)
-    if bad:
-        raise StorageError(f"cannot update job column {bad[0]!r}; updatable: {', '.join(sorted(UPDATABLE))}")
-
-
-def check_states(states: Iterable[JobStatus] | None) -> frozenset[JobStatus] | None:
-    return None if states is None else frozenset(JobStatus(s) for s in states)

@@ -25,6 +25,7 @@ from scheduler_lite.storage.base import (
     MAX_SEQ,
     REQUEST_ID,
     SCHEMA_VERSION,
+    UPDATABLE,
     EventRecord,
     JobPage,
     JobRecord,
@@ -32,9 +33,6 @@ from scheduler_lite.storage.base import (
     JobStatus,
     PlacementRecord,
     StorageError,
-    check_fields,
-    check_limit,
-    check_states,
     job_id_for,
     seq_of,
 )
@@ -253,7 +251,7 @@ class SqliteStorage:
 
     def list_jobs(self, states: Iterable[JobStatus] | None = None) -> list[JobRecord]:
         """Jobs in submission order, optionally only those in `states`."""
-        wanted = check_states(states)
+        wanted = _states(states)
         where = "" if wanted is None else f" WHERE state IN ({', '.join('?' * len(wanted))})"
         rows = self._db.execute(f"{_SELECT_JOBS}{where} ORDER BY seq", [str(s) for s in wanted or ()])
         return [_job(r) for r in rows]
@@ -265,9 +263,10 @@ class SqliteStorage:
         in submission order, with how many matching older ones remain. A keyset on `seq`, not an
         offset: jobs submitted between two pages never shift the next one. Reads the page's jobs
         and an index, never every job (`list` on a store of 100,000 jobs)."""
-        check_limit(limit)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise StorageError(f"page limit {limit!r} is invalid: accepted an integer >= 1")
         below = MAX_SEQ if before is None else seq_of(before)  # seq < below; ids never reach MAX_SEQ
-        wanted = check_states(states)
+        wanted = _states(states)
         with self._begin("DEFERRED"):  # one snapshot for the page and its count
             if wanted is None:
                 # Backwards along the primary key from the cursor: reads the page's rows only.
@@ -303,7 +302,9 @@ class SqliteStorage:
 
     def update_job(self, job_id: str, **fields: Any) -> JobRecord:
         """Set columns of UPDATABLE; StorageError for an unknown job or column."""
-        check_fields(fields)
+        bad = sorted(set(fields) - UPDATABLE)
+        if bad:
+            raise StorageError(f"cannot update job column {bad[0]!r}; updatable: {', '.join(sorted(UPDATABLE))}")
         values = [_column(k, v) for k, v in fields.items()]
         with self.transaction():
             if fields:
@@ -405,6 +406,10 @@ def _retry_locked(call: Callable[[], object]) -> None:
             if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.01)
+
+
+def _states(states: Iterable[JobStatus] | None) -> frozenset[JobStatus] | None:
+    return None if states is None else frozenset(JobStatus(s) for s in states)
 
 
 def _column(name: str, value: Any) -> Any:
