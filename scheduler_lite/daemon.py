@@ -67,7 +67,6 @@ from scheduler_lite.model import (
     Unreserve,
     Upgrade,
 )
-from scheduler_lite.policy.book import ClusterBook
 from scheduler_lite.policy.global_scheduler import schedule
 from scheduler_lite.recovery import Recovery, book_job
 from scheduler_lite.state_dir import LOCK_FILE
@@ -163,19 +162,6 @@ class Daemon:
         self._recovery = Recovery(config, clock, storage, self.host, self.jobs, self)
         self._recovery.recover(now)
 
-    # The job table's parts, as status, tests and benches read them.
-    @property
-    def driver(self) -> Driver:
-        return self.jobs.driver
-
-    @property
-    def book(self) -> ClusterBook:
-        return self.jobs.driver.book
-
-    @property
-    def gpus(self) -> dict[int, Gpu]:
-        return self.jobs.gpus
-
     # -- public API -------------------------------------------------------------------------------
 
     def submit(
@@ -218,7 +204,7 @@ class Daemon:
         self._ingest(now, out)
         self._reap(now, out)
         self.controls.observe(now)
-        waiting = self.book.pending_count() > 0
+        waiting = self.jobs.book.pending_count() > 0
         if self._dirty or (waiting and now - self._last_schedule >= self.config.daemon.schedule_interval_s):
             self._schedule(now, out)
         self._migrate(now, out)
@@ -230,11 +216,11 @@ class Daemon:
         return out.freeze()
 
     def status(self) -> ClusterStatus:
-        utilisation = {g: self.book.gpus[g].utilisation for g in self.gpus}
-        phases = {g: str(m.phase) for g, m in self.driver.memos.items()}
+        utilisation = {g: self.jobs.book.gpus[g].utilisation for g in self.jobs.gpus}
+        phases = {g: str(m.phase) for g, m in self.jobs.driver.memos.items()}
         stats = {j: (live.stats, live.stats_error) for j, live in self.jobs.live.items()}
-        status = build_status(self.config, self.storage, list(self.gpus.values()), self.clock(), stats,
-                              utilisation, phases, self.book.reservations)
+        status = build_status(self.config, self.storage, list(self.jobs.gpus.values()), self.clock(), stats,
+                              utilisation, phases, self.jobs.book.reservations)
         absent = self.host.absent()
         return replace(status, absent_nodes=absent) if absent else status
 
@@ -255,7 +241,7 @@ class Daemon:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, lambda signum, frame: self._stop.set())
-        log.info("serving %d GPU(s) from %s", len(self.gpus), self.config.state_dir)
+        log.info("serving %d GPU(s) from %s", len(self.jobs.gpus), self.config.state_dir)
         # The state directory's files that make this daemon the one serving it.
         state_files = [self.config.state_dir / LOCK_FILE, self.config.socket_path, self.config.db_path]
         held = {path: found for path in state_files if (found := file_identity(path)) is not None}
@@ -302,7 +288,7 @@ class Daemon:
     def lose(self, job_id: str, now: float) -> LiveJob | None:
         live = self.jobs.live.pop(job_id, None)
         self.jobs.booked = [b for b in self.jobs.booked if b.job_id != job_id]
-        self.driver.finish(job_id, now, failed=True)
+        self.jobs.driver.finish(job_id, now, failed=True)
         self._dirty = True
         return live
 
@@ -336,7 +322,7 @@ class Daemon:
         reservations are recomputed by the next pass. `size_known`: queued jobs that waited for
         the host's size and can never run fail now, with the reason.
         """
-        old = self.driver
+        old = self.jobs.driver
         new = Driver(gpus, old.book.tenants.values(), policy=old.policy, scheduler_config=old.scheduler_config,
                      coordinator_config=old.ccfg)
         ids = {g.id for g in gpus}
@@ -351,18 +337,18 @@ class Daemon:
         self._dirty = True
         if not size_known:
             return
-        for job in [j for j in self.book.jobs.values() if j.state is JobState.PENDING]:
+        for job in [j for j in self.jobs.book.jobs.values() if j.state is JobState.PENDING]:
             record = self.storage.get_job(job.id)
             problem = self._cannot_run(record) if record is not None else None
             if problem is not None:
                 self._reject(job.id, problem, now, None)
-                self.driver.finish(job.id, now, failed=True)
+                self.jobs.driver.finish(job.id, now, failed=True)
 
     # -- 1. ingest --------------------------------------------------------------------------------
 
     def _ingest(self, now: float, out: TickLog) -> None:
         for record in self.storage.list_jobs([JobStatus.QUEUED, JobStatus.RUNNING]):
-            new = record.state is JobStatus.QUEUED and record.id not in self.book.jobs
+            new = record.state is JobStatus.QUEUED and record.id not in self.jobs.book.jobs
             if new and not self.enqueue(record, now, out):
                 continue
             if not record.cancel_requested:
@@ -372,7 +358,7 @@ class Daemon:
                     self.storage.update_job(record.id, state=JobStatus.CANCELLED, ended_at=now,
                                             reason="cancelled while queued")
                     self.storage.add_event(now, "cancelled", record.id, while_state="queued")
-                self.driver.finish(record.id, now, failed=True)
+                self.jobs.driver.finish(record.id, now, failed=True)
                 out.ended.append((record.id, JobStatus.CANCELLED, None))
                 self._dirty = True
             else:
@@ -388,7 +374,7 @@ class Daemon:
         if problem is not None:
             self._reject(record.id, problem, now, out)
             return False
-        self.driver.submit(book_job(record, self.gpus.values()))
+        self.jobs.driver.submit(book_job(record, self.jobs.gpus.values()))
         self._dirty = True
         if out is not None:
             out.picked_up.append(record.id)
@@ -401,15 +387,15 @@ class Daemon:
         problem = self.host.cannot_run(record)
         if problem is not None:
             return problem
-        largest = max((g.memory_bytes for g in self.gpus.values()), default=0)
+        largest = max((g.memory_bytes for g in self.jobs.gpus.values()), default=0)
         # The config, not the book: the book also holds tenants dropped from the config while a
         # job of theirs ran (quota 0, until it ends); their queued jobs must not run.
         if self.config.tenant(record.tenant) is None:
             return f"tenant {record.tenant!r} is not configured"
         if not self.host.size_known():
             return None
-        if record.num_gpus > len(self.gpus):
-            return f"needs {record.num_gpus} GPUs; this machine has {len(self.gpus)}"
+        if record.num_gpus > len(self.jobs.gpus):
+            return f"needs {record.num_gpus} GPUs; this machine has {len(self.jobs.gpus)}"
         if record.memory_bytes is not None and not 0 < record.memory_bytes <= largest:
             return f"memory {record.memory_bytes} bytes is outside [1, {largest}] (the largest GPU)"
         return None
@@ -459,7 +445,7 @@ class Daemon:
         self.host.cleanup(live.handle)
         record = self.storage.get_job(job_id) or live.record
         if live.requeue is not None and not record.cancel_requested:
-            self.driver.requeue(job_id, now)
+            self.jobs.driver.requeue(job_id, now)
             self.record_lost(job_id, now, f"{live.requeue}; {describe_exit(ended.exit_code)}", requeue=True)
             log.info("%s requeued: %s", job_id, live.requeue)
             self._dirty = True
@@ -484,8 +470,8 @@ class Daemon:
             self.storage.add_event(now, "exited", record.id, state=str(state), exit_code=ended.exit_code,
                                    reason=reason)
         log.info("%s %s: %s", record.id, state, reason)
-        if record.id in self.driver.settings:
-            self.driver.finish(record.id, now, failed=state is not JobStatus.FINISHED)
+        if record.id in self.jobs.driver.settings:
+            self.jobs.driver.finish(record.id, now, failed=state is not JobStatus.FINISHED)
         self._dirty = True
         if out is not None:
             out.ended.append((record.id, state, ended.exit_code))
@@ -496,7 +482,7 @@ class Daemon:
         self._dirty = False
         self._last_schedule = now
         records = _PassRecords(self, now, out)
-        out.decisions.extend(self.driver.run_pass(now, records))  # the simulator's decision loop too (driver.py)
+        out.decisions.extend(self.jobs.driver.run_pass(now, records))  # the simulator's decision loop too (driver.py)
         for launch in records.launches:  # booked after the pass's records
             self._book_launch(launch, now, out)
 
@@ -524,13 +510,13 @@ class Daemon:
         # Not a job being stopped (a cancel) or stopped to be queued again (jobs.misbehaviour = "requeue").
         restartable = [j for j, live in self.jobs.live.items()
                        if live.record.restartable and live.stop_sent_at is None and live.requeue is None]
-        low = self.driver.stranded(restartable, cfg.stranded_share) if restartable else {}
+        low = self.jobs.driver.stranded(restartable, cfg.stranded_share) if restartable else {}
         if not low:
             return
-        for move in self.driver.plan_migrations(now, low, cfg):
+        for move in self.jobs.driver.plan_migrations(now, low, cfg):
             live = self.jobs.live.pop(move.job_id)
             old = live.record.placement
-            launch = self.driver.migrate(move, now)
+            launch = self.jobs.driver.migrate(move, now)
             with self.storage.transaction():
                 live.record = self.storage.update_job(move.job_id, placement=launch.gpus, migrating=True)
                 self.storage.clear_placements(move.job_id)
@@ -554,7 +540,7 @@ class Daemon:
         end: a restartable job stopped by SIGTERM resumes from its checkpoints."""
         record = self.storage.get_job(job_id)
         assert record is not None
-        if record.cancel_requested or job_id not in self.driver.settings:
+        if record.cancel_requested or job_id not in self.jobs.driver.settings:
             self.record_end(record, ended, now, "stopped while migrating", out)
             return
         # The old launch's pid and exit files go when the host prepares the new launch (by them a
@@ -588,7 +574,7 @@ class Daemon:
     def _launch_failed(self, launch: Launch, now: float, out: TickLog | None, reason: str) -> None:
         """Release the booking (driver and store): the job failed, its GPUs are free again."""
         log.error("%s: %s", launch.job_id, reason)
-        self.driver.finish(launch.job_id, now, failed=True)
+        self.jobs.driver.finish(launch.job_id, now, failed=True)
         self._dirty = True
         self.record_lost(launch.job_id, now, reason, requeue=False)
         if out is not None:
@@ -599,14 +585,14 @@ class Daemon:
     def _start_booked(self, now: float, out: TickLog) -> None:
         booked, self.jobs.booked = self.jobs.booked, []
         for launch in booked:
-            if launch.job_id not in self.driver.settings:  # released meanwhile
+            if launch.job_id not in self.jobs.driver.settings:  # released meanwhile
                 continue
             try:
                 record = self.storage.get_job(launch.job_id)
                 assert record is not None and record.launch_token is not None and record.job_dir is not None
                 job_dir = Path(record.job_dir)
                 limit, share = launch.memory_limit_bytes(), launch.compute_share()
-                handle = self.host.start(launch, record, job_dir, [self.gpus[g] for g in launch.gpus])
+                handle = self.host.start(launch, record, job_dir, [self.jobs.gpus[g] for g in launch.gpus])
                 self._faults.at("started")
                 with self.storage.transaction():
                     record = self.storage.update_job(launch.job_id, pid=handle.pid, pid_start=handle.start_ticks)

@@ -53,7 +53,7 @@ def tf_job() -> list[str]:
 
 
 def step_of(d: Daemon, job_id: str) -> int:
-    placement = d.book.jobs[job_id].placement
+    placement = d.jobs.book.jobs[job_id].placement
     job = d.status().gpu(placement[0]).job(job_id) if placement else None
     return 0 if job is None or job.step is None else job.step
 
@@ -145,8 +145,8 @@ def test_restart_with_a_stopped_agent_keeps_healthy_jobs_and_runs_nothing_twice(
     healthy = d.submit(fake_command(), tenant="B", kind="guarantee", gpus=2, env=env)
     lonely = d.submit(fake_command(), tenant="A", kind="guarantee", env=env)
     assert run_until(d, lambda d: sorted(runs(log)) == sorted([healthy, lonely]), timeout=60, interval=0.1)
-    node = host(d).cc.node_of(d.book.jobs[lonely].placement[0])
-    home = host(d).cc.node_of(d.book.jobs[healthy].placement[0])
+    node = host(d).cc.node_of(d.jobs.book.jobs[lonely].placement[0])
+    home = host(d).cc.node_of(d.jobs.book.jobs[healthy].placement[0])
     assert node != home
     pid = d.storage.get_job(healthy).pid  # type: ignore[union-attr]
     stopped = host(d).nodes.actor_pids[node]
@@ -184,15 +184,15 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     assert Place(opp, (201,), Role.OPPORTUNISTIC) in d.tick().decisions
     assert run_until(d, lambda d: sorted(runs(log)) == sorted([b1, b2, gang, gang]), timeout=60, interval=0.1)
     assert run_until(d, lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
-    assert d.book.quota_used("A") == 3 and d.book.quota_used("B") == 2
+    assert d.jobs.book.quota_used("A") == 3 and d.jobs.book.quota_used("B") == 2
 
     # Node n2 goes away: its raylet is removed, and its processes with it (on this one machine
     # they would outlive the raylet, so the test kills them: what a dead machine does).
     ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
     for pid, _ in wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
         os.killpg(pid, signal.SIGKILL)
-    assert run_until(d, lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
-    assert sorted(d.gpus) == [0, 1, 100, 101]
+    assert run_until(d, lambda d: 200 not in d.jobs.gpus, timeout=60, interval=0.1)
+    assert sorted(d.jobs.gpus) == [0, 1, 100, 101]
     assert {g.node for g in d.status().gpus} == {"n0", "n1"}
     # The gang's part on n1 was stopped before anything else: it must not run next to a rerun.
     # (run_until keeps ticking: an agent that hears nothing for node_timeout_s / 2 fences its jobs)
@@ -207,12 +207,12 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
         events = [e for e in d.storage.events(job) if e.kind == "requeued"]
         assert events and events[0].detail["reason"] == "node n2 lost"
     # Quotas released exactly: A's gang is queued again (3 GPUs, only 2 free: it waits), B keeps 2.
-    assert d.book.quota_used("A") == 0 and d.book.quota_used("B") == 2
+    assert d.jobs.book.quota_used("A") == 0 and d.jobs.book.quota_used("B") == 2
     tenants = {t.name: t for t in d.status().tenants}
     assert tenants["A"].quota_used == 0 and tenants["B"].quota_used == 2
     # The opportunistic TF job starts again on a surviving node and trains there; the gang waits.
-    assert run_until(d, lambda d: len(d.book.jobs[opp].placement) == 1, timeout=60, interval=0.1)
-    assert d.book.jobs[opp].placement[0] in (0, 1, 100, 101)
+    assert run_until(d, lambda d: len(d.jobs.book.jobs[opp].placement) == 1, timeout=60, interval=0.1)
+    assert d.jobs.book.jobs[opp].placement[0] in (0, 1, 100, 101)
     assert run_until(d, lambda d: step_of(d, opp) >= 1, timeout=120, interval=0.2)
     assert [e.kind for e in d.storage.events(opp)].count("launched") == 2
     assert d.storage.get_job(gang).state is JobStatus.QUEUED  # type: ignore[union-attr]
@@ -224,10 +224,10 @@ def test_node_lost_mid_run(ray_cluster: RayCluster, namespace: str, tmp_path: Pa
     # n2 comes back (a new raylet with its resource): swept, its GPUs join, the gang runs again.
     ray_cluster.nodes["n2"] = ray_cluster.cluster.add_node(num_cpus=1, object_store_memory=STORE,
                                                            resources={"antman_node_n2": 1})
-    assert run_until(d, lambda d: 200 in d.gpus and 201 in d.gpus, timeout=90, interval=0.2)
+    assert run_until(d, lambda d: 200 in d.jobs.gpus and 201 in d.jobs.gpus, timeout=90, interval=0.2)
     assert run_until(d, lambda d: d.storage.get_job(gang).state is JobStatus.RUNNING, timeout=60,  # type: ignore[union-attr]
                        interval=0.1)
-    assert len(d.book.jobs[gang].placement) == 3 and d.book.quota_used("A") == 3
+    assert len(d.jobs.book.jobs[gang].placement) == 3 and d.jobs.book.quota_used("A") == 3
     assert run_until(d, lambda d: runs(log).count(gang) == 4, timeout=60, interval=0.1)
 
 
@@ -239,23 +239,23 @@ def test_node_lost_with_on_node_loss_fail(ray_cluster: RayCluster, namespace: st
     config = cluster_config(tmp_path, namespace, cluster={"on_node_loss": "fail"})
     d = cluster_daemon(config, SqliteStorage(config.db_path))
     ray_cluster.made.append(d)
-    assert run_until(d, lambda d: 200 in d.gpus and 201 in d.gpus, timeout=60, interval=0.2)
+    assert run_until(d, lambda d: 200 in d.jobs.gpus and 201 in d.jobs.gpus, timeout=60, interval=0.2)
     b = d.submit(fake_command(), tenant="B", kind="guarantee", gpus=2, env=env)
     assert Place(b, (0, 1), Role.GUARANTEE) in d.tick().decisions
     gang = d.submit(fake_command(), tenant="A", kind="guarantee", gpus=3, env=env)
     assert Place(gang, (100, 101, 200), Role.GUARANTEE) in d.tick().decisions
     assert run_until(d, lambda d: sorted(runs(log)) == sorted([b, gang, gang]), timeout=60, interval=0.1)
-    assert d.book.quota_used("A") == 3
+    assert d.jobs.book.quota_used("A") == 3
 
     ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
     for pid, _ in wrappers_under(tmp_path / "nodes" / "n2" / "jobs"):
         os.killpg(pid, signal.SIGKILL)
-    assert run_until(d, lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
+    assert run_until(d, lambda d: 200 not in d.jobs.gpus, timeout=60, interval=0.1)
     record = d.storage.get_job(gang)
     assert record is not None and record.state is JobStatus.FAILED and record.reason == "node n2 lost"
     assert [e.kind for e in d.storage.events(gang)].count("requeued") == 0
     assert run_until(d, lambda d: wrappers(tmp_path, "n1") == [], timeout=4, interval=0.1)  # its n1 part stopped
-    assert d.book.quota_used("A") == 0 and d.book.quota_used("B") == 2
+    assert d.jobs.book.quota_used("A") == 0 and d.jobs.book.quota_used("B") == 2
     # Failed means failed: a few more passes, nothing reruns it; B's job runs on.
     run_until(d, lambda d: False, timeout=1.5, interval=0.1)
     assert runs(log).count(gang) == 2 and wrappers(tmp_path, "n0") == [b]
@@ -274,7 +274,7 @@ def test_jobs_fenced_by_a_silent_global_scheduler_are_requeued(ray_cluster: RayC
     ray_cluster.made.append(d)
     job = d.submit(fake_command(), tenant="A", kind="guarantee", env={**JOB_ENV, "FAKE_RUNS_LOG": str(log)})
     assert run_until(d, lambda d: runs(log) == [job], timeout=60, interval=0.1)
-    node = host(d).cc.node_of(d.book.jobs[job].placement[0])
+    node = host(d).cc.node_of(d.jobs.book.jobs[job].placement[0])
     assert wait_for(lambda: wrappers(tmp_path, node) == [], timeout=20, interval=0.2)  # the stall: no ticks
     d.tick()  # requeued, and (the same tick) placed again
     [requeued] = [e for e in d.storage.events(job) if e.kind == "requeued"]
@@ -293,8 +293,8 @@ def test_a_job_too_big_for_the_nodes_left_waits_for_the_node_away(ray_cluster: R
     ray_cluster.made.append(d)
     if "n2" in host(d).nodes.actors:  # run alone (the tests above leave it removed)
         ray_cluster.cluster.remove_node(ray_cluster.nodes["n2"])
-        assert run_until(d, lambda d: 200 not in d.gpus, timeout=60, interval=0.1)
-    assert "n2" not in host(d).nodes.actors and sorted(d.gpus) == [0, 1, 100, 101]
+        assert run_until(d, lambda d: 200 not in d.jobs.gpus, timeout=60, interval=0.1)
+    assert "n2" not in host(d).nodes.actors and sorted(d.jobs.gpus) == [0, 1, 100, 101]
     big = d.submit(fake_command(), tenant="A", kind="opportunistic", gpus=5, env=JOB_ENV)  # A may span
     never = d.submit(fake_command(), tenant="B", kind="opportunistic", gpus=3, env=JOB_ENV)  # B may not
     run_until(d, lambda d: False, timeout=1.0, interval=0.1)

@@ -30,9 +30,9 @@ def step_of(d: Daemon, job_id: str, gpu: int) -> int:
 
 def test_algorithm_1_over_nodes_and_gangs(ray_cluster: RayCluster, namespace: str, tmp_path: Path) -> None:
     d = new_daemon(ray_cluster, tmp_path, namespace)
-    assert sorted(d.gpus) == [0, 1, 100, 101, 200, 201]
-    assert {g.node for g in d.gpus.values()} == {"n0", "n1", "n2"}
-    assert d.gpus[101].nvlink_group == "n1/nv"  # an NVLink group never spans nodes
+    assert sorted(d.jobs.gpus) == [0, 1, 100, 101, 200, 201]
+    assert {g.node for g in d.jobs.gpus.values()} == {"n0", "n1", "n2"}
+    assert d.jobs.gpus[101].nvlink_group == "n1/nv"  # an NVLink group never spans nodes
 
     # Best fit: a 1-GPU guarantee job takes the first group that fits (node n0).
     one = d.submit(fake_command(), tenant="A", kind="guarantee", env=JOB_ENV)
@@ -60,9 +60,9 @@ def test_algorithm_1_over_nodes_and_gangs(ray_cluster: RayCluster, namespace: st
     assert d.storage.get_job(b).state is JobStatus.QUEUED  # type: ignore[union-attr]
     # Its node frees up: it starts there, both GPUs on n0.
     d.cancel(one)
-    assert run_until(d, lambda d: d.book.jobs[b].placement == (0, 1), timeout=60, interval=0.1)
+    assert run_until(d, lambda d: d.jobs.book.jobs[b].placement == (0, 1), timeout=60, interval=0.1)
     assert run_until(d, lambda d: step_of(d, b, 1) >= 1, timeout=60, interval=0.1)
-    assert d.book.quota_used("A") == 3 and d.book.quota_used("B") == 2
+    assert d.jobs.book.quota_used("A") == 3 and d.jobs.book.quota_used("B") == 2
 
 
 def tf_job(steps: int = 100000) -> list[str]:

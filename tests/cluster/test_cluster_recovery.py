@@ -135,7 +135,7 @@ def test_jobs_fenced_while_the_global_scheduler_was_down_are_requeued(harness: H
     d = harness.daemon()
     job = harness.submit(d, "B")
     assert run_until(d, lambda d: harness.runs() == [job], timeout=30, interval=0.05)
-    node = host(d).cc.node_of(d.book.jobs[job].placement[0])
+    node = host(d).cc.node_of(d.jobs.book.jobs[job].placement[0])
     harness.ray.agent(node).fence()  # d is gone: no word for half of node_timeout_s
     assert wait_for(lambda: harness.alive(node) == [], timeout=10)
 
@@ -209,7 +209,7 @@ def test_an_agent_killed_on_a_live_node_gets_its_jobs_rerun_only_after_its_sweep
     d = harness.daemon()
     job = harness.submit(d, "B")
     assert run_until(d, lambda d: harness.runs() == [job], timeout=30, interval=0.05)
-    node = host(d).cc.node_of(d.book.jobs[job].placement[0])
+    node = host(d).cc.node_of(d.jobs.book.jobs[job].placement[0])
     [(old, _)] = wrappers_under(harness.tmp / "nodes" / node / "jobs")
     harness.ray.agent(node).kill()
 
@@ -230,7 +230,7 @@ def test_restart_adopts_a_gang_whose_other_part_ended_well(harness: Harness) -> 
     d = harness.daemon()
     gang = harness.submit(d, "A", gpus=3, command=harness.part_job())
     assert run_until(d, lambda d: sorted(harness.runs()) == [f"{gang}.0", f"{gang}.1"], timeout=30, interval=0.05)
-    rank0, rank1 = job_nodes(host(d).cc, d.book.jobs[gang].placement)
+    rank0, rank1 = job_nodes(host(d).cc, d.jobs.book.jobs[gang].placement)
     harness.end_part(gang, 1, 0)
     assert wait_for(lambda: harness.alive(rank1) == [], timeout=10)
 
@@ -251,7 +251,7 @@ def test_a_gang_fails_with_the_status_of_the_part_that_failed(harness: Harness) 
     d = harness.daemon()
     gang = harness.submit(d, "A", gpus=3, command=harness.part_job())
     assert run_until(d, lambda d: sorted(harness.runs()) == [f"{gang}.0", f"{gang}.1"], timeout=30, interval=0.05)
-    rank0, _ = job_nodes(host(d).cc, d.book.jobs[gang].placement)
+    rank0, _ = job_nodes(host(d).cc, d.jobs.book.jobs[gang].placement)
     harness.end_part(gang, 1, 3)
     assert run_until(d, lambda d: state(d, gang).done, timeout=30, interval=0.05)
     record = d.storage.get_job(gang)

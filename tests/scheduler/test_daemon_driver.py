@@ -52,7 +52,7 @@ def test_opportunistic_jobs_half_a_second_apart_spread_over_idle_gpus(tmp_path: 
     placements = [d.job(j).placement for j in jobs]  # type: ignore[union-attr]
     assert sorted(placements) == [(0,), (1,), (2,), (3,)]
     # The marks hold until a reading covers the job's first step: none has stepped yet.
-    assert all(d.driver.held(g) for g in range(4))
+    assert all(d.jobs.driver.held(g) for g in range(4))
 
 
 def test_a_mark_is_released_once_a_reading_covers_the_first_step(tmp_path: Path, daemons: list[Daemon]) -> None:
@@ -62,15 +62,15 @@ def test_a_mark_is_released_once_a_reading_covers_the_first_step(tmp_path: Path,
     daemons.append(d)
     job = d.submit(fake_command(achieved=0.3), tenant="B", kind="opportunistic", env=JOB_ENV)
     d.tick()
-    assert d.driver.held(0) == (job,) and d.book.gpus[0].utilisation == 1.0
+    assert d.jobs.driver.held(0) == (job,) and d.jobs.book.gpus[0].utilisation == 1.0
     assert wait_for(lambda: (d.tick(), d.status().gpu(0).job(job).step)[1] is not None)  # type: ignore[union-attr]
     first_seen = clock.now
     clock.now = first_seen + 1.0  # the window still reaches back before the first step
     d.tick()
-    assert d.driver.held(0) == (job,)
+    assert d.jobs.driver.held(0) == (job,)
     clock.now = first_seen + 2.5
     d.tick()
-    assert d.driver.held(0) == () and 0.0 < d.book.gpus[0].utilisation <= 0.3
+    assert d.jobs.driver.held(0) == () and 0.0 < d.jobs.book.gpus[0].utilisation <= 0.3
 
 
 def example_config(state: Path, gpus: int = 2):
@@ -116,7 +116,7 @@ def test_an_opportunistic_job_next_to_a_guarantee_job_starts_with_the_minimum(
         d.tick()
         clock.now += 0.5
     assert d.job(o).placement == ()  # type: ignore[union-attr]
-    d.driver._held.clear()  # as if g had been measured: the next reading reaches the book
+    d.jobs.driver._held.clear()  # as if g had been measured: the next reading reaches the book
     d.tick()
     assert d.job(o).placement == (0,)  # type: ignore[union-attr]
     floor = config.coordinator.min_memory_bytes
@@ -161,32 +161,32 @@ def test_measured_demand_solo_step_and_remaining_time(tmp_path: Path, daemons: l
     daemons.append(d)
     opp = d.submit(fake_command(demand=900 * MIB), tenant="B", kind="opportunistic", env=JOB_ENV)
     # Alone at full share: its solo step time is measured (the coordinator's trial-and-error reference).
-    assert run_until(d, lambda d: d.driver.solo_step_s(opp) is not None, timeout=20, interval=0.02)
-    solo = d.driver.solo_step_s(opp)
+    assert run_until(d, lambda d: d.jobs.driver.solo_step_s(opp) is not None, timeout=20, interval=0.02)
+    solo = d.jobs.driver.solo_step_s(opp)
     assert solo is not None and 0.02 <= solo < 0.5
     # A guarantee job without --memory: the whole GPU until measured, then its peak plus headroom.
     g = d.submit(fake_command(demand=300 * MIB), tenant="A", kind="guarantee", expected_steps=100_000, env=JOB_ENV)
     d.tick()
-    assert d.driver.settings[g].limits[0] == (1 << 30) - config.coordinator.min_memory_bytes
+    assert d.jobs.driver.settings[g].limits[0] == (1 << 30) - config.coordinator.min_memory_bytes
     # That tick observed before it placed g, so it may still have re-measured opp from steps made
     # alone: the reference is the value after it. From then on opp is not alone: it stands.
-    solo = d.driver.solo_step_s(opp)
+    solo = d.jobs.driver.solo_step_s(opp)
     for _ in range(20):  # ~1 s: enough steps for a new window (detector_window 10, ~0.02 s each)
         time.sleep(0.05)
         d.tick()
-        assert d.driver.solo_step_s(opp) == solo
+        assert d.jobs.driver.solo_step_s(opp) == solo
 
     def measured(d: Daemon) -> bool:
-        return d.driver.memo(0).anchor_s is not None
+        return d.jobs.driver.memo(0).anchor_s is not None
 
     assert run_until(d, measured, timeout=30, interval=0.02)
     c = config.coordinator
     headroom = max(int(300 * MIB * c.demand_headroom), c.min_memory_bytes)  # at least min_memory
-    g_limit = d.driver.settings[g].limits[0]
+    g_limit = d.jobs.driver.settings[g].limits[0]
     assert g_limit in (300 * MIB + headroom, 300 * MIB + headroom + 1)
-    assert d.driver.settings[opp].limits[0] == (1 << 30) - g_limit  # the rest, below its 900 MiB demand
+    assert d.jobs.driver.settings[opp].limits[0] == (1 << 30) - g_limit  # the rest, below its 900 MiB demand
     # Remaining time from --steps and the measured step rate.
-    job = d.book.jobs[g]
+    job = d.jobs.book.jobs[g]
     assert job.estimated_remaining_s is not None and job.mean_step_time_s is not None
     step = d.status().gpu(0).job(g).step  # type: ignore[union-attr]
     assert step is not None

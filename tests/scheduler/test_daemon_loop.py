@@ -140,7 +140,7 @@ def test_restart_keeps_queued_readopts_running_and_keeps_finished(tmp_path: Path
     failed = d2.job(bad)
     assert failed is not None and failed.state is JobStatus.FAILED and failed.exit_code == 3
     assert d2.job(queued).state is JobStatus.QUEUED  # type: ignore[union-attr]
-    assert d2.book.jobs[running].placement == (0,) and d2.book.jobs[running].role is Role.GUARANTEE
+    assert d2.jobs.book.jobs[running].placement == (0,) and d2.jobs.book.jobs[running].role is Role.GUARANTEE
     report = d2.tick()
     assert report.launched == () and report.ended == ()  # the queued job still waits for quota
     assert d2.job(running).pid == pid  # type: ignore[union-attr]
@@ -237,7 +237,7 @@ def test_a_job_that_ends_while_the_daemon_is_down_keeps_its_status(tmp_path: Pat
     record = d2.job(job)
     assert record is not None and record.state is JobStatus.FAILED and record.exit_code == 4
     assert "while the daemon was down" in (record.reason or "")
-    assert job not in d2.book.jobs_on(0)
+    assert job not in d2.jobs.book.jobs_on(0)
 
 
 def test_a_bad_stats_file_is_logged_and_skipped(tmp_path: Path, daemons: list[Daemon]) -> None:
@@ -289,7 +289,7 @@ def test_queued_cancel_and_launch_failure(tmp_path: Path, daemons: list[Daemon])
     assert (waiting, JobStatus.CANCELLED, None) in report.ended
     failed = d.job(doomed)
     assert failed is not None and failed.state is JobStatus.FAILED and "cannot start" in (failed.reason or "")
-    assert d.book.jobs_on(0) == ()
+    assert d.jobs.book.jobs_on(0) == ()
 
 
 def test_jobs_that_can_never_run_here_fail_once_with_the_reason(tmp_path: Path, daemons: list[Daemon]) -> None:
@@ -320,7 +320,7 @@ def test_jobs_that_can_never_run_here_fail_once_with_the_reason(tmp_path: Path, 
         assert record is not None and record.state is JobStatus.FAILED and record.reason == reason
         assert record.pid is None and record.ended_at is not None
         assert [(e.kind, e.detail.get("reason")) for e in d.storage.events(job)][1:] == [("rejected", reason)]
-    assert d.tick().ended == () and d.book.jobs_on(0) == () and d.book.jobs_on(1) == ()
+    assert d.tick().ended == () and d.jobs.book.jobs_on(0) == () and d.jobs.book.jobs_on(1) == ()
 
 
 def test_queued_jobs_of_a_tenant_removed_from_the_config_fail_while_its_running_job_runs_on(
@@ -344,7 +344,7 @@ def test_queued_jobs_of_a_tenant_removed_from_the_config_fail_while_its_running_
         record = d2.job(job)
         assert record is not None and record.state is JobStatus.FAILED, job
         assert record.reason == "tenant 'B' is not configured" and record.started_at is None
-    assert report.launched == () and d2.book.jobs_on(0) == (running,)
+    assert report.launched == () and d2.jobs.book.jobs_on(0) == (running,)
     assert d2.job(running).state is JobStatus.RUNNING and "adopted" in [e.kind for e in d2.storage.events(running)]  # type: ignore[union-attr]
 
 
@@ -385,7 +385,7 @@ def test_a_restart_while_the_jobs_wrapper_is_still_inside_execve_adopts_it(
     record = d2.job(job)
     assert record is not None and record.state is JobStatus.RUNNING and record.pid == pid, record
     assert len(reads) > 3  # it looked again until the command line was there
-    assert d2.book.jobs_on(0) == (job,) and "adopted" in [e.kind for e in d2.storage.events(job)]
+    assert d2.jobs.book.jobs_on(0) == (job,) and "adopted" in [e.kind for e in d2.storage.events(job)]
     assert d2.host.poll(d2.jobs.live[job].handle) is None  # alive: not killed as a leftover
     assert run_until(d2, lambda d: steps_of(d, job) >= 1, timeout=20, interval=0.02)  # and watched
 
@@ -457,7 +457,7 @@ def test_job_environment(tmp_path: Path) -> None:
     job = d.storage.get_job(d.submit(["x"], tenant="B", kind="opportunistic", gpus=2, env={"ANTMAN_HOST_MEMORY": "1GiB", "K": "v"}))
     assert job is not None
     base = {"PATH": "/bin", "ANTMAN_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "7", "SCHEDULER_LITE_GPUS": "9"}
-    gpus = [d.gpus[1], d.gpus[0]]
+    gpus = [d.jobs.gpus[1], d.jobs.gpus[0]]
     env = job_environment(config, job, gpus, 300 * MIB, 0.5, tmp_path / "jd", base)
     assert env == {
         "PATH": "/bin", "K": "v", "ANTMAN_HOST_MEMORY": "1GiB", "ANTMAN_JOB_DIR": str(tmp_path / "jd"),
@@ -485,11 +485,11 @@ def test_nvml_indices_are_given_to_cuda_in_pci_bus_order(tmp_path: Path) -> None
     assert plain is not None and theirs is not None
     daemon_env = {"PATH": "/bin", "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
     for job, base in ((plain, {}), (plain, daemon_env), (theirs, {})):  # ours wins: the indices are ours
-        env = job_environment(nvml, job, [d.gpus[1]], 300 * MIB, 1.0, tmp_path, base)
+        env = job_environment(nvml, job, [d.jobs.gpus[1]], 300 * MIB, 1.0, tmp_path, base)
         assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     # Emulated devices set no CUDA_VISIBLE_DEVICES, so no order either; a job's own is left alone.
-    assert "CUDA_DEVICE_ORDER" not in job_environment(config, plain, [d.gpus[1]], 300 * MIB, 1.0, tmp_path, {})
-    env = job_environment(config, theirs, [d.gpus[1]], 300 * MIB, 1.0, tmp_path, {})
+    assert "CUDA_DEVICE_ORDER" not in job_environment(config, plain, [d.jobs.gpus[1]], 300 * MIB, 1.0, tmp_path, {})
+    env = job_environment(config, theirs, [d.jobs.gpus[1]], 300 * MIB, 1.0, tmp_path, {})
     assert "CUDA_VISIBLE_DEVICES" not in env and env["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
 
 
@@ -502,7 +502,7 @@ def test_only_opportunistic_jobs_get_the_low_device_priority(tmp_path: Path) -> 
     def priority(cfg: Config, kind: str) -> str | None:
         job = d.storage.get_job(d.submit(["x"], tenant="A", kind=kind))
         assert job is not None
-        return job_environment(cfg, job, [d.gpus[0]], 300 * MIB, 0.5, tmp_path, {}).get("ANTMAN_DEVICE_PRIORITY")
+        return job_environment(cfg, job, [d.jobs.gpus[0]], 300 * MIB, 0.5, tmp_path, {}).get("ANTMAN_DEVICE_PRIORITY")
 
     assert [priority(config, k) for k in ("opportunistic", "auto", "guarantee")] == ["low", None, None]
     normal = dataclasses.replace(config, jobs=dataclasses.replace(config.jobs, opportunistic_priority="normal"))
@@ -527,7 +527,7 @@ def test_a_real_job_on_the_second_gpu_takes_the_daemons_controls(tmp_path: Path)
     assert job is not None
     job_dir = tmp_path / "jd"
     job_dir.mkdir()
-    env = job_environment(config, job, [d.gpus[1]], 300 * MIB, 1.0, job_dir)
+    env = job_environment(config, job, [d.jobs.gpus[1]], 300 * MIB, 1.0, job_dir)
     env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", ANTMAN_STATS_INTERVAL_MS="20")
     code = ("import time, tensorflow as tf\n"
             "v = tf.Variable(tf.ones((64, 64)))\n"

@@ -72,7 +72,7 @@ def stranded_setup(d: Daemon, tmp_path: Path, restartable: bool, ignore_sigterm:
     g = d.submit(fake_command(demand=200 * MIB), tenant="A", kind="guarantee", memory_bytes=300 * MIB, env=JOB_ENV)
     arrival = d.tick()
     assert Place(g, (0,), Role.GUARANTEE) in arrival.decisions
-    assert d.driver.settings[m].shares[0] == d.config.coordinator.floor_share
+    assert d.jobs.driver.settings[m].shares[0] == d.config.coordinator.floor_share
     return m, f
 
 
@@ -84,7 +84,7 @@ def test_a_stranded_restartable_job_moves_to_the_gpu_that_idles(tmp_path: Path, 
     assert ticking(d, lambda d: m in d.jobs.live and d.storage.get_job(m).pid is not None, m)
     record = d.storage.get_job(m)
     assert record.state is JobStatus.RUNNING and record.placement == (1,) and not record.migrating
-    assert d.book.jobs_on(1) == (m,) and m not in d.book.jobs_on(0)
+    assert d.jobs.book.jobs_on(1) == (m,) and m not in d.jobs.book.jobs_on(0)
     assert kinds(d, m).count("launched") == 2 and "migrated" in kinds(d, m)
     # Started twice, the second time on GPU 1 (the fake job prints its SCHEDULER_LITE_GPUS first
     # thing; its ANTMAN_DEVICE_ID is 0 both times: devices are numbered within the job).
@@ -93,7 +93,7 @@ def test_a_stranded_restartable_job_moves_to_the_gpu_that_idles(tmp_path: Path, 
     assert wait_for(lambda: [ln.split()[3] for ln in stdout.read_text().splitlines() if ln.startswith("env")]
                     == ["0", "1"])
     # On GPU 1 alone, the coordinator gives it the whole GPU again.
-    assert ticking(d, lambda d: d.driver.settings[m].shares[1] == 1.0, m)
+    assert ticking(d, lambda d: d.jobs.driver.settings[m].shares[1] == 1.0, m)
 
 
 def test_a_migrated_job_s_new_process_counts_its_running_time_from_its_own_launch(
@@ -120,7 +120,7 @@ def test_a_job_not_declared_restartable_is_never_moved(tmp_path: Path, daemons: 
     for _ in range(20):
         d.tick()
     assert "migrating" not in kinds(d, m)
-    assert d.storage.get_job(m).placement == (0,) and d.book.jobs_on(1) == ()
+    assert d.storage.get_job(m).placement == (0,) and d.jobs.book.jobs_on(1) == ()
 
 
 @pytest.mark.parametrize("ignore_sigterm", [True, False], ids=["still-running", "already-ended"])
@@ -155,7 +155,7 @@ def test_an_opportunistic_job_waits_for_share_room_not_for_utilisation(tmp_path:
                     requested_share=0.5)
     # The GPU reads 0.3 (the fake job's achieved share) once the busy mark lifts, below M = 0.8:
     # placed by utilisation, `half` would start; 0.7 + 0.5 does not fit one GPU.
-    assert wait_for(lambda: (d.tick(), 0 < d.book.gpus[0].utilisation < 0.8)[1], timeout=30)
+    assert wait_for(lambda: (d.tick(), 0 < d.jobs.book.gpus[0].utilisation < 0.8)[1], timeout=30)
     for _ in range(10):
         d.tick()
     assert d.storage.get_job(half).state is JobStatus.QUEUED

@@ -249,8 +249,8 @@ def run_daemon(tmp_path: Path, ran: dict[str, float], scenario: tuple[Spec, ...]
     world = ScriptedWorld(clock, specs, ran)
     host = LocalJobHost(config, launcher=world)  # type: ignore[arg-type]
     d = Daemon(config, MemoryStorage(), clock=lambda: clock[0], host=host)
-    d.driver._setting = "daemon"  # type: ignore[attr-defined]
-    d.driver._names = {}  # type: ignore[attr-defined]
+    d.jobs.driver._setting = "daemon"  # type: ignore[attr-defined]
+    d.jobs.driver._names = {}  # type: ignore[attr-defined]
     pending = list(scenario)
     while pending or d.storage.list_jobs() and not all(j.state.done for j in d.storage.list_jobs()):
         while pending and pending[0].at <= clock[0] + 1e-9:
@@ -258,7 +258,7 @@ def run_daemon(tmp_path: Path, ran: dict[str, float], scenario: tuple[Spec, ...]
             job = d.submit(["true"], tenant=s.tenant, kind=s.kind, workdir=tmp_path,
                            memory_bytes=int(s.demand_gib * GIB), requested_share=s.share, restartable=s.restartable)
             specs[job] = s
-            d.driver._names[job] = s.name  # type: ignore[attr-defined]
+            d.jobs.driver._names[job] = s.name  # type: ignore[attr-defined]
         world.write_stats([j.id for j in d.storage.list_jobs() if not j.state.done])
         d.tick()
         clock[0] += TICK

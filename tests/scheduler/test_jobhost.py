@@ -163,7 +163,7 @@ def test_the_host_says_what_can_never_run_and_when_a_job_must_wait_for_its_size(
     assert d.status().absent_nodes == ("n9",)
     host.known = True  # every machine here, and still one GPU: it can never run
     assert host.jobs is not None
-    host.jobs.gpus_changed(list(d.gpus.values()), 200.0, size_known=True)
+    host.jobs.gpus_changed(list(d.jobs.gpus.values()), 200.0, size_known=True)
     assert d.job(big).state is JobStatus.FAILED  # type: ignore[union-attr]
     assert "needs 2 GPUs" in (d.job(big).reason or "")  # type: ignore[union-attr]
 
@@ -175,8 +175,8 @@ def test_a_job_lost_with_its_machine_is_released_and_recorded_by_the_daemon(tmp_
     assert host.jobs is not None and job in host.jobs.live_jobs()
     lost = host.jobs.lose(job, 150.0)
     assert lost is not None and job not in host.jobs.live_jobs()
-    assert not d.book.jobs_on(0) and d.book.quota_used("A") == 0
-    host.jobs.gpus_changed(list(d.gpus.values()), 150.0, size_known=True)  # the machine's GPUs went with it
+    assert not d.jobs.book.jobs_on(0) and d.jobs.book.quota_used("A") == 0
+    host.jobs.gpus_changed(list(d.jobs.gpus.values()), 150.0, size_known=True)  # the machine's GPUs went with it
     host.jobs.record_lost(job, 150.0, "node n9 lost", requeue=True)  # once nothing of it runs
     record = d.job(job)
     assert record is not None and record.state is JobStatus.QUEUED and record.launch_token is None
