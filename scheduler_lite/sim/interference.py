@@ -14,9 +14,7 @@ BFC_FIRST_REGION_BYTES = 2 * MIB  # bfc_allocator.cc: min(total_memory, 2 MiB) w
 
 def cached_reservation(peak_bytes: int) -> int:
     """Bytes a BFC allocator with allow_growth holds after its in-use peak reached `peak_bytes`."""
-    if peak_bytes <= 0:
-        return 0
-    held = 0
+    held = 0  # and 0 for a peak of 0
     region = BFC_FIRST_REGION_BYTES
     while held < peak_bytes:
         held += region
