@@ -22,8 +22,7 @@ one by `node_aware` (scheduler_lite.cluster.placement), the host's `policy`. Fau
 node's jobs, fencing, and nodes that come (back) are `NodeLoss` (scheduler_lite.cluster.node_loss),
 a component of this host that hands the jobs it loses back to the daemon. A restart of the
 global scheduler recovers from the store as the daemon does (the node actors are detached named
-actors that outlive it); a job whose node does not answer at the restart waits for it up to
-`node_timeout_s`, and is adopted if it comes, lost otherwise.
+actors that outlive it; jobs of nodes not here yet: `NodeLoss.recover`).
 
 The node actors seen from here (the connection, their reports): scheduler_lite.cluster.nodes; a
 job's parts on its nodes (which nodes, their control.json and stats.json):
@@ -111,10 +110,8 @@ class ClusterJobHost:
     # -- the nodes --------------------------------------------------------------------------------
 
     def _connect_at_start(self, now: float) -> None:
-        """Every node's actor asked at once. The wait for the slow ones is short once a node
-        with jobs has answered: it fences them unless its sweep and reports follow within half
-        of its fence (a frozen node must not cost the healthy nodes their jobs). A node not here
-        joins later (`NodeLoss.look_for_nodes`); why it is not here is logged."""
+        """Every node's actor asked at once (`Nodes.connect_all` says how long it waits). A node
+        not here joins later (`NodeLoss.look_for_nodes`); why it is not here is logged."""
         alive = self.nodes.alive_with_resource()
         self.nodes.connect_all(sorted(alive), now)
         unknown = self.nodes.unknown_resources()
@@ -213,7 +210,6 @@ class ClusterJobHost:
             "SCHEDULER_LITE_NUM_NODES": str(len(nodes)),
             "SCHEDULER_LITE_NODES": ",".join(self.nodes.hostnames.get(n, n) for n in nodes),
         }
-        started: list[str] = []
         handle = ClusterHandle(0, None, job_dir, None, launch.job_id, nodes)
         for rank, node in enumerate(nodes):
             mine = [g for g in launch.gpus if self.cc.node_of(g) == node]
@@ -225,13 +221,12 @@ class ClusterJobHost:
             try:
                 pid, start, _ = self.nodes.call(node, "start", record, rank, local, limit, share, env)
             except Exception as e:  # noqa: BLE001 - node gone, bad workdir...: the job did not start
-                if started:
-                    self.stop(replace(handle, nodes=tuple(started)), 0.0)
+                if rank:  # the nodes before this one started their parts
+                    self.stop(replace(handle, nodes=nodes[:rank]), 0.0)
                 # A call that timed out may still run on its actor (a frozen one resumes): a stop
                 # queued behind it on the same actor (calls run in order) ends it there, unwaited.
                 self.nodes.stop_later(node, launch.job_id)
                 raise LaunchError(f"cannot start {launch.job_id} on node {node}: {cause(e)}") from None
-            started.append(node)
             if rank == 0:
                 handle.pid, handle.start_ticks = pid, start
         return handle
@@ -263,27 +258,22 @@ class ClusterJobHost:
         assert token is not None
         nodes = job_nodes(self.cc, record.placement)
         handle = ClusterHandle(pid, start_ticks, job_dir, None, record.id, nodes)
-        running: list[tuple[int, int | None]] = []
         for rank, node in enumerate(nodes):
-            first = rank == 0
-            found = self.nodes.call(node, "adopt", record.id, token, rank, record.uid,
-                                    pid if first else None, start_ticks if first else None)
+            known = (pid, start_ticks) if rank == 0 else (None, None)
+            found = self.nodes.call(node, "adopt", record.id, token, rank, record.uid, *known)
             if isinstance(found, ExitInfo):
                 handle.ended[node] = found
-            else:
-                running.append(found)
+            elif rank == 0:
+                handle.pid, handle.start_ticks = found
         failures = [e for e in handle.ended.values() if e.exit_code != 0]
         if failures:
             handle.failure = min(failures, key=lambda e: math.inf if e.ended_at is None else e.ended_at)
-        if not running or handle.failure is not None:
-            if running:  # a failed part ended the job while no scheduler watched: the rest must not run on
+            if handle.running():  # a failed part ended the job while no scheduler watched: the rest must not run on
                 self.stop(handle, 0.0)
-            if handle.failure is not None:
-                return handle.failure
+            return handle.failure
+        if not handle.running():
             times = [e.ended_at for e in handle.ended.values() if e.ended_at is not None]
             return ExitInfo(0, max(times) if times else None)  # every part succeeded: when the last did
-        if nodes[0] not in handle.ended:
-            handle.pid, handle.start_ticks = running[0]
         return handle
 
     def poll(self, handle: ProcessHandle) -> ExitInfo | None:
