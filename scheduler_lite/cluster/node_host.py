@@ -79,11 +79,7 @@ class NodeReport:
     host_pid: int
     parts: dict[str, PartReport] = field(default_factory=dict)  # job id -> its part here
     utilisation: dict[int, float] | None = None  # local GPU id -> reading (NVML); None: emulated
-    # Parts this node host killed because the global scheduler fell silent (fencing), as (job id, part
-    # token): lost with their node as far as the scheduler is concerned (requeued or failed,
-    # cluster.on_node_loss), not ended with an unknown status. The token tells which launch: a late
-    # report must not touch a later launch of the same job.
-    fenced: tuple[tuple[str, str], ...] = ()
+    fenced: tuple[tuple[str, str], ...] = ()  # (job id, part token) fenced since the last report (module docstring)
 
 
 @dataclass(slots=True)
@@ -395,6 +391,3 @@ class NodeHost:
         self.parts.clear()
         for old in list(self._fenced)[:-FENCED_KEPT]:  # oldest first (insertion order)
             del self._fenced[old]
-
-
-__all__ = ["NodeHost", "NodeReport", "PartReport"]
