@@ -175,7 +175,6 @@ class NodeHost:
         # This node's jobs, as the single-machine daemon runs its own: every process and file of
         # a part goes through it (its launcher, job directories, control.json, exit status).
         self.local = LocalJobHost(config, jobs_dir=self.jobs_dir)
-        self.devices = self.local.devices
         self.parts: dict[str, _Part] = {}
         self.fence_s = config.cluster.node_timeout_s * FENCE_FRACTION
         self._contact = time.monotonic()
@@ -192,7 +191,7 @@ class NodeHost:
         fenced (job id -> part token: a restarting global scheduler requeues those jobs)."""
         with self._called():
             return {"node": self.node, "hostname": socket.gethostname(), "pid": os.getpid(),
-                    "jobs_dir": str(self.jobs_dir), "gpus": list(self.devices.inventory()),
+                    "jobs_dir": str(self.jobs_dir), "gpus": list(self.local.devices.inventory()),
                     "parts": sorted(self.parts), "fenced": dict(self._fenced)}
 
     @contextlib.contextmanager
@@ -254,8 +253,8 @@ class NodeHost:
                     error = str(e)
                 out[job_id] = PartReport(part.ended, stats, error)
             util = None
-            if self.devices.kind != "emulated":
-                util = self.devices.utilisation({})
+            if self.local.devices.kind != "emulated":
+                util = self.local.devices.utilisation({})
             fenced, self._fenced_unreported = tuple(self._fenced_unreported), []
             return NodeReport(self.node, os.getpid(), out, util, fenced)
 
