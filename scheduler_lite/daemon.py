@@ -141,7 +141,7 @@ class Daemon:
         self._dirty = True
         self._ticks = 0
         self._stop = threading.Event()
-        self._faults = Faults(os.environ)
+        self._faults = Faults()
         now = clock()
         # A tenant dropped from the config while its job ran: in the book, with quota 0, until it ends.
         known = {t.name for t in config.tenants}
@@ -574,8 +574,7 @@ class Daemon:
     def _launch_failed(self, launch: Launch, now: float, out: TickLog | None, reason: str) -> None:
         """Release the booking (driver and store): the job failed, its GPUs are free again."""
         log.error("%s: %s", launch.job_id, reason)
-        self.jobs.driver.finish(launch.job_id, now, failed=True)
-        self._dirty = True
+        self.lose(launch.job_id, now)
         self.record_lost(launch.job_id, now, reason, requeue=False)
         if out is not None:
             out.ended.append((launch.job_id, JobStatus.FAILED, None))

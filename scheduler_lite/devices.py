@@ -183,7 +183,7 @@ def _import_pynvml() -> ModuleType:
     return pynvml
 
 
-def open_devices(config: DevicesConfig, nvml: ModuleType | Any | None = None) -> DeviceBackend:
+def open_devices(config: DevicesConfig) -> DeviceBackend:
     if config.kind == "nvml":
-        return NvmlDevices(config.nvml_ids, nvml)
+        return NvmlDevices(config.nvml_ids)
     return EmulatedDevices(config)

@@ -389,9 +389,6 @@ class Driver:
         if len(recent) >= self.ccfg.detector_window:
             self._solo[job_id] = statistics.median(recent)
 
-    def solo_step_s(self, job_id: str) -> float | None:
-        return self._solo.get(job_id)
-
     # -- coordinator -------------------------------------------------------------------------------
 
     def local_job(self, job_id: str, gpu: int, reading: Reading = NO_READING) -> LocalJob:

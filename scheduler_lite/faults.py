@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Mapping
 from typing import Final
 
 log = logging.getLogger("scheduler_lite")
@@ -28,7 +27,8 @@ SERVER_FAULT_POINTS: Final = ("submitted",)
 
 
 class Faults:
-    def __init__(self, environ: Mapping[str, str]) -> None:
+    def __init__(self) -> None:
+        environ = os.environ
         names = [p for p in environ.get(FAULT_ENV, "").split(",") if p]
         after = environ.get(FAULT_AFTER_ENV, "1")
         bad = [p for p in names if p not in FAULT_POINTS + SERVER_FAULT_POINTS]

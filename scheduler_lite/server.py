@@ -147,7 +147,7 @@ class Server:
         self._sock: socket.socket | None = None
         self._socket_id: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
-        self._faults = Faults(os.environ)  # the crash tests' "submitted" point (scheduler_lite.faults)
+        self._faults = Faults()  # the crash tests' "submitted" point (scheduler_lite.faults)
         # Each op: its handler and the arguments it accepts (any other is refused before it runs).
         self._handlers: dict[str, tuple[Callable[[Identity, Mapping[str, Any]], Any], tuple[str, ...]]] = {
             "ping": (self._ping, ()), "cancel": (self._cancel, ("jobs",)), "show": (self._show, ("job",)),

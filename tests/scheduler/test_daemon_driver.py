@@ -161,8 +161,8 @@ def test_measured_demand_solo_step_and_remaining_time(tmp_path: Path, daemons: l
     daemons.append(d)
     opp = d.submit(fake_command(demand=900 * MIB), tenant="B", kind="opportunistic", env=JOB_ENV)
     # Alone at full share: its solo step time is measured (the coordinator's trial-and-error reference).
-    assert run_until(d, lambda d: d.jobs.driver.solo_step_s(opp) is not None, timeout=20, interval=0.02)
-    solo = d.jobs.driver.solo_step_s(opp)
+    assert run_until(d, lambda d: d.jobs.driver.local_job(opp, 0).solo_step_time_s is not None, timeout=20, interval=0.02)
+    solo = d.jobs.driver.local_job(opp, 0).solo_step_time_s
     assert solo is not None and 0.02 <= solo < 0.5
     # A guarantee job without --memory: the whole GPU until measured, then its peak plus headroom.
     g = d.submit(fake_command(demand=300 * MIB), tenant="A", kind="guarantee", expected_steps=100_000, env=JOB_ENV)
@@ -170,11 +170,11 @@ def test_measured_demand_solo_step_and_remaining_time(tmp_path: Path, daemons: l
     assert d.jobs.driver.settings[g].limits[0] == (1 << 30) - config.coordinator.min_memory_bytes
     # That tick observed before it placed g, so it may still have re-measured opp from steps made
     # alone: the reference is the value after it. From then on opp is not alone: it stands.
-    solo = d.jobs.driver.solo_step_s(opp)
+    solo = d.jobs.driver.local_job(opp, 0).solo_step_time_s
     for _ in range(20):  # ~1 s: enough steps for a new window (detector_window 10, ~0.02 s each)
         time.sleep(0.05)
         d.tick()
-        assert d.jobs.driver.solo_step_s(opp) == solo
+        assert d.jobs.driver.local_job(opp, 0).solo_step_time_s == solo
 
     def measured(d: Daemon) -> bool:
         return d.jobs.driver.memo(0).anchor_s is not None
