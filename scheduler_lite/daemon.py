@@ -279,12 +279,6 @@ class Daemon:
 
     # -- what the job host may ask (jobhost.HostedJobs) ------------------------------------------
 
-    def live_jobs(self) -> Mapping[str, LiveJob]:
-        return self.jobs.live
-
-    def booked_launches(self) -> Sequence[Launch]:
-        return list(self.jobs.booked)
-
     def lose(self, job_id: str, now: float) -> LiveJob | None:
         live = self.jobs.live.pop(job_id, None)
         self.jobs.booked = [b for b in self.jobs.booked if b.job_id != job_id]

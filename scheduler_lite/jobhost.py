@@ -58,7 +58,7 @@ from scheduler_lite.launcher import (
 from scheduler_lite.misbehaviour import Finding, Judge
 from scheduler_lite.model import Gpu
 from scheduler_lite.ranks import job_stats, write_controls
-from scheduler_lite.tick import LiveJob
+from scheduler_lite.tick import JobTable, LiveJob
 from tf_antman.protocol import Control, ProtocolError, Stats, control_path, parse_control, read_text
 
 if TYPE_CHECKING:
@@ -72,8 +72,7 @@ log = logging.getLogger("scheduler_lite")
 class HostedJobs(Protocol):
     """The daemon's side, as a host whose machines come and go sees it (`JobHost.attach`)."""
 
-    def live_jobs(self) -> Mapping[str, LiveJob]: ...
-    def booked_launches(self) -> Sequence[Launch]: ...
+    jobs: JobTable  # its running jobs (`live`) and the launches booked this tick, not started (`booked`)
     # A running or booked job gone with its machine: out of the book (GPUs, quota released; the
     # host's `gpus_changed` that follows drops it), recorded by `record_lost` once nothing of it
     # runs. Its LiveJob if it ran.

@@ -166,7 +166,7 @@ class NodeLoss:
         lost = False
         for node, report in list(self.nodes.reports.items()):
             for job_id, token in report.fenced:
-                live = self.host.jobs.live_jobs().get(job_id)
+                live = self.host.jobs.jobs.live.get(job_id)
                 if live is None or not _is_part(live, node, token):
                     log.info("node %s fenced a part of %s that does not run there now (launch %s): ignored",
                              node, job_id, token)
@@ -250,11 +250,11 @@ class NodeLoss:
         self._away[node] = self.nodes.last_answer(node, now)
         self.nodes.drop(node)
         self.storage.add_event(now, "node_lost", None, node=node)
-        for job_id, live in list(self.host.jobs.live_jobs().items()):
+        for job_id, live in list(self.host.jobs.jobs.live.items()):
             assert isinstance(live.handle, ClusterHandle)
             if node in live.handle.nodes:
                 self._lose_job(job_id, f"node {node} lost", now)
-        for launch in self.host.jobs.booked_launches():  # booked this tick, not started: never ran
+        for launch in list(self.host.jobs.jobs.booked):  # booked this tick, not started: never ran
             if node in job_nodes(self.cc, launch.gpus):
                 self.host.jobs.record_lost(launch.job_id, now, f"node {node} lost", self._requeue)
                 self.host.jobs.lose(launch.job_id, now)

@@ -172,9 +172,9 @@ def test_a_job_lost_with_its_machine_is_released_and_recorded_by_the_daemon(tmp_
     d, host = daemon(tmp_path)
     job = d.submit(["train"], tenant="A", kind="guarantee")
     d.tick()
-    assert host.jobs is not None and job in host.jobs.live_jobs()
+    assert host.jobs is not None and job in host.jobs.jobs.live
     lost = host.jobs.lose(job, 150.0)
-    assert lost is not None and job not in host.jobs.live_jobs()
+    assert lost is not None and job not in host.jobs.jobs.live
     assert not d.jobs.book.jobs_on(0) and d.jobs.book.quota_used("A") == 0
     host.jobs.gpus_changed(list(d.jobs.gpus.values()), 150.0, size_known=True)  # the machine's GPUs went with it
     host.jobs.record_lost(job, 150.0, "node n9 lost", requeue=True)  # once nothing of it runs
