@@ -209,10 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(config: Config, args: argparse.Namespace) -> None:
     """Lock the state directory, open the store, serve the socket, tick; undone in reverse order."""
     from scheduler_lite.containment import ContainmentUnavailable
-    from scheduler_lite.daemon import Daemon, DaemonLockedError, lock_state_dir  # only `serve` runs the loop
+    from scheduler_lite.daemon import Daemon  # only `serve` runs the loop
     from scheduler_lite.metrics import MetricsUnavailable, start_metrics_server
     from scheduler_lite.server import Server
-    from scheduler_lite.state_dir import check_state_dir, secure_state_dir
+    from scheduler_lite.state_dir import DaemonLockedError, check_state_dir, lock_state_dir, secure_state_dir
     from scheduler_lite.storage import SqliteStorage
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,

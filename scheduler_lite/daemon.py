@@ -34,10 +34,8 @@ has the loops tests, benches and examples use); the crash tests' fault points: s
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -78,10 +76,6 @@ from scheduler_lite.tick import JobTable, LiveJob, TickLog, TickReport
 log = logging.getLogger("scheduler_lite")
 
 PRUNE_EVERY_TICKS: Final = 1000  # events beyond MAX_EVENTS are deleted this often
-
-
-class DaemonLockedError(RuntimeError):
-    pass
 
 
 class StateDirLostError(OSError):
@@ -613,21 +607,4 @@ def end_time(record: JobRecord, ended: ExitInfo, now: float) -> float:
         return now
     launched = record.launched_at if record.launched_at is not None else record.started_at
     return min(now, max(ended.ended_at, -math.inf if launched is None else launched))
-
-
-def lock_state_dir(state_dir: Path) -> int:
-    """Hold the state directory for this process (one daemon per store); returns the lock's fd."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    # Not through a link: root truncates and writes this file (one planted in the state directory
-    # would make it any file of the link's choosing).
-    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise DaemonLockedError(f"another scheduler-lite daemon (pid {holder}) is serving {state_dir}") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    return fd
 

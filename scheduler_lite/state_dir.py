@@ -1,4 +1,4 @@
-"""The daemon's state directory: checked before `serve` uses it, then made the daemon's own.
+"""The daemon's state directory: checked before `serve` uses it, locked (one daemon), made the daemon's own.
 
 `serve` runs as root on a shared machine and sets the modes of, and writes into, `paths.state_dir`
 (the store, the socket, every job's directory). A directory others can change, or a symbolic link
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -17,7 +18,11 @@ from typing import Final
 
 from scheduler_lite.config import Config, ConfigError
 
-LOCK_FILE: Final = "daemon.lock"  # the daemon's lock (scheduler_lite.daemon.lock_state_dir)
+LOCK_FILE: Final = "daemon.lock"  # the daemon's lock (lock_state_dir)
+
+
+class DaemonLockedError(RuntimeError):
+    pass
 
 
 def check_state_dir(config: Config) -> None:
@@ -123,3 +128,21 @@ def _chmod_directory(path: Path, mode: int) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold the state directory for this process (one daemon per store); returns the lock's fd."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    # Not through a link: root truncates and writes this file (one planted in the state directory
+    # would make it any file of the link's choosing).
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DaemonLockedError(f"another scheduler-lite daemon (pid {holder}) is serving {state_dir}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+

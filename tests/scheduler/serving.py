@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from scheduler_lite.config import load_config
-from scheduler_lite.daemon import Daemon, lock_state_dir
+from scheduler_lite.daemon import Daemon
 from scheduler_lite.server import Server
-from scheduler_lite.state_dir import secure_state_dir
+from scheduler_lite.state_dir import lock_state_dir, secure_state_dir
 from scheduler_lite.storage import SqliteStorage
 from scheduler_lite.testing import stop_all_jobs
 

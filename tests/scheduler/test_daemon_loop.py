@@ -16,10 +16,11 @@ import pytest
 
 from scheduler_lite import launcher
 from scheduler_lite.config import Config, parse_config
-from scheduler_lite.daemon import LOCK_FILE, Daemon, StateDirLostError, lock_state_dir
+from scheduler_lite.daemon import Daemon, StateDirLostError
 from scheduler_lite.jobenv import job_environment
 from scheduler_lite.launcher import EXIT_STATUS_FILE, ExitInfo, Launcher, LaunchSpec, ProcessHandle
 from scheduler_lite.model import Place, Reject, Role, SetComputeShare, SetMemoryLimit
+from scheduler_lite.state_dir import LOCK_FILE, lock_state_dir
 from scheduler_lite.storage import JobStatus, SqliteStorage
 from scheduler_lite.submission import make_job_spec, submit_once
 from scheduler_lite.testing import run_until, stop_all_jobs
