@@ -318,7 +318,7 @@ class Daemon:
             if job.state is JobState.RUNNING and job.role is not None and set(job.placement) <= ids:
                 new.restore(job, Place(job.id, job.placement, job.role), old.settings[job.id], now)
             elif job.state is JobState.PENDING:
-                new.submit(job)
+                new.book.submit(job)
         self.jobs.driver = new
         self.jobs.gpus = {g.id: g for g in gpus}
         self.controls.gpus_changed()
@@ -362,7 +362,7 @@ class Daemon:
         if problem is not None:
             self._reject(record.id, problem, now, out)
             return False
-        self.jobs.driver.submit(book_job(record, self.jobs.gpus.values()))
+        self.jobs.book.submit(book_job(record, self.jobs.gpus.values()))
         self._dirty = True
         if out is not None:
             out.picked_up.append(record.id)

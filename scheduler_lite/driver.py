@@ -186,9 +186,6 @@ class Driver:
 
     # -- global passes -----------------------------------------------------------------------------
 
-    def submit(self, job: Job) -> None:
-        self.book.submit(job)
-
     def schedule(self, now: float) -> tuple[list[GlobalDecision], list[Launch]]:
         """One global pass, applied to the book; the launches the world must carry out."""
         decisions = self.policy(self.book.snapshot(now), self.scheduler_config)

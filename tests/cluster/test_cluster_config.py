@@ -115,11 +115,11 @@ def test_node_aware_keeps_a_gang_no_node_here_can_hold_out_of_the_pass(tmp_path:
     policy = node_aware(schedule, ["A"], lambda g: f"n{g // 100}", lambda job, why: waits.append((job, why)))
     driver = Driver(gpus, [Tenant("A", 4), Tenant("B", 4)], policy=policy, scheduler_config=config.scheduler,
                     coordinator_config=config.coordinator)
-    driver.submit(Job("solo", "B", 3, JobKind.GUARANTEE, 0.0))
+    driver.book.submit(Job("solo", "B", 3, JobKind.GUARANTEE, 0.0))
     assert driver.schedule(1.0) == ([], []) and driver.book.reservations == {}
     assert waits == [("solo", "needs 3 GPUs on one node (tenant 'B' may not span nodes) and the largest node here "
                               "has 2: it waits, holding nothing, for a larger node to join")]
-    driver.submit(Job("research", "A", 4, JobKind.GUARANTEE, 2.0))
+    driver.book.submit(Job("research", "A", 4, JobKind.GUARANTEE, 2.0))
     _, launches = driver.schedule(3.0)
     assert [(launch.job_id, launch.gpus) for launch in launches] == [("research", (0, 1, 100, 101))]
 

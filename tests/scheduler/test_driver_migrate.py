@@ -29,8 +29,8 @@ def driver(universal_memory: bool = True) -> Driver:
     batches: list[list[GlobalDecision]] = [[Place("g", (0,), Role.GUARANTEE), Place("o", (0,), Role.OPPORTUNISTIC)]]
     d = Driver(GPUS, (Tenant("A", 2), Tenant("B", 0)), policy=scripted(batches), scheduler_config=None,
                coordinator_config=CoordinatorConfig(), universal_memory=universal_memory)
-    d.submit(job("g", "A", JobKind.GUARANTEE))
-    d.submit(job("o", "B", JobKind.OPPORTUNISTIC))
+    d.book.submit(job("g", "A", JobKind.GUARANTEE))
+    d.book.submit(job("o", "B", JobKind.OPPORTUNISTIC))
     _, launches = d.schedule(0.0)
     assert [la.gpus for la in launches] == [(0,), (0,)]
     return d
@@ -54,7 +54,7 @@ def test_migrate_moves_book_settings_and_busy_mark() -> None:
 
 def test_migrate_refuses_a_job_that_is_not_running() -> None:
     d = driver()
-    d.submit(job("p", "B", JobKind.OPPORTUNISTIC))
+    d.book.submit(job("p", "B", JobKind.OPPORTUNISTIC))
     with pytest.raises(ValueError, match="'p': not running"):
         d.migrate(Migrate("p", (1,)), 1.0)
 
@@ -84,7 +84,7 @@ def test_a_placement_starts_with_what_the_coordinator_would_give() -> None:
     leaves (here the guarantee job's demand leaves 24 GiB, more than the 8 GiB demand)."""
     d = driver()  # g (guarantee) and o (opportunistic) on GPU 0
     assert d.settings["o"].limits == {0: 8 * GIB}
-    d.submit(job("p", "B", JobKind.OPPORTUNISTIC))
+    d.book.submit(job("p", "B", JobKind.OPPORTUNISTIC))
     d.policy = scripted([[Place("p", (1,), Role.OPPORTUNISTIC)]])
     _, (launch,) = d.schedule(1.0)
     assert launch.settings.limits == {1: 32 * GIB}

@@ -58,7 +58,7 @@ def _driver(decisions: list[GlobalDecision]) -> Driver:
                     coordinator_config=CoordinatorConfig())
     for job_id, tenant, kind in (("a", "B", JobKind.OPPORTUNISTIC), ("r", "A", JobKind.GUARANTEE),
                                  ("g", "A", JobKind.GUARANTEE), ("b", "B", JobKind.OPPORTUNISTIC)):
-        driver.submit(Job(job_id, tenant, 1, kind, 0.0, memory_demand_bytes=GIB))
+        driver.book.submit(Job(job_id, tenant, 1, kind, 0.0, memory_demand_bytes=GIB))
     return driver
 
 
