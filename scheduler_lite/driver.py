@@ -436,6 +436,3 @@ class Driver:
             if self.marks_busy:
                 self._held.setdefault(g, {})[job.id] = None
                 self.book.set_utilisation(g, BUSY)
-
-
-__all__ = ["BUSY", "NO_READING", "Driver", "Launch", "PassWorld", "Reading", "Settings"]

@@ -134,7 +134,7 @@ class Recovery:
         if isinstance(found, ExitInfo):  # ended unwatched: nothing of it may outlive it (migrating or not)
             self._kill_leftovers(record, job_dir, pid, start)
         if record.migrating and not missing and record.role is not None:
-            self._resume_migration(record, found, now)
+            self._resume_migration(record, job_dir, found, now)
             return
         if isinstance(found, ExitInfo):
             self._record_unwatched_end(record, found, now)
@@ -200,13 +200,12 @@ class Recovery:
         self.table.driver.restore(job, Place(record.id, record.placement, record.role), settings, now)
         return settings
 
-    def _resume_migration(self, record: JobRecord, found: ProcessHandle | ExitInfo, now: float) -> None:
+    def _resume_migration(self, record: JobRecord, job_dir: Path, found: ProcessHandle | ExitInfo, now: float) -> None:
         """A restart found a job in the middle of a migration: the store holds its new GPUs and
         settings. The book gets it there; the old process, if it still runs, is stopped (again),
         and the job starts on its new GPUs once it has ended."""
         assert record.role is not None
         launch = Launch(record.id, record.placement, record.role, self._restore(record, now))
-        job_dir = self._job_dir(record)
         self.storage.add_event(now, "migration_resumed", record.id, running=not isinstance(found, ExitInfo))
         if isinstance(found, ExitInfo):
             self.steps.restart_moved(record.id, launch, found, now, None)
