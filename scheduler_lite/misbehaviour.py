@@ -21,7 +21,7 @@ The NVML checks take `nvmlDeviceGetComputeRunningProcesses` of each GPU (pid, us
 `NvmlDevices.compute_processes`), run each tick by the local job host with `devices.kind = "nvml"`
 and containment (a job's pids are its cgroup's); they ran against a fake NVML only
 (tests/scheduler/test_misbehaviour.py), never a real GPU. The bytes a finding says are taken are
-counted by the coordinator (`taken_by_gpu` -> GpuView.unmanaged_bytes: not handed out to
+counted by the coordinator (`Judge.taken_bytes` -> GpuView.unmanaged_bytes: not handed out to
 the jobs). What a finding leads to: an event `misbehaving` and a log warning when new, a warning
 in `status` while it lasts (`Judge.findings`), and for opportunistic jobs with
 `jobs.misbehaviour = "stop"` a SIGTERM (event `misbehaviour_stop`; the daemon's SIGKILL follows
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -151,16 +151,6 @@ def check_gpu_processes(processes: Mapping[int, Sequence[tuple[int, int]]], owne
     return found
 
 
-def taken_by_gpu(found: Iterable[Finding]) -> dict[int, int]:
-    """The bytes taken (`bytes_taken` of the NVML findings) on each GPU: what the coordinator
-    counts as used and does not hand out (GpuView.unmanaged_bytes)."""
-    taken: dict[int, int] = {}
-    for f in found:
-        if f.gpu is not None and f.bytes_taken > 0:
-            taken[f.gpu] = taken.get(f.gpu, 0) + f.bytes_taken
-    return taken
-
-
 @dataclass(slots=True)
 class _Watched:
     """What the judge keeps of one job."""
@@ -250,12 +240,13 @@ class Judge:
         their cgroups) and their limits: a job over its limit is `over_limit` (judged with its
         stats, `check`), a process of no job `unmanaged` (an event once, a finding while it lasts)."""
         limits = {(job_id, gpu): limit for job_id, job in self._jobs.items() for gpu, limit in job.limits.items()}
-        found = check_gpu_processes(processes, owner, limits)
-        self._taken = taken_by_gpu(found)
+        self._taken = {}
         for job in self._jobs.values():
             job.on_gpus = []
         unmanaged: dict[int, list[Finding]] = {}
-        for f in found:
+        for f in check_gpu_processes(processes, owner, limits):
+            if f.gpu is not None and f.bytes_taken > 0:
+                self._taken[f.gpu] = self._taken.get(f.gpu, 0) + f.bytes_taken
             if f.job_id is not None:  # over_limit: a job with limits, so watched
                 self._jobs[f.job_id].on_gpus.append(f)
             elif f.gpu is not None:
@@ -270,9 +261,10 @@ class Judge:
         self.by_gpu = unmanaged
 
     def taken_bytes(self, gpu: int) -> int:
-        """JobHost.taken_bytes as the last NVML read saw it (taken_by_gpu of its findings)."""
+        """JobHost.taken_bytes as the last NVML read saw it: the `bytes_taken` of its findings on the
+        GPU, what the coordinator counts as used and does not hand out (GpuView.unmanaged_bytes)."""
         return self._taken.get(gpu, 0)
 
 
 __all__ = ["MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Judge", "Sent",
-           "check_gpu_processes", "check_stats", "taken_by_gpu"]
+           "check_gpu_processes", "check_stats"]

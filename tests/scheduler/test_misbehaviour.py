@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_lite.config import JobsConfig
 from scheduler_lite.devices import NvmlDevices
 from scheduler_lite.misbehaviour import (
     MAX_PLAUSIBLE_BYTES,
+    Judge,
     Sent,
     check_gpu_processes,
     check_stats,
-    taken_by_gpu,
 )
 from tests.scheduler.configs import scheduler_config, to_toml
 from tests.scheduler.test_daemon_devices import FakeNvml as DevicesFakeNvml
@@ -95,13 +96,18 @@ def test_per_process_memory_from_a_fake_nvml() -> None:
     nvml = FakeNvml({0: [Proc(10, 3 * GIB), Proc(11, GIB)], 1: [Proc(12, None), Proc(99, 2 * GIB)]})
     seen = NvmlDevices([0, 1], nvml=nvml).compute_processes()
     assert seen == {0: [(10, 3 * GIB), (11, GIB)], 1: [(12, 0), (99, 2 * GIB)]}
-    found = check_gpu_processes(seen, {10: "job-1", 11: "job-1", 12: "job-2"},
-                                {("job-1", 0): 2 * GIB, ("job-2", 1): GIB})
+    owner, limits = {10: "job-1", 11: "job-1", 12: "job-2"}, {("job-1", 0): 2 * GIB, ("job-2", 1): GIB}
+    found = check_gpu_processes(seen, owner, limits)
     assert [(f.kind, f.job_id, f.gpu, f.bytes_taken) for f in found] == [
         ("over_limit", "job-1", 0, 2 * GIB),  # 4 GiB held against a 2 GiB limit
         ("unmanaged", None, 1, 2 * GIB),  # pid 99 is no job's: all it holds is taken
     ]
-    assert taken_by_gpu(found) == {0: 2 * GIB, 1: 2 * GIB}  # what the coordinator does not hand out
+    judge = Judge(JobsConfig())
+    for (job, gpu), limit in limits.items():
+        judge.launched(job, 1.0, {gpu: limit})
+    judge.gpu_processes(seen, owner, 0.0)
+    # What the coordinator does not hand out.
+    assert (judge.taken_bytes(0), judge.taken_bytes(1)) == (2 * GIB, 2 * GIB)
 
 
 # -- the real daemon ------------------------------------------------------------------------------
