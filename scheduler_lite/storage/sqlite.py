@@ -158,7 +158,9 @@ class SqliteStorage:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         # Autocommit mode: transactions are ours (BEGIN IMMEDIATE), not the sqlite3 module's. An
         # in-memory database is this connection alone: like any object it may pass to another
-        # thread (a test builds the daemon, a thread serves it), used by one at a time.
+        # thread (a test builds the daemon, a thread serves it). One thread writes; others may
+        # only read (SQLite serializes the calls, but a transaction is the connection's, not a
+        # thread's: a second writer would join the first one's and share its rollback).
         self._db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                    check_same_thread=not in_memory)
         self._open = False  # inside a transaction block: a nested one joins it
