@@ -571,16 +571,23 @@ def test_a_job_that_floods_bad_stats_gets_one_event_a_minute_clipped_and_escaped
               "    time.sleep(0.02)\n")
     job = d.submit([sys.executable, "-c", writer], tenant="A", kind="guarantee")
     d.tick()
-    assert wait_for(lambda: (d.job_dir(job) / "stats.json").exists())
+    stats = d.job_dir(job) / "stats.json"
+    assert wait_for(stats.exists, timeout=60)
+
+    def tick_on_a_new_key() -> None:
+        # A new key each tick: wait for the writer's next document, whatever the machine's load
+        # (a fixed pause let a descheduled writer leave the last tick the same key, so no event).
+        seen = stats.read_bytes()  # the document the previous tick read, or a later one
+        assert wait_for(lambda: stats.read_bytes() != seen, timeout=60)
+        d.tick()
+
     with caplog.at_level("WARNING", logger="scheduler_lite"):
         for _ in range(10):
-            time.sleep(0.05)  # a new key each time
             now[0] += 1.0
-            d.tick()
+            tick_on_a_new_key()
         first = [e for e in d.storage.events(job) if e.kind == "stats_error"]
         now[0] += 61.0
-        time.sleep(0.05)
-        d.tick()
+        tick_on_a_new_key()
     errors = [e for e in d.storage.events(job) if e.kind == "stats_error"]
     assert len(first) == 1 and len(errors) == 2
     assert all(len(e.detail["error"]) <= 300 for e in errors)
