@@ -106,11 +106,23 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
         for death in range(DEATHS):
             fault = rng.choice([*FAULT_POINTS, None])
             proc = start_daemon(config, daemon_log, fault, rng.randint(1, 3))
-            try:
-                proc.wait(timeout=rng.uniform(0.5, 2.5) if fault is None else 6.0)
-            except subprocess.TimeoutExpired:
+            if fault is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=rng.uniform(0.5, 2.5))
+            else:
+                # It kills itself at the fault point however long a loaded machine takes to get
+                # there (a fixed 6 s from the start could end it first: the interpreter's start
+                # alone takes seconds there), unless no work is left to reach it: every job done.
+                store = SqliteStorage(db)
+                try:
+                    def fired_or_idle(proc: subprocess.Popen[bytes] = proc, store: SqliteStorage = store) -> bool:
+                        return proc.poll() is not None or all(j.state.done for j in store.list_jobs())
+                    wait_for(fired_or_idle, timeout=300, interval=0.1)
+                finally:
+                    store.close()
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # kill -9 from outside, wherever it is
-                proc.wait()
+            proc.wait()
             assert proc.returncode == -signal.SIGKILL, (death, fault, proc.returncode, daemon_log.read_text()[-2000:])
             running = check_store(db)
             alive = job_processes(tmp_path / "state")
@@ -133,7 +145,8 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
                                   alive: dict[str, int] = alive) -> bool:
                         seen = {e.job_id for e in store.events(after_id=before) if e.kind in ("adopted", "exited")}
                         return set(alive) <= seen
-                    assert wait_for(accounted, timeout=20), (alive, daemon_log.read_text()[-2000:])
+                    # Deadline for a loaded machine, where the interpreter's start alone takes seconds.
+                    assert wait_for(accounted, timeout=120), (alive, daemon_log.read_text()[-2000:])
                 finally:
                     store.close()
             finally:
@@ -142,14 +155,14 @@ def test_daemon_survives_kill_9_at_random_points(tmp_path: Path) -> None:
         final = start_daemon(config, daemon_log, None, 0)
         store = SqliteStorage(db)
         try:
-            assert wait_for(lambda: all(j.state.done for j in store.list_jobs()), timeout=90), [
+            assert wait_for(lambda: all(j.state.done for j in store.list_jobs()), timeout=300), [
                 (j.id, str(j.state)) for j in store.list_jobs() if not j.state.done]
             jobs = store.list_jobs()
             events = store.events()
         finally:
             store.close()
             final.send_signal(signal.SIGTERM)
-            final.wait(timeout=20)
+            final.wait(timeout=120)
     finally:
         for pid in job_processes(tmp_path / "state").values():  # this test's jobs only
             os.killpg(pid, signal.SIGKILL)
