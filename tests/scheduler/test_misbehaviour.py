@@ -4,6 +4,7 @@ stats.json (impossible figures, refused controls) or none at all."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,7 +276,37 @@ def nvmlDeviceGetComputeRunningProcesses(h):
 '''
 
 
-def test_nvml_per_process_memory_over_a_limit_and_outside_every_job(tmp_path: Path) -> None:
+@dataclass
+class NvmlDaemon:
+    """A daemon serving one fake-NVML 2 GiB GPU whose per-process table the test writes."""
+
+    config: Path
+    table: Path  # {gpu: [[pid, bytes], ...]} for FAKE_PYNVML's nvmlDeviceGetComputeRunningProcesses
+    env: dict[str, str]
+    outsider: subprocess.Popen[bytes]  # on the GPU, in no job's cgroup
+
+    def cli(self, *argv: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(self.config), *argv],
+                              capture_output=True, text=True, cwd=self.config.parent, env=self.env, timeout=60,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def show(self, job: str) -> dict:  # type: ignore[type-arg]
+        return json.loads(self.cli("--json", "show", job))  # type: ignore[no-any-return]
+
+    def submit_and_wait(self, *argv: str) -> str:
+        job = self.cli("submit", *argv).strip()
+        assert wait_for(lambda: self.show(job)["job"]["pid"] is not None, 30)
+        return job
+
+    def cancel(self, job: str) -> None:
+        self.cli("cancel", job)
+        assert wait_for(lambda: self.show(job)["job"]["state"] == "cancelled", 30)
+
+
+@contextlib.contextmanager
+def nvml_daemon(tmp_path: Path, **sections: dict) -> Iterator[NvmlDaemon]:  # type: ignore[type-arg]
     from scheduler_lite.containment import Containment
 
     if os.geteuid() != 0 or not Containment(tmp_path).active:
@@ -282,97 +314,58 @@ def test_nvml_per_process_memory_over_a_limit_and_outside_every_job(tmp_path: Pa
     fake = tmp_path / "fake"
     fake.mkdir()
     (fake / "pynvml.py").write_text(FAKE_PYNVML)
-    table = tmp_path / "processes.json"
     config = tmp_path / "sl.toml"
-    text = to_toml(scheduler_config(["1GiB"], {"A": 1, "B": 0}, daemon={"tick_interval_s": 0.05}))
+    text = to_toml(scheduler_config(["1GiB"], {"A": 1, "B": 0}, daemon={"tick_interval_s": 0.05}, **sections))
     config.write_text(text.replace('kind = "emulated"', 'kind = "nvml"').split("[[devices.emulated]]")[0]
                       + "[[tenants]]" + text.split("[[tenants]]", 1)[1])
+    table = tmp_path / "processes.json"
     env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}", "FAKE_NVML_PROCESSES": str(table)}
-    outsider = subprocess.Popen(["sleep", "300"])  # on the GPU, in no job's cgroup
+    outsider = subprocess.Popen(["sleep", "300"])
     with open(tmp_path / "daemon.log", "ab") as out:
         daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(config), "serve"],
                                   env=env, stdout=out, stderr=out, start_new_session=True)
     try:
         assert wait_for(lambda: serving(config), 30), (tmp_path / "daemon.log").read_text()
-
-        def cli(*argv: str) -> str:
-            done = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(config), *argv],
-                                  capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60, check=False)
-            assert done.returncode == 0, done.stderr
-            return done.stdout
-
-        job = cli("submit", "--tenant", "A", "--", "sleep", "300").strip()
-        assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["pid"] is not None, 30)
-        pid = json.loads(cli("--json", "show", job))["job"]["pid"]  # its wrapper: in the job's cgroup
-        table.write_text(json.dumps({"0": [[pid, 3 << 30], [outsider.pid, 1 << 30]]}))
-
-        def checks() -> list[tuple[str | None, str]]:
-            events = json.loads(cli("--json", "show", job))["events"]
-            return [(e["job_id"], e["detail"]["check"]) for e in events if e["kind"] == "misbehaving"]
-
-        assert wait_for(lambda: (job, "over_limit") in checks(), 30), checks()
-        status = cli("status")
-        assert f"WARNING: {job}: over_limit: holds {3 << 30} bytes on GPU 0, its limit is {2 << 30}" in status
-        assert f"WARNING: GPU 0: unmanaged: pid {outsider.pid} holds {1 << 30} bytes and belongs to no job" in status
-        cli("cancel", job)
-        assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["state"] == "cancelled", 30)
+        yield NvmlDaemon(config, table, env, outsider)
     finally:
         outsider.kill()
         outsider.wait()
         os.killpg(daemon.pid, signal.SIGTERM)
         daemon.wait(30)
+
+
+def test_nvml_per_process_memory_over_a_limit_and_outside_every_job(tmp_path: Path) -> None:
+    with nvml_daemon(tmp_path) as d:
+        job = d.submit_and_wait("--tenant", "A", "--", "sleep", "300")
+        pid = d.show(job)["job"]["pid"]  # its wrapper: in the job's cgroup
+        d.table.write_text(json.dumps({"0": [[pid, 3 << 30], [d.outsider.pid, 1 << 30]]}))
+
+        def checks() -> list[tuple[str | None, str]]:
+            return [(e["job_id"], e["detail"]["check"]) for e in d.show(job)["events"] if e["kind"] == "misbehaving"]
+
+        assert wait_for(lambda: (job, "over_limit") in checks(), 30), checks()
+        status = d.cli("status")
+        assert f"WARNING: {job}: over_limit: holds {3 << 30} bytes on GPU 0, its limit is {2 << 30}" in status
+        assert f"WARNING: GPU 0: unmanaged: pid {d.outsider.pid} holds {1 << 30} bytes and belongs to no job" in status
+        d.cancel(job)
 
 
 def test_nvml_memory_of_no_job_is_not_handed_out_by_the_coordinator(tmp_path: Path) -> None:
     """An opportunistic job alone on the (fake NVML) 2 GiB GPU gets the whole GPU; once a process
     of no job holds 512 MiB there, the coordinator's next round gives the job the rest only."""
-    from scheduler_lite.containment import Containment
-
-    if os.geteuid() != 0 or not Containment(tmp_path).active:
-        pytest.skip("needs containment (root, cgroup2): the pids are told apart by the jobs' cgroups")
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "pynvml.py").write_text(FAKE_PYNVML)
-    table = tmp_path / "processes.json"
-    config = tmp_path / "sl.toml"
-    text = to_toml(scheduler_config(["1GiB"], {"A": 1, "B": 0}, daemon={"tick_interval_s": 0.05},
-                                    coordinator={"round_interval_s": 0.2}))
-    config.write_text(text.replace('kind = "emulated"', 'kind = "nvml"').split("[[devices.emulated]]")[0]
-                      + "[[tenants]]" + text.split("[[tenants]]", 1)[1])
-    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}", "FAKE_NVML_PROCESSES": str(table)}
-    outsider = subprocess.Popen(["sleep", "300"])  # on the GPU, in no job's cgroup
-    with open(tmp_path / "daemon.log", "ab") as out:
-        daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(config), "serve"],
-                                  env=env, stdout=out, stderr=out, start_new_session=True)
-    try:
-        assert wait_for(lambda: serving(config), 30), (tmp_path / "daemon.log").read_text()
-
-        def cli(*argv: str) -> str:
-            done = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(config), *argv],
-                                  capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60, check=False)
-            assert done.returncode == 0, done.stderr
-            return done.stdout
-
-        job = cli("submit", "--tenant", "B", "--type", "opportunistic", "--", "sleep", "300").strip()
-        assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["pid"] is not None, 30)
-        launched = [e for e in json.loads(cli("--json", "show", job))["events"] if e["kind"] == "launched"]
+    with nvml_daemon(tmp_path, coordinator={"round_interval_s": 0.2}) as d:
+        job = d.submit_and_wait("--tenant", "B", "--type", "opportunistic", "--", "sleep", "300")
+        launched = [e for e in d.show(job)["events"] if e["kind"] == "launched"]
         assert launched[0]["detail"]["memory_limit_bytes"] == 2 << 30  # alone: the whole GPU
-        table.write_text(json.dumps({"0": [[outsider.pid, 512 << 20]]}))
+        d.table.write_text(json.dumps({"0": [[d.outsider.pid, 512 << 20]]}))
 
         def limits() -> list[int]:
-            events = json.loads(cli("--json", "show", job))["events"]
-            return [e["detail"]["limit_bytes"] for e in events if e["kind"] == "memory_limit"]
+            return [e["detail"]["limit_bytes"] for e in d.show(job)["events"] if e["kind"] == "memory_limit"]
 
         assert wait_for(lambda: (2 << 30) - (512 << 20) in limits(), 30), limits()
-        table.write_text(json.dumps({"0": []}))  # gone: the whole GPU again
+        d.table.write_text(json.dumps({"0": []}))  # gone: the whole GPU again
         assert wait_for(lambda: limits()[-1:] == [2 << 30], 30), limits()
-        cli("cancel", job)
-        assert wait_for(lambda: json.loads(cli("--json", "show", job))["job"]["state"] == "cancelled", 30)
-    finally:
-        outsider.kill()
-        outsider.wait()
-        os.killpg(daemon.pid, signal.SIGTERM)
-        daemon.wait(30)
+        d.cancel(job)
 
 
 def test_a_stopped_job_ignoring_sigterm_gets_the_daemons_one_sigkill(make_site) -> None:  # type: ignore[no-untyped-def]
