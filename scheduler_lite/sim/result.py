@@ -129,25 +129,26 @@ def plot(results: list[SimResult], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    def figure(name: str, xlabel: str, ylabel: str, lines: list[tuple[str, list[float], list[float]]],
+               log_x: bool = False) -> Path:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for policy, xs, ys in lines:
+            ax.plot(xs, ys, label=policy)
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        path = out_dir / name
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        return path
+
+    cdfs = []
     for r in results:
         jcts = sorted(float(x["jct_s"]) / 3600 for x in r.records if x["jct_s"] is not None)  # type: ignore[arg-type]
-        if jcts:
-            ax.plot(jcts, [(i + 1) / len(jcts) for i in range(len(jcts))], label=r.policy)
-    ax.set_xscale("log")
-    ax.set_xlabel("JCT (hours)")
-    ax.set_ylabel("CDF")
-    ax.legend()
-    cdf = out_dir / "jct_cdf.png"
-    fig.savefig(cdf, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        ax.plot([t / 3600 for t, *_ in r.timeseries], [u for _, u, _, _ in r.timeseries], label=r.policy)
-    ax.set_xlabel("time (hours)")
-    ax.set_ylabel("GPU compute utilisation")
-    ax.legend()
-    util = out_dir / "utilisation.png"
-    fig.savefig(util, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return [cdf, util]
+        if jcts:  # a policy with no finished job has no curve
+            cdfs.append((r.policy, jcts, [(i + 1) / len(jcts) for i in range(len(jcts))]))
+    util = [(r.policy, [t / 3600 for t, *_ in r.timeseries], [u for _, u, _, _ in r.timeseries]) for r in results]
+    return [figure("jct_cdf.png", "JCT (hours)", "CDF", cdfs, log_x=True),
+            figure("utilisation.png", "time (hours)", "GPU compute utilisation", util)]

@@ -155,3 +155,13 @@ def test_out_must_be_a_directory_and_trace_dir_belongs_to_the_alibaba_workload(
     # Ignored before, unlike the other Alibaba options.
     one_error(capsys, ["--jobs", "5", "--trace-dir", str(tmp_path)], f"--trace-dir='{tmp_path}'",
               "an option of the alibaba workload")
+
+
+def test_plots_write_both_figures(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    assert main(["--jobs", "20", "--out", str(tmp_path), "--plots"]) == 0
+    for name in ("jct_cdf.png", "utilisation.png"):
+        image = matplotlib.image.imread(tmp_path / name)
+        assert image.shape[0] > 100 and image.shape[1] > 100, name
