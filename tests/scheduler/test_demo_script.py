@@ -41,8 +41,10 @@ def test_cli_demo_runs_both_jobs_to_the_end_and_stops_its_daemon(tmp_path: Path)
         out = run.stdout
         # `list` at the end: both jobs finished.
         assert len(re.findall(r"^job-\d+ .* finished ", out, flags=re.M)) == 2, out[-3000:]
-        # While both ran, the opportunistic job's share was cut below 1 (the status tables).
-        assert re.search(r"job-1\s+opportunistic\s+\S+ \S+\s+\S+ \S+\s+\S+ \S+\s+0\.\d\d ", out), out[-3000:]
+        # While both ran, the opportunistic job's share was cut below 1 (the status tables). Its LIMIT
+        # cell may show a decided change not applied yet ("128.0 MiB -> 1.9 GiB") when `status` runs.
+        assert re.search(r"job-1\s+opportunistic\s+\S+ \S+(?: -> \S+ \S+)?\s+\S+ \S+\s+\S+ \S+\s+0\.\d\d ", out), \
+            out[-3000:]
         # What tf-antman did, one line per job, each named (the guarantee job's says it was not slowed).
         assert re.search(r"^job-2 \(guarantee\): \S", out, flags=re.M), out[-3000:]
         assert re.search(r"^job-1 \(opportunistic\): WARNING:absl:tf-antman: at exit: ", out, flags=re.M), out[-3000:]
