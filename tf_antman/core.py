@@ -32,7 +32,7 @@ from typing import Any
 CORE_LIB = "libantman_core.so"
 LIB_DIR = Path(__file__).resolve().parent / "_native"
 # ANTMAN_MEM_ABI_VERSION, ANTMAN_OPS_ABI_VERSION, ANTMAN_GATE_ABI_VERSION (cc/core/*.h).
-ABI_VERSIONS = {"mem": 1, "ops": 1, "gate": 1}
+ABI_VERSIONS = {"mem": 1, "ops": 2, "gate": 1}
 BACKENDS = {"emulated": 0, "cuda": 1}
 TIMINGS = {"host": 0, "device": 1}
 NESTED = -1  # ANTMAN_OPM_NESTED: admitted inside another host op of the same manager
@@ -93,7 +93,7 @@ class OpmConfig(_Struct):
     """Mirror of antman_opm_config (cc/core/antman_ops.h)."""
 
     _fields_ = [("initial_share", _dbl), ("window_ns", _i64), ("max_credit_ns", _i64),
-                ("max_pending_device_ops", _i64)]
+                ("max_pending_device_ops", _i64), ("device_burst_ns", _i64)]
 
 
 class OpmStats(_Struct):
@@ -124,7 +124,7 @@ class GateStats(_Struct):
 class GateExtStats(_Struct):
     """Mirror of antman_gate_ext_stats (fields only ever appended)."""
 
-    _fields_ = [(name, _i64) for name in ("ops_captured", "host_gap_ns")]
+    _fields_ = [(name, _i64) for name in ("ops_captured", "host_gap_ns", "launch_lag_ns")]
 
 
 class _Abi(ctypes.Structure):
@@ -363,12 +363,14 @@ class OpManager(_Handle):
     _destroy = "antman_opm_destroy"
 
     def __init__(self, lib: CoreLib, *, share: float = 1.0, window_ns: int | None = None,
-                 max_credit_ns: int | None = None, max_pending_device_ops: int | None = None) -> None:
+                 max_credit_ns: int | None = None, max_pending_device_ops: int | None = None,
+                 device_burst_ns: int | None = None) -> None:
         config = OpmConfig()
         lib.c.antman_opm_default_config(ctypes.byref(config))
         config.initial_share = share
         for field, value in (("window_ns", window_ns), ("max_credit_ns", max_credit_ns),
-                             ("max_pending_device_ops", max_pending_device_ops)):
+                             ("max_pending_device_ops", max_pending_device_ops),
+                             ("device_burst_ns", device_burst_ns)):
             if value is not None:
                 if not -(2**63) <= value < 2**63:
                     raise CoreError(f"{field}: {value} is outside the accepted range of int64")

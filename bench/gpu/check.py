@@ -26,7 +26,9 @@ of time, with the seconds it needed and those left:
                  judged by the work done
   interference   a guarantee job beside an opportunist held at 0, 0.05 and 0.2: the guarantee's
                  slowdown beside the opportunist's achieved busy fraction (work done x the
-                 kernel time measured alone), against the time-slicing bound f / (1 - f)
+                 kernel time measured alone), against the time-slicing bound f / (1 - f);
+                 judged with the library's device bursts, and the same shares with other
+                 bursts beside them for comparison (0: one kernel per turn)
   colocate       bench/gpu_colocate.py --part 1 --quick, only with the time left, under a hard
                  budget (its rows are kept if it is cut)
 
@@ -96,6 +98,12 @@ SHARE_TARGETS = (0.25, 0.5, 0.75)
 SHARE_ERROR_TARGET = {"long": 2.0, "short": 3.0}
 SHRINK_MIN_GIB = 15.0  # the paper's 16.3 GB is 15.2 GiB; the step asks 16 GiB
 INTERFERENCE_SHARES = (0.0, 0.05, 0.2)
+# Opportunists run beside the guarantee job: (share, --burst-us). None is the library's default
+# device burst, the product's behaviour, and is judged; the others are reported beside it for
+# comparison: 0 is one kernel per turn (a GPU context switch to the opportunist and back for
+# every kernel), 5000 the longest turn the default bank holds.
+INTERFERENCE_CASES: tuple[tuple[float, int | None], ...] = (
+    (0.0, None), (0.05, None), (0.05, 0), (0.05, 5000), (0.2, None), (0.2, 0))
 INTERFERENCE_SLACK = 0.02  # slowdown allowed above the time-slicing bound f / (1 - f)
 INTERFERENCE_ROUNDS = 2
 NVML_PERIOD_S = 0.05
@@ -342,6 +350,9 @@ def judge_share(result: dict[str, Any], nvml: NvmlSampler | None, kind: str) -> 
         "share_error_points_nvml": error_points(nvml_means[1:]),
         "kernel_s_alone": round(1.0 / rates[0], 9) if rates[0] else None,
         "gate_errors": result.get("gate_errors"), "cupti_error": result.get("cupti_error") or cupti_invalid,
+        "gate_launch_lag_ns": result.get("gate_launch_lag_ns"), "gate_host_gap_ns": result.get("gate_host_gap_ns"),
+        "gate_anchor_uncertainty_ns": result.get("gate_anchor_uncertainty_ns"),
+        "device_burst_ns": result.get("device_burst_ns"),
         "nvml_error": nvml_error, "target_points": SHARE_ERROR_TARGET[kind],
     }
     judged = out["share_error_points_cupti"]
@@ -544,15 +555,16 @@ def kernels_at(progress: list[tuple[float, float]], t: float) -> float:
     return k0 + (k1 - k0) * (t - t0) / (t1 - t0)
 
 
-def opportunist_beside(c: Check, iters: int, kernels: int, share: float, budget: Budget
-                       ) -> tuple[float, dict[str, Any]]:
+def opportunist_beside(c: Check, iters: int, kernels: int, share: float, burst_us: int | None,
+                       budget: Budget) -> tuple[float, dict[str, Any]]:
     """The guarantee job's wall seconds beside an opportunist held at `share`, and the
     opportunist's own line (kernels done, wall seconds) with "kernels_beside": the kernels it
     launched inside the guarantee job's run (its progress lines, at the guarantee's epochs)."""
-    what = f"opportunist (share {share})"
+    what = f"opportunist (share {share}" + (f", burst {burst_us} us)" if burst_us is not None else ")")
+    burst = ["--burst-us", str(burst_us)] if burst_us is not None else []
     with tempfile.TemporaryFile() as errf:
         opp = start_child([*c.program("compute_bench"), "opportunist", "--iters", str(iters), "--share",
-                           str(share)], stdout=subprocess.PIPE, stderr=errf, text=True, errors="replace")
+                           str(share), *burst], stdout=subprocess.PIPE, stderr=errf, text=True, errors="replace")
         line = None
         try:
             line = wait_ready(opp, budget.timeout(60 * c.scale, what))
@@ -609,20 +621,21 @@ def step_interference(c: Check, timeout: float) -> dict[str, Any]:
     budget = Budget(timeout, margin=1.0 * c.scale)
     kernels = max(200, int(2.0 / kernel_s))  # about 2 s of the guarantee job alone
     alone: list[float] = []
-    beside: dict[float, list[tuple[float, dict[str, Any]]]] = {s: [] for s in INTERFERENCE_SHARES}
+    beside: dict[tuple[float, int | None], list[tuple[float, dict[str, Any]]]] = {
+        case: [] for case in INTERFERENCE_CASES}
     for r in range(INTERFERENCE_ROUNDS):
-        order: list[float | None] = [None, *INTERFERENCE_SHARES, None]
-        for share in order if r % 2 == 0 else order[::-1]:  # alternated: drift favours no one
-            if share is None:
+        order: list[tuple[float, int | None] | None] = [None, *INTERFERENCE_CASES, None]
+        for case in order if r % 2 == 0 else order[::-1]:  # alternated: drift favours no one
+            if case is None:
                 alone.append(guarantee(c, iters, kernels, budget)[0])
             else:
-                beside[share].append(opportunist_beside(c, iters, kernels, share, budget))
+                beside[case].append(opportunist_beside(c, iters, kernels, *case, budget))
     base = statistics.median(alone)
     noise = max(alone) / min(alone) - 1.0  # the guarantee alone, run to run: the noise floor
     kernel_alone = base / kernels  # the opportunist runs the same kernels
     rows = []
     checks: dict[str, bool | None] = {}
-    for share, runs in beside.items():
+    for (share, burst_us), runs in beside.items():
         slow = statistics.median(w for w, _ in runs) / base - 1.0
         # f: the work the opportunist got done while the guarantee job ran (kernels launched in
         # that window x the same kernel's time alone / the window); over its whole run beside it
@@ -636,7 +649,10 @@ def step_interference(c: Check, timeout: float) -> dict[str, Any]:
         rows.append({"opportunist_share": share, "opportunist_busy_fraction": round(f, 4),
                      "opportunist_busy_fraction_whole_run": round(whole, 4) if whole is not None else None,
                      "guarantee_slowdown": round(slow, 4), "time_slicing_bound": round(bound, 4),
-                     "manager_share_window": [o.get("manager_share_window") for _, o in runs]})
+                     "manager_share_window": [o.get("manager_share_window") for _, o in runs],
+                     "device_burst_ns": runs[0][1].get("device_burst_ns"), "judged": burst_us is None})
+        if burst_us is not None:
+            continue  # a comparison: another burst than the product's
         checks[f"slowdown_le_bound_at_{share:g}"] = slow <= bound + INTERFERENCE_SLACK + noise
         if share > 0:
             # An opportunist far below its share shows a starved job, not a protected guarantee.

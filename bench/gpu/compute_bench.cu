@@ -3,17 +3,19 @@
 // No TensorFlow, no Bazel: bench/gpu/build_compute.sh builds it, bench/gpu/check.py drives it.
 //
 //   compute_bench probe                       exit 0 if a CUDA device is usable, else 77
-//   compute_bench share [--quick] [--kernel-us U --host-us H]
+//   compute_bench share [--quick] [--kernel-us U --host-us H] [--burst-us B]
 //                                             phases at share 1 (the job's natural share), then
 //                                             0.25 / 0.5 / 0.75; one JSON line of raw counts
 //   compute_bench guarantee --iters N --kernels K
 //                                             K kernels at share 1: wall time (one JSON line)
-//   compute_bench opportunist --iters N --share S
+//   compute_bench opportunist --iters N --share S [--burst-us B]
 //                                             warms up at share 1, then kernels at share S
 //                                             until SIGTERM; prints READY once at S, then
 //                                             "P <unix time> <kernels>" every 50 ms, and a JSON
 //                                             line at the end (kernels done, wall seconds)
 //
+// --burst-us B: the manager's device_burst_ns in us ([0, 1e6]; default: the library's, 2 ms):
+// a throttled job banks B of busy time before each turn on the GPU. The JSON line says which.
 // Long kernels (default): FMA and SAXPY kernels alternating, ~0.5 ms each, launched back to
 // back. Short kernels (--kernel-us U): FMA kernels of ~U us with H us of host work (a spin on
 // the host clock) between launches, as a PyTorch job's small ops are.
@@ -163,10 +165,13 @@ struct Job {
 struct Gated {
   antman_opm* opm = nullptr;
   antman_gate* gate = nullptr;
-  explicit Gated(double share) {
+  int64_t burst_ns = 0;
+  explicit Gated(double share, double burst_us = -1) {
     antman_opm_config oc;
     antman_opm_default_config(&oc);
     oc.initial_share = share;
+    if (burst_us >= 0) oc.device_burst_ns = std::llround(burst_us * 1000.0);
+    burst_ns = oc.device_burst_ns;
     char err[512];
     if (antman_opm_create(&oc, &opm, err, sizeof(err)) != ANTMAN_OK) {
       std::fprintf(stderr, "compute_bench: antman_opm_create: %s\n", err);
@@ -368,7 +373,7 @@ Phase RunPhase(Job& job, Gated& g, Cupti& cupti, double share, double warmup_s, 
   return Phase{share, kernels, t1 - t0, epoch_start, epoch_end, busy, window, st.achieved_share_window};
 }
 
-int Share(bool quick, double kernel_us, double host_us) {
+int Share(bool quick, double kernel_us, double host_us, double burst_us) {
   Cupti cupti;
   cupti.Start();  // before the context: every kernel of the process gets a record
   CUDA_OK(cudaSetDevice(0));
@@ -379,7 +384,7 @@ int Share(bool quick, double kernel_us, double host_us) {
   job.fma_only = short_mode;
   job.host_us = host_us;
   job.iters = Calibrate(job, short_mode ? kernel_us / 1000.0 : 0.5);
-  Gated g(1.0);
+  Gated g(1.0, burst_us);
   const double seconds = quick ? 1.5 : 4.0;
   const double targets[] = {1.0, 0.25, 0.5, 0.75};  // share 1 first: the job's natural share
   std::string phases = "[";
@@ -396,6 +401,8 @@ int Share(bool quick, double kernel_us, double host_us) {
   phases += "]";
   antman_gate_stats gs;
   ANTMAN_OK_OR_DIE(antman_gate_get_stats(g.gate, &gs));
+  antman_gate_ext_stats ext{};
+  antman_gate_get_ext_stats(g.gate, &ext, sizeof(ext));
   std::string cupti_error;
   for (char c : cupti.error()) {
     if (c != '"' && c != '\\' && static_cast<unsigned char>(c) >= 0x20) cupti_error += c;
@@ -404,12 +411,15 @@ int Share(bool quick, double kernel_us, double host_us) {
       "{\"bench\": \"gpu_compute_share\", \"version\": %d, \"quick\": %s, \"mode\": \"%s\", "
       "\"kernel_us_target\": %.1f, \"host_us\": %.1f, \"fma_iters\": %d, \"cupti\": %s, "
       "\"cupti_error\": %s%s%s, \"phases\": %s, \"gate_ops_completed\": %lld, \"gate_errors\": %lld, "
-      "\"gate_anchors\": %lld, \"gate_anchor_uncertainty_ns\": %lld}\n",
+      "\"gate_anchors\": %lld, \"gate_anchor_uncertainty_ns\": %lld, \"gate_launch_lag_ns\": %lld, "
+      "\"gate_host_gap_ns\": %lld, \"device_burst_ns\": %lld}\n",
       kJsonVersion, quick ? "true" : "false", short_mode ? "short" : "long",
       short_mode ? kernel_us : 500.0, host_us, job.iters, cupti.ok() ? "true" : "false",
       cupti.ok() ? "" : "\"", cupti.ok() ? "null" : cupti_error.c_str(), cupti.ok() ? "" : "\"",
       phases.c_str(), static_cast<long long>(gs.ops_completed), static_cast<long long>(gs.errors),
-      static_cast<long long>(gs.anchors), static_cast<long long>(gs.anchor_uncertainty_ns));
+      static_cast<long long>(gs.anchors), static_cast<long long>(gs.anchor_uncertainty_ns),
+      static_cast<long long>(ext.launch_lag_ns), static_cast<long long>(ext.host_gap_ns),
+      static_cast<long long>(g.burst_ns));
   return gs.errors == 0 ? 0 : 1;
 }
 
@@ -435,14 +445,14 @@ int Guarantee(int iters, long kernels) {
 std::atomic<bool> g_stop{false};
 void OnTerm(int) { g_stop = true; }
 
-int Opportunist(int iters, double share) {
+int Opportunist(int iters, double share, double burst_us) {
   std::signal(SIGTERM, OnTerm);
   std::signal(SIGINT, OnTerm);
   Job job;
   job.Init(iters);
   // Warm-up at share 1: at share 0 the gate holds every op at its admission, so a warm-up there
   // would never end.
-  Gated g(1.0);
+  Gated g(1.0, burst_us);
   for (int i = 0; i < 20; ++i) g.Run(job.stream, [&] { job.Launch(); });
   CUDA_OK(cudaStreamSynchronize(job.stream));
   ANTMAN_OK_OR_DIE(antman_opm_set_share(g.opm, share));
@@ -478,15 +488,18 @@ int Opportunist(int iters, double share) {
   // kernels launched between READY and the stop: the caller turns them into a busy fraction with
   // the kernel time measured alone (the work this process got done, not the gate's figure).
   std::printf("{\"bench\": \"gpu_compute_opportunist\", \"version\": %d, \"share\": %.3f, "
-              "\"kernels\": %ld, \"wall_s\": %.6f, \"manager_share_window\": %.4f}\n",
-              kJsonVersion, share, kernels, t_stop - t0, st.achieved_share_window);
+              "\"kernels\": %ld, \"wall_s\": %.6f, \"manager_share_window\": %.4f, "
+              "\"device_burst_ns\": %lld}\n",
+              kJsonVersion, share, kernels, t_stop - t0, st.achieved_share_window,
+              static_cast<long long>(g.burst_ns));
   return 0;
 }
 
 int Usage(const char* argv0) {
   std::fprintf(stderr,
-               "usage: %s probe | share [--quick] [--kernel-us U --host-us H] | "
-               "guarantee --iters N --kernels K | opportunist --iters N --share S\n", argv0);
+               "usage: %s probe | share [--quick] [--kernel-us U --host-us H] [--burst-us B] | "
+               "guarantee --iters N --kernels K | opportunist --iters N --share S [--burst-us B]\n",
+               argv0);
   return 2;
 }
 
@@ -497,7 +510,7 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   bool quick = false;
   long iters = -1, kernels = -1;
-  double share = -1, kernel_us = 0, host_us = 0;
+  double share = -1, kernel_us = 0, host_us = 0, burst_us = -1;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -512,6 +525,12 @@ int main(int argc, char** argv) {
       kernel_us = std::strtod(argv[++i], nullptr);
     } else if (a == "--host-us" && i + 1 < argc) {
       host_us = std::strtod(argv[++i], nullptr);
+    } else if (a == "--burst-us" && i + 1 < argc) {
+      burst_us = std::strtod(argv[++i], nullptr);
+      if (!(burst_us >= 0 && burst_us <= 1e6)) {
+        std::fprintf(stderr, "--burst-us: %s is outside the accepted range [0, 1e6]\n", argv[i]);
+        return 2;
+      }
     } else {
       return Usage(argv[0]);
     }
@@ -548,10 +567,10 @@ int main(int argc, char** argv) {
     return kSkip;
   }
   // share: CUPTI is started before the context exists (Share), so that every kernel is recorded.
-  if (mode == "share") return Share(quick, kernel_us, host_us);
+  if (mode == "share") return Share(quick, kernel_us, host_us, burst_us);
   CUDA_OK(cudaSetDevice(0));
   CUDA_OK(cudaFree(nullptr));  // the primary context, which the gate also uses
   if (mode == "probe") return 0;
   if (mode == "guarantee") return Guarantee(static_cast<int>(iters), kernels);
-  return Opportunist(static_cast<int>(iters), share);
+  return Opportunist(static_cast<int>(iters), share, burst_us);
 }

@@ -79,6 +79,7 @@ void antman_opm_default_config(antman_opm_config* out) {
   out->window_ns = d.window_ns;
   out->max_credit_ns = d.max_credit_ns;
   out->max_pending_device_ops = d.max_pending_device_ops;
+  out->device_burst_ns = d.device_burst_ns;
 }
 
 int antman_opm_create(const antman_opm_config* config, antman_opm** out, char* err,
@@ -95,6 +96,7 @@ int antman_opm_create(const antman_opm_config* config, antman_opm** out, char* e
   options.window_ns = config->window_ns;
   options.max_credit_ns = config->max_credit_ns;
   options.max_pending_device_ops = config->max_pending_device_ops;
+  options.device_burst_ns = config->device_burst_ns;
   const std::string invalid = OpManager::Validate(options);
   if (!invalid.empty()) return fail(ANTMAN_ERR_INVALID, invalid);
   auto opm = std::make_unique<antman_opm>();

@@ -36,7 +36,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct below or a signature changes. */
-#define ANTMAN_OPS_ABI_VERSION 1
+#define ANTMAN_OPS_ABI_VERSION 2  /* 2: antman_opm_config.device_burst_ns */
 
 #define ANTMAN_OK 0
 #define ANTMAN_ERR_INVALID 1 /* a bad argument; the message names it */
@@ -68,6 +68,10 @@ typedef struct {
   int64_t window_ns;              /* (0, 2^63): span of achieved_share_window */
   int64_t max_credit_ns;          /* [0, 2^63): busy time a job may bank */
   int64_t max_pending_device_ops; /* [1, 2^63): launched, not completed */
+  int64_t device_burst_ns;        /* [0, 1e9]: a device-timed job out of its
+                                     share waits until it has banked this much
+                                     (at most max_credit_ns), then runs back to
+                                     back: fewer GPU context switches */
 } antman_opm_config;
 
 /* Mirrors OpManager::Stats. */
@@ -90,7 +94,7 @@ typedef struct {
 typedef struct antman_opm antman_opm;
 
 /* The defaults of OpManager::Options: share 1, window 1 s, credit 5 ms,
- * 256 pending device ops. */
+ * 256 pending device ops, device bursts of 2 ms. */
 void antman_opm_default_config(antman_opm_config* out);
 
 /* Returns ANTMAN_OK and sets *out, or ANTMAN_ERR_INVALID with the message in

@@ -261,6 +261,44 @@ void* CudaGate::TakeEventLocked(int* rc) {
   return event;
 }
 
+int64_t CudaGate::MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns,
+                                   int64_t round_trip_ns) {
+  // Without it, on an idle stream an op was charged from its end call, but its
+  // last kernel starts only when the device has taken the launch: on an H200,
+  // ~20 us kernels with host work between them were charged ~2 us too much
+  // each and got 5-8 points less than their share (bench/gpu/check.py, step
+  // compute_short). A probe event is such a launch: its placed time less the
+  // host time its record call returned is the lag. The smallest of a few
+  // probes (noise only adds); bounded by the anchor's round trip, since a
+  // wrong anchor should not move charges further than it can be wrong.
+  int64_t best = std::numeric_limits<int64_t>::max();
+  InContext([&] {
+    for (int attempt = 0; attempt < kAnchorTries; ++attempt) {
+      int rc = kCuSuccess;
+      void* probe = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        probe = TakeEventLocked(&rc);
+      }
+      if (probe == nullptr) break;
+      rc = d_->cuEventRecord(probe, anchor_stream_);
+      const int64_t returned = manager_->NowNs();
+      float ms = 0.0f;
+      if (rc == kCuSuccess) rc = d_->cuEventSynchronize(probe);
+      if (rc == kCuSuccess) rc = d_->cuEventElapsedTime(&ms, anchor_event, probe);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        free_events_.push_back(probe);
+      }
+      if (rc != kCuSuccess || !std::isfinite(ms)) break;
+      best = std::min<int64_t>(best, anchor_host_ns + std::llround(double{ms} * 1e6) - returned);
+    }
+    return kCuSuccess;
+  });
+  if (best == std::numeric_limits<int64_t>::max()) return 0;  // no probe: the old floor
+  return std::clamp(best, -round_trip_ns, round_trip_ns);
+}
+
 void CudaGate::ReleaseAnchorLocked(Anchor* anchor) {
   if (anchor == nullptr || --anchor->refs > 0) return;
   free_events_.push_back(anchor->event);
@@ -322,9 +360,11 @@ int CudaGate::Reanchor(std::string* err) {
     *err = failure.empty() ? "anchor: no event could be recorded" : failure;
     return ANTMAN_ERR_DEVICE;
   }
+  const int64_t lag = MeasureLaunchLag(best, best_host, best_round_trip);
   std::lock_guard<std::mutex> lock(mu_);
   ReleaseAnchorLocked(anchor_);
-  anchor_ = new Anchor{best, best_host, 1};
+  anchor_ = new Anchor{best, best_host, lag, 1};
+  ext_.launch_lag_ns = lag;
   ++stats_.anchors;
   stats_.anchor_uncertainty_ns = best_round_trip;
   return ANTMAN_OK;
@@ -514,8 +554,11 @@ void CudaGate::PollLoop() {
         // (streams run in order). Exact when the device is behind the host (GPU-bound
         // work); otherwise it undercounts kernels that completed before end was called,
         // never charges host time. docs/op-manager.md, "What the gate charges".
-        if (op->end_host_ns > iv.start_ns) {
-          const int64_t clip = std::min(op->end_host_ns, iv.end_ns);
+        // The floor is the end call plus the launch lag: the op's last kernel cannot have
+        // started before the device took its launch (an anchor-placed time, like iv).
+        const int64_t kernel_floor = op->end_host_ns + op->anchor->lag_ns;
+        if (kernel_floor > iv.start_ns) {
+          const int64_t clip = std::min(kernel_floor, iv.end_ns);
           host_gap += clip - iv.start_ns;
           iv.start_ns = clip;
         }
@@ -639,6 +682,7 @@ size_t antman_gate_get_ext_stats(antman_gate* gate, antman_gate_ext_stats* out, 
   antman_gate_ext_stats s{};
   s.ops_captured = e.ops_captured;
   s.host_gap_ns = e.host_gap_ns;
+  s.launch_lag_ns = e.launch_lag_ns;
   const size_t n = std::min(size, sizeof(s));
   std::memcpy(out, &s, n);
   return n;

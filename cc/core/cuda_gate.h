@@ -17,8 +17,10 @@
  *        on `stream`.
  * end:   records an end event on `stream` and queues the op. Call it after
  *        the op's last launch: the time of this call bounds what is charged.
- * Charged: device time only, [max(start event, end call), end event) on the
- *        manager's clock. An idle stream stamps the start event at begin, so
+ * Charged: device time only, [max(start event, end call + launch lag), end
+ *        event) on the manager's clock. The launch lag (ext stats) is measured
+ *        with probe events at each anchor: the time from a call that queues
+ *        work on an idle stream to the device starting it. An idle stream stamps the start event at begin, so
  *        the op's host work (argument handling, host allocations, a
  *        synchronising free) and the launches would otherwise count as busy;
  *        from the end call on, the stream holds only this op's queued work.
@@ -97,7 +99,12 @@ typedef struct {
   int64_t ops_captured;  /* begin calls on a stream capturing into a CUDA graph:
                             let through, not admitted, not charged, no event */
   int64_t host_gap_ns;   /* time between an op's start event and its end call
-                            that was not charged (host work; see below) */
+                            (plus the launch lag) that was not charged (host
+                            work; see below) */
+  int64_t launch_lag_ns; /* the current anchor's launch lag: how long after a
+                            call that queues work on an idle stream the device
+                            starts it, placed by the anchor (may be negative
+                            by at most the anchor's uncertainty) */
 } antman_gate_ext_stats;
 
 typedef struct antman_gate antman_gate;

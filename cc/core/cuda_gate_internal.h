@@ -61,6 +61,7 @@ const GateDriver* LoadGateDriverFrom(const char* library, std::string* err);
 struct GateExtStats {
   int64_t ops_captured = 0;    // begin calls on a capturing stream: passed, uncharged
   int64_t host_gap_ns = 0;     // [start event, end call) time not charged (host work)
+  int64_t launch_lag_ns = 0;   // the current anchor's launch lag (see Anchor::lag_ns)
 };
 
 // "" if valid, else the bad field and its accepted range.
@@ -128,6 +129,13 @@ class CudaGate {
   struct Anchor {
     void* event;
     int64_t host_ns;
+    // Launch lag: where this anchor places work the device starts on an idle
+    // stream, less the host time the call that queued it returned. The
+    // device's submission latency plus this anchor's own placement error
+    // (its host time is the midpoint of a record and a sync). Measured with
+    // probe events on the anchor stream at each anchor; it moves the floor
+    // of what an op is charged from its end call to end call + lag.
+    int64_t lag_ns;
     int refs;  // ops holding it, +1 while current
   };
 
@@ -140,6 +148,7 @@ class CudaGate {
   std::string DriverError(const char* call, int rc) const;
   void* TakeEventLocked(int* rc);  // from the pool, or a new one
   void ReleaseAnchorLocked(Anchor* anchor);
+  int64_t MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns, int64_t round_trip_ns);
   // Re-anchors if due, then records op's start event; charge: the op was
   // admitted and provisionally charged by Begin.
   int RecordStart(void* stream, bool charge, int64_t provisional, Op** out, std::string* err);

@@ -70,6 +70,11 @@ struct FakeDevice {
   int fail_next_records = 0;
   int query_error = 0;  // returned by cuEventQuery instead of success when set
   int user_records = 0;
+  // The gate's idle anchor stream: the device stamps an event this long after
+  // its record call (submission), and a sync returns this long after the stamp
+  // (the host noticing). 0 and 0: at once, as before these were modelled.
+  int64_t anchor_submit_ns = 0;
+  int64_t anchor_notify_ns = 0;
 };
 FakeDevice* g_dev = nullptr;
 char g_anchor_stream_tag;
@@ -135,9 +140,9 @@ const antman::GateDriver* FakeDriver() {
     FakeEvent* ev = Ev(e);
     ev->recorded = true;
     ev->stream = stream;
-    if (stream == kAnchorStream) {  // the gate's idle private stream: done at once
+    if (stream == kAnchorStream) {  // the gate's idle private stream: done once submitted
       ev->complete = true;
-      ev->device_ns = g_dev->clock->NowNs() + g_dev->device_offset_ns;
+      ev->device_ns = g_dev->clock->NowNs() + g_dev->anchor_submit_ns + g_dev->device_offset_ns;
     } else {
       ev->complete = false;
       ++g_dev->user_records;
@@ -152,7 +157,12 @@ const antman::GateDriver* FakeDriver() {
   };
   d.cuEventSynchronize = [](void* e) {
     std::lock_guard<std::mutex> lock(g_dev->mu);
-    return Ev(e)->complete ? 0 : 999;
+    if (!Ev(e)->complete) return 999;
+    // The host learns of the stamp anchor_notify_ns after it (the fake clock moves on).
+    const int64_t noticed = Ev(e)->device_ns - g_dev->device_offset_ns + g_dev->anchor_notify_ns;
+    const int64_t now = g_dev->clock->NowNs();
+    if (Ev(e)->stream == kAnchorStream && noticed > now) g_dev->clock->Advance(noticed - now);
+    return 0;
   };
   d.cuEventElapsedTime = [](float* ms, void* a, void* b) {
     std::lock_guard<std::mutex> lock(g_dev->mu);
@@ -212,9 +222,12 @@ struct Rig {
   std::unique_ptr<OpManager> manager;
   std::unique_ptr<CudaGate> gate;
 
-  explicit Rig(double share, int64_t anchor_interval_ns = 1 * kS) {
+  explicit Rig(double share, int64_t anchor_interval_ns = 1 * kS, int64_t anchor_submit_ns = 0,
+               int64_t anchor_notify_ns = 0) {
     g_dev = &dev;
     dev.clock = &clock;
+    dev.anchor_submit_ns = anchor_submit_ns;
+    dev.anchor_notify_ns = anchor_notify_ns;
     OpManager::Options o;
     o.initial_share = share;
     o.max_credit_ns = 1000 * kS;  // admission never waits for tokens here
@@ -363,6 +376,37 @@ TEST(HostWorkBeforeTheLaunchIsNotCharged) {
   REQUIRE(iv.size() == 2u);
   EXPECT_EQ(iv[0].first, t + 10 * kMs);
   EXPECT_EQ(iv[1].first, u + 5 * kMs);
+}
+
+TEST(LaunchLagIsNotCharged) {
+  // Issue found on an H200 (step compute_short): on an idle stream the device starts the op's
+  // last kernel a few us after the launch returns, and the anchor that places the end event
+  // is itself off by up to half its round trip. Modelled: the device stamps anchor-stream
+  // events 3 us after the record call, a sync returns 1 us after the stamp, so the anchor's
+  // midpoint places device work 1 us early and the launch lag is 3 - 1 = 2 us.
+  Rig rig(0.5, 1 * kS, /*anchor_submit_ns=*/3 * kUs, /*anchor_notify_ns=*/1 * kUs);
+  REQUIRE(rig.gate != nullptr);
+  EXPECT_EQ(rig.gate->ext_stats().launch_lag_ns, 2 * kUs);
+  const int64_t t = rig.clock.NowNs();
+  CudaGate::Op* op = rig.Begin(Stream(1));
+  rig.clock.Advance(10 * kUs);  // host work and the launch; end is called at t + 10 us
+  rig.End(op);
+  rig.clock.Advance(1 * kMs);
+  CompleteNext(t + 3 * kUs);    // start: the idle stream stamps it once submitted
+  CompleteNext(t + 33 * kUs);   // end: the 20 us kernel started at t + 13 us (submitted)
+  rig.gate->Drain();
+  EXPECT_EQ(rig.gate->stats().device_busy_ns, 20 * kUs);  // without the lag: 22 us
+  EXPECT_EQ(rig.manager->stats().busy_ns, 20 * kUs);
+  // Behind the host, the op's own events bound it: the lag changes nothing.
+  const int64_t u = rig.clock.NowNs();
+  op = rig.Begin(Stream(1));
+  rig.clock.Advance(1 * kUs);
+  rig.End(op);
+  rig.clock.Advance(1 * kMs);
+  CompleteNext(u + 500 * kUs);
+  CompleteNext(u + 800 * kUs);
+  rig.gate->Drain();
+  EXPECT_EQ(rig.gate->stats().device_busy_ns, 320 * kUs);
 }
 
 TEST(AnchorKeepsPlacementPreciseOverHours) {

@@ -75,6 +75,10 @@ std::string OpManager::Validate(const Options& options) {
            std::to_string(options.max_pending_device_ops) +
            " is outside the accepted range [1, 2^63)";
   }
+  if (options.device_burst_ns < 0 || options.device_burst_ns > 1'000'000'000) {
+    return "device_burst_ns: " + std::to_string(options.device_burst_ns) +
+           " is outside the accepted range [0, 1e9]";
+  }
   if (options.bridge_gap_ns < 0 || options.bridge_gap_ns > 1'000'000'000) {
     return "bridge_gap_ns: " + std::to_string(options.bridge_gap_ns) +
            " is outside the accepted range [0, 1e9]";
@@ -142,7 +146,10 @@ int64_t OpManager::Admit(Timing timing) {
     if (ticket == serving_ticket_) {
       AccrueLocked(now);
       wait = SlotWaitNsLocked(timing);
-      if (wait == 0) break;
+      if (wait == 0) {
+        if (timing == Timing::kDevice) refilling_ = false;
+        break;
+      }
     }
     if (!lending && options_.blocking_hooks != nullptr) {
       // Lend what this thread holds before waiting, never while holding mu_:
@@ -159,6 +166,9 @@ int64_t OpManager::Admit(Timing timing) {
     bool for_tokens = ticket == serving_ticket_ && share_ > 0.0 &&
                       !(timing == Timing::kDevice &&
                         device_pending_ >= options_.max_pending_device_ops);
+    if (for_tokens && timing == Timing::kDevice && options_.device_burst_ns > 0) {
+      refilling_ = true;  // the next turn starts with a whole burst banked
+    }
     if (timing == Timing::kHost && cpu_before_wait < 0) cpu_before_wait = clock_->ThreadCpuNs();
     clock_->WaitUntil(lock, cv_, wait == Clock::kForever ? wait : now + wait);
     if (for_tokens) idle_inserted_ns_ += clock_->NowNs() - now;
@@ -264,10 +274,16 @@ int64_t OpManager::SlotWaitNsLocked(Timing timing) const {
       device_pending_ >= options_.max_pending_device_ops) {
     return Clock::kForever;  // woken by DeviceDone
   }
-  if (tokens_ > -kTokenSlackNs) return 0;
+  // Out of tokens, a device-timed job refills a whole burst before its next turn.
+  const bool refill = timing == Timing::kDevice && refilling_;
+  // The bank holds at most max_credit_ns: a longer burst is that long.
+  const double goal =
+      refill ? static_cast<double>(std::min(options_.device_burst_ns, options_.max_credit_ns))
+             : 0.0;
+  if (refill ? tokens_ >= goal : tokens_ > -kTokenSlackNs) return 0;
   // Idle accrues `share` tokens per ns; only idle time is known to follow.
   // Tiny shares give huge waits: past ~3 years, wait for a share change.
-  double wait = std::ceil(-tokens_ / share_);
+  double wait = std::ceil((goal - tokens_) / share_);
   return wait < 1e17 ? static_cast<int64_t>(wait) : Clock::kForever;
 }
 

@@ -446,7 +446,9 @@ void TestNestedOpsAreAdmittedInline() {
 // completion replaces it by the kernel's own interval.
 void TestDeviceTimedOps() {
   FakeClock clock;
-  OpManager manager(FakeOptions(&clock, 0.5, /*max_credit_ns=*/5 * kMs));
+  OpManager::Options options = FakeOptions(&clock, 0.5, /*max_credit_ns=*/5 * kMs);
+  options.device_burst_ns = 0;  // each op paced on its own (bursts: the next test)
+  OpManager manager(options);
   int64_t t0 = manager.Admit(OpManager::Timing::kDevice);
   CHECK_EQ(manager.Launched(), 0);  // no profile yet
   CHECK_EQ(manager.stats().ops_in_flight, 1);
@@ -470,6 +472,58 @@ void TestDeviceTimedOps() {
   s = manager.stats();
   CHECK_EQ(s.busy_ns, 5 * kMs);
   CHECK_EQ(s.ops_total, 3);
+}
+
+// Device-timed ops that ran out of tokens wait until a whole burst is banked,
+// then run back to back: fewer, longer turns on the device at the same share
+// (each turn is a GPU context switch and back when another process runs).
+void TestDeviceBurstsBankAWholeTurn() {
+  struct Run {
+    int turns = 0;         // admissions that had to wait
+    int longest_turn = 0;  // most ops admitted back to back after a wait
+    double share = 0.0;    // busy / elapsed over the run
+  };
+  auto run = [](int64_t burst_ns) {
+    FakeClock clock;
+    OpManager::Options options = FakeOptions(&clock, 0.25, /*max_credit_ns=*/5 * kMs);
+    options.device_burst_ns = burst_ns;
+    OpManager manager(options);
+    const int64_t kernel = 500 * kUs;
+    const int64_t start = clock.NowNs();
+    int64_t last_end = start;
+    Run r;
+    int streak = 0;
+    for (int i = 0; i < 200; ++i) {
+      const int64_t t = manager.Admit(OpManager::Timing::kDevice);
+      if (t > last_end) {  // waited: a new turn
+        ++r.turns;
+        streak = 0;
+      }
+      r.longest_turn = std::max(r.longest_turn, ++streak);
+      const int64_t provisional = manager.Launched();
+      clock.Advance(kernel);  // the kernel runs, the host waits for it
+      manager.DeviceDone(provisional, t, t + kernel);
+      last_end = t + kernel;
+    }
+    r.share = static_cast<double>(manager.stats().busy_ns) /
+              static_cast<double>(clock.NowNs() - start);
+    return r;
+  };
+  const Run each = run(0);
+  const Run burst = run(2 * kMs);
+  const Run capped = run(50 * kMs);  // more than the bank holds: 5 ms turns
+  std::printf("  turns: %d each op, %d with 2 ms bursts, %d capped at 5 ms\n", each.turns,
+              burst.turns, capped.turns);
+  CHECK(each.turns >= 190);            // every op its own turn once credit is spent
+  CHECK_EQ(each.longest_turn, 1);
+  CHECK(burst.turns <= 200 / 4 + 2);    // 2 ms banked: at least 4 kernels of 0.5 ms a turn
+  CHECK(burst.longest_turn >= 4);
+  CHECK(capped.longest_turn >= 10);     // 5 ms banked: 10 kernels
+  CHECK(capped.turns < burst.turns);
+  // The share is the same: bursts move the turns, not the amount.
+  CHECK_NEAR(each.share, 0.25, 0.01);
+  CHECK_NEAR(burst.share, 0.25, 0.01);
+  CHECK_NEAR(capped.share, 0.25, 0.02);
 }
 
 // A job cannot run ahead of its share by more than max_pending_device_ops
@@ -598,6 +652,11 @@ void TestValidation() {
   bad.max_credit_ns = -1;
   CHECK(OpManager::Validate(bad).find("max_credit_ns") == 0);
   bad.max_credit_ns = 0;
+  bad.device_burst_ns = -1;
+  CHECK(OpManager::Validate(bad).find("device_burst_ns: -1 is outside the accepted range [0, 1e9]") == 0);
+  bad.device_burst_ns = 1'000'000'001;
+  CHECK(OpManager::Validate(bad).find("device_burst_ns") == 0);
+  bad.device_burst_ns = 0;
   bad.max_pending_device_ops = 0;
   CHECK(OpManager::Validate(bad).find("max_pending_device_ops") == 0);
   bool threw = false;
@@ -690,6 +749,7 @@ int main() {
       {"BlockedOpDoesNotBlockOthers", antman::TestBlockedOpDoesNotBlockOthers},
       {"NestedOpsAreAdmittedInline", antman::TestNestedOpsAreAdmittedInline},
       {"DeviceTimedOps", antman::TestDeviceTimedOps},
+      {"DeviceBurstsBankAWholeTurn", antman::TestDeviceBurstsBankAWholeTurn},
       {"PendingDeviceOpsAreBounded", antman::TestPendingDeviceOpsAreBounded},
       {"PendingSlotIsTakenAtAdmission", antman::TestPendingSlotIsTakenAtAdmission},
       {"DestructorReleasesWaiters", antman::TestDestructorReleasesWaiters},

@@ -81,6 +81,7 @@ TEST(DefaultsAreOpManagerDefaults) {
   EXPECT_EQ(c.window_ns, 1'000'000'000);
   EXPECT_EQ(c.max_credit_ns, 5'000'000);
   EXPECT_EQ(c.max_pending_device_ops, 256);
+  EXPECT_EQ(c.device_burst_ns, 2'000'000);
   EXPECT(Refusal(&c).empty());
 }
 
@@ -101,6 +102,9 @@ TEST(CreateRefusesBadConfigsNamingTheField) {
   c = good;
   c.max_pending_device_ops = 0;
   EXPECT(Contains(Refusal(&c), "max_pending_device_ops: 0 is outside the accepted range [1"));
+  c = good;
+  c.device_burst_ns = -5;
+  EXPECT(Contains(Refusal(&c), "device_burst_ns: -5 is outside the accepted range [0, 1e9]"));
   EXPECT(Contains(Refusal(nullptr), "config: must not be NULL"));
   char err[8];
   EXPECT_EQ(antman_opm_create(&good, nullptr, err, sizeof(err)), ANTMAN_ERR_INVALID);
