@@ -85,6 +85,11 @@ class JobsConfig:
     misbehaviour: str = "warn"
     # A job with no new stats.json for this long is reported `silent`.
     silent_after_s: float = 60.0
+    # NVML's bytes of a job a GPU may show past its memory limit before it is `over_limit`: the
+    # CUDA context and library workspaces (cuBLAS, cuDNN), which no framework allocator hands out
+    # and the limit does not govern. Measured 0.77 GiB on an H200 with PyTorch 2.11 training
+    # ResNet-50 (bench/gpu_colocate.py, 2026-11-27); the coordinator counts them as taken anyway.
+    gpu_overhead_bytes: int = 1 << 30
 
     def validate(self) -> JobsConfig:
         check_range("cancel_grace_s", self.cancel_grace_s, 0.0, 3600.0)
@@ -92,6 +97,7 @@ class JobsConfig:
         check_choice("containment", self.containment, CONTAINMENT_MODES)
         check_choice("misbehaviour", self.misbehaviour, MISBEHAVIOUR_ACTIONS)
         check_range("silent_after_s", self.silent_after_s, 1.0, 86400.0)
+        check_int("gpu_overhead_bytes", self.gpu_overhead_bytes, 0, 64 << 30)
         return self
 
 

@@ -14,19 +14,28 @@ each tick):
   impossible         figures no job can have: more memory in use on a device than the GPU
                      has plus the job's host allowance, more than 1 PiB anywhere, an achieved
                      share above 1 or more than SHARE_SLACK above the share in force;
-  over_limit         (NVML) the job's processes hold more device memory than its limit;
+  over_limit         (NVML) the job's processes hold more device memory than its limit in
+                     force plus `jobs.gpu_overhead_bytes` (see below);
   unmanaged          (NVML) a process on a managed GPU that belongs to no job.
 
 The NVML checks take `nvmlDeviceGetComputeRunningProcesses` of each GPU (pid, used bytes;
 `NvmlDevices.compute_processes`), run each tick by the local job host with `devices.kind = "nvml"`
-and containment (a job's pids are its cgroup's); they ran against a fake NVML only
-(tests/scheduler/test_misbehaviour.py), never a real GPU. The bytes a finding says are taken are
-counted by the coordinator (`Judge.taken_bytes` -> GpuView.unmanaged_bytes: not handed out to
-the jobs). What a finding leads to: an event `misbehaving` and a log warning when new, a warning
-in `status` while it lasts (`Judge.findings`), and for opportunistic jobs with
-`jobs.misbehaviour = "stop"` a SIGTERM (event `misbehaviour_stop`; the daemon's SIGKILL follows
-after jobs.cancel_grace_s), with `"requeue"` the same and the job marked (`LiveJob.requeue`) for
-the daemon to queue it again when it has ended.
+and containment (a job's pids are its cgroup's). Their first real-GPU run (bench/gpu_colocate.py
+on an H200, 2026-11-27) called two well-behaved PyTorch jobs `over_limit`, which is why:
+  - a job is held to its limit *in force* (`limit_in_force`): a control that lowers it counts
+    once the job's stats say it applied it (`control_seq_applied`; a job applies a control at
+    its next step, ~700 ms for an opportunistic job at share 0.05), a raise at once;
+  - NVML's per-process bytes include the CUDA context and library workspaces (cuBLAS, cuDNN)
+    that no framework allocator hands out and the limit does not govern (0.77 GiB for ResNet-50
+    under PyTorch 2.11 there): only bytes past the limit plus `jobs.gpu_overhead_bytes` are
+    misbehaviour.
+Every byte a job holds above its limit in force, and every byte of a process of no job, is
+taken all the same: counted by the coordinator (`Judge.taken_bytes` -> GpuView.unmanaged_bytes:
+not handed out to the jobs), finding or not. What a finding leads to: an event `misbehaving`
+and a log warning when new, a warning in `status` while it lasts (`Judge.findings`), and for
+opportunistic jobs with `jobs.misbehaviour = "stop"` a SIGTERM (event `misbehaviour_stop`; the
+daemon's SIGKILL follows after jobs.cancel_grace_s), with `"requeue"` the same and the job marked
+(`LiveJob.requeue`) for the daemon to queue it again when it has ended.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ class Finding:
     job_id: str | None  # None: a process of no job (unmanaged)
     detail: str  # one line for people
     gpu: int | None = None
-    bytes_taken: int = 0  # device memory seen but not controlled (over_limit, unmanaged)
+    bytes_taken: int = 0  # its part of the GPU's taken bytes (check_gpu_processes: over_limit, unmanaged)
 
     def line(self) -> str:
         who = self.job_id or f"GPU {self.gpu}"
@@ -127,28 +136,52 @@ def check_stats(job_id: str, stats: Stats | None, *, sent: Sent | None, gpu_memo
     return found
 
 
+def _newest_applied(sent: Sequence[tuple[int, int]], applied: int) -> int:
+    """The index in `sent` ((seq, limit), oldest first) of the newest control the job applied (0
+    where it applied none of them)."""
+    return max((i for i, (seq, _) in enumerate(sent) if seq <= applied), default=0)
+
+
+def limit_in_force(sent: Sequence[tuple[int, int]], applied: int) -> int:
+    """A job's memory limit on one GPU that `over_limit` holds it to: `sent` the (seq, limit) of
+    the controls that set it, oldest first (a launch's is seq 0), `applied` its stats'
+    `control_seq_applied`. The newest control it applied is in force, and any sent after it that
+    is higher: a raise counts at once, a lowering only once applied (until then the job may still
+    hold what the limit before allowed)."""
+    return max(limit for _, limit in sent[_newest_applied(sent, applied):])
+
+
 def check_gpu_processes(processes: Mapping[int, Sequence[tuple[int, int]]], owner: Mapping[int, str],
-                        limits: Mapping[tuple[str, int], int]) -> list[Finding]:
+                        limits: Mapping[tuple[str, int], int],
+                        allowance: int) -> tuple[list[Finding], dict[int, int]]:
     """Per-process device memory against the jobs: `owner` maps a pid to its job (from the jobs'
-    cgroups), `limits` (job, GPU) to the job's memory limit there. A process of no job is
-    `unmanaged`; a job holding more than its limit on a GPU is `over_limit`; both count as taken
-    (`bytes_taken`: the memory the coordinator sees but does not control)."""
+    cgroups), `limits` (job, GPU) to the job's memory limit in force there (`limit_in_force`).
+    Returns the findings and the bytes taken per GPU: what the coordinator sees used but does not
+    control, i.e. all a process of no job holds (`unmanaged`) and all a job holds above its
+    limit. A job is `over_limit` only past its limit plus `allowance` (jobs.gpu_overhead_bytes):
+    NVML counts the CUDA context and library workspaces, which its limit does not govern."""
     found: list[Finding] = []
+    taken: dict[int, int] = {}
     for gpu, procs in sorted(processes.items()):
         held: dict[str, int] = {}
         for pid, used in procs:
             job = owner.get(pid)
             if job is None:
+                taken[gpu] = taken.get(gpu, 0) + used
                 found.append(Finding("unmanaged", None, f"pid {pid} holds {used} bytes and belongs to no job", gpu,
                                      used))
             else:
                 held[job] = held.get(job, 0) + used
         for job, used in sorted(held.items()):
             limit = limits.get((job, gpu))
-            if limit is not None and used > limit:
-                found.append(Finding("over_limit", job, f"holds {used} bytes on GPU {gpu}, its limit is {limit}",
-                                     gpu, used - limit))
-    return found
+            over = 0 if limit is None else used - limit
+            if over > 0:  # used, though perhaps no misbehaviour: the allowance decides that
+                taken[gpu] = taken.get(gpu, 0) + over
+            if over > allowance:
+                found.append(Finding("over_limit", job, f"holds {used} bytes on GPU {gpu}, its limit in force is "
+                                                        f"{limit} (+{allowance} allowed for the CUDA context and "
+                                                        f"libraries)", gpu, over))
+    return found, taken
 
 
 @dataclass(slots=True)
@@ -157,7 +190,10 @@ class _Watched:
 
     since: float  # when its newest stats were first seen (none yet: when the host launched or adopted it)
     sent: Sent | None = None  # the newest control written to it
-    limits: dict[int, int] = field(default_factory=dict)  # its memory limit per GPU, as last sent
+    # Per GPU, the (seq, limit) of the controls that set its memory limit there, from the newest
+    # it applied on (limit_in_force; a launch's limit is seq 0).
+    limits: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    applied: int = 0  # control_seq_applied of its newest stats
     stats_seq: int | None = None  # of its newest stats
     findings: list[Finding] = field(default_factory=list)  # what its latest stats (and NVML) showed
     on_gpus: list[Finding] = field(default_factory=list)  # NVML's of it (over_limit), by the last read
@@ -184,7 +220,8 @@ class Judge:
     def launched(self, job_id: str, share: float, limits: Mapping[int, int] | None = None) -> None:
         """A launch (`limits`: its memory limit per GPU) or an adoption of the job starts afresh."""
         now = self.clock()
-        self._jobs[job_id] = _Watched(now, Sent(0, share, ((0, share),), now), dict(limits or {}))
+        self._jobs[job_id] = _Watched(now, Sent(0, share, ((0, share),), now),
+                                      {gpu: [(0, limit)] for gpu, limit in (limits or {}).items()})
 
     def ended(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
@@ -192,8 +229,10 @@ class Judge:
     def sent(self, job_id: str, placement: Sequence[int], control: Control) -> None:
         job = self._jobs.setdefault(job_id, _Watched(self.clock()))  # launched or adopted first, as a rule
         for entry in control.memory_limits:  # device = the GPU's index within the job
-            if 0 <= entry.device < len(placement):
-                job.limits[placement[entry.device]] = entry.limit_bytes
+            if 0 <= entry.device < len(placement):  # those before the newest applied are done with
+                sent = job.limits.get(placement[entry.device], [])
+                job.limits[placement[entry.device]] = [*sent[_newest_applied(sent, job.applied):],
+                                                       (control.seq, entry.limit_bytes)]
         before = job.sent
         share = control.compute_share if control.compute_share is not None else (1.0 if before is None else before.share)
         history = (() if before is None else before.shares)[-(SENT_HISTORY - 1):] + ((control.seq, share),)
@@ -207,7 +246,7 @@ class Judge:
         now = self.clock()
         job = self._jobs.setdefault(job_id, _Watched(now))
         if found is not None and job.stats_seq != found.seq:
-            job.stats_seq, job.since = found.seq, now
+            job.stats_seq, job.since, job.applied = found.seq, now, found.control_seq_applied
         findings = check_stats(job_id, found, sent=job.sent, gpu_memory=gpu_memory,
                                host_allowance=self.jobs.host_memory_bytes, now=now, since=job.since,
                                silent_after_s=self.jobs.silent_after_s)
@@ -237,16 +276,16 @@ class Judge:
     def gpu_processes(self, processes: Mapping[int, Sequence[tuple[int, int]]], owner: Mapping[int, str],
                       now: float) -> None:
         """Each GPU's compute processes (pid, bytes) against the jobs (`owner`: pid -> job id, from
-        their cgroups) and their limits: a job over its limit is `over_limit` (judged with its
-        stats, `check`), a process of no job `unmanaged` (an event once, a finding while it lasts)."""
-        limits = {(job_id, gpu): limit for job_id, job in self._jobs.items() for gpu, limit in job.limits.items()}
-        self._taken = {}
+        their cgroups) and their limits in force (as of their newest stats): a job over its limit
+        plus jobs.gpu_overhead_bytes is `over_limit` (judged with its stats, `check`), a process
+        of no job `unmanaged` (an event once, a finding while it lasts)."""
+        limits = {(job_id, gpu): limit_in_force(sent, job.applied)
+                  for job_id, job in self._jobs.items() for gpu, sent in job.limits.items()}
         for job in self._jobs.values():
             job.on_gpus = []
         unmanaged: dict[int, list[Finding]] = {}
-        for f in check_gpu_processes(processes, owner, limits):
-            if f.gpu is not None and f.bytes_taken > 0:
-                self._taken[f.gpu] = self._taken.get(f.gpu, 0) + f.bytes_taken
+        found, self._taken = check_gpu_processes(processes, owner, limits, self.jobs.gpu_overhead_bytes)
+        for f in found:
             if f.job_id is not None:  # over_limit: a job with limits, so watched
                 self._jobs[f.job_id].on_gpus.append(f)
             elif f.gpu is not None:
@@ -261,10 +300,10 @@ class Judge:
         self.by_gpu = unmanaged
 
     def taken_bytes(self, gpu: int) -> int:
-        """JobHost.taken_bytes as the last NVML read saw it: the `bytes_taken` of its findings on the
-        GPU, what the coordinator counts as used and does not hand out (GpuView.unmanaged_bytes)."""
+        """JobHost.taken_bytes as the last NVML read saw it (check_gpu_processes): what the
+        coordinator counts as used and does not hand out (GpuView.unmanaged_bytes)."""
         return self._taken.get(gpu, 0)
 
 
 __all__ = ["MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Judge", "Sent",
-           "check_gpu_processes", "check_stats"]
+           "check_gpu_processes", "check_stats", "limit_in_force"]

@@ -31,7 +31,7 @@ def test_example_and_default_configs_load(tmp_path: Path) -> None:
     assert [(t.name, t.gpu_quota) for t in config.tenants] == [("research", 1), ("batch", 0)]
     assert config.state_dir == (REPO / "out" / "scheduler-state").resolve()  # relative to the file
     assert config.coordinator.min_memory_bytes == 128 << 20 and config.coordinator.round_interval_s == 5.0
-    assert config.jobs.host_memory_bytes == 4 << 30
+    assert config.jobs.host_memory_bytes == 4 << 30 and config.jobs.gpu_overhead_bytes == 1 << 30
     default = load_default_config()
     assert default.devices.kind == "emulated" and default.tenants[0].name == "default"
     assert default.db_path.name == "scheduler.db"
@@ -48,8 +48,10 @@ def test_passes_policy_sections_through() -> None:
     assert config.coordinator.floor_share == 0.0 and config.coordinator.detector_window == 5
     assert config.state_dir == Path("/base/state")
     assert config.jobs.opportunistic_priority == "low"  # the default
-    data["jobs"] = {"opportunistic_priority": "normal"}
-    assert parse_config(data, Path("/base")).jobs.opportunistic_priority == "normal"
+    assert config.jobs.gpu_overhead_bytes == 1 << 30  # the default: 0.77 GiB measured on an H200
+    data["jobs"] = {"opportunistic_priority": "normal", "gpu_overhead_bytes": 0}
+    jobs = parse_config(data, Path("/base")).jobs
+    assert jobs.opportunistic_priority == "normal" and jobs.gpu_overhead_bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -69,6 +71,10 @@ def test_passes_policy_sections_through() -> None:
         (("jobs", "opportunistic_priority"), "idle", "jobs.opportunistic_priority", "one of low, normal"),
         (("jobs", "misbehaviour"), "kill", "jobs.misbehaviour", "one of warn, stop, requeue"),
         (("jobs", "containment"), 1, "jobs.containment", "one of auto, off, required"),
+        (("jobs", "gpu_overhead_bytes"), "1GiB", "jobs.gpu_overhead_bytes", "an integer in [0, 68719476736]"),
+        (("jobs", "gpu_overhead_bytes"), True, "jobs.gpu_overhead_bytes", "an integer in [0, 68719476736]"),
+        (("jobs", "gpu_overhead_bytes"), -1, "jobs.gpu_overhead_bytes", "an integer in [0, 68719476736]"),
+        (("jobs", "gpu_overhead_bytes"), (64 << 30) + 1, "jobs.gpu_overhead_bytes", "an integer in [0, 68719476736]"),
         (("scheduler", "gang_locality"), 1, "scheduler.gang_locality", "one of wait, spread"),
         (("daemon", "tick_interval_s"), 0, "daemon.tick_interval_s", "[0.01, 60.0]"),
         (("scheduler", "utilisation_threshold"), 1.5, "scheduler.utilisation_threshold", "(0.0, 1.0]"),
