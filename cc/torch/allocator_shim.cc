@@ -35,14 +35,13 @@ struct Device {
                           new antman_torch::CudaEvents(ordinal, "libcuda.so.1"))
                     : std::unique_ptr<antman_torch::StreamEvents>(new ImmediateEvents())),
         cache(&source, events.get()) {}
-  antman_mem* mem;
+  antman_mem* const mem;  // kept here only: published with the Device (MemFor)
   antman_torch::CoreSource source;
   std::unique_ptr<antman_torch::StreamEvents> events;
   StreamOrderedCache cache;
 };
 
 // Read on every allocation without a lock; written under g_create_mu at start and in tests.
-std::atomic<antman_mem*> g_mem[ANTMAN_TORCH_MAX_DEVICES];
 std::atomic<Device*> g_dev[ANTMAN_TORCH_MAX_DEVICES];
 std::mutex g_create_mu;
 std::atomic<uint64_t> g_failures{0};
@@ -53,14 +52,14 @@ void SetError(char* err, size_t errlen, const std::string& message) {
   std::snprintf(err, errlen, "%s", message.c_str());
 }
 
-antman_mem* MemFor(int device) {
-  if (device < 0 || device >= ANTMAN_TORCH_MAX_DEVICES) return nullptr;
-  return g_mem[device].load(std::memory_order_acquire);
-}
-
 Device* DeviceFor(int device) {
   if (device < 0 || device >= ANTMAN_TORCH_MAX_DEVICES) return nullptr;
   return g_dev[device].load(std::memory_order_acquire);
+}
+
+antman_mem* MemFor(int device) {
+  Device* dev = DeviceFor(device);
+  return dev != nullptr ? dev->mem : nullptr;
 }
 
 void ReportFailure(const char* fn, const char* what, ssize_t size, int device) noexcept {
@@ -109,7 +108,7 @@ std::string RefusalMessage(Refusal why, ssize_t size, int device) {
   if (why == Refusal::kNoCore) {
     std::string served;
     for (int d = 0; d < ANTMAN_TORCH_MAX_DEVICES; ++d) {
-      if (g_mem[d].load(std::memory_order_acquire) == nullptr) continue;
+      if (DeviceFor(d) == nullptr) continue;
       served += (served.empty() ? "" : ", ") + std::to_string(d);
     }
     return "tf-antman: no memory core for CUDA device " + std::to_string(device) +
@@ -150,7 +149,7 @@ int antman_torch_mem_create(const antman_mem_config* config, char* err, size_t e
     return 1;
   }
   std::lock_guard<std::mutex> lock(g_create_mu);
-  if (g_mem[device].load(std::memory_order_acquire) != nullptr) {
+  if (DeviceFor(device) != nullptr) {
     SetError(err, errlen, "device_ordinal: device " + std::to_string(device) +
                               " already has a memory core in this process");
     return 1;
@@ -160,7 +159,6 @@ int antman_torch_mem_create(const antman_mem_config* config, char* err, size_t e
   if (rc != 0) return rc;
   g_dev[device].store(new Device(mem, config->backend == ANTMAN_BACKEND_CUDA, device),
                       std::memory_order_release);
-  g_mem[device].store(mem, std::memory_order_release);
   return 0;
 }
 
@@ -247,9 +245,10 @@ void antman_torch_reset_for_tests(void) {
   std::lock_guard<std::mutex> lock(g_create_mu);
   for (int d = 0; d < ANTMAN_TORCH_MAX_DEVICES; ++d) {
     Device* dev = g_dev[d].exchange(nullptr, std::memory_order_acq_rel);
-    antman_mem* mem = g_mem[d].exchange(nullptr, std::memory_order_acq_rel);
+    if (dev == nullptr) continue;
+    antman_mem* mem = dev->mem;
     delete dev;  // gives kept blocks back to the core first
-    if (mem != nullptr) antman_mem_destroy(mem);
+    antman_mem_destroy(mem);
   }
   g_failures.store(0, std::memory_order_relaxed);
 }
