@@ -1,7 +1,8 @@
 // Opening the CUDA driver with dlopen and resolving its entry points into a table of function
-// pointers: shared by the memory core's CUDA backend (backend_cuda.cc) and the CUDA event gate
-// (cuda_gate.cc), so that both build with plain g++ and load on machines without a GPU
-// (creation then fails with one line instead of the process failing to start).
+// pointers: shared by the memory core's CUDA backend (backend_cuda.cc), the CUDA event gate
+// (cuda_gate.cc) and the PyTorch front-end's events (cc/torch/cuda_events.cc), so that they build
+// with plain g++ and load on machines without a GPU (creation then fails with one line instead of
+// the process failing to start). Also ContextScope: a context current for one call.
 #ifndef TF_ANTMAN_CC_CORE_CUDA_DRIVER_LOADER_H_
 #define TF_ANTMAN_CC_CORE_CUDA_DRIVER_LOADER_H_
 
@@ -42,6 +43,37 @@ void ResolvePrimaryContextEntryPoints(void* lib, Table* t, std::string* missing)
   ResolveDriverSymbol(lib, "cuCtxPopCurrent_v2", &t->cuCtxPopCurrent, missing);
   ResolveDriverSymbol(lib, "cuGetErrorString", &t->cuGetErrorString, &absent);
 }
+
+// Makes a context current on the calling thread for the scope's lifetime: pushed (and popped at
+// the end) only when it is not current already. A framework thread (PyTorch's, TensorFlow's)
+// usually has the primary context current, so a call from it costs one cuCtxGetCurrent instead of
+// a push and a pop; a thread that never touched CUDA still gets it. For any table with
+// cuCtxGetCurrent, cuCtxPushCurrent and cuCtxPopCurrent members of the driver's ABI (int results,
+// void* contexts): the event gate and the PyTorch front-end's events use it alike.
+template <typename Table>
+class ContextScope {
+ public:
+  ContextScope(const Table* d, void* ctx) : d_(d) {
+    void* current = nullptr;
+    if (d->cuCtxGetCurrent(&current) == 0 && current == ctx) return;
+    rc_ = d->cuCtxPushCurrent(ctx);
+    pushed_ = rc_ == 0;
+  }
+  ~ContextScope() {
+    if (!pushed_) return;
+    void* popped = nullptr;
+    d_->cuCtxPopCurrent(&popped);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+  // 0 (CUDA_SUCCESS) when the context is current; else the push's error.
+  int rc() const { return rc_; }
+
+ private:
+  const Table* const d_;
+  int rc_ = 0;
+  bool pushed_ = false;
+};
 
 // The table of type `Table` for `library`, filled by `resolve(lib, &table, &missing)` the first
 // time a process asks for that path, then kept with its outcome: the library is never closed (the

@@ -237,14 +237,9 @@ CudaGate::~CudaGate() {
 
 template <typename F>
 int CudaGate::InContext(F f) {
-  void* current = nullptr;
-  if (d_->cuCtxGetCurrent(&current) == kCuSuccess && current == ctx_) return f();
-  int rc = d_->cuCtxPushCurrent(ctx_);
-  if (rc != kCuSuccess) return rc;
-  rc = f();
-  void* popped = nullptr;
-  d_->cuCtxPopCurrent(&popped);
-  return rc;
+  ContextScope<GateDriver> scope(d_, ctx_);
+  if (scope.rc() != kCuSuccess) return scope.rc();
+  return f();
 }
 
 void* CudaGate::TakeEventLocked(int* rc) {

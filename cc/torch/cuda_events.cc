@@ -14,6 +14,7 @@ struct CudaEventDriver {
   int (*cuDeviceGet)(int*, int) = nullptr;
   int (*cuDevicePrimaryCtxRetain)(void**, int) = nullptr;
   int (*cuDevicePrimaryCtxRelease)(int) = nullptr;
+  int (*cuCtxGetCurrent)(void**) = nullptr;
   int (*cuCtxPushCurrent)(void*) = nullptr;
   int (*cuCtxPopCurrent)(void**) = nullptr;
   int (*cuGetErrorString)(int, const char**) = nullptr;
@@ -33,6 +34,7 @@ constexpr unsigned kDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING: cheaper to
 
 void Resolve(void* lib, CudaEventDriver* d, std::string* missing) {
   antman::ResolvePrimaryContextEntryPoints(lib, d, missing);
+  antman::ResolveDriverSymbol(lib, "cuCtxGetCurrent", &d->cuCtxGetCurrent, missing);
   antman::ResolveDriverSymbol(lib, "cuEventCreate", &d->cuEventCreate, missing);
   antman::ResolveDriverSymbol(lib, "cuEventDestroy_v2", &d->cuEventDestroy, missing);
   antman::ResolveDriverSymbol(lib, "cuEventRecord", &d->cuEventRecord, missing);
@@ -41,20 +43,9 @@ void Resolve(void* lib, CudaEventDriver* d, std::string* missing) {
   antman::ResolveDriverSymbol(lib, "cuStreamSynchronize", &d->cuStreamSynchronize, missing);
 }
 
-// The primary context current for the duration of one call.
-class Pushed {
- public:
-  Pushed(const CudaEventDriver* d, void* ctx) : d_(d), ok_(d->cuCtxPushCurrent(ctx) == kSuccess) {}
-  ~Pushed() {
-    if (!ok_) return;
-    void* popped = nullptr;
-    d_->cuCtxPopCurrent(&popped);
-  }
-
- private:
-  const CudaEventDriver* d_;
-  bool ok_;
-};
+// The primary context current for the duration of one call (pushed only when it is not). A
+// failed push is not an error of its own: the call is made anyway and reports the driver's error.
+using PrimaryContext = antman::ContextScope<CudaEventDriver>;
 
 }  // namespace
 
@@ -65,7 +56,7 @@ CudaEvents::~CudaEvents() {
   std::lock_guard<std::mutex> lock(mu_);
   if (d_ == nullptr) return;
   {
-    Pushed pushed(d_, ctx_);
+    PrimaryContext in_context(d_, ctx_);
     for (void* e : pool_) d_->cuEventDestroy(e);
   }
   d_->cuDevicePrimaryCtxRelease(device_);
@@ -107,7 +98,7 @@ bool CudaEvents::ReadyLocked() {
 Event CudaEvents::Record(Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!ReadyLocked()) return nullptr;
-  Pushed pushed(d_, ctx_);
+  PrimaryContext in_context(d_, ctx_);
   void* e = nullptr;
   if (!pool_.empty()) {
     e = pool_.back();
@@ -127,7 +118,7 @@ Event CudaEvents::Record(Stream stream) {
 bool CudaEvents::Done(Event event) {
   std::lock_guard<std::mutex> lock(mu_);
   if (d_ == nullptr) return true;
-  Pushed pushed(d_, ctx_);
+  PrimaryContext in_context(d_, ctx_);
   const int rc = d_->cuEventQuery(event);
   if (rc == kNotReady) return false;
   if (rc != kSuccess) FailLocked("cuEventQuery", rc);  // nothing left to run for it
@@ -143,7 +134,7 @@ void CudaEvents::Wait(Event event) {
     d = d_;
     ctx = ctx_;
   }
-  Pushed pushed(d, ctx);  // waited for without the lock: other devices' frees go on
+  PrimaryContext in_context(d, ctx);  // waited for without the lock: other devices' frees go on
   if (int rc = d->cuEventSynchronize(event); rc != kSuccess) {
     std::lock_guard<std::mutex> lock(mu_);
     FailLocked("cuEventSynchronize", rc);
@@ -159,7 +150,7 @@ void CudaEvents::Synchronize(Stream stream) {
     d = d_;
     ctx = ctx_;
   }
-  Pushed pushed(d, ctx);
+  PrimaryContext in_context(d, ctx);
   if (int rc = d->cuStreamSynchronize(stream); rc != kSuccess) {
     std::lock_guard<std::mutex> lock(mu_);
     FailLocked("cuStreamSynchronize", rc);

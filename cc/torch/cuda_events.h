@@ -1,7 +1,7 @@
 // The stream-ordered cache's StreamEvents (stream_ordered.h) over the CUDA driver API, opened
 // with dlopen like the rest of cc/core (cuda_driver_loader.h): events without timing, pooled,
-// each call made with the device's primary context pushed (the one PyTorch uses), so frees from
-// threads that never touched CUDA work too. The driver is opened and the context retained at the
+// each call made with the device's primary context current (the one PyTorch uses; pushed only
+// when it is not, antman::ContextScope), so frees from threads that never touched CUDA work too. The driver is opened and the context retained at the
 // first event, not before: a job on one stream never needs one (stream_ordered.h).
 #ifndef TF_ANTMAN_CC_TORCH_CUDA_EVENTS_H_
 #define TF_ANTMAN_CC_TORCH_CUDA_EVENTS_H_

@@ -39,6 +39,10 @@ struct Fake {
   int (*launch)(void*, void*, size_t, int, int) = nullptr;
   long long (*in_flight_on)(const void*, size_t) = nullptr;  // NOLINT(runtime/int)
   long long (*get64)(const char*) = nullptr;                   // NOLINT(runtime/int)
+  int (*get)(const char*) = nullptr;
+  int (*cuDevicePrimaryCtxRetain)(void**, int) = nullptr;
+  int (*cuCtxPushCurrent)(void*) = nullptr;
+  int (*cuCtxPopCurrent)(void**) = nullptr;
   void (*block)(void*, int) = nullptr;
   void (*reset)() = nullptr;
 };
@@ -213,6 +217,37 @@ void TestRandomWorkOverThreeStreams() {
   antman_mem_destroy(mem);
 }
 
+// PyTorch calls the allocator from threads that have the primary context current: there each
+// event call makes no push; a thread with no context current still gets it pushed and popped.
+void TestTheContextIsPushedOnlyWhenNotCurrent() {
+  antman_torch::CudaEvents events(0, g_path);
+  void* s = NewStream();
+  const int depth = g.get("ctx_depth");
+  auto every_call = [&] {
+    antman_torch::Event e = events.Record(s);
+    CHECK(e != nullptr);
+    events.Done(e);
+    events.Wait(e);
+    events.Synchronize(s);
+    events.Release(e);
+  };
+  g.reset();
+  every_call();
+  CHECK(g.get64("ctx_pushes") == 4);  // Record, Done, Wait, Synchronize
+  CHECK(g.get("ctx_depth") == depth);
+
+  void* ctx = nullptr;
+  CHECK(g.cuDevicePrimaryCtxRetain(&ctx, 0) == 0);
+  CHECK(g.cuCtxPushCurrent(ctx) == 0);
+  g.reset();
+  every_call();
+  CHECK(g.get64("ctx_pushes") == 0);
+  CHECK(g.get("ctx_depth") == depth + 1);
+  void* popped = nullptr;
+  g.cuCtxPopCurrent(&popped);
+  CHECK(events.Error().empty());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -232,6 +267,10 @@ int main(int argc, char** argv) {
   Sym(lib, "fake_cuda_launch", &g.launch);
   Sym(lib, "fake_cuda_in_flight_on", &g.in_flight_on);
   Sym(lib, "fake_cuda_get64", &g.get64);
+  Sym(lib, "fake_cuda_get", &g.get);
+  Sym(lib, "cuDevicePrimaryCtxRetain", &g.cuDevicePrimaryCtxRetain);
+  Sym(lib, "cuCtxPushCurrent_v2", &g.cuCtxPushCurrent);
+  Sym(lib, "cuCtxPopCurrent_v2", &g.cuCtxPopCurrent);
   Sym(lib, "fake_cuda_block_stream", &g.block);
   Sym(lib, "fake_cuda_reset_counters", &g.reset);
   g.cuInit(0);
@@ -243,6 +282,7 @@ int main(int argc, char** argv) {
       {"AnotherStreamWaitsForTheEvent", TestAnotherStreamWaitsForTheEvent},
       {"RecordStreamHoldsTheBlockFromItsOwnStream", TestRecordStreamHoldsTheBlockFromItsOwnStream},
       {"RandomWorkOverThreeStreams", TestRandomWorkOverThreeStreams},
+      {"TheContextIsPushedOnlyWhenNotCurrent", TestTheContextIsPushedOnlyWhenNotCurrent},
   };
   int failed = 0;
   for (const auto& c : cases) {

@@ -41,6 +41,7 @@
 //        in_flight                       fake kernels queued or running now
 //        unsafe_calls                    unsafe calls made while any capture was active (even
 //                                        when the thread's mode allowed them)
+//        ctx_pushes                      cuCtxPushCurrent calls (all threads)
 //   const char* fake_cuda_last_invalidation()       the call that last invalidated a capture ("")
 //   void fake_cuda_reset_counters()                 zeroes every counter above (not the state)
 //   int  fake_cuda_launch(void* stream, void* ptr, size_t bytes, int delay_us, int value)
@@ -109,6 +110,8 @@ int g_device_count = 1;
 std::atomic<int> g_live_device{0};  // regions handed out and not freed
 std::atomic<int> g_live_host{0};
 std::atomic<int> g_ctx_depth{0};    // pushes minus pops (all threads)
+std::atomic<int64_t> g_ctx_pushes{0};  // a counter of fake_cuda_get64, kept apart from g_n:
+                                       // pushes take no lock
 std::atomic<int> g_alloc_outside_ctx{0};
 char g_ctx;              // the one "primary context"
 thread_local std::vector<void*> tl_ctx;
@@ -357,6 +360,7 @@ long long fake_cuda_get64(const char* key) {  // NOLINT(runtime/int)
       {"kernel_busy_ns", g_n.kernel_busy_ns},
       {"unsafe_calls", g_n.unsafe_calls},
       {"in_flight", static_cast<int64_t>(g_in_flight.size())},
+      {"ctx_pushes", g_ctx_pushes.load()},
   };
   for (const auto& row : table) {
     if (std::strcmp(key, row.name) == 0) return row.value;
@@ -374,6 +378,7 @@ const char* fake_cuda_last_invalidation() {
 void fake_cuda_reset_counters() {
   std::lock_guard<std::mutex> lock(g_mu);
   g_n = Counters{};
+  g_ctx_pushes = 0;
   g_intervals.clear();
   g_last_invalidation.clear();
 }
@@ -450,6 +455,7 @@ CUresult cuCtxGetCurrent(void** ctx) {
 CUresult cuCtxPushCurrent_v2(void* ctx) {
   tl_ctx.push_back(ctx);
   ++g_ctx_depth;
+  ++g_ctx_pushes;
   return kOk;
 }
 CUresult cuCtxPopCurrent_v2(void** ctx) {
