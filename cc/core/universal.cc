@@ -34,17 +34,21 @@ void UniversalAllocator::AddInUse(uint64_t bytes) {
   }
 }
 
-void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
+void* UniversalAllocator::AllocateOnDevice(size_t alignment, size_t bytes) {
   size_t chunk = 0;
   void* p = device_.Allocate(alignment, bytes, &chunk);
-  if (p != nullptr) {
-    AddInUse(chunk);
-    return p;
-  }
+  if (p != nullptr) AddInUse(chunk);
+  return p;
+}
+
+void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
+  void* p = AllocateOnDevice(alignment, bytes);
+  if (p != nullptr) return p;
   if (bytes == 0) return nullptr;
   if (host_ != nullptr) {
     // No idle release here: unpinning host memory inside an allocation (cuMemFreeHost)
     // synchronises the device; it waits for the step boundary.
+    size_t chunk = 0;
     p = host_->Allocate(alignment, bytes, &chunk);
     if (p != nullptr) {
       host_fallbacks_.fetch_add(1, std::memory_order_relaxed);
@@ -58,14 +62,9 @@ void* UniversalAllocator::Allocate(size_t alignment, size_t bytes) {
 }
 
 void* UniversalAllocator::AllocateDeviceOnly(size_t alignment, size_t bytes) {
-  size_t chunk = 0;
-  void* p = device_.Allocate(alignment, bytes, &chunk);
-  if (p != nullptr) {
-    AddInUse(chunk);
-    return p;
-  }
-  if (bytes != 0) device_only_failures_.fetch_add(1, std::memory_order_relaxed);
-  return nullptr;
+  void* p = AllocateOnDevice(alignment, bytes);
+  if (p == nullptr && bytes != 0) device_only_failures_.fetch_add(1, std::memory_order_relaxed);
+  return p;
 }
 
 bool UniversalAllocator::Free(void* ptr) {

@@ -66,6 +66,10 @@ class UniversalAllocator {
   std::string CheckInvariants() const;
 
  private:
+  // The device branch of Allocate and AllocateDeviceOnly: the device Bfc's block, counted in
+  // use; nullptr (nothing counted) when the device cannot serve it. What a refusal means is the
+  // caller's: host fallback or a device-only failure.
+  void* AllocateOnDevice(size_t alignment, size_t bytes);
   void MaybeReleaseIdleHost();
 
   const UniversalOptions options_;
