@@ -41,6 +41,7 @@ DEVICE_KINDS: Final = ("emulated", "nvml")
 MIB: Final = 1 << 20
 MIN_DEVICE_BYTES: Final = 64 * MIB  # ANTMAN_DEVICE_MEMORY's lower bound (docs/configuration.md)
 MAX_BYTES: Final = 1 << 50
+MAX_GPU_OVERHEAD_BYTES: Final = 64 << 30  # jobs.gpu_overhead_bytes: more than any GPU's context and libraries
 MAX_CONFIG_BYTES: Final = 1 << 20  # a config file's size: a real one is a few KiB
 MAX_DEVICE_ID: Final = 1023  # a GPU id of this machine (a job sees its GPUs as 0.. through ANTMAN_DEVICE_ID)
 C = TypeVar("C")
@@ -89,6 +90,7 @@ class JobsConfig:
     # CUDA context and library workspaces (cuBLAS, cuDNN), which no framework allocator hands out
     # and the limit does not govern. Measured 0.77 GiB on an H200 with PyTorch 2.11 training
     # ResNet-50 (bench/gpu_colocate.py, 2026-11-27); the coordinator counts them as taken anyway.
+    # In the file: bytes or a size such as "1GiB".
     gpu_overhead_bytes: int = 1 << 30
 
     def validate(self) -> JobsConfig:
@@ -97,7 +99,7 @@ class JobsConfig:
         check_choice("containment", self.containment, CONTAINMENT_MODES)
         check_choice("misbehaviour", self.misbehaviour, MISBEHAVIOUR_ACTIONS)
         check_range("silent_after_s", self.silent_after_s, 1.0, 86400.0)
-        check_int("gpu_overhead_bytes", self.gpu_overhead_bytes, 0, 64 << 30)
+        check_int("gpu_overhead_bytes", self.gpu_overhead_bytes, 0, MAX_GPU_OVERHEAD_BYTES)
         return self
 
 
@@ -253,12 +255,13 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, source: str = "<memory
     devices = _devices(root.table("devices"))
     tenants, members = _tenants(root.take("tenants", required=True))
     access = _access(root.table("access", required=False), members)
-    jobs = _pass_through(root.table("jobs", required=False), JobsConfig, sizes=("host_memory_bytes",),
+    jobs = _pass_through(root.table("jobs", required=False), JobsConfig,
+                         sizes={"host_memory_bytes": MAX_BYTES, "gpu_overhead_bytes": MAX_GPU_OVERHEAD_BYTES},
                          keys={"host_memory_bytes": "host_memory"})
     daemon = _pass_through(root.table("daemon", required=False), DaemonConfig)
     scheduler = _pass_through(root.table("scheduler", required=False), SchedulerConfig)
     coordinator = _pass_through(
-        root.table("coordinator", required=False), CoordinatorConfig, sizes=("min_memory_bytes",)
+        root.table("coordinator", required=False), CoordinatorConfig, sizes={"min_memory_bytes": MAX_BYTES}
     )
     cluster_value = root.take("cluster")
     cluster = None
@@ -417,10 +420,11 @@ def _access(t: _Table, members: tuple[TenantMembers, ...]) -> AccessConfig:
     return AccessConfig(members, admins, admin_groups)
 
 
-def _pass_through(t: _Table, cls: type[C], sizes: tuple[str, ...] = (), keys: Mapping[str, str] | None = None) -> C:
+def _pass_through(t: _Table, cls: type[C], sizes: Mapping[str, int] | None = None,
+                  keys: Mapping[str, str] | None = None) -> C:
     """Keys map onto the config class's fields (`keys`: field -> key where the file names it
-    otherwise; `sizes`: fields given in bytes or as "4GiB"); its own validate() checks the ranges
-    (a string field's among its choices)."""
+    otherwise; `sizes`: fields given in bytes or as "4GiB", each with its largest value); its own
+    validate() checks the ranges (a string field's among its choices)."""
     names = {f.name: (keys or {}).get(f.name, f.name) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     defaults = cls()
     changes: dict[str, Any] = {}
@@ -429,8 +433,8 @@ def _pass_through(t: _Table, cls: type[C], sizes: tuple[str, ...] = (), keys: Ma
             continue
         value = t.take(key)
         default = getattr(defaults, name)
-        if name in sizes:
-            value = _size(t.path(key), value, 0, MAX_BYTES)
+        if sizes and name in sizes:
+            value = _size(t.path(key), value, 0, sizes[name])
         elif isinstance(default, bool):
             if not isinstance(value, bool):
                 raise ConfigError(t.path(key), value, "true or false")

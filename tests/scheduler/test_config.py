@@ -49,6 +49,8 @@ def test_passes_policy_sections_through() -> None:
     assert config.state_dir == Path("/base/state")
     assert config.jobs.opportunistic_priority == "low"  # the default
     assert config.jobs.gpu_overhead_bytes == 1 << 30  # the default: 0.77 GiB measured on an H200
+    data["jobs"] = {"gpu_overhead_bytes": "1.5GiB"}  # a size, as jobs.host_memory
+    assert parse_config(data, Path("/base")).jobs.gpu_overhead_bytes == 3 << 29
     data["jobs"] = {"opportunistic_priority": "normal", "gpu_overhead_bytes": 0}
     jobs = parse_config(data, Path("/base")).jobs
     assert jobs.opportunistic_priority == "normal" and jobs.gpu_overhead_bytes == 0
@@ -71,10 +73,11 @@ def test_passes_policy_sections_through() -> None:
         (("jobs", "opportunistic_priority"), "idle", "jobs.opportunistic_priority", "one of low, normal"),
         (("jobs", "misbehaviour"), "kill", "jobs.misbehaviour", "one of warn, stop, requeue"),
         (("jobs", "containment"), 1, "jobs.containment", "one of auto, off, required"),
-        (("jobs", "gpu_overhead_bytes"), "1GiB", "jobs.gpu_overhead_bytes", "an integer in [0, 68719476736]"),
-        (("jobs", "gpu_overhead_bytes"), True, "jobs.gpu_overhead_bytes", "an integer in [0, 68719476736]"),
-        (("jobs", "gpu_overhead_bytes"), -1, "jobs.gpu_overhead_bytes", "an integer in [0, 68719476736]"),
-        (("jobs", "gpu_overhead_bytes"), (64 << 30) + 1, "jobs.gpu_overhead_bytes", "an integer in [0, 68719476736]"),
+        (("jobs", "gpu_overhead_bytes"), "lots", "jobs.gpu_overhead_bytes", "in [0, 68719476736] bytes"),
+        (("jobs", "gpu_overhead_bytes"), "65GiB", "jobs.gpu_overhead_bytes", "in [0, 68719476736] bytes"),
+        (("jobs", "gpu_overhead_bytes"), True, "jobs.gpu_overhead_bytes", "in [0, 68719476736] bytes"),
+        (("jobs", "gpu_overhead_bytes"), -1, "jobs.gpu_overhead_bytes", "in [0, 68719476736] bytes"),
+        (("jobs", "gpu_overhead_bytes"), (64 << 30) + 1, "jobs.gpu_overhead_bytes", "in [0, 68719476736] bytes"),
         (("scheduler", "gang_locality"), 1, "scheduler.gang_locality", "one of wait, spread"),
         (("daemon", "tick_interval_s"), 0, "daemon.tick_interval_s", "[0.01, 60.0]"),
         (("scheduler", "utilisation_threshold"), 1.5, "scheduler.utilisation_threshold", "(0.0, 1.0]"),
