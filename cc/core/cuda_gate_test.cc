@@ -409,6 +409,31 @@ TEST(LaunchLagIsNotCharged) {
   EXPECT_EQ(rig.gate->stats().device_busy_ns, 320 * kUs);
 }
 
+TEST(LaunchLagIsNotTakenFromAnAnchorThatWaited) {
+  // Next to another process's work the GPU time-slices and the anchor's events wait for their
+  // context's turn: modelled by a 30 us notify latency (round trip 33 us, past the 20 us a lag
+  // is trusted from). The lag is then 0, the floor the end call, as before the lag existed.
+  Rig rig(0.5, 1 * kS, /*anchor_submit_ns=*/3 * kUs, /*anchor_notify_ns=*/30 * kUs);
+  REQUIRE(rig.gate != nullptr);
+  EXPECT_EQ(rig.gate->ext_stats().launch_lag_ns, 0);
+  EXPECT_EQ(rig.gate->stats().anchor_uncertainty_ns, 33 * kUs);
+  const int64_t t = rig.clock.NowNs();
+  CudaGate::Op* op = rig.Begin(Stream(1));
+  rig.clock.Advance(10 * kUs);
+  rig.End(op);
+  rig.clock.Advance(1 * kMs);
+  CompleteNext(t + 3 * kUs);
+  CompleteNext(t + 33 * kUs);
+  rig.gate->Drain();
+  // The anchor's midpoint places device times 13.5 us late ((3 + 30) / 2 - 3): the start event
+  // lands at t + 16.5 us, after the end call, and the op is charged its own two events' span,
+  // 30 us (placement bias cancels in a difference). A lag from such probes (16.5 us) would have
+  // moved the floor past the start to t + 26.5 us and charged 20 us: right in this model, whose
+  // every wait is the same 30 us, not on a GPU, where each waits for a time slice of its own
+  // (0 to ms) and the charges then moved by the difference (the H200's interference step).
+  EXPECT_EQ(rig.gate->stats().device_busy_ns, 30 * kUs);
+}
+
 TEST(AnchorKeepsPlacementPreciseOverHours) {
   Rig rig(0.5);
   REQUIRE(rig.gate != nullptr);
