@@ -136,19 +136,40 @@ def check_stats(job_id: str, stats: Stats | None, *, sent: Sent | None, gpu_memo
     return found
 
 
-def _newest_applied(sent: Sequence[tuple[int, int]], applied: int) -> int:
-    """The index in `sent` ((seq, limit), oldest first) of the newest control the job applied (0
-    where it applied none of them)."""
-    return max((i for i, (seq, _) in enumerate(sent) if seq <= applied), default=0)
+SENT_LIMITS: Final = 16  # (seq, limit) entries kept per job and GPU (_Watched.limits)
 
 
-def limit_in_force(sent: Sequence[tuple[int, int]], applied: int) -> int:
+def _newest_applied(sent: Sequence[tuple[int, int]], applied: int) -> int | None:
+    """The index in `sent` ((seq, limit), oldest first) of the newest control the job applied;
+    None where it applied none of them."""
+    return max((i for i, (seq, _) in enumerate(sent) if seq <= applied), default=None)
+
+
+def limit_in_force(sent: Sequence[tuple[int, int]], applied: int) -> int | None:
     """A job's memory limit on one GPU that `over_limit` holds it to: `sent` the (seq, limit) of
     the controls that set it, oldest first (a launch's is seq 0), `applied` its stats'
     `control_seq_applied`. The newest control it applied is in force, and any sent after it that
     is higher: a raise counts at once, a lowering only once applied (until then the job may still
-    hold what the limit before allowed)."""
-    return max(limit for _, limit in sent[_newest_applied(sent, applied):])
+    hold what the limit before allowed). None where it applied none of them: a job adopted after
+    a restart, whose limit before it is not known, is not judged until it applies one sent since."""
+    first = _newest_applied(sent, applied)
+    return None if first is None else max(limit for _, limit in sent[first:])
+
+
+def _record_limit(sent: Sequence[tuple[int, int]], applied: int, seq: int, limit: int) -> list[tuple[int, int]]:
+    """`sent` with a control's limit added: from the newest applied entry on (those before it are
+    done with); an unchanged limit is not added (every control carries every GPU's limit); past
+    SENT_LIMITS entries the two oldest pending ones become one with the larger limit, which errs
+    towards the job (a job that applies nothing cannot grow the list)."""
+    first = _newest_applied(sent, applied)
+    kept = list(sent[first or 0:])
+    if kept and kept[-1][1] == limit:
+        return kept
+    kept.append((seq, limit))
+    if len(kept) > SENT_LIMITS:
+        (_, a), (seq_b, b) = kept[1], kept[2]
+        kept[1:3] = [(seq_b, max(a, b))]
+    return kept
 
 
 def check_gpu_processes(processes: Mapping[int, Sequence[tuple[int, int]]], owner: Mapping[int, str],
@@ -229,10 +250,10 @@ class Judge:
     def sent(self, job_id: str, placement: Sequence[int], control: Control) -> None:
         job = self._jobs.setdefault(job_id, _Watched(self.clock()))  # launched or adopted first, as a rule
         for entry in control.memory_limits:  # device = the GPU's index within the job
-            if 0 <= entry.device < len(placement):  # those before the newest applied are done with
-                sent = job.limits.get(placement[entry.device], [])
-                job.limits[placement[entry.device]] = [*sent[_newest_applied(sent, job.applied):],
-                                                       (control.seq, entry.limit_bytes)]
+            if 0 <= entry.device < len(placement):
+                gpu = placement[entry.device]
+                job.limits[gpu] = _record_limit(job.limits.get(gpu, []), job.applied, control.seq,
+                                                entry.limit_bytes)
         before = job.sent
         share = control.compute_share if control.compute_share is not None else (1.0 if before is None else before.share)
         history = (() if before is None else before.shares)[-(SENT_HISTORY - 1):] + ((control.seq, share),)
@@ -279,8 +300,9 @@ class Judge:
         their cgroups) and their limits in force (as of their newest stats): a job over its limit
         plus jobs.gpu_overhead_bytes is `over_limit` (judged with its stats, `check`), a process
         of no job `unmanaged` (an event once, a finding while it lasts)."""
-        limits = {(job_id, gpu): limit_in_force(sent, job.applied)
-                  for job_id, job in self._jobs.items() for gpu, sent in job.limits.items()}
+        in_force = {(job_id, gpu): limit_in_force(sent, job.applied)
+                    for job_id, job in self._jobs.items() for gpu, sent in job.limits.items()}
+        limits = {key: limit for key, limit in in_force.items() if limit is not None}
         for job in self._jobs.values():
             job.on_gpus = []
         unmanaged: dict[int, list[Finding]] = {}
@@ -305,5 +327,5 @@ class Judge:
         return self._taken.get(gpu, 0)
 
 
-__all__ = ["MAX_PLAUSIBLE_BYTES", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Judge", "Sent",
+__all__ = ["MAX_PLAUSIBLE_BYTES", "SENT_LIMITS", "SHARE_SLACK", "SHARE_WINDOW_S", "Finding", "Judge", "Sent",
            "check_gpu_processes", "check_stats", "limit_in_force"]

@@ -23,6 +23,7 @@ from scheduler_lite.config import JobsConfig
 from scheduler_lite.devices import NvmlDevices
 from scheduler_lite.misbehaviour import (
     MAX_PLAUSIBLE_BYTES,
+    SENT_LIMITS,
     Judge,
     Sent,
     check_gpu_processes,
@@ -179,6 +180,36 @@ def test_a_lowered_limit_counts_once_the_job_applied_it_and_a_raise_at_once() ->
     assert limit_in_force([(0, 4 * GIB), (1, GIB), (2, 2 * GIB)], 0) == 4 * GIB
     assert limit_in_force([(0, 4 * GIB), (1, GIB), (2, 2 * GIB)], 1) == 2 * GIB
     assert limit_in_force([(0, GIB), (1, 4 * GIB)], 0) == 4 * GIB
+    assert limit_in_force([(58, GIB)], 57) is None  # applied none of them: unknown
+
+
+def test_an_adopted_job_is_judged_once_it_applied_a_limit_sent_since() -> None:
+    """After a daemon restart the judge does not know the limit a job had (adopted: no limits,
+    control seqs go on from its control.json): a cut it has not applied is not in force, nothing
+    is taken for it, until its stats say it applied a control sent since."""
+    judge, held = Judge(JobsConfig(gpu_overhead_bytes=0)), 30 * GIB
+    judge.launched("job-7", 1.0)  # adopted
+    judge.sent("job-7", [0], lowered(58, 4 * GIB))
+    assert judged(judge, "job-7", stats(seq=1, control_seq_applied=57), held) == []
+    assert judge.taken_bytes(0) == 0
+    assert [d.split(", ")[1] for d in judged(judge, "job-7", stats(seq=2, control_seq_applied=58), held)] == [
+        f"its limit in force is {4 * GIB} (+0 allowed for the CUDA context and libraries)"]
+
+
+def test_a_job_that_applies_nothing_cannot_grow_what_is_kept_of_its_limits() -> None:
+    """Every control carries every GPU's limit: an unchanged one is not kept again, and past
+    SENT_LIMITS pending ones the oldest merge into the larger limit (towards the job)."""
+    judge = Judge(JobsConfig(gpu_overhead_bytes=0))
+    judge.launched("job-1", 1.0, {0: 8 * GIB})
+    for seq in range(1, 10_001):
+        judge.sent("job-1", [0], lowered(seq, GIB if seq % 2 else 2 * GIB if seq % 3 else 8 * GIB))
+    kept = judge._jobs["job-1"].limits[0]
+    assert len(kept) <= SENT_LIMITS
+    assert kept[0] == (0, 8 * GIB)  # the applied one stays
+    assert limit_in_force(kept, 0) == 8 * GIB
+    assert limit_in_force(kept, 10_000) == kept[-1][1]
+    judge.sent("job-1", [0], lowered(10_001, kept[-1][1]))
+    assert judge._jobs["job-1"].limits[0] == kept  # unchanged: not kept again
 
 
 # -- the real daemon ------------------------------------------------------------------------------
