@@ -124,7 +124,7 @@ class GateStats(_Struct):
 class GateExtStats(_Struct):
     """Mirror of antman_gate_ext_stats (fields only ever appended)."""
 
-    _fields_ = [(name, _i64) for name in ("ops_captured", "host_gap_ns", "launch_lag_ns")]
+    _fields_ = [(name, _i64) for name in ("ops_captured", "host_gap_ns", "launch_lag_ns", "launch_lag_untrusted")]
 
 
 class _Abi(ctypes.Structure):

@@ -412,14 +412,14 @@ int Share(bool quick, double kernel_us, double host_us, double burst_us) {
       "\"kernel_us_target\": %.1f, \"host_us\": %.1f, \"fma_iters\": %d, \"cupti\": %s, "
       "\"cupti_error\": %s%s%s, \"phases\": %s, \"gate_ops_completed\": %lld, \"gate_errors\": %lld, "
       "\"gate_anchors\": %lld, \"gate_anchor_uncertainty_ns\": %lld, \"gate_launch_lag_ns\": %lld, "
-      "\"gate_host_gap_ns\": %lld, \"device_burst_ns\": %lld}\n",
+      "\"gate_host_gap_ns\": %lld, \"gate_launch_lag_untrusted\": %lld, \"device_burst_ns\": %lld}\n",
       kJsonVersion, quick ? "true" : "false", short_mode ? "short" : "long",
       short_mode ? kernel_us : 500.0, host_us, job.iters, cupti.ok() ? "true" : "false",
       cupti.ok() ? "" : "\"", cupti.ok() ? "null" : cupti_error.c_str(), cupti.ok() ? "" : "\"",
       phases.c_str(), static_cast<long long>(gs.ops_completed), static_cast<long long>(gs.errors),
       static_cast<long long>(gs.anchors), static_cast<long long>(gs.anchor_uncertainty_ns),
       static_cast<long long>(ext.launch_lag_ns), static_cast<long long>(ext.host_gap_ns),
-      static_cast<long long>(g.burst_ns));
+      static_cast<long long>(ext.launch_lag_untrusted), static_cast<long long>(g.burst_ns));
   return gs.errors == 0 ? 0 : 1;
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -44,7 +45,8 @@ constexpr int64_t kGoodAnchorNs = 10'000;
 constexpr int kAnchorTries = 3;
 // The launch lag is measured only from an anchor and probes whose record-to-sync round trip is
 // at most this: 6.7-9.3 us on an idle H200; a context waiting for its GPU time slice takes ms.
-constexpr int64_t kTrustedLagRoundTripNs = 20'000;
+// Tight, because the lag can be wrong by up to half a round trip, next to ~20 us kernels.
+constexpr int64_t kTrustedLagRoundTripNs = 12'000;
 
 std::string RangeError(const char* field, int64_t value, int64_t lo, int64_t hi) {
   return std::string(field) + ": " + std::to_string(value) +
@@ -259,16 +261,16 @@ void* CudaGate::TakeEventLocked(int* rc) {
   return event;
 }
 
-int64_t CudaGate::MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns,
-                                   int64_t round_trip_ns) {
+std::optional<int64_t> CudaGate::MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns,
+                                                  int64_t round_trip_ns) {
   // Without it, on an idle stream an op was charged from its end call, but its
   // last kernel starts only when the device has taken the launch: on an H200,
   // ~20 us kernels with host work between them were charged ~2 us too much
   // each and got 5-8 points less than their share (bench/gpu/check.py, step
   // compute_short). A probe event is such a launch: its placed time less the
   // host time its record call returned is the lag. The smallest of a few
-  // probes (noise only adds); bounded by the anchor's round trip, since a
-  // wrong anchor should not move charges further than it can be wrong.
+  // probes (noise only adds); bounded by half the anchor's round trip, as far
+  // as its midpoint can be wrong.
   //
   // Trusted only from a tight anchor and tight probes. Next to another
   // process's work (an opportunistic job's case) the GPU time-slices between
@@ -278,7 +280,7 @@ int64_t CudaGate::MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns,
   // did its share of work without the lag (run 1) and twice it with the lag
   // (run 2; bench/gpu/check.py, step interference): the likely cause, and
   // why such an anchor keeps the floor at the end call, as before.
-  if (round_trip_ns > kTrustedLagRoundTripNs) return 0;
+  if (round_trip_ns > kTrustedLagRoundTripNs) return std::nullopt;
   int64_t best = std::numeric_limits<int64_t>::max();
   InContext([&] {
     for (int attempt = 0; attempt < kAnchorTries; ++attempt) {
@@ -305,8 +307,8 @@ int64_t CudaGate::MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns,
     }
     return kCuSuccess;
   });
-  if (best == std::numeric_limits<int64_t>::max()) return 0;  // no probe: the old floor
-  return std::clamp(best, -round_trip_ns, round_trip_ns);
+  if (best == std::numeric_limits<int64_t>::max()) return std::nullopt;  // no probe to trust
+  return std::clamp(best, -round_trip_ns / 2, round_trip_ns / 2);
 }
 
 void CudaGate::ReleaseAnchorLocked(Anchor* anchor) {
@@ -370,11 +372,13 @@ int CudaGate::Reanchor(std::string* err) {
     *err = failure.empty() ? "anchor: no event could be recorded" : failure;
     return ANTMAN_ERR_DEVICE;
   }
-  const int64_t lag = MeasureLaunchLag(best, best_host, best_round_trip);
+  const std::optional<int64_t> measured = MeasureLaunchLag(best, best_host, best_round_trip);
+  const int64_t lag = measured.value_or(0);  // untrusted: the floor is the end call, as before
   std::lock_guard<std::mutex> lock(mu_);
   ReleaseAnchorLocked(anchor_);
   anchor_ = new Anchor{best, best_host, lag, 1};
   ext_.launch_lag_ns = lag;
+  if (!measured) ++ext_.launch_lag_untrusted;
   ++stats_.anchors;
   stats_.anchor_uncertainty_ns = best_round_trip;
   return ANTMAN_OK;
@@ -693,6 +697,7 @@ size_t antman_gate_get_ext_stats(antman_gate* gate, antman_gate_ext_stats* out, 
   s.ops_captured = e.ops_captured;
   s.host_gap_ns = e.host_gap_ns;
   s.launch_lag_ns = e.launch_lag_ns;
+  s.launch_lag_untrusted = e.launch_lag_untrusted;
   const size_t n = std::min(size, sizeof(s));
   std::memcpy(out, &s, n);
   return n;

@@ -104,7 +104,11 @@ typedef struct {
   int64_t launch_lag_ns; /* the current anchor's launch lag: how long after a
                             call that queues work on an idle stream the device
                             starts it, placed by the anchor (may be negative
-                            by at most the anchor's uncertainty) */
+                            by at most half the anchor's uncertainty; 0
+                            where not trusted) */
+  int64_t launch_lag_untrusted; /* anchors whose lag was not trusted: their or
+                            their probes' round trip above 12 us (the GPU
+                            time-slicing with another process), taken as 0 */
 } antman_gate_ext_stats;
 
 typedef struct antman_gate antman_gate;

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -62,6 +63,7 @@ struct GateExtStats {
   int64_t ops_captured = 0;    // begin calls on a capturing stream: passed, uncharged
   int64_t host_gap_ns = 0;     // [start event, end call) time not charged (host work)
   int64_t launch_lag_ns = 0;   // the current anchor's launch lag (see Anchor::lag_ns)
+  int64_t launch_lag_untrusted = 0;  // anchors whose lag was not trusted (taken as 0)
 };
 
 // "" if valid, else the bad field and its accepted range.
@@ -148,7 +150,9 @@ class CudaGate {
   std::string DriverError(const char* call, int rc) const;
   void* TakeEventLocked(int* rc);  // from the pool, or a new one
   void ReleaseAnchorLocked(Anchor* anchor);
-  int64_t MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns, int64_t round_trip_ns);
+  // nullopt where it cannot be trusted (see kTrustedLagRoundTripNs).
+  std::optional<int64_t> MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns,
+                                          int64_t round_trip_ns);
   // Re-anchors if due, then records op's start event; charge: the op was
   // admitted and provisionally charged by Begin.
   int RecordStart(void* stream, bool charge, int64_t provisional, Op** out, std::string* err);

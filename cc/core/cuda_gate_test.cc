@@ -387,6 +387,7 @@ TEST(LaunchLagIsNotCharged) {
   Rig rig(0.5, 1 * kS, /*anchor_submit_ns=*/3 * kUs, /*anchor_notify_ns=*/1 * kUs);
   REQUIRE(rig.gate != nullptr);
   EXPECT_EQ(rig.gate->ext_stats().launch_lag_ns, 2 * kUs);
+  EXPECT_EQ(rig.gate->ext_stats().launch_lag_untrusted, 0);
   const int64_t t = rig.clock.NowNs();
   CudaGate::Op* op = rig.Begin(Stream(1));
   rig.clock.Advance(10 * kUs);  // host work and the launch; end is called at t + 10 us
@@ -411,11 +412,12 @@ TEST(LaunchLagIsNotCharged) {
 
 TEST(LaunchLagIsNotTakenFromAnAnchorThatWaited) {
   // Next to another process's work the GPU time-slices and the anchor's events wait for their
-  // context's turn: modelled by a 30 us notify latency (round trip 33 us, past the 20 us a lag
+  // context's turn: modelled by a 30 us notify latency (round trip 33 us, past the 12 us a lag
   // is trusted from). The lag is then 0, the floor the end call, as before the lag existed.
   Rig rig(0.5, 1 * kS, /*anchor_submit_ns=*/3 * kUs, /*anchor_notify_ns=*/30 * kUs);
   REQUIRE(rig.gate != nullptr);
   EXPECT_EQ(rig.gate->ext_stats().launch_lag_ns, 0);
+  EXPECT_EQ(rig.gate->ext_stats().launch_lag_untrusted, 1);
   EXPECT_EQ(rig.gate->stats().anchor_uncertainty_ns, 33 * kUs);
   const int64_t t = rig.clock.NowNs();
   CudaGate::Op* op = rig.Begin(Stream(1));

@@ -118,6 +118,8 @@ elif name == "compute_bench" and sub == "guarantee":
            "epoch": [t0, time.time()]}})
 elif name == "compute_bench" and sub == "opportunist":
     share = float(args[args.index("--share") + 1])
+    if mode == "double":  # gets twice its share done, as an under-charged opportunist would
+        share *= 2
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     open(os.path.join(HERE, "beside.txt"), "w").write(str(share))
@@ -256,7 +258,8 @@ def test_the_whole_check_runs_its_steps_in_order_with_one_line_each(tmp_path: Pa
     assert [r["judged"] for r in rows] == [burst is None for _, burst in check.INTERFERENCE_CASES]
     assert sorted(steps["interference"]["checks"]) == sorted(
         [f"slowdown_le_bound_at_{s:g}" for s in check.INTERFERENCE_SHARES]
-        + [f"opportunist_not_starved_at_{s:g}" for s in check.INTERFERENCE_SHARES if s > 0])
+        + [f"opportunist_not_starved_at_{s:g}" for s in check.INTERFERENCE_SHARES if s > 0]
+        + [f"opportunist_within_share_at_{s:g}" for s in check.INTERFERENCE_SHARES])
     # the opportunist's busy fraction inside the guarantee's run, from its progress lines: its share
     assert [r["opportunist_busy_fraction"] for r in rows] == pytest.approx(shares, abs=0.02)
     assert all(r["guarantee_slowdown"] <= r["time_slicing_bound"] + 0.01 for r in rows)
@@ -354,6 +357,20 @@ def test_share_off_target_fails_the_compute_step_naming_the_check(tmp_path: Path
     assert steps["compute_long"]["share_error_points_cupti"] == pytest.approx(10.0)
     assert "share_error_le_2_points" in steps["compute_long"]["error"]
     assert steps["compute_short"]["status"] == "passed"
+
+
+def test_an_opportunist_doing_more_than_its_share_fails_the_interference_step(tmp_path: Path) -> None:
+    # The H200's run 2: f 0.109 at share 0.05, its manager reading 0.049. The guarantee job's
+    # slowdown stays within f / (1 - f), so only the opportunist's own figure can show it.
+    proc, lines, _ = rehearse(tmp_path, {"compute_bench:opportunist": "double"}, "--only",
+                              "gpu_idle,binaries,compute_long,interference")
+    assert proc.returncode == 1
+    step = next(r for r in lines if r["step"] == "interference")
+    assert step["status"] == "failed"
+    assert step["checks"]["opportunist_within_share_at_0.05"] is False
+    assert step["checks"]["opportunist_within_share_at_0"] is True  # twice nothing is nothing
+    assert "opportunist_within_share_at_0.05" in step["error"]
+    assert all(r["within_share"] is (r["opportunist_share"] == 0) for r in step["rows"])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
