@@ -261,6 +261,21 @@ struct Rig {
     std::string err;
     EXPECT_EQ(gate->End(op, &err), ANTMAN_OK);
   }
+  // One op on `stream` the device runs as told: `host_ns` of host work and launches between begin
+  // and end; its start event stamped `start_at` and its end event `end_at` after begin (host
+  // clock). Returns the begin time, once the op is charged.
+  int64_t RunOp(void* stream, int64_t host_ns, int64_t start_at, int64_t end_at) {
+    const int64_t t = clock.NowNs();
+    CudaGate::Op* op = Begin(stream);
+    clock.Advance(host_ns);
+    End(op);
+    // Observed a while after the end: a placement a little late is not slid back to "now".
+    clock.Advance(std::max(end_at - host_ns, int64_t{0}) + 1 * kMs);
+    CompleteNext(t + start_at);
+    CompleteNext(t + end_at);
+    gate->Drain();
+    return t;
+  }
   std::vector<std::pair<int64_t, int64_t>> Intervals() {
     std::lock_guard<std::mutex> lock(charged.mu);
     return charged.intervals;
@@ -349,27 +364,15 @@ TEST(HostWorkBeforeTheLaunchIsNotCharged) {
   // device stamps it at once, so the op's host work would count as busy.
   Rig rig(0.5);
   REQUIRE(rig.gate != nullptr);
-  const int64_t t = rig.clock.NowNs();
-  CudaGate::Op* op = rig.Begin(Stream(1));
-  rig.clock.Advance(10 * kMs);  // host work, then the launch, then end
-  rig.End(op);
-  rig.clock.Advance(1 * kMs);   // the kernel runs
-  CompleteNext(t);              // start: the idle stream stamps it at begin
-  CompleteNext(t + 11 * kMs);   // end: a 1 ms kernel launched at t + 10 ms
-  rig.gate->Drain();
+  // 10 ms of host work, then the launch, then end; the idle stream stamps the start at begin; a
+  // 1 ms kernel launched at t + 10 ms.
+  const int64_t t = rig.RunOp(Stream(1), 10 * kMs, 0, 11 * kMs);
   EXPECT_EQ(rig.gate->stats().device_busy_ns, 1 * kMs);
   EXPECT_EQ(rig.manager->stats().busy_ns, 1 * kMs);
   EXPECT_EQ(rig.gate->ext_stats().host_gap_ns, 10 * kMs);
   // A stream behind the host: the start event completes after end was called,
   // and the whole interval is the op's (nothing clipped).
-  const int64_t u = rig.clock.NowNs();
-  op = rig.Begin(Stream(1));
-  rig.clock.Advance(1 * kMs);
-  rig.End(op);
-  rig.clock.Advance(7 * kMs);
-  CompleteNext(u + 5 * kMs);
-  CompleteNext(u + 8 * kMs);
-  rig.gate->Drain();
+  const int64_t u = rig.RunOp(Stream(1), 1 * kMs, 5 * kMs, 8 * kMs);
   EXPECT_EQ(rig.gate->stats().device_busy_ns, 4 * kMs);
   EXPECT_EQ(rig.gate->ext_stats().host_gap_ns, 10 * kMs);
   auto iv = rig.Intervals();
@@ -388,25 +391,13 @@ TEST(LaunchLagIsNotCharged) {
   REQUIRE(rig.gate != nullptr);
   EXPECT_EQ(rig.gate->ext_stats().launch_lag_ns, 2 * kUs);
   EXPECT_EQ(rig.gate->ext_stats().launch_lag_untrusted, 0);
-  const int64_t t = rig.clock.NowNs();
-  CudaGate::Op* op = rig.Begin(Stream(1));
-  rig.clock.Advance(10 * kUs);  // host work and the launch; end is called at t + 10 us
-  rig.End(op);
-  rig.clock.Advance(1 * kMs);
-  CompleteNext(t + 3 * kUs);    // start: the idle stream stamps it once submitted
-  CompleteNext(t + 33 * kUs);   // end: the 20 us kernel started at t + 13 us (submitted)
-  rig.gate->Drain();
+  // Host work and the launch until the end call at t + 10 us; the idle stream stamps the start
+  // once submitted (t + 3 us); the 20 us kernel starts at t + 13 us (submitted).
+  rig.RunOp(Stream(1), 10 * kUs, 3 * kUs, 33 * kUs);
   EXPECT_EQ(rig.gate->stats().device_busy_ns, 20 * kUs);  // without the lag: 22 us
   EXPECT_EQ(rig.manager->stats().busy_ns, 20 * kUs);
   // Behind the host, the op's own events bound it: the lag changes nothing.
-  const int64_t u = rig.clock.NowNs();
-  op = rig.Begin(Stream(1));
-  rig.clock.Advance(1 * kUs);
-  rig.End(op);
-  rig.clock.Advance(1 * kMs);
-  CompleteNext(u + 500 * kUs);
-  CompleteNext(u + 800 * kUs);
-  rig.gate->Drain();
+  rig.RunOp(Stream(1), 1 * kUs, 500 * kUs, 800 * kUs);
   EXPECT_EQ(rig.gate->stats().device_busy_ns, 320 * kUs);
 }
 
@@ -419,14 +410,7 @@ TEST(LaunchLagIsNotTakenFromAnAnchorThatWaited) {
   EXPECT_EQ(rig.gate->ext_stats().launch_lag_ns, 0);
   EXPECT_EQ(rig.gate->ext_stats().launch_lag_untrusted, 1);
   EXPECT_EQ(rig.gate->stats().anchor_uncertainty_ns, 33 * kUs);
-  const int64_t t = rig.clock.NowNs();
-  CudaGate::Op* op = rig.Begin(Stream(1));
-  rig.clock.Advance(10 * kUs);
-  rig.End(op);
-  rig.clock.Advance(1 * kMs);
-  CompleteNext(t + 3 * kUs);
-  CompleteNext(t + 33 * kUs);
-  rig.gate->Drain();
+  rig.RunOp(Stream(1), 10 * kUs, 3 * kUs, 33 * kUs);
   // The anchor's midpoint places device times 13.5 us late ((3 + 30) / 2 - 3): the start event
   // lands at t + 16.5 us, after the end call, and the op is charged its own two events' span,
   // 30 us (placement bias cancels in a difference). A lag from such probes (16.5 us) would have
