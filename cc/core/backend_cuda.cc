@@ -31,6 +31,7 @@ struct Driver {
   CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
+  CUresult (*cuCtxGetCurrent)(CUcontext*);
   CUresult (*cuCtxPushCurrent)(CUcontext);
   CUresult (*cuCtxPopCurrent)(CUcontext*);
   CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
@@ -71,15 +72,13 @@ class CudaDevice {
   CudaDevice(const Driver* d, CUdevice dev, CUcontext ctx) : d_(d), dev_(dev), ctx_(ctx) {}
   ~CudaDevice() { d_->cuDevicePrimaryCtxRelease(dev_); }
 
-  // Runs f with the primary context current on this thread, then restores the previous one.
+  // Runs f with the primary context current on this thread (pushed only when it is not), then
+  // restores the previous one; a failed push is returned without running f.
   template <typename F>
   CUresult InContext(F f) const {
-    CUresult rc = d_->cuCtxPushCurrent(ctx_);
-    if (rc != kCudaSuccess) return rc;
-    rc = f();
-    CUcontext popped = nullptr;
-    d_->cuCtxPopCurrent(&popped);
-    return rc;
+    ContextScope<Driver, CUcontext> scope(d_, ctx_);
+    if (scope.rc() != kCudaSuccess) return scope.rc();
+    return f();
   }
   const Driver& driver() const { return *d_; }
   // Waits until the device has run every kernel queued in the primary context, so that a

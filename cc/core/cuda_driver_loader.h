@@ -39,6 +39,7 @@ void ResolvePrimaryContextEntryPoints(void* lib, Table* t, std::string* missing)
                            &absent)) {
     ResolveDriverSymbol(lib, "cuDevicePrimaryCtxRelease", &t->cuDevicePrimaryCtxRelease, missing);
   }
+  ResolveDriverSymbol(lib, "cuCtxGetCurrent", &t->cuCtxGetCurrent, missing);
   ResolveDriverSymbol(lib, "cuCtxPushCurrent_v2", &t->cuCtxPushCurrent, missing);
   ResolveDriverSymbol(lib, "cuCtxPopCurrent_v2", &t->cuCtxPopCurrent, missing);
   ResolveDriverSymbol(lib, "cuGetErrorString", &t->cuGetErrorString, &absent);
@@ -49,19 +50,20 @@ void ResolvePrimaryContextEntryPoints(void* lib, Table* t, std::string* missing)
 // usually has the primary context current, so a call from it costs one cuCtxGetCurrent instead of
 // a push and a pop; a thread that never touched CUDA still gets it. For any table with
 // cuCtxGetCurrent, cuCtxPushCurrent and cuCtxPopCurrent members of the driver's ABI (int results,
-// void* contexts): the event gate and the PyTorch front-end's events use it alike.
-template <typename Table>
+// contexts of type Ctx): the memory backend, the event gate and the PyTorch front-end's events
+// use it alike.
+template <typename Table, typename Ctx = void*>
 class ContextScope {
  public:
-  ContextScope(const Table* d, void* ctx) : d_(d) {
-    void* current = nullptr;
+  ContextScope(const Table* d, Ctx ctx) : d_(d) {
+    Ctx current = nullptr;
     if (d->cuCtxGetCurrent(&current) == 0 && current == ctx) return;
     rc_ = d->cuCtxPushCurrent(ctx);
     pushed_ = rc_ == 0;
   }
   ~ContextScope() {
     if (!pushed_) return;
-    void* popped = nullptr;
+    Ctx popped = nullptr;
     d_->cuCtxPopCurrent(&popped);
   }
   ContextScope(const ContextScope&) = delete;

@@ -61,7 +61,6 @@ namespace {
 void ResolveGateDriver(void* lib, GateDriver* d, std::string* missing) {
   std::string absent;  // newer names an older one stands in for
   ResolvePrimaryContextEntryPoints(lib, d, missing);
-  ResolveDriverSymbol(lib, "cuCtxGetCurrent", &d->cuCtxGetCurrent, missing);
   ResolveDriverSymbol(lib, "cuEventCreate", &d->cuEventCreate, missing);
   ResolveDriverSymbol(lib, "cuEventDestroy_v2", &d->cuEventDestroy, missing);
   ResolveDriverSymbol(lib, "cuEventRecord", &d->cuEventRecord, missing);
@@ -261,6 +260,31 @@ void* CudaGate::TakeEventLocked(int* rc) {
   return event;
 }
 
+CudaGate::Stamp CudaGate::StampAnchorStream() {
+  Stamp s;
+  int rc = kCuSuccess;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.event = TakeEventLocked(&rc);
+  }
+  if (s.event == nullptr) {
+    s.error = DriverError("cuEventCreate", rc);
+    return s;
+  }
+  s.before = manager_->NowNs();
+  rc = d_->cuEventRecord(s.event, anchor_stream_);
+  s.returned = manager_->NowNs();
+  if (rc == kCuSuccess) rc = d_->cuEventSynchronize(s.event);
+  s.after = manager_->NowNs();
+  if (rc != kCuSuccess) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_events_.push_back(s.event);
+    s.event = nullptr;
+    s.error = DriverError("anchor cuEventRecord/cuEventSynchronize", rc);
+  }
+  return s;
+}
+
 std::optional<int64_t> CudaGate::MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns,
                                                   int64_t round_trip_ns) {
   // Without it, on an idle stream an op was charged from its end call, but its
@@ -284,26 +308,18 @@ std::optional<int64_t> CudaGate::MeasureLaunchLag(void* anchor_event, int64_t an
   int64_t best = std::numeric_limits<int64_t>::max();
   InContext([&] {
     for (int attempt = 0; attempt < kAnchorTries; ++attempt) {
-      int rc = kCuSuccess;
-      void* probe = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        probe = TakeEventLocked(&rc);
-      }
-      if (probe == nullptr) break;
-      rc = d_->cuEventRecord(probe, anchor_stream_);
-      const int64_t returned = manager_->NowNs();
+      const Stamp probe = StampAnchorStream();
+      if (probe.event == nullptr) break;
       float ms = 0.0f;
-      if (rc == kCuSuccess) rc = d_->cuEventSynchronize(probe);
-      const int64_t noticed = manager_->NowNs();
-      if (rc == kCuSuccess) rc = d_->cuEventElapsedTime(&ms, anchor_event, probe);
+      const int rc = d_->cuEventElapsedTime(&ms, anchor_event, probe.event);
       {
         std::lock_guard<std::mutex> lock(mu_);
-        free_events_.push_back(probe);
+        free_events_.push_back(probe.event);
       }
       if (rc != kCuSuccess || !std::isfinite(ms)) break;
-      if (noticed - returned > kTrustedLagRoundTripNs) continue;  // it waited: not a launch's lag
-      best = std::min<int64_t>(best, anchor_host_ns + std::llround(double{ms} * 1e6) - returned);
+      if (probe.after - probe.returned > kTrustedLagRoundTripNs) continue;  // it waited: no lag
+      best = std::min<int64_t>(best,
+                               anchor_host_ns + std::llround(double{ms} * 1e6) - probe.returned);
     }
     return kCuSuccess;
   });
@@ -336,34 +352,21 @@ int CudaGate::Reanchor(std::string* err) {
   InContext([&] {
     for (int attempt = 0; attempt < kAnchorTries && best_round_trip > kGoodAnchorNs;
          ++attempt) {
-      int rc = kCuSuccess;
-      void* event = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        event = TakeEventLocked(&rc);
-      }
-      if (event == nullptr) {
-        failure = DriverError("cuEventCreate", rc);
+      const Stamp stamp = StampAnchorStream();
+      if (stamp.event == nullptr) {
+        failure = stamp.error;
         break;
       }
-      // The device stamps the event somewhere between these two host readings.
-      const int64_t before = manager_->NowNs();
-      rc = d_->cuEventRecord(event, anchor_stream_);
-      if (rc == kCuSuccess) rc = d_->cuEventSynchronize(event);
-      const int64_t after = manager_->NowNs();
+      // The device stamps the event somewhere between `before` and `after`.
+      const int64_t round_trip = stamp.after - stamp.before;
       std::lock_guard<std::mutex> lock(mu_);
-      if (rc != kCuSuccess) {
-        free_events_.push_back(event);
-        failure = DriverError("anchor cuEventRecord/cuEventSynchronize", rc);
-        break;
-      }
-      if (after - before < best_round_trip) {
+      if (round_trip < best_round_trip) {
         if (best != nullptr) free_events_.push_back(best);
-        best = event;
-        best_round_trip = after - before;
-        best_host = before + (after - before) / 2;
+        best = stamp.event;
+        best_round_trip = round_trip;
+        best_host = stamp.before + round_trip / 2;
       } else {
-        free_events_.push_back(event);
+        free_events_.push_back(stamp.event);
       }
     }
     return kCuSuccess;
@@ -377,7 +380,6 @@ int CudaGate::Reanchor(std::string* err) {
   std::lock_guard<std::mutex> lock(mu_);
   ReleaseAnchorLocked(anchor_);
   anchor_ = new Anchor{best, best_host, lag, 1};
-  ext_.launch_lag_ns = lag;
   if (!measured) ++ext_.launch_lag_untrusted;
   ++stats_.anchors;
   stats_.anchor_uncertainty_ns = best_round_trip;
@@ -519,7 +521,9 @@ antman_gate_stats CudaGate::stats() const {
 
 GateExtStats CudaGate::ext_stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return ext_;
+  GateExtStats e = ext_;
+  e.launch_lag_ns = anchor_ != nullptr ? anchor_->lag_ns : 0;  // the current anchor's, not a copy
+  return e;
 }
 
 void CudaGate::PollLoop() {

@@ -62,7 +62,7 @@ const GateDriver* LoadGateDriverFrom(const char* library, std::string* err);
 struct GateExtStats {
   int64_t ops_captured = 0;    // begin calls on a capturing stream: passed, uncharged
   int64_t host_gap_ns = 0;     // [start event, end call) time not charged (host work)
-  int64_t launch_lag_ns = 0;   // the current anchor's launch lag (see Anchor::lag_ns)
+  int64_t launch_lag_ns = 0;   // the current anchor's launch lag (filled by ext_stats())
   int64_t launch_lag_untrusted = 0;  // anchors whose lag was not trusted (taken as 0)
 };
 
@@ -150,6 +150,16 @@ class CudaGate {
   std::string DriverError(const char* call, int rc) const;
   void* TakeEventLocked(int* rc);  // from the pool, or a new one
   void ReleaseAnchorLocked(Anchor* anchor);
+  // An event of the pool recorded on the idle anchor stream and synchronized, with the host
+  // times around it: before the record, when the record returned, when the sync returned. With
+  // the gate's context current. On failure `event` is nullptr (back in the pool if it was
+  // taken) and `error` names the call.
+  struct Stamp {
+    void* event = nullptr;
+    int64_t before = 0, returned = 0, after = 0;
+    std::string error;
+  };
+  Stamp StampAnchorStream();
   // nullopt where it cannot be trusted (see kTrustedLagRoundTripNs).
   std::optional<int64_t> MeasureLaunchLag(void* anchor_event, int64_t anchor_host_ns,
                                           int64_t round_trip_ns);

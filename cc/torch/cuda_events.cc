@@ -34,7 +34,6 @@ constexpr unsigned kDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING: cheaper to
 
 void Resolve(void* lib, CudaEventDriver* d, std::string* missing) {
   antman::ResolvePrimaryContextEntryPoints(lib, d, missing);
-  antman::ResolveDriverSymbol(lib, "cuCtxGetCurrent", &d->cuCtxGetCurrent, missing);
   antman::ResolveDriverSymbol(lib, "cuEventCreate", &d->cuEventCreate, missing);
   antman::ResolveDriverSymbol(lib, "cuEventDestroy_v2", &d->cuEventDestroy, missing);
   antman::ResolveDriverSymbol(lib, "cuEventRecord", &d->cuEventRecord, missing);
