@@ -75,6 +75,9 @@ struct FakeDevice {
   // (the host noticing). 0 and 0: at once, as before these were modelled.
   int64_t anchor_submit_ns = 0;
   int64_t anchor_notify_ns = 0;
+  // If not empty, the submission latency of the next anchor-stream records, one each (then
+  // anchor_submit_ns): an event that waited for its context's time slice.
+  std::deque<int64_t> anchor_submit_then;
 };
 FakeDevice* g_dev = nullptr;
 char g_anchor_stream_tag;
@@ -142,7 +145,12 @@ const antman::GateDriver* FakeDriver() {
     ev->stream = stream;
     if (stream == kAnchorStream) {  // the gate's idle private stream: done once submitted
       ev->complete = true;
-      ev->device_ns = g_dev->clock->NowNs() + g_dev->anchor_submit_ns + g_dev->device_offset_ns;
+      int64_t submit = g_dev->anchor_submit_ns;
+      if (!g_dev->anchor_submit_then.empty()) {
+        submit = g_dev->anchor_submit_then.front();
+        g_dev->anchor_submit_then.pop_front();
+      }
+      ev->device_ns = g_dev->clock->NowNs() + submit + g_dev->device_offset_ns;
     } else {
       ev->complete = false;
       ++g_dev->user_records;
@@ -223,11 +231,12 @@ struct Rig {
   std::unique_ptr<CudaGate> gate;
 
   explicit Rig(double share, int64_t anchor_interval_ns = 1 * kS, int64_t anchor_submit_ns = 0,
-               int64_t anchor_notify_ns = 0) {
+               int64_t anchor_notify_ns = 0, std::deque<int64_t> anchor_submit_then = {}) {
     g_dev = &dev;
     dev.clock = &clock;
     dev.anchor_submit_ns = anchor_submit_ns;
     dev.anchor_notify_ns = anchor_notify_ns;
+    dev.anchor_submit_then = std::move(anchor_submit_then);
     OpManager::Options o;
     o.initial_share = share;
     o.max_credit_ns = 1000 * kS;  // admission never waits for tokens here
@@ -418,6 +427,18 @@ TEST(LaunchLagIsNotTakenFromAnAnchorThatWaited) {
   // every wait is the same 30 us, not on a GPU, where each waits for a time slice of its own
   // (0 to ms) and the charges then moved by the difference (the H200's interference step).
   EXPECT_EQ(rig.gate->stats().device_busy_ns, 30 * kUs);
+}
+
+TEST(LaunchLagIsNotTakenFromProbesThatWaited) {
+  // A tight anchor (3 us submission, 1 us notify: 4 us round trip), then three probes whose
+  // records each waited 40 us for the context's turn: no probe is a launch's lag, so none is
+  // taken (without the probes' own check: 39 us, clamped to 2 us, counted as trusted).
+  Rig rig(0.5, 1 * kS, /*anchor_submit_ns=*/3 * kUs, /*anchor_notify_ns=*/1 * kUs,
+          /*anchor_submit_then=*/{3 * kUs, 40 * kUs, 40 * kUs, 40 * kUs});
+  REQUIRE(rig.gate != nullptr);
+  EXPECT_EQ(rig.gate->stats().anchor_uncertainty_ns, 4 * kUs);
+  EXPECT_EQ(rig.gate->ext_stats().launch_lag_untrusted, 1);
+  EXPECT_EQ(rig.gate->ext_stats().launch_lag_ns, 0);
 }
 
 TEST(AnchorKeepsPlacementPreciseOverHours) {
