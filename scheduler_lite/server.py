@@ -139,6 +139,9 @@ class Server:
         self.snapshot: ClusterStatus | None = None  # the latest status (the metrics endpoint reads it)
         self.findings: tuple[tuple[str, str], ...] = ()  # (job, check) of jobs that do not cooperate, for metrics
         self.contained: bool | None = None  # containment on (None: a host without it)
+        # What `status` adds to the snapshot, from the same reads as the copies above.
+        self._containment_doc: dict[str, Any] | None = None
+        self._warnings: list[str] | None = None
         self._requests: queue.Queue[_Pending] = queue.Queue()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._per_uid: Counter[int] = Counter()  # open connections by the peer's uid
@@ -286,10 +289,14 @@ class Server:
 
     def refresh_snapshot(self) -> ClusterStatus:
         self.snapshot = self.daemon.status()
-        # Copied here, on the daemon's thread: the metrics thread reads only these copies.
-        self.findings = tuple((f.job_id or "", f.kind) for f in self.daemon.host.findings() or ())
+        findings = self.daemon.host.findings()  # jobs that do not cooperate (misbehaviour)
         containment = self.daemon.host.containment
+        # Copied here, on the daemon's thread: the metrics thread reads only these copies.
+        self.findings = tuple((f.job_id or "", f.kind) for f in findings or ())
         self.contained = None if containment is None else containment.active
+        self._containment_doc = (None if containment is None
+                                 else {"active": containment.active, "detail": containment.detail})
+        self._warnings = None if findings is None else [f.line() for f in findings]
         return self.snapshot
 
     def handle(self, who: Identity, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -407,12 +414,10 @@ class Server:
     def _status(self, who: Identity, args: Mapping[str, Any]) -> Any:
         doc = plain(self.refresh_snapshot())
         # How the jobs are contained (cgroups), or why they are not: a host without cgroups says nothing.
-        containment = self.daemon.host.containment
-        if containment is not None:
-            doc["containment"] = {"active": containment.active, "detail": containment.detail}
-        findings = self.daemon.host.findings()  # jobs that do not cooperate (misbehaviour)
-        if findings is not None:
-            doc["warnings"] = [f.line() for f in findings]
+        if self._containment_doc is not None:
+            doc["containment"] = self._containment_doc
+        if self._warnings is not None:  # jobs that do not cooperate
+            doc["warnings"] = self._warnings
         return doc
 
     def _tenants(self, who: Identity, args: Mapping[str, Any]) -> Any:
