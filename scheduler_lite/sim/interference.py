@@ -1,9 +1,9 @@
 """Co-location costs the simulator charges beyond compute time-slicing: bandwidth interference
-below full utilisation (inlined in speeds.JobSpeeds._shared_gpu), framework memory caching for
-policies without universal memory, locality of gangs. docs/simulator.md ("Performance model")
-gives each one's rule and its source or named assumption; the caching rule is TensorFlow's BFC
-allocator with `allow_growth` (tensorflow/core/common_runtime/bfc_allocator.cc,
-`curr_region_allocation_bytes_`): regions start at 2 MiB and double, and are never returned.
+below full utilisation, framework memory caching for policies without universal memory, locality
+of gangs. docs/simulator.md ("Performance model") gives each one's rule and its source or named
+assumption; the caching rule is TensorFlow's BFC allocator with `allow_growth`
+(tensorflow/core/common_runtime/bfc_allocator.cc, `curr_region_allocation_bytes_`): regions
+start at 2 MiB and double, and are never returned.
 """
 
 from __future__ import annotations

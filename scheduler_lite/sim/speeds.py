@@ -2,12 +2,12 @@
 
 After each batch of events the engine hands `recompute` the GPUs whose jobs changed (arrived,
 left, entered or left a CPU phase, had a share or limit moved by a round): the performance model
-(sim/perf.py, sim/interference.py) gives every job on them its speed on each GPU, a gang runs at
-its slowest GPU's speed times its locality factor (and its GPUs and co-runners see it at that
-speed, `_held_back`), and a job whose speed moved has its work so far
-settled (`settle`: progress is integrated between speed changes, not stepped) and its next
-progress event planned again (`Clock.reschedule`). The GPUs' utilisation, memory in use and
-busy flags feed the run's integrals, advanced only when a total changes (`_integrate`).
+(docs/simulator.md, "Performance model"; its parameters in sim/perf.py) gives every job on them
+its speed on each GPU, a gang runs at its slowest GPU's speed times its locality factor (and its
+GPUs and co-runners see it at that speed, `_held_back`), and a job whose speed moved has its
+work so far settled (`settle`: progress is integrated between speed changes, not stepped) and
+its next progress event planned again (`Clock.reschedule`). The GPUs' utilisation, memory in use
+and busy flags feed the run's integrals, advanced only when a total changes (`_integrate`).
 
 `JobSpeeds` is a part of `engine.Simulator`, handed the clock, the coordinator rounds (a speed
 change may run a lone job's deferred rounds first, and makes the coordinators that read the job's
@@ -180,8 +180,8 @@ class JobSpeeds:
                 if gangs is not None:
                     util += sj.u * gangs[jid]  # what it runs at, not what this GPU would allow
                     continue
-            # Bandwidth interference (interference.py): 1 + c x the co-runners' effective
-            # utilisation, however far below 1 the total is.
+            # Bandwidth interference (docs/simulator.md, "Performance model"): 1 + c x the
+            # co-runners' effective utilisation, however far below 1 the total is.
             s = fair / (slow * (1.0 + c * (demand - u)))
             if sj.cpu:
                 s = 1.0  # a CPU phase: the GPU's contention is not its own

@@ -8,14 +8,13 @@ from importlib import resources
 
 import pytest
 
-from scheduler_lite.model import GIB, JobKind, Role
+from scheduler_lite.model import GIB, Gpu, JobKind, Role, Tenant
 from scheduler_lite.policy.registry import POLICIES
 from scheduler_lite.policy.validation import ConfigError
-from scheduler_lite.sim.clock import Clock
+from scheduler_lite.sim.engine import Simulator
 from scheduler_lite.sim.perf import load_perf_model
 from scheduler_lite.sim.simjob import SimJob
-from scheduler_lite.sim.speeds import JobSpeeds
-from scheduler_lite.sim.workload import TraceJob, paper_recipe
+from scheduler_lite.sim.workload import TraceJob, Workload, paper_recipe
 
 PERF = load_perf_model()
 
@@ -33,21 +32,30 @@ def test_packing_equal_jobs_is_proportional_time_slicing():
     assert PERF.unisolated_speeds([0.3, 0.5]) == [1.0, 1.0]  # the GPU is not saturated
 
 
+def _on_one_gpu(policy: str, jobs: dict[str, SimJob]) -> Simulator:
+    """A simulator of one GPU (its real parts) with `jobs` placed on it."""
+    gpu = Gpu(0, "n0", 32 * GIB, "n0")
+    sim = Simulator(Workload("t", (gpu,), (Tenant("A", 1), Tenant("B", 0)), ()), POLICIES[policy], PERF)
+    sim.on_gpu[0].update(jobs)
+    return sim
+
+
 def test_isolated_jobs_over_a_full_gpu_are_slowed_by_contention():
     # Two guarantee jobs of u 0.7 on one GPU with compute isolation: D = 1.4, each slowed by
-    # 1 + k (D - 1) (speeds.JobSpeeds._shared_gpu), and by bandwidth interference from the other.
+    # 1 + k (D - 1), and by bandwidth interference from the other (docs/simulator.md,
+    # "Performance model").
     trace = TraceJob("a", "A", JobKind.GUARANTEE, 0.0, 1, 100.0, "generic", GIB, 0.7, 0.5)
     jobs = {}
     for jid in ("a", "b"):
         sj = SimJob(dataclasses.replace(trace, id=jid), PERF.models["generic"], 0)
         sj.gpus, sj.limits, sj.role = (0,), {0: GIB}, Role.GUARANTEE
         jobs[jid] = sj
-    speeds = JobSpeeds(Clock(), None, perf=PERF, policy=POLICIES["tf-antman"], on_gpu={0: jobs})  # type: ignore[arg-type]
-    speeds._shared_gpu(0, jobs, {}, None)
+    sim = _on_one_gpu("tf-antman", jobs)
+    sim.speeds.recompute({0})
     slow = (1 + PERF.contention_slowdown * 0.4) * (1 + PERF.colocation_interference * 0.7)
     assert [sj.gpu_speed[0] for sj in jobs.values()] == pytest.approx([1 / slow, 1 / slow])
-    alone = {"a": jobs["a"]}  # no co-runner: no contention, no bandwidth interference
-    speeds._shared_gpu(0, alone, {}, None)
+    del sim.on_gpu[0]["b"]  # no co-runner: no contention, no bandwidth interference
+    sim.speeds.recompute({0})
     assert jobs["a"].gpu_speed[0] == 1.0
 
 
