@@ -64,12 +64,12 @@ class Simulator:
         self.policy = policy
         self.perf = perf
         self.seed = seed
-        self.ccfg = CoordinatorConfig()  # the daemon's default
         self.progress = progress
         self.check = check_invariants
         reads_nothing = self.reads_nothing = policy.schedule is yarn_cs_schedule
+        ccfg = CoordinatorConfig()  # the daemon's default
         self.driver = Driver(workload.gpus, workload.tenants, policy=policy.schedule,  # type: ignore[arg-type]
-                             scheduler_config=policy.config.validate(), coordinator_config=self.ccfg,
+                             scheduler_config=policy.config.validate(), coordinator_config=ccfg,
                              universal_memory=policy.universal_memory, marks_busy=not reads_nothing)
         self.book = self.driver.book
         self.mem = {g.id: g.memory_bytes for g in workload.gpus}
@@ -85,7 +85,7 @@ class Simulator:
                          "upgrades": 0}
         self.clock = Clock()
         self.rounds = CoordinatorRounds(self.clock, self.driver, on_gpu=self.on_gpu, jobs=self.jobs, mem=self.mem,
-                                        ccfg=self.ccfg, periodic=rounds == "periodic", seed=seed,
+                                        periodic=rounds == "periodic", seed=seed,
                                         noise_cv=perf.step_noise_cv, counters=self.counters,
                                         migration=None if policy.migration is None else policy.migration.validate())
         self.speeds = JobSpeeds(self.clock, self.rounds, perf=perf, policy=policy, on_gpu=self.on_gpu)

@@ -21,7 +21,6 @@ from scheduler_lite.sim.simjob import SimJob
 
 if TYPE_CHECKING:
     from scheduler_lite.driver import Driver
-    from scheduler_lite.policy.coordinator import CoordinatorConfig
     from scheduler_lite.policy.migration import MigrationConfig
     from scheduler_lite.sim.clock import Clock
 
@@ -38,7 +37,7 @@ class InvariantError(AssertionError):
 
 class CoordinatorRounds:
     def __init__(self, clock: Clock, driver: Driver, *, on_gpu: dict[int, dict[str, SimJob]],
-                 jobs: dict[str, SimJob], mem: dict[int, int], ccfg: CoordinatorConfig, periodic: bool,
+                 jobs: dict[str, SimJob], mem: dict[int, int], periodic: bool,
                  seed: int, noise_cv: float, counters: dict[str, int], migration: MigrationConfig | None) -> None:
         self.clock = clock
         self.driver = driver
@@ -46,8 +45,7 @@ class CoordinatorRounds:
         self.on_gpu = on_gpu
         self.jobs = jobs  # by book id
         self.mem = mem
-        self.ccfg = ccfg
-        self.interval = ccfg.round_interval_s
+        self.interval = driver.ccfg.round_interval_s
         self.periodic = periodic
         # Step-time noise is drawn once from the seed and indexed by (job, speed epoch, step
         # number): a sample does not depend on when or how often a coordinator reads it, so
@@ -223,7 +221,7 @@ class CoordinatorRounds:
         step = sj.step / sj.speed
         start = sj.changed_at
         last = int((self.clock.now - start) / step)
-        first = max(1, last - self.ccfg.detector_window + 1)
+        first = max(1, last - self.driver.ccfg.detector_window + 1)
         count = last - first + 1
         if count <= 0:
             return ()
