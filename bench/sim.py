@@ -167,11 +167,11 @@ def main() -> int:
         figures[f"sensitivity_{tag}_vs_gandiva"] = round(statistics.fmean(rg), 3)
 
     if not args.quick:
-        if not (default_trace_dir() / "alibaba-gpu-v2023").is_dir():
+        trace = default_trace_dir()
+        if not (trace / PODS).is_file():
             print("alibaba trace absent: skipped")
         else:
-            wl = load_alibaba(perf, default_trace_dir() / PODS, default_trace_dir() / NODES,
-                              peak_ratio=ALIBABA_PEAK_RATIO)
+            wl = load_alibaba(perf, trace / PODS, trace / NODES, peak_ratio=ALIBABA_PEAK_RATIO)
             print(f"\n{wl.name}: {len(wl.jobs)} GPU pods ({wl.skipped} CPU-only or Pending skipped), "
                   f"cluster sized so peak demand = {ALIBABA_PEAK_RATIO} x its GPUs")
             print(f"{'policy':10s} {'avg JCT h':>9s} {'median h':>9s} {'p95 h':>8s} {'queue h':>8s} {'OOM':>5s}")
