@@ -357,7 +357,7 @@ def _opportunistic_only(
     ids = frozenset(j.job_id for j in opps)
     if not opps:
         return out, CoordinatorMemo()
-    _shares(out, gid, opps, len(opps))  # each a whole GPU: nobody to protect, the GPU time-slices between them
+    _each_share(out, gid, opps, 1.0)  # each a whole GPU: nobody to protect, the GPU time-slices between them
     if len(opps) == 1:
         _limit(out, gid, opps[0], mem)
         return out, CoordinatorMemo(opportunistic=ids)
@@ -448,7 +448,11 @@ def _limit(out: list[LocalDecision], gpu: int, job: LocalJob, limit: int) -> Non
 
 def _shares(out: list[LocalDecision], gpu: int, opps: Sequence[LocalJob], level: float) -> None:
     """`level` split evenly over the opportunistic jobs."""
-    share = level / len(opps) if opps else 0.0
+    _each_share(out, gpu, opps, level / len(opps) if opps else 0.0)
+
+
+def _each_share(out: list[LocalDecision], gpu: int, opps: Sequence[LocalJob], share: float) -> None:
+    """Every opportunistic job at compute share `share`."""
     for job in opps:
         if abs(job.compute_share - share) > 1e-12:
             out.append(SetComputeShare(job.job_id, gpu, share, job.compute_share))
