@@ -17,7 +17,7 @@ from typing import Final
 from scheduler_lite.config import MAX_BYTES, Config
 from scheduler_lite.model import JobKind
 from scheduler_lite.storage import JobRecord, JobSpec, Storage
-from scheduler_lite.storage.base import REQUEST_ID
+from scheduler_lite.storage.base import check_request_id
 from scheduler_lite.wire import short
 from tf_antman.config import VARIABLES as ANTMAN_VARIABLES
 from tf_antman.units import format_bytes
@@ -142,9 +142,7 @@ def make_job_spec(
                           "e.g. 0.5; leave it out to state none")
     if not isinstance(restartable, bool):
         raise SubmitError(f"--restartable {short(restartable)} is invalid: accepted true or false")
-    if request_id is not None and (not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None):
-        raise SubmitError(f"--request-id {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
-                          "A-Z a-z 0-9 _ . : -")
+    check_request_id(request_id, "--request-id", SubmitError)
     return JobSpec(
         tenant=tenant, kind=job_kind, num_gpus=gpus, command=tuple(command), workdir=stored_workdir,
         submit_time=time.time() if now is None else now, env=tuple(pairs), memory_bytes=memory_bytes, name=name,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -24,6 +24,14 @@ MAX_SEQ: Final = (1 << 63) - 1  # SQLite's largest integer: a cursor past it nam
 _JOB_ID: Final = re.compile(r"job-([1-9][0-9]{0,18})")  # job_id_for's form, ASCII digits only
 # A submission's request id (JobSpec.request_id): what the client generated, ASCII, short.
 REQUEST_ID: Final = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def check_request_id(request_id: object, label: str, error: Callable[[str], Exception]) -> None:
+    """Raise `error` unless `request_id` is None or of REQUEST_ID's form. Both the submission (before
+    anything is stored) and the store check it; `label` names it as each one's caller knows it."""
+    if request_id is not None and (not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None):
+        raise error(f"{label} {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
+                    "A-Z a-z 0-9 _ . : -")
 
 
 class JobStatus(enum.StrEnum):

@@ -23,7 +23,6 @@ from scheduler_lite.model import JobKind, Role
 from scheduler_lite.storage.base import (
     MAX_EVENTS,
     MAX_SEQ,
-    REQUEST_ID,
     SCHEMA_VERSION,
     UPDATABLE,
     EventRecord,
@@ -33,6 +32,7 @@ from scheduler_lite.storage.base import (
     JobStatus,
     PlacementRecord,
     StorageError,
+    check_request_id,
     job_id_for,
     seq_of,
 )
@@ -223,9 +223,7 @@ class SqliteStorage:
         `spec.request_id` is malformed, or set and a job of the same submitter (`uid`, None for the
         daemon's own user) already carries it: a submission is recorded once."""
         request_id = spec.request_id
-        if request_id is not None and (not isinstance(request_id, str) or REQUEST_ID.fullmatch(request_id) is None):
-            raise StorageError(f"request id {str(request_id)[:70]!r} is invalid: accepted 1-64 characters among "
-                               "A-Z a-z 0-9 _ . : -")
+        check_request_id(request_id, "request id", StorageError)
         with self.transaction():
             first = None if request_id is None else self.job_by_request(spec.uid, request_id)
             if first is not None:
