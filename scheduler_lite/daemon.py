@@ -152,7 +152,7 @@ class Daemon:
         with storage.transaction():
             for t in config.tenants:
                 storage.set_quota(t.name, t.gpu_quota)
-        self.host.attach(self)
+        self.host.attach(self, self.jobs)
         self._recovery = Recovery(config, clock, storage, self.host, self.jobs, self)
         self._recovery.recover(now)
 

@@ -58,7 +58,7 @@ from scheduler_lite.launcher import (
 from scheduler_lite.misbehaviour import Finding, Judge
 from scheduler_lite.model import Gpu
 from scheduler_lite.ranks import job_stats, write_controls
-from scheduler_lite.tick import JobTable, LiveJob
+from scheduler_lite.tick import JobTableView, LiveJob
 from tf_antman.protocol import Control, ProtocolError, Stats, control_path, parse_control, read_text
 
 if TYPE_CHECKING:
@@ -70,9 +70,9 @@ log = logging.getLogger("scheduler_lite")
 
 
 class HostedJobs(Protocol):
-    """The daemon's side, as a host whose machines come and go sees it (`JobHost.attach`)."""
+    """The daemon's side, as a host whose machines come and go sees it (`JobHost.attach`): the
+    daemon's verbs; what it holds of its jobs comes beside it, read only (`JobTableView`)."""
 
-    jobs: JobTable  # its running jobs (`live`) and the launches booked this tick, not started (`booked`)
     # A running or booked job gone with its machine: out of the book (GPUs, quota released; the
     # host's `gpus_changed` that follows drops it), recorded by `record_lost` once nothing of it
     # runs. Its LiveJob if it ran.
@@ -112,8 +112,8 @@ class JobHost(Protocol):
 
     # -- the machines (what only the host knows about them) ----------------------------------------
     # A host whose machines change under the daemon (nodes lost and joined) keeps the daemon's
-    # side and hands job ends back through it.
-    def attach(self, jobs: HostedJobs) -> None: ...
+    # side and hands job ends back through it; `table`: the daemon's running and booked jobs.
+    def attach(self, jobs: HostedJobs, table: JobTableView) -> None: ...
     # At the start: the ids of the store's running jobs the daemon must not adopt now.
     def recover(self, running: Sequence[JobRecord], now: float) -> set[str]: ...
     def refresh(self, now: float) -> None: ...  # first thing in every tick
@@ -295,7 +295,7 @@ class LocalJobHost:
 
     # -- the machine: one, always here ------------------------------------------------------------
 
-    def attach(self, jobs: HostedJobs) -> None:
+    def attach(self, jobs: HostedJobs, table: JobTableView) -> None:
         pass  # its GPUs never change under the daemon
 
     def recover(self, running: Sequence[JobRecord], now: float) -> set[str]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 from scheduler_lite.driver import Driver, Launch
 from scheduler_lite.launcher import ProcessHandle
@@ -102,3 +103,14 @@ class JobTable:
     @property
     def book(self) -> ClusterBook:
         return self.driver.book
+
+
+class JobTableView(Protocol):
+    """What of the daemon's job table a job host reads (`JobHost.attach`): read only; the host
+    changes it through the daemon's verbs (jobhost.HostedJobs). `JobTable` is one."""
+
+    @property
+    def live(self) -> Mapping[str, LiveJob]: ...  # the running jobs
+
+    @property
+    def booked(self) -> Sequence[Launch]: ...  # the launches booked this tick, not started

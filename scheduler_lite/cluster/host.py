@@ -54,7 +54,7 @@ from scheduler_lite.jobhost import HostedJobs
 from scheduler_lite.launcher import ExitInfo, Launcher, LaunchError, ProcessHandle
 from scheduler_lite.model import Gpu
 from scheduler_lite.storage import JobRecord, Storage
-from scheduler_lite.tick import LiveJob
+from scheduler_lite.tick import JobTableView, LiveJob
 from tf_antman.protocol import Control, Stats
 
 log = logging.getLogger("scheduler_lite.cluster")
@@ -101,6 +101,7 @@ class ClusterJobHost:
         self.nodes = nodes if nodes is not None else Nodes(config)
         self._wait_noted: dict[str, str] = {}  # job id -> the last reason node_aware gave (one event each)
         self._jobs: HostedJobs | None = None
+        self._table: JobTableView | None = None
         now = clock()
         self._connect_at_start(now)
         self.devices = ClusterDevices(config.devices.kind, self.nodes)
@@ -132,8 +133,14 @@ class ClusterJobHost:
         assert self._jobs is not None, "attach() first: the daemon does in its constructor"
         return self._jobs
 
-    def attach(self, jobs: HostedJobs) -> None:
+    @property
+    def table(self) -> JobTableView:
+        assert self._table is not None, "attach() first: the daemon does in its constructor"
+        return self._table
+
+    def attach(self, jobs: HostedJobs, table: JobTableView) -> None:
         self._jobs = jobs
+        self._table = table
 
     def gpus_changed(self, now: float) -> None:
         """Nodes left or joined: the daemon's GPUs are the connected nodes' now."""

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from scheduler_lite.cluster.config import ClusterConfig
     from scheduler_lite.jobhost import HostedJobs
+    from scheduler_lite.tick import JobTableView
 
 log = logging.getLogger("scheduler_lite.cluster")
 
@@ -57,6 +58,9 @@ class Host(Protocol):
 
     @property
     def jobs(self) -> HostedJobs: ...
+
+    @property
+    def table(self) -> JobTableView: ...
 
     def gpus_changed(self, now: float) -> None: ...
 
@@ -166,7 +170,7 @@ class NodeLoss:
         lost = False
         for node, report in list(self.nodes.reports.items()):
             for job_id, token in report.fenced:
-                live = self.host.jobs.jobs.live.get(job_id)
+                live = self.host.table.live.get(job_id)
                 if live is None or not _is_part(live, node, token):
                     log.info("node %s fenced a part of %s that does not run there now (launch %s): ignored",
                              node, job_id, token)
@@ -250,11 +254,11 @@ class NodeLoss:
         self._away[node] = self.nodes.last_answer(node, now)
         self.nodes.drop(node)
         self.storage.add_event(now, "node_lost", None, node=node)
-        for job_id, live in list(self.host.jobs.jobs.live.items()):
+        for job_id, live in list(self.host.table.live.items()):
             assert isinstance(live.handle, ClusterHandle)
             if node in live.handle.nodes:
                 self._lose_job(job_id, f"node {node} lost", now)
-        for launch in list(self.host.jobs.jobs.booked):  # booked this tick, not started: never ran
+        for launch in list(self.host.table.booked):  # booked this tick, not started: never ran
             if node in job_nodes(self.cc, launch.gpus):
                 self.host.jobs.record_lost(launch.job_id, now, f"node {node} lost", self._requeue)
                 self.host.jobs.lose(launch.job_id, now)

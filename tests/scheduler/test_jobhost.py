@@ -20,7 +20,7 @@ from scheduler_lite.jobhost import HostedJobs
 from scheduler_lite.launcher import ExitInfo, ProcessHandle
 from scheduler_lite.model import Gpu
 from scheduler_lite.storage import JobRecord, JobStatus, MemoryStorage
-from scheduler_lite.tick import LiveJob
+from scheduler_lite.tick import JobTableView, LiveJob
 from tests.scheduler.test_daemon_fakes import make_config
 from tf_antman.protocol import Control, DeviceStats, Stats
 
@@ -37,6 +37,7 @@ class MemoryHost:
         self.refused: dict[str, str] = {}  # job id -> why it can never run here
         self.known = True
         self.jobs: HostedJobs | None = None
+        self.table: JobTableView | None = None
         self.pids = iter(range(50_000, 60_000))
 
     # the jobs
@@ -87,8 +88,8 @@ class MemoryHost:
         return b"from the host", offset + 13
 
     # the machines
-    def attach(self, jobs: HostedJobs) -> None:
-        self.jobs = jobs
+    def attach(self, jobs: HostedJobs, table: JobTableView) -> None:
+        self.jobs, self.table = jobs, table
 
     def recover(self, running: Sequence[JobRecord], now: float) -> set[str]:
         return set()
@@ -132,7 +133,7 @@ def running_stats(step: int, limit: int) -> Stats:
 
 def test_a_job_runs_and_ends_through_the_host_verbs_only(tmp_path: Path) -> None:
     d, host = daemon(tmp_path)
-    assert host.jobs is d  # attached before the daemon's recovery
+    assert host.jobs is d and host.table is d.jobs  # attached before the daemon's recovery
     job = d.submit(["train"], tenant="A", kind="guarantee")
     report = d.tick()
     assert report.launched == (job,)
@@ -172,9 +173,9 @@ def test_a_job_lost_with_its_machine_is_released_and_recorded_by_the_daemon(tmp_
     d, host = daemon(tmp_path)
     job = d.submit(["train"], tenant="A", kind="guarantee")
     d.tick()
-    assert host.jobs is not None and job in host.jobs.jobs.live
+    assert host.jobs is not None and host.table is not None and job in host.table.live
     lost = host.jobs.lose(job, 150.0)
-    assert lost is not None and job not in host.jobs.jobs.live
+    assert lost is not None and job not in host.table.live
     assert not d.jobs.book.jobs_on(0) and d.jobs.book.quota_used("A") == 0
     host.jobs.gpus_changed(list(d.jobs.gpus.values()), 150.0, size_known=True)  # the machine's GPUs went with it
     host.jobs.record_lost(job, 150.0, "node n9 lost", requeue=True)  # once nothing of it runs
