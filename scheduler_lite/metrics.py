@@ -23,15 +23,17 @@ GPU_METRICS: Final = (  # the GpuStatus field
     ("gpu_memory_bytes", "Device memory of the GPU", "memory_bytes"),
     ("gpu_utilisation_ratio", "GPU utilisation averaged over daemon.utilisation_window_s (0..1)", "utilisation"),
 )
-JOB_METRICS: Final = (  # the JobOnGpu field; step_ms_median is reported in seconds
-    ("job_memory_limit_bytes", "Device memory limit in force, as the job reports it", "memory_limit_bytes"),
-    ("job_memory_in_use_bytes", "Bytes of live tensors on the device", "in_use_bytes"),
+# The JobOnGpu field, then how many of its units make one of the metric's: a divisor, not a factor,
+# since 1e-3 is inexact in binary (9 * 1e-3 is 0.009000000000000001, 9 / 1000 is 0.009).
+JOB_METRICS: Final = (
+    ("job_memory_limit_bytes", "Device memory limit in force, as the job reports it", "memory_limit_bytes", 1),
+    ("job_memory_in_use_bytes", "Bytes of live tensors on the device", "in_use_bytes", 1),
     ("job_host_memory_bytes", "Bytes of the job's tensors served from host memory past its limit",
-     "host_in_use_bytes"),
-    ("job_host_fallbacks", "Allocations served from host memory since the job started", "host_fallbacks"),
-    ("job_compute_share", "Compute share in force (0..1)", "compute_share"),
-    ("job_achieved_share", "Share of the device's compute the job actually used (0..1)", "achieved_share"),
-    ("job_step_seconds", "Median training step time over the job's recent window", "step_ms_median"),
+     "host_in_use_bytes", 1),
+    ("job_host_fallbacks", "Allocations served from host memory since the job started", "host_fallbacks", 1),
+    ("job_compute_share", "Compute share in force (0..1)", "compute_share", 1),
+    ("job_achieved_share", "Share of the device's compute the job actually used (0..1)", "achieved_share", 1),
+    ("job_step_seconds", "Median training step time over the job's recent window", "step_ms_median", 1000),
 )
 TENANT_METRICS: Final = (  # the TenantStatus field
     ("tenant_queued_jobs", "Jobs of the tenant waiting in the queue", "queued"),
@@ -76,11 +78,10 @@ class StatusCollector:
         for name, doc, field in GPU_METRICS:
             yield family(name, doc, ["gpu"], (([str(g.id)], getattr(g, field)) for g in status.gpus))
         on_gpus = [([j.job_id, str(g.id), j.tenant, str(j.role)], j) for g in status.gpus for j in g.jobs]
-        for name, doc, field in JOB_METRICS:
+        for name, doc, field, per_unit in JOB_METRICS:
             values = ((labels, getattr(j, field)) for labels, j in on_gpus)
-            if field == "step_ms_median":
-                values = ((labels, None if ms is None else ms / 1000.0) for labels, ms in values)
-            yield family(name, doc, ["job", "gpu", "tenant", "role"], values)
+            yield family(name, doc, ["job", "gpu", "tenant", "role"],
+                         ((labels, None if v is None else v / per_unit) for labels, v in values))
         tenant_of = {j.job_id: j.tenant for _, j in on_gpus}
         yield family("job_state", "1 for the job's state (running or queued)", ["job", "tenant", "state"],
                      [*(([job_id, tenant_of.get(job_id, ""), "running"], 1) for job_id in status.running),
