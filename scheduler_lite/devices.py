@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
@@ -67,6 +67,12 @@ def jobs_utilisation(loads: Sequence[JobLoad]) -> float:
     return min(1.0, total)
 
 
+def emulated_utilisation(gpus: Iterable[Gpu], loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
+    """Every GPU's utilisation from its jobs' reports alone (`jobs_utilisation`): emulated GPUs,
+    here or on a cluster's nodes, have no counters of their own."""
+    return {gpu.id: jobs_utilisation(loads.get(gpu.id, ())) for gpu in gpus}
+
+
 class EmulatedDevices:
     kind = "emulated"
 
@@ -78,7 +84,7 @@ class EmulatedDevices:
         return self._gpus
 
     def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
-        return {gpu.id: jobs_utilisation(loads.get(gpu.id, ())) for gpu in self._gpus}
+        return emulated_utilisation(self._gpus, loads)
 
 
 class NvmlDevices:

@@ -47,7 +47,7 @@ from scheduler_lite.cluster.parts import job_nodes, merge_stats, split_control
 from scheduler_lite.cluster.placement import node_aware
 from scheduler_lite.config import Config
 from scheduler_lite.daemon import Daemon
-from scheduler_lite.devices import JobLoad, jobs_utilisation
+from scheduler_lite.devices import JobLoad, emulated_utilisation
 from scheduler_lite.driver import Launch, SchedulePolicy
 from scheduler_lite.jobenv import process_control
 from scheduler_lite.jobhost import HostedJobs
@@ -74,7 +74,7 @@ class ClusterDevices:
 
     def utilisation(self, loads: Mapping[int, Sequence[JobLoad]]) -> dict[int, float]:
         if self.kind == "emulated":
-            return {gpu.id: jobs_utilisation(loads.get(gpu.id, ())) for gpu in self.gpus}
+            return emulated_utilisation(self.gpus, loads)
         out = {}
         cc = self.nodes.cc
         for node, report in self.nodes.reports.items():
