@@ -145,4 +145,3 @@ def lock_state_dir(state_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd
-
