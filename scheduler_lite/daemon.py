@@ -88,7 +88,8 @@ class StateDirLostError(OSError):
 
 class _PassRecords(PassWorld):
     """What the daemon does with a global pass's decisions (driver.py's table): records them in
-    the store; its Places are booked after the pass's records (`Daemon._schedule`)."""
+    the store (an upgrade and a rejection by the daemon's own steps, `record_upgrade` and
+    `reject`); its Places are booked after the pass's records (`Daemon._schedule`)."""
 
     def __init__(self, daemon: Daemon, now: float, out: TickLog) -> None:
         self.daemon = daemon
@@ -106,10 +107,10 @@ class _PassRecords(PassWorld):
         self.daemon.storage.add_event(self.now, "unreserved", decision.job_id)
 
     def upgrade(self, decision: Upgrade) -> None:
-        self.daemon._upgraded(decision.job_id, self.now, self.out)
+        self.daemon.record_upgrade(decision.job_id, self.now, self.out)
 
     def reject(self, decision: Reject) -> None:
-        self.daemon._reject(decision.job_id, decision.reason, self.now, self.out)
+        self.daemon.reject(decision.job_id, decision.reason, self.now, self.out)
 
 
 class Daemon:
@@ -329,7 +330,7 @@ class Daemon:
             record = self.storage.get_job(job.id)
             problem = self._cannot_run(record) if record is not None else None
             if problem is not None:
-                self._reject(job.id, problem, now, None)
+                self.reject(job.id, problem, now, None)
                 self.jobs.driver.finish(job.id, now, failed=True)
 
     # -- 1. ingest --------------------------------------------------------------------------------
@@ -360,7 +361,7 @@ class Daemon:
         """Into the book; False (and the job failed) when it can never run here."""
         problem = self._cannot_run(record)
         if problem is not None:
-            self._reject(record.id, problem, now, out)
+            self.reject(record.id, problem, now, out)
             return False
         self.jobs.book.submit(book_job(record, self.jobs.gpus.values()))
         self._dirty = True
@@ -388,7 +389,7 @@ class Daemon:
             return f"memory {record.memory_bytes} bytes is outside [1, {largest}] (the largest GPU)"
         return None
 
-    def _reject(self, job_id: str, reason: str, now: float, out: TickLog | None) -> None:
+    def reject(self, job_id: str, reason: str, now: float, out: TickLog | None) -> None:
         """The job fails without having run: at pick-up, or when the global scheduler rejects it."""
         with self.storage.transaction():
             self.storage.update_job(job_id, state=JobStatus.FAILED, ended_at=now, reason=reason)
@@ -474,7 +475,7 @@ class Daemon:
         for launch in records.launches:  # booked after the pass's records
             self._book_launch(launch, now, out)
 
-    def _upgraded(self, job_id: str, now: float, out: TickLog) -> None:
+    def record_upgrade(self, job_id: str, now: float, out: TickLog) -> None:
         """An auto job became a guarantee job where it runs: record it, write its control."""
         with self.storage.transaction():
             self.storage.update_job(job_id, role=Role.GUARANTEE)
