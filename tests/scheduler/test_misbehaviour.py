@@ -242,19 +242,23 @@ def free_port() -> int:
 
 
 class Site:
-    def __init__(self, base: Path, **jobs: object) -> None:
+    """A daemon serving `config_text` from `base` in its own session (`close` ends it), with its
+    metrics on a free port, and the CLI on it; `env`: set over the environment of both."""
+
+    def __init__(self, base: Path, config_text: str, env: dict[str, str] | None = None) -> None:
         self.metrics_port = free_port()
         self.base = base
         self.config = base / "sl.toml"
-        self.config.write_text(to_toml(scheduler_config(
-            ["1GiB"], {"A": 1, "B": 0}, jobs={"cancel_grace_s": 1, **jobs},  # type: ignore[dict-item]
-            daemon={"tick_interval_s": 0.05}, coordinator={"min_memory_bytes": "64MiB", "round_interval_s": 0.2})))
-        self.env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.config.write_text(config_text)
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         with open(base / "daemon.log", "ab") as out:
             self.daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(self.config),
                                             "serve", "--metrics-port", str(self.metrics_port)], env=self.env, stdout=out,
                                            stderr=out, start_new_session=True)
-        assert wait_for(lambda: serving(self.config), 30)
+        served = wait_for(lambda: serving(self.config), 30)
+        if not served:
+            self.close()  # no daemon left behind a failed start
+        assert served, (base / "daemon.log").read_text()
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as answer:
@@ -269,15 +273,36 @@ class Site:
     def submit(self, *argv: str) -> str:
         return self.cli("submit", *argv).strip()
 
+    def submit_and_wait(self, *argv: str) -> str:
+        """Submitted, and its process started (its pid recorded)."""
+        job = self.submit(*argv)
+        assert wait_for(lambda: self.show(job)["job"]["pid"] is not None, 30)
+        return job
+
+    def cancel(self, job: str) -> None:
+        self.cli("cancel", job)
+        assert wait_for(lambda: self.state(job) == "cancelled", 30)
+
+    def show(self, job: str) -> dict:  # type: ignore[type-arg]
+        return json.loads(self.cli("--json", "show", job))  # type: ignore[no-any-return]
+
     def events(self, job: str) -> list[dict]:
-        return json.loads(self.cli("--json", "show", job))["events"]
+        return self.show(job)["events"]  # type: ignore[no-any-return]
 
     def state(self, job: str) -> str:
-        return str(json.loads(self.cli("--json", "show", job))["job"]["state"])
+        return str(self.show(job)["job"]["state"])
 
     def close(self) -> None:
         os.killpg(self.daemon.pid, signal.SIGTERM)
         self.daemon.wait(30)
+
+
+def site_config(**jobs: object) -> str:
+    """One 1 GiB emulated GPU, tenants A (quota 1) and B (0), fast ticks and rounds; `jobs`: the
+    [jobs] table's settings over a 1 s cancel grace."""
+    return to_toml(scheduler_config(
+        ["1GiB"], {"A": 1, "B": 0}, jobs={"cancel_grace_s": 1, **jobs},  # type: ignore[dict-item]
+        daemon={"tick_interval_s": 0.05}, coordinator={"min_memory_bytes": "64MiB", "round_interval_s": 0.2}))
 
 
 @pytest.fixture
@@ -285,7 +310,7 @@ def make_site(tmp_path: Path):  # type: ignore[no-untyped-def]
     made: list[Site] = []
 
     def make(**jobs: object) -> Site:
-        made.append(Site(tmp_path, **jobs))
+        made.append(Site(tmp_path, site_config(**jobs)))
         return made[-1]
 
     yield make
@@ -376,37 +401,12 @@ def nvmlDeviceGetComputeRunningProcesses(h):
 '''
 
 
-@dataclass
-class NvmlDaemon:
-    """A daemon serving one fake-NVML 2 GiB GPU whose per-process table the test writes."""
-
-    config: Path
-    table: Path  # {gpu: [[pid, bytes], ...]} for FAKE_PYNVML's nvmlDeviceGetComputeRunningProcesses
-    env: dict[str, str]
-    outsider: subprocess.Popen[bytes]  # on the GPU, in no job's cgroup
-
-    def cli(self, *argv: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "scheduler_lite", "--config", str(self.config), *argv],
-                              capture_output=True, text=True, cwd=self.config.parent, env=self.env, timeout=60,
-                              check=False)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    def show(self, job: str) -> dict:  # type: ignore[type-arg]
-        return json.loads(self.cli("--json", "show", job))  # type: ignore[no-any-return]
-
-    def submit_and_wait(self, *argv: str) -> str:
-        job = self.cli("submit", *argv).strip()
-        assert wait_for(lambda: self.show(job)["job"]["pid"] is not None, 30)
-        return job
-
-    def cancel(self, job: str) -> None:
-        self.cli("cancel", job)
-        assert wait_for(lambda: self.show(job)["job"]["state"] == "cancelled", 30)
-
-
 @contextlib.contextmanager
-def nvml_daemon(tmp_path: Path, **sections: dict) -> Iterator[NvmlDaemon]:  # type: ignore[type-arg]
+def nvml_daemon(tmp_path: Path,
+                **sections: dict) -> Iterator[tuple[Site, Path, subprocess.Popen[bytes]]]:  # type: ignore[type-arg]
+    """A site serving one fake-NVML 2 GiB GPU; with it, the per-process table the test writes
+    ({gpu: [[pid, bytes], ...]} for FAKE_PYNVML's nvmlDeviceGetComputeRunningProcesses) and an
+    outsider: a process on the GPU in no job's cgroup."""
     from scheduler_lite.containment import Containment
 
     if os.geteuid() != 0 or not Containment(tmp_path).active:
@@ -414,31 +414,29 @@ def nvml_daemon(tmp_path: Path, **sections: dict) -> Iterator[NvmlDaemon]:  # ty
     fake = tmp_path / "fake"
     fake.mkdir()
     (fake / "pynvml.py").write_text(FAKE_PYNVML)
-    config = tmp_path / "sl.toml"
     text = to_toml(scheduler_config(["1GiB"], {"A": 1, "B": 0}, daemon={"tick_interval_s": 0.05}, **sections))
-    config.write_text(text.replace('kind = "emulated"', 'kind = "nvml"').split("[[devices.emulated]]")[0]
-                      + "[[tenants]]" + text.split("[[tenants]]", 1)[1])
+    text = (text.replace('kind = "emulated"', 'kind = "nvml"').split("[[devices.emulated]]")[0]
+            + "[[tenants]]" + text.split("[[tenants]]", 1)[1])
     table = tmp_path / "processes.json"
-    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}", "FAKE_NVML_PROCESSES": str(table)}
+    env = {"PYTHONPATH": f"{fake}{os.pathsep}{REPO}", "FAKE_NVML_PROCESSES": str(table)}
     outsider = subprocess.Popen(["sleep", "300"])
-    with open(tmp_path / "daemon.log", "ab") as out:
-        daemon = subprocess.Popen([sys.executable, "-m", "scheduler_lite", "--config", str(config), "serve"],
-                                  env=env, stdout=out, stderr=out, start_new_session=True)
+    site = None
     try:
-        assert wait_for(lambda: serving(config), 30), (tmp_path / "daemon.log").read_text()
-        yield NvmlDaemon(config, table, env, outsider)
+        site = Site(tmp_path, text, env)
+        yield site, table, outsider
     finally:
         outsider.kill()
         outsider.wait()
-        os.killpg(daemon.pid, signal.SIGTERM)
-        daemon.wait(30)
+        if site is not None:
+            site.close()
 
 
 def test_nvml_per_process_memory_over_a_limit_and_outside_every_job(tmp_path: Path) -> None:
-    with nvml_daemon(tmp_path, jobs={"gpu_overhead_bytes": 0}) as d:  # 1 GiB over is within the default's
+    # gpu_overhead_bytes 0: 1 GiB over is within the default's
+    with nvml_daemon(tmp_path, jobs={"gpu_overhead_bytes": 0}) as (d, table, outsider):
         job = d.submit_and_wait("--tenant", "A", "--", "sleep", "300")
         pid = d.show(job)["job"]["pid"]  # its wrapper: in the job's cgroup
-        d.table.write_text(json.dumps({"0": [[pid, 3 << 30], [d.outsider.pid, 1 << 30]]}))
+        table.write_text(json.dumps({"0": [[pid, 3 << 30], [outsider.pid, 1 << 30]]}))
 
         def checks() -> list[tuple[str | None, str]]:
             return [(e["job_id"], e["detail"]["check"]) for e in d.show(job)["events"] if e["kind"] == "misbehaving"]
@@ -447,24 +445,24 @@ def test_nvml_per_process_memory_over_a_limit_and_outside_every_job(tmp_path: Pa
         status = d.cli("status")
         assert (f"WARNING: {job}: over_limit: holds {3 << 30} bytes on GPU 0, its limit in force is {2 << 30} "
                 "(+0 allowed for the CUDA context and libraries)") in status
-        assert f"WARNING: GPU 0: unmanaged: pid {d.outsider.pid} holds {1 << 30} bytes and belongs to no job" in status
+        assert f"WARNING: GPU 0: unmanaged: pid {outsider.pid} holds {1 << 30} bytes and belongs to no job" in status
         d.cancel(job)
 
 
 def test_nvml_memory_of_no_job_is_not_handed_out_by_the_coordinator(tmp_path: Path) -> None:
     """An opportunistic job alone on the (fake NVML) 2 GiB GPU gets the whole GPU; once a process
     of no job holds 512 MiB there, the coordinator's next round gives the job the rest only."""
-    with nvml_daemon(tmp_path, coordinator={"round_interval_s": 0.2}) as d:
+    with nvml_daemon(tmp_path, coordinator={"round_interval_s": 0.2}) as (d, table, outsider):
         job = d.submit_and_wait("--tenant", "B", "--type", "opportunistic", "--", "sleep", "300")
         launched = [e for e in d.show(job)["events"] if e["kind"] == "launched"]
         assert launched[0]["detail"]["memory_limit_bytes"] == 2 << 30  # alone: the whole GPU
-        d.table.write_text(json.dumps({"0": [[d.outsider.pid, 512 << 20]]}))
+        table.write_text(json.dumps({"0": [[outsider.pid, 512 << 20]]}))
 
         def limits() -> list[int]:
             return [e["detail"]["limit_bytes"] for e in d.show(job)["events"] if e["kind"] == "memory_limit"]
 
         assert wait_for(lambda: (2 << 30) - (512 << 20) in limits(), 30), limits()
-        d.table.write_text(json.dumps({"0": []}))  # gone: the whole GPU again
+        table.write_text(json.dumps({"0": []}))  # gone: the whole GPU again
         assert wait_for(lambda: limits()[-1:] == [2 << 30], 30), limits()
         d.cancel(job)
 
